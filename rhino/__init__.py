@@ -1,0 +1,18 @@
+"""rhino: automatic parallelization of single-device JAX training steps at the HLO level.
+
+Example:
+    >>> import jax.numpy as jnp, rhino
+    >>> g = rhino.ingest(lambda x, w: x @ w, jnp.ones((8, 4)), jnp.ones((4, 2)))
+    >>> a = rhino.analyze(g)
+    >>> len(a.critical)
+    1
+"""
+
+from rhino.errors import (HloParseError, InfeasiblePlanError, IngestError, RhinoError,
+                          UnsupportedOpError)
+from rhino.hlo_passes import GraphAnalysis, HloGraph, analyze, ingest
+
+__version__ = "0.1.0"
+
+__all__ = ["HloParseError", "InfeasiblePlanError", "IngestError", "RhinoError",
+           "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest"]

@@ -1,0 +1,34 @@
+"""Every use of JAX/XLA private API in rhino lives here, so a JAX upgrade breaks one place.
+
+``tests/test_jax_private.py`` exercises each function on the installed JAX.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def stablehlo_text_to_hlo_text(mlir_text: str) -> str:
+    """Convert a StableHLO/MHLO MLIR module (text) to HLO text with metadata.
+
+    Raises:
+        ValueError: with the MLIR parser's message when the text is not a valid module.
+    """
+    from jax._src.lib import _jax, hlo  # private: the MLIR -> XlaComputation bridge
+
+    try:
+        comp = _jax.mlir.mlir_module_to_xla_computation(
+            mlir_text, use_tuple_args=False, return_tuple=False)
+    except Exception as e:  # the bridge raises XlaRuntimeError / ValueError variants
+        raise ValueError(str(e)) from e
+    opts = hlo.HloPrintOptions.short_parsable()
+    opts.print_metadata = True
+    return comp.as_hlo_module().to_string(opts)
+
+
+def kept_arg_indices(lowered: Any) -> tuple[int, ...] | None:
+    """Flat indices of the arguments a jitted function's lowering kept (None: all kept)."""
+    lowering = getattr(lowered, "_lowering", None)
+    compile_args = getattr(lowering, "compile_args", None) or {}
+    kept = compile_args.get("kept_var_idx")
+    return None if kept is None else tuple(sorted(kept))

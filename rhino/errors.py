@@ -1,0 +1,67 @@
+"""The errors rhino raises. Each says what was expected, what was found, and where.
+
+Hierarchy::
+
+    RhinoError
+    ├── HloParseError        malformed HLO / StableHLO input (file, line, expected, found)
+    ├── IngestError          a source rhino cannot turn into a graph (bad path, bad args)
+    ├── UnsupportedOpError   an op a pass cannot handle (op, source line)
+    └── InfeasiblePlanError  no plan fits the memory budget (memory needed, budget)
+"""
+
+from __future__ import annotations
+
+
+class RhinoError(Exception):
+    """Base class of every error rhino raises on purpose."""
+
+
+class HloParseError(RhinoError):
+    """Malformed HLO or StableHLO text.
+
+    Attributes:
+        path: the file (or ``"<string>"``) being read.
+        line: 1-based line number of the offending line, or None if not line-specific.
+        expected: what the parser expected to find.
+        found: what it found instead.
+    """
+
+    def __init__(self, path: str, line: int | None, expected: str, found: str):
+        self.path, self.line, self.expected, self.found = path, line, expected, found
+        where = f"{path}:{line}" if line is not None else path
+        found_short = found if len(found) <= 160 else found[:157] + "..."
+        super().__init__(f"{where}: expected {expected}, found {found_short!r}")
+
+
+class IngestError(RhinoError):
+    """A source that cannot be ingested (unknown file kind, missing file, bad arguments)."""
+
+
+class UnsupportedOpError(RhinoError):
+    """An op a pass cannot handle.
+
+    Attributes:
+        opcode: the HLO opcode.
+        source: ``file:line`` of the user code that produced it, if known.
+    """
+
+    def __init__(self, opcode: str, source: str | None, detail: str = ""):
+        self.opcode, self.source = opcode, source
+        where = f" (from {source})" if source else ""
+        super().__init__(f"unsupported op {opcode!r}{where}{': ' + detail if detail else ''}")
+
+
+class InfeasiblePlanError(RhinoError):
+    """No plan fits the per-device memory budget.
+
+    Attributes:
+        needed_bytes: the smallest per-device memory any plan the search found needs.
+        budget_bytes: the budget that was asked for.
+    """
+
+    def __init__(self, needed_bytes: float, budget_bytes: float, detail: str = ""):
+        self.needed_bytes, self.budget_bytes = needed_bytes, budget_bytes
+        super().__init__(
+            f"no plan fits the memory budget: needs at least {needed_bytes / 2**20:.1f} MiB "
+            f"per device, budget is {budget_bytes / 2**20:.1f} MiB"
+            + (f" ({detail})" if detail else ""))
