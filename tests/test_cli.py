@@ -1,0 +1,61 @@
+"""The rhino command line: inspect on zoo models and files, JSON and Graphviz output, errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+
+from rhino.cli import main
+
+
+def test_inspect_zoo_model_text(capsys):
+    assert main(["inspect", "mlp:batch=32,hidden=64"]) == 0
+    out = capsys.readouterr().out
+    for field in ("ops", "critical nodes", "cones", "segments", "total FLOPs",
+                  "largest parameters", "ingestion", "analyses", "dot"):
+        assert field in out
+    assert "params['layers'][0]['w']" in out
+
+
+def test_inspect_json_and_dot(tmp_path, capsys):
+    dot = tmp_path / "g.dot"
+    assert main(["inspect", "gpt:layers=2,hidden=64", "--json", "--dot", str(dot)]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["ops"] > 100 and s["critical_nodes"] >= 2 * 6
+    assert 0 < s["critical_share"] < 0.2
+    assert s["segments"] > 0 and s["cones"] > 0
+    assert s["largest_params"][0]["bytes"] >= s["largest_params"][-1]["bytes"]
+    text = dot.read_text()
+    assert text.startswith("digraph") and "segment" in text and "->" in text
+
+
+def test_inspect_hlo_file(tmp_path, capsys):
+    lowered = jax.jit(lambda x, w: jnp.sum(x @ w)).lower(jnp.ones((8, 4)), jnp.ones((4, 2)))
+    f = tmp_path / "m.hlo"
+    f.write_text(lowered.as_text(dialect="hlo", debug_info=True))
+    assert main(["inspect", str(f), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["ops"] == 5 and s["opcodes"]["dot"] == 1
+
+
+def test_inspect_scan_model_names_opaque_loop(capsys):
+    assert main(["inspect", "gpt:layers=2,hidden=64,scan=true"]) == 0
+    out = capsys.readouterr().out
+    assert "opaque ops" in out and "while loop" in out
+
+
+def test_errors_are_clear(tmp_path, capsys):
+    assert main(["inspect", "nosuchmodel:layers=2"]) == 2
+    err = capsys.readouterr().err
+    assert "neither an existing file nor a zoo model" in err and "gpt" in err
+    assert main(["inspect", "gpt:nosuchkey=3"]) == 2
+    assert "nosuchkey" in capsys.readouterr().err
+    bad = tmp_path / "bad.hlo"
+    bad.write_text("HloModule m\nENTRY e {\n  oops\n}\n")
+    assert main(["inspect", str(bad)]) == 2
+    assert f"{bad}:3" in capsys.readouterr().err
+
+
+def test_models_listing(capsys):
+    assert main(["inspect", "--models"]) == 0
+    assert "gpt" in capsys.readouterr().out.split()

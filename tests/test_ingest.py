@@ -1,0 +1,172 @@
+"""Ingestion of real lowerings (every zoo model), HLO and StableHLO files, control flow,
+argument paths, and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rhino
+from rhino.errors import HloParseError, IngestError
+from rhino.models import MODEL_NAMES, get_model
+
+
+def _mlp(x, w1, w2):
+    return jnp.sum(jnp.tanh(x @ w1) @ w2)
+
+
+ARGS = (jnp.ones((8, 4)), jnp.ones((4, 16)), jnp.ones((16, 2)))
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_every_zoo_model_ingests(name):
+    model = get_model(name)
+    args = model.example_args()
+    g = rhino.ingest(model.step, *args)
+    g.check()
+    hist = g.opcode_histogram()
+    assert hist["dot"] + hist["convolution"] > 0
+    flat = jax.tree_util.tree_leaves(args)
+    assert len(g.params) == len(flat)
+    for p, leaf in zip(g.params, flat):
+        assert g.ops[p].tensor.dims == tuple(leaf.shape)
+    paths = [g.ops[p].arg.path for p in g.params]
+    assert paths[0].startswith("params[")
+    assert any(path.startswith("opt_state") for path in paths)
+    assert any(path.startswith("batch[") for path in paths)
+    # Three outputs groups: params, opt_state, loss.
+    assert len(g.outputs) == len(jax.tree_util.tree_leaves(jax.eval_shape(model.step, *args)))
+    assert g.total_flops > 0
+    dots = [op for op in g.ops if op.opcode in ("dot", "convolution")]
+    assert all(op.source and "rhino/models" in op.source for op in dots)
+    a = rhino.analyze(g)
+    assert a.critical and len(a.critical) < len(g.ops)
+
+
+def test_gpt_structure_and_paths():
+    model = get_model("gpt", layers=2)
+    g = rhino.ingest(model.step, *model.example_args())
+    paths = {g.ops[p].arg.path for p in g.params}
+    assert "params['layers'][1]['wqkv']" in paths
+    assert g.opcode_histogram()["gather"] >= 1  # embedding lookup
+    assert not g.opaque
+
+
+def test_dot_flops_and_attributes():
+    g = rhino.ingest(_mlp, *ARGS)
+    dots = [op for op in g.ops if op.opcode == "dot"]
+    assert [d.flops for d in dots] == [2 * 8 * 16 * 4, 2 * 8 * 2 * 16]
+    assert dots[0].attrs["lhs_contracting_dims"] == (1,)
+    assert dots[0].attrs["rhs_contracting_dims"] == (0,)
+    red = next(op for op in g.ops if op.opcode == "reduce")
+    assert red.attrs["dimensions"] == (0, 1) and red.attrs["reducer"] == "add"
+    assert all(op.source and op.source.endswith("test_ingest.py:15") for op in dots)
+
+
+def test_nested_jit_is_inlined():
+    inner = jax.jit(lambda a, b: jnp.tanh(a @ b))
+
+    def outer(x, w1, w2):
+        return jnp.sum(inner(x, w1) @ w2)
+
+    g = rhino.ingest(outer, *ARGS)
+    ref = rhino.ingest(_mlp, *ARGS)
+    assert "call" not in g.opcode_histogram()
+    assert sorted(g.opcode_histogram().items()) == sorted(ref.opcode_histogram().items())
+    # Calling the same jitted function twice inlines two copies with unique names.
+    g2 = rhino.ingest(lambda x, w: inner(inner(x, w), w), jnp.ones((4, 4)), jnp.ones((4, 4)))
+    names = [op.name for op in g2.ops]
+    assert len(names) == len(set(names)) and g2.opcode_histogram()["dot"] == 2
+
+
+def test_pytree_paths_and_donation():
+    def step(params, x):
+        return jax.tree.map(lambda p: p - 0.1 * jnp.sum(x), params), jnp.sum(x)
+
+    params = {"a": jnp.ones(3), "b": [jnp.ones(2), jnp.ones(5)]}
+    jitted = jax.jit(step, donate_argnums=0)
+    g = rhino.ingest(jitted, params, jnp.ones(4))
+    info = [g.ops[p].arg for p in g.params]
+    assert [i.path for i in info] == ["params['a']", "params['b'][0]", "params['b'][1]", "x"]
+    assert [i.donated for i in info] == [True, True, True, False]
+    assert [o.path for o in g.output_info] == ["out[0]['a']", "out[0]['b'][0]",
+                                               "out[0]['b'][1]", "out[1]"]
+
+
+def test_unused_argument_keeps_its_parameter():
+    g = rhino.ingest(lambda x, unused: x * 2, jnp.ones(3), jnp.ones(7))
+    assert [g.ops[p].arg.path for p in g.params] == ["x", "unused"]
+
+
+def test_hlo_file_matches_function(tmp_path):
+    lowered = jax.jit(_mlp).lower(*ARGS)
+    path = tmp_path / "mlp.hlo"
+    path.write_text(lowered.as_text(dialect="hlo", debug_info=True))
+    g = rhino.ingest(str(path))
+    ref = rhino.ingest(_mlp, *ARGS)
+    assert [op.opcode for op in g.ops] == [op.opcode for op in ref.ops]
+    assert g.origin == f"hlo:{path}"
+    assert [op.source for op in g.ops] == [op.source for op in ref.ops]
+
+
+def test_stablehlo_file(tmp_path):
+    model = get_model("mlp")
+    lowered = jax.jit(model.step).lower(*model.example_args())
+    path = tmp_path / "mlp.mlir"
+    path.write_text(lowered.as_text(debug_info=True))
+    g = rhino.ingest(path)
+    ref = rhino.ingest(model.step, *model.example_args())
+    assert g.origin.startswith("mlir:")
+    assert g.opcode_histogram() == ref.opcode_histogram()
+    assert g.total_flops == pytest.approx(ref.total_flops)
+    assert [g.ops[p].tensor for p in g.params] == [ref.ops[p].tensor for p in ref.params]
+
+
+def test_scan_model_keeps_while_opaque():
+    model = get_model("gpt", layers=3, scan=True)
+    g = rhino.ingest(model.step, *model.example_args())
+    whiles = [g.ops[i] for i in g.opaque]
+    assert whiles and all(op.opcode == "while" for op in whiles)
+    assert any(op.attrs["trip_count"] == 3 for op in whiles)
+    assert all("while loop" in op.attrs["opaque"] for op in whiles)
+    # The loop body's FLOPs (the layers' matmuls) are counted through the opaque node.
+    unrolled = rhino.ingest(*((m := get_model("gpt", layers=3)).step,), *m.example_args())
+    assert g.total_flops == pytest.approx(unrolled.total_flops, rel=0.25)
+    rhino.analyze(g)  # analyses run on graphs with opaque nodes
+
+
+def test_malformed_files(tmp_path):
+    bad = tmp_path / "bad.hlo"
+    bad.write_text("HloModule m\nENTRY e {\n  a = f32[2]{0} parameter(0)\n  b = f32[2 negate(a)\n}\n")
+    with pytest.raises(HloParseError) as ei:
+        rhino.ingest(str(bad))
+    assert ei.value.path == str(bad) and ei.value.line == 4
+    mlir = tmp_path / "bad.mlir"
+    mlir.write_text("module {\n  func.func @main(%a: tensor<2xf32>) -> tensor<2xf32> {\n"
+                    "    %0 = stablehlo.frobnicate %a : tensor<2xf32>\n"
+                    "    return %0 : tensor<2xf32>\n  }\n}\n")
+    with pytest.raises(HloParseError) as ei:
+        rhino.ingest(str(mlir))
+    assert str(mlir) in str(ei.value)
+    weird = tmp_path / "notes.txt"
+    weird.write_text("hello world\n")
+    with pytest.raises(HloParseError, match="HloModule"):
+        rhino.ingest(str(weird))
+
+
+def test_bad_sources():
+    with pytest.raises(IngestError, match="cannot read"):
+        rhino.ingest("/nonexistent/file.hlo")
+    with pytest.raises(IngestError, match="only for functions"):
+        rhino.ingest("/nonexistent/file.hlo", jnp.ones(2))
+    with pytest.raises(IngestError, match="expected a JAX function"):
+        rhino.ingest(42)
+    with pytest.raises(IngestError, match="cannot lower"):
+        rhino.ingest(lambda x, y: x @ y, jnp.ones((2, 3)), jnp.ones((4, 5)))
+
+
+def test_ingest_uses_shape_dtype_structs_without_allocating():
+    s = jax.ShapeDtypeStruct((1 << 15, 1 << 15), jnp.float32)  # 4 GiB if allocated
+    g = rhino.ingest(lambda a: a * 2.0, s)
+    assert g.param_bytes == 4 << 30
+    assert np.isclose(g.total_flops, float(1 << 30))
