@@ -170,3 +170,38 @@ def test_ingest_uses_shape_dtype_structs_without_allocating():
     g = rhino.ingest(lambda a: a * 2.0, s)
     assert g.param_bytes == 4 << 30
     assert np.isclose(g.total_flops, float(1 << 30))
+
+
+def test_convolution_attributes_and_flops():
+    def f(x, k):
+        return jax.lax.conv_general_dilated(x, k, (2, 2), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    g = rhino.ingest(f, jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 16)))
+    conv = next(op for op in g.ops if op.opcode == "convolution")
+    assert conv.attrs["dim_labels"] == "b01f_01io->b01f"
+    assert conv.attrs["window"]["size"] == (3, 3) and conv.attrs["window"]["stride"] == (2, 2)
+    # 2 * output elements (2*4*4*16) * per-output MACs (3*3*3)
+    assert conv.flops == 2 * (2 * 4 * 4 * 16) * 27
+
+
+def test_slice_pad_concat_transpose_broadcast_gather_attributes():
+    def f(x, idx):
+        a = jnp.pad(x[1:5:2, :], ((1, 0), (0, 2)))
+        b = jnp.concatenate([x, x], axis=1).T
+        c = jnp.take(x, idx, axis=0)
+        return a.sum() + b.sum() + c.sum() + jnp.broadcast_to(x[0], (3, 6)).sum()
+
+    g = rhino.ingest(f, jnp.ones((6, 6)), jnp.zeros((4,), jnp.int32))
+    by = {}
+    for op in g.ops:
+        by.setdefault(op.opcode, op)
+    assert by["slice"].attrs["slice"] == ((1, 5, 2), (0, 6, 1))
+    assert by["pad"].attrs["padding"] == ((1, 0, 0), (0, 2, 0))
+    assert by["concatenate"].attrs["dimensions"] == (1,)
+    assert by["transpose"].attrs["dimensions"] == (1, 0)
+    assert "dimensions" in by["broadcast"].attrs
+    gather = by["gather"]
+    for key in ("offset_dims", "collapsed_slice_dims", "start_index_map", "slice_sizes"):
+        assert isinstance(gather.attrs[key], tuple)
+    assert gather.attrs["index_vector_dim"] == 1
