@@ -19,6 +19,7 @@ All are linear in the number of ops and edges (one forward and one backward swee
   and critical node k (segment 0 before the first, segment K after the last).
 * **Liveness**: in program (id) order, a value is live from its definition (parameters from
   the start) to its last use (outputs to the end); ``live_bytes[i]`` is the total after op i.
+  Broadcasts, iotas, constants and tuple plumbing count nothing (XLA fuses or aliases them).
 
 Example:
     >>> import jax.numpy as jnp, rhino
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .costs import COMPUTE_INTENSIVE
 from .graph import HloGraph
@@ -165,25 +166,49 @@ def find_segments(graph: HloGraph, earliest: list[int], latest: list[int],
     return segment_of, segments
 
 
-def liveness(graph: HloGraph) -> tuple[list[int], int, int]:
-    """(bytes live after each op, peak bytes, op id at the peak)."""
+# Values XLA never materializes on their own: broadcasts and iotas are fused into their
+# consumers; tuples and get-tuple-element alias their elements; constants are scalars or
+# small literals held in the program.
+NOT_MATERIALIZED = frozenset({"broadcast", "iota", "constant", "tuple", "get-tuple-element",
+                              "bitcast"})
+
+
+def liveness(graph: HloGraph, sizes: Sequence[float] | None = None,
+             in_place: Sequence[tuple[int, int]] = ()) -> tuple[list[float], float, int]:
+    """(bytes live after each op, peak bytes, op id at the peak).
+
+    Ops in ``NOT_MATERIALIZED`` hold no memory of their own.
+
+    Args:
+        graph: the graph.
+        sizes: bytes of each op's value (e.g. per-device bytes under a plan); defaults to
+            ``op.out_bytes``.
+        in_place: ``(output op id, parameter op id)`` pairs whose output overwrites the
+            parameter's buffer (donated training state): the parameter's buffer lives to the
+            end and the output adds nothing.
+    """
     n = len(graph.ops)
     users = graph.users
-    delta = [0] * (n + 1)
+    delta = [0.0] * (n + 1)
     is_out = [False] * n
     for o in graph.outputs:
         is_out[o] = True
+    aliased_out = {o for o, _ in in_place}
+    kept_param = {p for _, p in in_place}
     for op in graph.ops:
         i = op.id
+        if op.opcode in NOT_MATERIALIZED or i in aliased_out:
+            continue
         start = 0 if op.opcode == "parameter" else i
-        end = n - 1 if is_out[i] else (users[i][-1] if users[i] else i)
+        end = n - 1 if (is_out[i] or i in kept_param) else (users[i][-1] if users[i] else i)
         if op.opcode == "parameter":
             end = max(end, i)
-        delta[start] += op.out_bytes
-        delta[end + 1] -= op.out_bytes
-    live = [0] * n
-    acc = 0
-    peak, peak_at = 0, 0
+        size = op.out_bytes if sizes is None else sizes[i]
+        delta[start] += size
+        delta[end + 1] -= size
+    live = [0.0] * n
+    acc = 0.0
+    peak, peak_at = 0.0, 0
     for i in range(n):
         acc += delta[i]
         live[i] = acc

@@ -11,8 +11,13 @@ Example:
 from rhino.errors import (HloParseError, InfeasiblePlanError, IngestError, RhinoError,
                           UnsupportedOpError)
 from rhino.hlo_passes import GraphAnalysis, HloGraph, analyze, ingest
+from rhino.planner.api import PlanOptions, plan
+from rhino.planner.mesh import AbstractMesh
+from rhino.planner.plan import ExecutionPlan
+from rhino.planner.spec import ShardingSpec
 
 __version__ = "0.1.0"
 
 __all__ = ["HloParseError", "InfeasiblePlanError", "IngestError", "RhinoError",
-           "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest"]
+           "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
+           "AbstractMesh", "ExecutionPlan", "PlanOptions", "ShardingSpec", "plan"]

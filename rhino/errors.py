@@ -62,6 +62,15 @@ class InfeasiblePlanError(RhinoError):
     def __init__(self, needed_bytes: float, budget_bytes: float, detail: str = ""):
         self.needed_bytes, self.budget_bytes = needed_bytes, budget_bytes
         super().__init__(
-            f"no plan fits the memory budget: needs at least {needed_bytes / 2**20:.1f} MiB "
-            f"per device, budget is {budget_bytes / 2**20:.1f} MiB"
+            f"no plan fits the memory budget: needs at least {format_bytes(needed_bytes)} "
+            f"per device, budget is {format_bytes(budget_bytes)}"
             + (f" ({detail})" if detail else ""))
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.50 KiB'``; plain bytes below 1 KiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"

@@ -14,6 +14,7 @@ import dataclasses
 import time
 from typing import Any
 
+from rhino.errors import format_bytes
 from rhino.hlo_passes import GraphAnalysis, HloGraph, analyze, ingest
 from rhino.hlo_passes.graph import shape_str
 
@@ -79,12 +80,7 @@ def summarize(graph: HloGraph, a: GraphAnalysis, ingest_s: float, analyze_s: flo
     }
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n}"
+_bytes = format_bytes
 
 
 def format_summary(s: dict[str, Any], hist_rows: int = 12) -> str:

@@ -1,0 +1,276 @@
+"""``rhino.plan``: ingest → analyse → build the sharding problem → solve (O2/O3) → fit memory
+→ validate → ``ExecutionPlan``.
+
+Memory (paper §4.4): if the best plan does not fit ``memory_budget`` bytes per device, the
+entry parameters are sorted by size, the replicated choices of the largest ``k`` are
+forbidden, and the smallest ``k`` whose plan fits is searched (doubling, then bisection;
+one build, only the costs change between rounds). If no ``k`` fits,
+``InfeasiblePlanError`` reports the least memory any round needed and the budget.
+
+Example:
+    >>> import jax.numpy as jnp, rhino
+    >>> p = rhino.plan(lambda x, w: jnp.sum(jnp.tanh(x @ w)), jnp.ones((256, 64)),
+    ...                jnp.ones((64, 64)), mesh_shape=(4,), opt_level="O3")
+    >>> p.param_spec("x").to_str(p.mesh)
+    'S[x]·R'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from rhino.errors import InfeasiblePlanError, RhinoError
+from rhino.hlo_passes import HloGraph, analyze, ingest
+from rhino.hlo_passes.analyses import liveness
+from rhino.hlo_passes.graph import TensorType, flatten_shape, shape_str
+from rhino.planner.build import BuildOptions, BuiltProblem, build_problem
+from rhino.planner.collectives import reshard
+from rhino.planner.hierarchical import solve_o2, solve_o3
+from rhino.planner.mesh import AbstractMesh
+from rhino.planner.plan import (ExecutionPlan, MemoryEstimate, OpPlan, ParamPlan,
+                                PlannedCollective, SearchStats, UnplannedOp)
+from rhino.planner.problem import ShardingProblem, Solution
+from rhino.planner.spec import ShardingSpec
+from rhino.planner.strategies import Strategy
+from rhino.planner.validate import validate_built
+
+OPT_LEVELS = ("O2", "O3")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """How ``plan`` searches.
+
+    Attributes:
+        opt_level: ``"O2"`` (three-level subgraph search, fast) or ``"O3"`` (whole-graph ILP).
+        memory_budget: bytes per device a plan may use, or None for no limit.
+        time_limit: seconds for each solve (O3: the ILP; O2: its soft limit).
+        mip_rel_gap: relative MIP gap at which ILP solves stop.
+        build: options of the problem builder (strides, pins, forced sharding, carry).
+        validate: run the independent validator on the result (raises on mismatch).
+    """
+
+    opt_level: str = "O2"
+    memory_budget: int | None = None
+    time_limit: float = 600.0
+    mip_rel_gap: float = 1e-4
+    build: BuildOptions = BuildOptions()
+    validate: bool = True
+
+    def __post_init__(self):
+        if self.opt_level not in OPT_LEVELS:
+            raise ValueError(f"opt_level: expected one of {OPT_LEVELS}, found {self.opt_level!r}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"memory_budget: expected a positive number of bytes, found "
+                             f"{self.memory_budget!r}")
+        if not self.time_limit > 0:
+            raise ValueError(f"time_limit: expected > 0 seconds, found {self.time_limit!r}")
+
+
+def _solve(built: BuiltProblem, problem: ShardingProblem, options: PlanOptions) -> Solution:
+    if options.opt_level == "O3":
+        return solve_o3(problem, time_limit=options.time_limit, mip_rel_gap=options.mip_rel_gap)
+    return solve_o2(problem, built.partition, time_limit=options.time_limit,
+                    mip_rel_gap=options.mip_rel_gap)
+
+
+def local_bytes(shape: Any, spec: Any, mesh: AbstractMesh) -> int:
+    """Bytes per device of a value laid out as ``spec`` (tuples: replicated)."""
+    if isinstance(shape, TensorType) and isinstance(spec, ShardingSpec):
+        return shape.nbytes // spec.shard_count(mesh)
+    return sum(t.nbytes for t in flatten_shape(shape))
+
+
+def memory_of(graph: HloGraph, mesh: AbstractMesh, plan: Sequence[Strategy],
+              in_place: Sequence[tuple[int, int]] = ()) -> MemoryEstimate:
+    """Per-device parameter bytes and liveness peak under a plan; ``in_place`` pairs
+    (updated output, parameter) share a buffer, as donated training state does."""
+    sizes = [local_bytes(op.shape, st.out_spec, mesh) for op, st in zip(graph.ops, plan)]
+    _, peak, _ = liveness(graph, sizes, in_place)
+    return MemoryEstimate(parameters=int(sum(sizes[p] for p in graph.params)), peak=int(peak))
+
+
+def _forbid_replicated(built: BuiltProblem, params: Sequence[int]) -> ShardingProblem:
+    costs = list(built.problem.costs)
+    for p in params:
+        c = costs[p].copy()
+        for j, st in enumerate(built.strategies[p]):
+            if isinstance(st.out_spec, ShardingSpec) and st.out_spec.is_replicated:
+                c[j] = np.inf
+        if np.isfinite(c).any():
+            costs[p] = c
+    return dataclasses.replace(built.problem, costs=tuple(costs))
+
+
+def _fit_memory(built: BuiltProblem, options: PlanOptions, progress: Callable[[str], None]
+                ) -> tuple[Solution, MemoryEstimate, int, int]:
+    """(solution, memory, k forced sharded, rounds) for the smallest k that fits."""
+    graph, mesh, budget = built.graph, built.mesh, options.memory_budget
+    sol = _solve(built, built.problem, options)
+    mem = memory_of(graph, mesh, built.plan(sol.choice), built.carried)
+    if budget is None or mem.peak <= budget:
+        return sol, mem, 0, 1
+    order = sorted(graph.params, key=lambda p: -graph.ops[p].out_bytes)
+    best_seen = mem.peak
+    rounds = 1
+    results: dict[int, tuple[Solution, MemoryEstimate]] = {}
+
+    def attempt(k: int) -> bool:
+        nonlocal best_seen, rounds
+        rounds += 1
+        s = _solve(built, _forbid_replicated(built, order[:k]), options)
+        m = memory_of(graph, mesh, built.plan(s.choice), built.carried)
+        best_seen = min(best_seen, m.peak)
+        results[k] = (s, m)
+        progress(f"memory: {k} largest parameters forced sharded -> peak "
+                 f"{m.peak / 2**20:.1f} MiB (budget {budget / 2**20:.1f} MiB)")
+        return m.peak <= budget
+
+    lo, hi = 0, 1
+    while hi < len(order) and not attempt(hi):
+        lo, hi = hi, min(2 * hi, len(order))
+    if hi >= len(order) and (hi not in results or results[hi][1].peak > budget):
+        if hi not in results and not attempt(hi):
+            raise InfeasiblePlanError(best_seen, budget, f"even with all {len(order)} "
+                                      f"parameters sharded on mesh {mesh}")
+        if results[hi][1].peak > budget:
+            raise InfeasiblePlanError(best_seen, budget, f"even with all {len(order)} "
+                                      f"parameters sharded on mesh {mesh}")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if attempt(mid):
+            hi = mid
+        else:
+            lo = mid
+    s, m = results[hi]
+    return s, m, hi, rounds
+
+
+def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy]
+                          ) -> tuple[PlannedCollective, ...]:
+    """Every collective the plan implies: operand reshardings, output reductions, carries."""
+    graph, mesh = built.graph, built.mesh
+    out: list[PlannedCollective] = []
+
+    def add(rp, u: int, consumer: str) -> None:
+        for c in rp.collectives:
+            out.append(PlannedCollective(c.kind, tuple(mesh.axis_names[a] for a in c.axes),
+                                         int(c.bytes), float(c.cost), graph.ops[u].name,
+                                         consumer, graph.ops[u].source))
+
+    for op, st in zip(graph.ops, plan):
+        for k, u in enumerate(op.operands):
+            add(reshard(plan[u].out_spec, st.in_specs[k], graph.ops[u].shape, mesh), u, op.name)
+    carried = {o: p for o, p in built.carried}
+    for o in dict.fromkeys(graph.outputs):
+        spec = plan[o].out_spec
+        if o in carried:
+            p = carried[o]
+            add(reshard(spec, plan[p].out_spec, graph.ops[o].shape, mesh), o,
+                f"<carry to {graph.ops[p].arg.path if graph.ops[p].arg else graph.ops[p].name}>")
+        elif isinstance(spec, ShardingSpec) and spec.is_partial:
+            add(reshard(spec, spec.without_partial(), graph.ops[o].shape, mesh), o, "<output>")
+    return tuple(out)
+
+
+def plan_graph(graph: HloGraph, mesh: AbstractMesh, options: PlanOptions = PlanOptions(),
+               progress: Callable[[str], None] | None = None,
+               timings: tuple[float, float] = (0.0, 0.0)) -> ExecutionPlan:
+    """Plan an ingested graph on an abstract mesh (pure: no devices)."""
+    progress = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    progress(f"building the sharding problem ({len(graph.ops)} ops, mesh {mesh})")
+    built = build_problem(graph, mesh, options.build)
+    t1 = time.perf_counter()
+    progress(f"solving with {options.opt_level}")
+    sol, mem, k, rounds = _fit_memory(built, options, progress)
+    t2 = time.perf_counter()
+    strategies = built.plan(sol.choice)
+    if options.validate:
+        validate_built(built, sol.choice, sol.objective)
+    br = built.breakdown(sol.choice)
+    st = built.stats()
+    ops = []
+    for op, s in zip(graph.ops, strategies):
+        tup = not isinstance(s.out_spec, ShardingSpec)
+        ops.append(OpPlan(op.name, op.opcode, s.label, None if tup else s.out_spec,
+                          tuple(x if isinstance(x, ShardingSpec) else None for x in s.in_specs)))
+    params = []
+    for p in graph.params:
+        op, s = graph.ops[p], strategies[p]
+        spec = s.out_spec if isinstance(s.out_spec, ShardingSpec) else ShardingSpec.replicated(
+            len(op.tensor.dims) if isinstance(op.shape, TensorType) else 0)
+        params.append(ParamPlan(op.arg.index if op.arg else len(params),
+                                op.arg.path if op.arg else op.name, shape_str(op.shape), spec,
+                                op.out_bytes, local_bytes(op.shape, s.out_spec, mesh),
+                                bool(op.arg and op.arg.donated)))
+    return ExecutionPlan(
+        program=graph.name, origin=graph.origin, mesh=mesh, ops=tuple(ops),
+        params=tuple(params), collectives=predicted_collectives(built, strategies),
+        memory=mem, memory_budget=options.memory_budget, compute_s=br.compute,
+        communication_s=br.communication,
+        search=SearchStats(options.opt_level, sol.status, float(sol.objective), timings[0],
+                           timings[1], t1 - t0, t2 - t1, rounds, k, int(st["nodes"]),
+                           int(st["choices"]), int(st["edges"])),
+        unplanned=tuple(UnplannedOp(u.name, u.opcode, u.source, u.reason)
+                        for u in built.unknown_ops))
+
+
+def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = None,
+         mesh: AbstractMesh | None = None, opt_level: str = "O2",
+         memory_budget: int | None = None, alpha: Sequence[float] | float | None = None,
+         beta: Sequence[float] | float | None = None, time_limit: float = 600.0,
+         build: BuildOptions | None = None, progress: Callable[[str], None] | None = None
+         ) -> ExecutionPlan:
+    """Plan how to run ``source`` over a device mesh with SPMD sharding.
+
+    Args:
+        source: a JAX function (with ``example_args``) or a path to a ``.hlo``/``.mlir`` file.
+        *example_args: example arguments (arrays, ShapeDtypeStructs or pytrees of them).
+        mesh_shape: the mesh, e.g. ``(8,)`` or ``(2, 4)``; default: all local devices in one
+            axis. Ignored when ``mesh`` is given.
+        mesh: an explicit ``AbstractMesh`` (e.g. from ``rhino.calibrate.calibrate_mesh``).
+        opt_level: ``"O2"`` or ``"O3"``.
+        memory_budget: bytes per device; raises ``InfeasiblePlanError`` if nothing fits.
+        alpha, beta: per-axis latency (s) and inverse bandwidth (s/byte) overriding the
+            simulated-CPU defaults.
+        time_limit: seconds per solve.
+        build: options of the problem builder.
+        progress: called with a line of text at each phase.
+
+    Returns:
+        The ``ExecutionPlan`` (``.report()``, ``.to_json()``).
+
+    Example:
+        >>> import jax.numpy as jnp, rhino
+        >>> p = rhino.plan(lambda x, w: x @ w, jnp.ones((64, 32)), jnp.ones((32, 16)),
+        ...                mesh_shape=(2,))
+        >>> p.search.opt_level, p.mesh.shape
+        ('O2', (2,))
+    """
+    if mesh is None:
+        if mesh_shape is None:
+            import jax
+            mesh_shape = (len(jax.devices()),)
+        overrides = {}
+        if alpha is not None:
+            overrides["alpha"] = alpha
+        if beta is not None:
+            overrides["beta"] = beta
+        try:
+            mesh = AbstractMesh.simulated_cpu(tuple(int(s) for s in mesh_shape), **overrides)
+        except (TypeError, ValueError) as e:
+            raise RhinoError(f"mesh: {e}") from None
+    options = PlanOptions(opt_level=opt_level, memory_budget=memory_budget,
+                          time_limit=time_limit, build=build or BuildOptions())
+    t0 = time.perf_counter()
+    graph = source if isinstance(source, HloGraph) else ingest(source, *example_args)
+    t1 = time.perf_counter()
+    analyze(graph)  # fail early on analyses; the builder recomputes what it needs
+    t2 = time.perf_counter()
+    return plan_graph(graph, mesh, options, progress, (t1 - t0, t2 - t1))

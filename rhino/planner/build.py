@@ -1,0 +1,379 @@
+"""HloGraph + AbstractMesh -> ShardingProblem: one node per op, one choice per strategy.
+
+Costs (seconds):
+
+* unary, per node and choice: the strategy's compute cost (``op.flops`` over the devices
+  sharing the work) plus its communication inside the op. A program output that is not
+  fed back as a parameter (see *carry* below) must be materialised: a pending reduction
+  left on it is charged here as the all-reduce that resolves it;
+* edge ``u -> v``: the resharding cost (``collectives.reshard``) from ``u``'s output spec to
+  the spec ``v`` needs for that operand, summed over every operand position reading ``u``;
+* carry: a training step's updated parameters (and optimizer state) are outputs that become
+  the next step's parameters. Each such output is paired with its parameter (by pytree path:
+  ``out[0]['w']`` or ``out['w']`` with ``params['w']``, same type) and the pair gets the
+  cost of resharding the output's spec back to the parameter's spec, so a plan cannot leave
+  updated weights in a layout the next step does not read (``BuildOptions.carry_outputs``).
+
+Memory per node and choice: for parameters, the local bytes times ``1 +
+optimizer_state_multiplier``; 0 elsewhere. ``forced_sharded`` parameters lose their
+replicated choices (the memory constraint of §4.4); ``pinned`` ops keep only the choices
+with the given output spec (semi-automatic annotations).
+
+The ``Partition`` for O2 comes from ``analyze(graph)``: node index == op id, so cones,
+segments and the critical nodes (pivots) map directly.
+
+Example:
+    >>> import jax.numpy as jnp, rhino
+    >>> from rhino.planner.mesh import AbstractMesh
+    >>> g = rhino.ingest(lambda x, w: jnp.tanh(x @ w), jnp.ones((8, 4)), jnp.ones((4, 4)))
+    >>> built = build_problem(g, AbstractMesh((2,)))
+    >>> built.problem.num_nodes, [len(c) for c in built.problem.costs]
+    (4, [3, 3, 4, 3])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import types
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from rhino.errors import RhinoError
+from rhino.hlo_passes.analyses import analyze
+from rhino.hlo_passes.graph import HloGraph, TensorType, flatten_shape
+from rhino.planner.collectives import ReshardCostTable
+from rhino.planner.hierarchical import Partition
+from rhino.planner.mesh import AbstractMesh
+from rhino.planner.problem import Edge, ShardingProblem
+from rhino.planner.spec import ShardingSpec
+from rhino.planner.strategies import (Strategy, StrategyOptions, UnknownOp,
+                                      generate_strategies)
+
+
+class PlanningError(RhinoError, ValueError):
+    """The planner's inputs are inconsistent (e.g. a pinned spec no strategy offers)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """How ``build_problem`` builds the problem.
+
+    Attributes:
+        strided: offer strided candidates found through reshapes (§4.3.3).
+        partial_passthrough: let linear ops take and produce pending sums.
+        forced_sharded: op ids of parameters whose replicated choices are removed.
+        pinned: op id -> the only output spec allowed for that op.
+        optimizer_state_multiplier: extra per-parameter memory, as a multiple of its local
+            bytes, for optimizer state the graph does not hold as parameters (0 when the
+            step takes the optimizer state as arguments, as the zoo's steps do).
+        carry_outputs: pair updated-parameter outputs with their parameters (see module).
+        carried: explicit ``(output op id, parameter op id)`` pairs; None = by pytree path.
+        max_strides_per_dim: cap on extra stride candidates per tensor dim.
+    """
+
+    strided: bool = True
+    partial_passthrough: bool = True
+    forced_sharded: frozenset[int] = frozenset()
+    pinned: Mapping[int, ShardingSpec] = dataclasses.field(default_factory=dict)
+    optimizer_state_multiplier: float = 0.0
+    carry_outputs: bool = True
+    carried: tuple[tuple[int, int], ...] | None = None
+    max_strides_per_dim: int = 4
+
+    def __post_init__(self):
+        object.__setattr__(self, "forced_sharded", frozenset(self.forced_sharded))
+        object.__setattr__(self, "pinned", types.MappingProxyType(dict(self.pinned)))
+        if self.optimizer_state_multiplier < 0:
+            raise ValueError(f"optimizer_state_multiplier: expected >= 0, found "
+                             f"{self.optimizer_state_multiplier}")
+
+    def strategy_options(self) -> StrategyOptions:
+        return StrategyOptions(strided=self.strided, partial_passthrough=self.partial_passthrough,
+                               max_strides_per_dim=self.max_strides_per_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostBreakdown:
+    """An assignment's objective split into compute and communication seconds."""
+
+    compute: float
+    communication: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltProblem:
+    """A ``ShardingProblem`` with what is needed to map its solutions back to the graph.
+
+    Attributes:
+        graph: the graph planned.
+        mesh: the mesh planned for.
+        options: the build options.
+        problem: the problem; node ``i`` is op ``i``; choice ``j`` is ``strategies[i][j]``.
+        strategies: per node, its strategies (after forcing/pinning).
+        partition: cones, segments and pivots for ``solve_o2``.
+        unknown_ops: ops replicated for lack of a rule.
+        carried: ``(output op id, parameter op id)`` pairs charged for carry resharding.
+        unforceable: ``forced_sharded`` parameters that have no sharded spec (kept).
+        seconds: wall time of the build.
+    """
+
+    graph: HloGraph
+    mesh: AbstractMesh
+    options: BuildOptions
+    problem: ShardingProblem
+    strategies: tuple[tuple[Strategy, ...], ...]
+    partition: Partition
+    unknown_ops: tuple[UnknownOp, ...]
+    carried: tuple[tuple[int, int], ...]
+    unforceable: tuple[int, ...]
+    seconds: float
+
+    def plan(self, choice: Sequence[int]) -> tuple[Strategy, ...]:
+        """The chosen strategy of every op."""
+        if len(choice) != len(self.strategies):
+            raise ValueError(f"assignment has {len(choice)} entries, problem has "
+                             f"{len(self.strategies)} nodes")
+        return tuple(s[c] for s, c in zip(self.strategies, choice))
+
+    def breakdown(self, choice: Sequence[int]) -> CostBreakdown:
+        """Compute vs communication seconds of an assignment (sums to the objective)."""
+        plan = self.plan(choice)
+        compute = sum(s.compute_cost for s in plan)
+        comm = sum(s.comm_cost for s in plan)
+        comm += sum(float(e.cost[choice[e.u], choice[e.v]]) for e in self.problem.edges)
+        return CostBreakdown(float(compute), float(comm))
+
+    def stats(self) -> dict[str, float]:
+        """Sizes: nodes, choices (total and max per node), edges and edge-matrix entries."""
+        p = self.problem
+        counts = [p.num_choices(i) for i in range(p.num_nodes)]
+        return {"nodes": p.num_nodes, "choices": sum(counts), "max_choices": max(counts),
+                "edges": len(p.edges), "edge_entries": sum(e.cost.size for e in p.edges),
+                "unknown_ops": len(self.unknown_ops), "seconds": self.seconds}
+
+
+# ------------------------------------------------------------------------------ carry pairs
+_HEAD = re.compile(r"^([A-Za-z_]\w*)(.*)$")
+_INDEX = re.compile(r"^\[(\d+)\](.*)$")
+
+
+def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
+    """Pair each output with the parameter it updates, by pytree path and type.
+
+    ``out[k]<rest>`` matches ``<k-th argument><rest>``; failing that ``out<rest>`` matches
+    ``<any argument><rest>``. A pair needs equal array types and a unique match.
+
+    Example:
+        >>> import jax.numpy as jnp, rhino
+        >>> g = rhino.ingest(lambda p, x: {"w": p["w"] - x.sum() * p["w"]},
+        ...                  {"w": jnp.ones((4,))}, jnp.ones((3,)))
+        >>> [(g.ops[o].opcode, g.ops[p].arg.path) for o, p in carried_pairs(g)]
+        [('subtract', "p['w']")]
+    """
+    by_rest: dict[str, list[int]] = {}
+    by_pos: dict[tuple[int, str], list[int]] = {}
+    positions: dict[str, int] = {}
+    for p in graph.params:
+        arg = graph.ops[p].arg
+        m = _HEAD.match(arg.path) if arg is not None else None
+        if m is None:
+            continue
+        name, rest = m.groups()
+        pos = positions.setdefault(name, len(positions))
+        by_rest.setdefault(rest, []).append(p)
+        by_pos.setdefault((pos, rest), []).append(p)
+    pairs = []
+    used: set[int] = set()
+    for o, info in zip(graph.outputs, graph.output_info):
+        path = info.path
+        if not path.startswith("out"):
+            continue
+        rest = path[3:]
+        otype = graph.ops[o].shape
+        cands: list[int] = []
+        m = _INDEX.match(rest)
+        if m is not None:
+            cands = by_pos.get((int(m.group(1)), m.group(2)), [])
+        if not cands:
+            cands = by_rest.get(rest, [])
+        cands = [p for p in cands if graph.ops[p].shape == otype and p not in used]
+        if len(cands) == 1 and cands[0] != o:
+            pairs.append((o, cands[0]))
+            used.add(cands[0])
+    return tuple(pairs)
+
+
+# ------------------------------------------------------------------------------ building
+def _partition(graph: HloGraph) -> Partition:
+    an = analyze(graph)
+    cone_of = list(an.cone_of)
+    segment_of = list(an.segment_of)
+    pivots = []
+    for c in an.critical:
+        if cone_of[c] == c:
+            pivots.append(c)
+            continue
+        # A critical node that is not a cone root (e.g. dot(x, x)) cannot pivot: merge the
+        # segments on both sides of it.
+        k = len(pivots)
+        segment_of[c] = k
+        for i, s in enumerate(segment_of):
+            if s > k and i != c:
+                segment_of[i] = s - 1
+    return Partition(tuple(cone_of), tuple(segment_of), tuple(pivots))
+
+
+def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: AbstractMesh,
+              options: BuildOptions) -> tuple[int, ...]:
+    unforceable = []
+    for i in sorted(options.forced_sharded):
+        if not 0 <= i < len(graph.ops) or graph.ops[i].opcode != "parameter":
+            raise PlanningError(f"forced_sharded: expected parameter op ids, found op {i} "
+                                f"({graph.ops[i].opcode if 0 <= i < len(graph.ops) else 'none'})")
+        kept = tuple(s for s in strategies[i]
+                     if not (isinstance(s.out_spec, ShardingSpec) and s.out_spec.is_replicated))
+        if kept:
+            strategies[i] = kept
+        else:
+            unforceable.append(i)
+    for i, spec in options.pinned.items():
+        if not 0 <= i < len(graph.ops):
+            raise PlanningError(f"pinned: expected an op id in 0..{len(graph.ops) - 1}, found {i}")
+        op = graph.ops[i]
+        if not isinstance(op.shape, TensorType):
+            raise PlanningError(f"pinned: op {op.name} has a tuple shape and stays replicated")
+        want = spec.normalized(op.shape.dims, mesh)
+        kept = tuple(s for s in strategies[i] if s.out_spec == want)
+        if not kept:
+            have = sorted({s.out_spec.to_str(mesh) for s in strategies[i]})
+            raise PlanningError(f"pinned: op {op.name} ({op.opcode}, {op.source}): expected one "
+                                f"of its output specs {have}, found {want.to_str(mesh)}")
+        strategies[i] = kept
+    return tuple(unforceable)
+
+
+def _finish_outputs(graph: HloGraph, strategies: list[tuple[Strategy, ...]],
+                    carried: Sequence[tuple[int, int]], table: ReshardCostTable) -> None:
+    carried_outs = {o for o, _ in carried}
+    for o in dict.fromkeys(graph.outputs):
+        if o in carried_outs:
+            continue
+        t = graph.ops[o].shape
+        new = []
+        for s in strategies[o]:
+            if isinstance(s.out_spec, ShardingSpec) and s.out_spec.is_partial:
+                extra = table.cost(s.out_spec, s.out_spec.without_partial(), t)
+                s = dataclasses.replace(s, comm_cost=s.comm_cost + extra)
+            new.append(s)
+        strategies[o] = tuple(new)
+
+
+class _EdgeBuilder:
+    def __init__(self, table: ReshardCostTable):
+        self.table = table
+        self._small: dict[tuple, np.ndarray] = {}
+
+    def matrix(self, src: Sequence, dst: Sequence, tensor) -> np.ndarray:
+        usrc: dict = {}
+        udst: dict = {}
+        si = np.fromiter((usrc.setdefault(s, len(usrc)) for s in src), dtype=np.intp)
+        di = np.fromiter((udst.setdefault(d, len(udst)) for d in dst), dtype=np.intp)
+        key = (tuple(usrc), tuple(udst), tensor)
+        small = self._small.get(key)
+        if small is None:
+            cost = self.table.cost
+            small = np.array([[cost(a, b, tensor) for b in udst] for a in usrc], dtype=float)
+            self._small[key] = small
+        return small[np.ix_(si, di)]
+
+
+def build_problem(graph: HloGraph, mesh: AbstractMesh,
+                  options: BuildOptions = BuildOptions()) -> BuiltProblem:
+    """Build the sharding problem of ``graph`` on ``mesh`` (see the module docstring).
+
+    Args:
+        graph: the ingested graph.
+        mesh: the abstract mesh.
+        options: build options.
+
+    Returns:
+        The ``BuiltProblem``: the ``ShardingProblem`` plus strategies, partition, unknown
+        ops and carry pairs.
+
+    Raises:
+        PlanningError: a bad ``forced_sharded`` / ``pinned`` entry.
+    """
+    t0 = time.perf_counter()
+    sset = generate_strategies(graph, mesh, options.strategy_options())
+    strategies = list(sset.strategies)
+    unforceable = _restrict(graph, strategies, mesh, options)
+    table = ReshardCostTable(mesh)
+    if not options.carry_outputs:
+        carried: tuple[tuple[int, int], ...] = ()
+    elif options.carried is not None:
+        carried = tuple((int(o), int(p)) for o, p in options.carried)
+        for o, p in carried:
+            if graph.ops[p].opcode != "parameter" or graph.ops[o].shape != graph.ops[p].shape:
+                raise PlanningError(f"carried: expected (output, parameter) of one type, found "
+                                    f"({graph.ops[o].name}: {graph.ops[o].shape}, "
+                                    f"{graph.ops[p].name}: {graph.ops[p].shape})")
+    else:
+        carried = carried_pairs(graph)
+    _finish_outputs(graph, strategies, carried, table)
+
+    eb = _EdgeBuilder(table)
+    mats: dict[tuple[int, int], np.ndarray] = {}
+    for op in graph.ops:
+        v = op.id
+        dst_all = strategies[v]
+        for k, u in enumerate(op.operands):
+            m = eb.matrix([s.out_spec for s in strategies[u]],
+                          [s.in_specs[k] for s in dst_all], graph.ops[u].shape)
+            key = (u, v)
+            mats[key] = mats[key] + m if key in mats else m
+    for o, p in carried:
+        if o == p:
+            continue
+        # cost[i_p, j_o] = reshard(output spec j_o -> parameter spec i_p)
+        m = eb.matrix([s.out_spec for s in strategies[o]],
+                      [s.out_spec for s in strategies[p]], graph.ops[o].shape).T
+        key = (p, o) if p < o else (o, p)
+        if key != (p, o):
+            m = m.T
+        mats[key] = mats[key] + m if key in mats else m
+    edges = tuple(Edge(u, v, m) for (u, v), m in mats.items())
+
+    mult = 1.0 + options.optimizer_state_multiplier
+    memory = []
+    for op, strats in zip(graph.ops, strategies):
+        if op.opcode == "parameter":
+            memory.append(np.array([mult * _local_bytes(op.shape, s.out_spec, mesh)
+                                    for s in strats], dtype=float))
+        else:
+            memory.append(np.zeros(len(strats)))
+    labels = tuple(tuple(_choice_label(s, mesh) for s in strats) for strats in strategies)
+    costs = tuple(np.array([s.cost for s in strats], dtype=float) for strats in strategies)
+    problem = ShardingProblem(tuple(op.name for op in graph.ops), labels, costs, edges,
+                              tuple(memory))
+    partition = _partition(graph)
+    return BuiltProblem(graph, mesh, options, problem, tuple(strategies), partition,
+                        sset.unknown_ops, carried, unforceable, time.perf_counter() - t0)
+
+
+def _local_bytes(shape, spec, mesh: AbstractMesh) -> float:
+    if isinstance(spec, ShardingSpec) and isinstance(shape, TensorType):
+        return shape.nbytes / spec.shard_count(mesh)
+    return float(sum(t.nbytes for t in flatten_shape(shape)))
+
+
+def _choice_label(s: Strategy, mesh: AbstractMesh) -> str:
+    out = (s.out_spec.to_str(mesh) if isinstance(s.out_spec, ShardingSpec)
+           else "(" + ", ".join(x.to_str(mesh) for x in s.out_spec) + ")")
+    return f"{s.label} -> {out}"

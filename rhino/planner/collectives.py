@@ -1,0 +1,265 @@
+"""α-β costs of collectives, and the collectives that turn one sharding spec into another.
+
+Cost model (per collective over a group of mesh axes ``G`` with ``n`` = product of their
+sizes, ``α_G`` = sum of the axes' α, ``β_G`` = the slowest axis' β, ``B`` = ``Collective.bytes``)::
+
+    all-reduce       α_G + 2 (n-1)/n · B · β_G     (ring: reduce-scatter + all-gather)
+    all-gather       α_G +   (n-1)/n · B · β_G
+    reduce-scatter   α_G +   (n-1)/n · B · β_G
+    all-to-all       α_G +   (n-1)/n · B · β_G     (each device keeps 1/n, sends the rest)
+
+``α`` is charged once per collective (launch and synchronisation), so one all-reduce is
+cheaper than the reduce-scatter + all-gather pair it is equivalent to in bandwidth: plain
+data parallelism beats ZeRO-style splitting when memory does not force it. The bandwidth
+terms are the ring algorithm's on a one-port model (a device sends and receives at
+``1/β`` bytes/s at a time), which is also what the all-to-all term uses.
+
+Byte convention (``Collective.bytes``, comparable with collectives counted in compiled
+HLO): the per-device size of the *larger* buffer, i.e. all-reduce: the local operand;
+all-gather: the gathered result; reduce-scatter: the operand before scattering;
+all-to-all: the local operand.
+
+Resharding (``reshard``) works axis by axis on the specs' axis roles (see ``spec.py``):
+
+    source role on axis a   target role        step
+    same                    same               nothing
+    none / partial          partial            nothing (free: keep on one device, zero the rest)
+    dim                     partial            nothing (free: zero-pad the local shard)
+    none                    dim                local slice (free)
+    partial                 dim                reduce-scatter
+    dim d                   dim d' (or stride) all-to-all (a permutation: 1/n stays)
+    partial                 none / other red.  all-reduce
+    dim                     none               all-gather
+
+Steps run in that order of effect on size (slices and reduce-scatters first, gathers last),
+and axes needing the same step are grouped into one collective.
+
+Example:
+    >>> from rhino.planner.mesh import AbstractMesh
+    >>> from rhino.planner.spec import ShardingSpec
+    >>> from rhino.hlo_passes.graph import TensorType
+    >>> mesh = AbstractMesh((4,), alpha=1e-5, beta=1e-9)
+    >>> p = reshard(ShardingSpec.parse("R·R·P(sum@x)"), ShardingSpec.parse("R·R"),
+    ...             TensorType("f32", (256, 256)), mesh)
+    >>> [(c.kind, c.bytes) for c in p.collectives], round(p.cost, 9)
+    ([('all-reduce', 262144)], 0.000403216)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from rhino.hlo_passes.graph import TensorType
+from rhino.planner.mesh import AbstractMesh
+from rhino.planner.spec import InvalidSpecError, ShardingSpec
+
+ALL_REDUCE = "all-reduce"
+ALL_GATHER = "all-gather"
+REDUCE_SCATTER = "reduce-scatter"
+ALL_TO_ALL = "all-to-all"
+KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+
+
+def collective_cost(kind: str, axes: Sequence[int], nbytes: float, mesh: AbstractMesh) -> float:
+    """Seconds of one collective of ``kind`` over the device group spanning ``axes``.
+
+    Args:
+        kind: one of ``KINDS``.
+        axes: mesh axes of the group (a group of one device costs 0).
+        nbytes: ``Collective.bytes`` (see the module docstring).
+        mesh: the mesh with α and β.
+    """
+    n = mesh.group_size(axes)
+    if n <= 1:
+        return 0.0
+    a, b = mesh.group_alpha(axes), mesh.group_beta(axes)
+    frac = (n - 1) / n
+    if kind == ALL_REDUCE:
+        return a + 2.0 * frac * nbytes * b
+    if kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
+        return a + frac * nbytes * b
+    raise ValueError(f"collective kind: expected one of {KINDS}, found {kind!r}")
+
+
+def all_reduce_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh) -> float:
+    """``collective_cost("all-reduce", axes, nbytes, mesh)``."""
+    return collective_cost(ALL_REDUCE, axes, nbytes, mesh)
+
+
+def all_gather_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh) -> float:
+    """Cost of gathering a tensor whose full per-device size is ``nbytes``."""
+    return collective_cost(ALL_GATHER, axes, nbytes, mesh)
+
+
+def reduce_scatter_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh) -> float:
+    """Cost of reduce-scattering a per-device operand of ``nbytes``."""
+    return collective_cost(REDUCE_SCATTER, axes, nbytes, mesh)
+
+
+def all_to_all_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh) -> float:
+    """Cost of an all-to-all of a per-device operand of ``nbytes``."""
+    return collective_cost(ALL_TO_ALL, axes, nbytes, mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a resharding.
+
+    Attributes:
+        kind: ``all-reduce``, ``all-gather``, ``reduce-scatter`` or ``all-to-all``.
+        axes: mesh axes of the device group.
+        bytes: per-device bytes, by the convention of the module docstring.
+        reducer: ``sum``/``max``/``min`` for reductions, else None.
+        cost: seconds (α-β model).
+    """
+
+    kind: str
+    axes: tuple[int, ...]
+    bytes: int
+    reducer: str | None
+    cost: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardPlan:
+    """The collectives turning one spec into another, in order, and their total cost."""
+
+    collectives: tuple[Collective, ...]
+    cost: float
+
+    @property
+    def is_free(self) -> bool:
+        return not self.collectives
+
+
+_FREE = ReshardPlan((), 0.0)
+
+
+def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: TensorType | tuple,
+            mesh: AbstractMesh) -> ReshardPlan:
+    """Collectives and cost to turn a tensor laid out as ``src`` into ``dst``.
+
+    Args:
+        src: the producer's spec (a tuple of specs for a tuple-shaped value).
+        dst: the spec the consumer needs.
+        tensor: the tensor's type (a tuple of types for tuple-shaped values).
+        mesh: the mesh.
+
+    Raises:
+        InvalidSpecError: a spec does not fit the tensor, or a tuple spec meets an array.
+    """
+    if isinstance(src, tuple) or isinstance(dst, tuple):
+        if not (isinstance(src, tuple) and isinstance(dst, tuple)) or len(src) != len(dst):
+            raise InvalidSpecError(f"reshard: expected two tuple specs of one length for a "
+                                   f"tuple value, found {src!r} -> {dst!r}")
+        plans = [reshard(s, d, t, mesh) for s, d, t in zip(src, dst, tensor)]
+        colls = tuple(c for p in plans for c in p.collectives)
+        return ReshardPlan(colls, sum(p.cost for p in plans)) if colls else _FREE
+    if src == dst:
+        return _FREE
+    shape = tensor.dims
+    for spec in (src, dst):
+        spec.check(shape, mesh)
+    return _plan(src.axis_roles(shape, mesh), dst.axis_roles(shape, mesh), tensor, mesh)
+
+
+def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh) -> ReshardPlan:
+    """``reshard`` on axis roles (see the module docstring for the steps)."""
+    if rs == rd:
+        return _FREE
+    total = tensor.nbytes
+    split = [r is not None and r[0] == "dim" and mesh.shape[a] > 1 for a, r in enumerate(rs)]
+
+    def local() -> int:
+        return total // math.prod(mesh.shape[a] for a in range(mesh.ndim) if split[a])
+
+    slices, scatters, a2a, reduces, gathers = [], {}, [], {}, []
+    for a in range(mesh.ndim):
+        s, d = rs[a], rd[a]
+        if s == d or mesh.shape[a] == 1:
+            continue
+        s_kind = None if s is None else s[0]
+        d_kind = None if d is None else d[0]
+        if d_kind == "partial" and s_kind != "partial":
+            continue                                   # free: zero-pad / keep on one device
+        if s_kind is None and d_kind == "dim":
+            slices.append(a)
+        elif s_kind == "partial" and d_kind == "dim":
+            scatters.setdefault(s[1], []).append(a)
+        elif s_kind == "dim" and d_kind == "dim":
+            a2a.append(a)
+        elif s_kind == "partial":                      # -> none, or another reducer
+            reduces.setdefault(s[1], []).append(a)
+        else:                                          # dim -> none
+            gathers.append(a)
+    out: list[Collective] = []
+    for a in slices:
+        split[a] = True
+    for red, axes in sorted(scatters.items()):
+        b = local()
+        out.append(Collective(REDUCE_SCATTER, tuple(axes), b, red,
+                              collective_cost(REDUCE_SCATTER, axes, b, mesh)))
+        for a in axes:
+            split[a] = True
+    if a2a:
+        b = local()
+        out.append(Collective(ALL_TO_ALL, tuple(a2a), b, None,
+                              collective_cost(ALL_TO_ALL, a2a, b, mesh)))
+    for red, axes in sorted(reduces.items()):
+        b = local()
+        out.append(Collective(ALL_REDUCE, tuple(axes), b, red,
+                              collective_cost(ALL_REDUCE, axes, b, mesh)))
+    if gathers:
+        for a in gathers:
+            split[a] = False
+        b = local()
+        out.append(Collective(ALL_GATHER, tuple(gathers), b, None,
+                              collective_cost(ALL_GATHER, gathers, b, mesh)))
+    if not out:
+        return _FREE
+    return ReshardPlan(tuple(out), float(sum(c.cost for c in out)))
+
+
+class ReshardCostTable:
+    """Memoised ``reshard(...).cost`` for one mesh (owned by one build; not thread-safe).
+
+    Example:
+        >>> from rhino.planner.mesh import AbstractMesh
+        >>> t = ReshardCostTable(AbstractMesh((2,)))
+        >>> r = ShardingSpec.replicated(1)
+        >>> t.cost(r, r, TensorType("f32", (4,)))
+        0.0
+    """
+
+    def __init__(self, mesh: AbstractMesh):
+        self.mesh = mesh
+        self._memo: dict[tuple, float] = {}
+        self._roles: dict[tuple, tuple] = {}
+
+    def _roles_of(self, spec: ShardingSpec, tensor: TensorType) -> tuple:
+        key = (spec, tensor.dims)
+        got = self._roles.get(key)
+        if got is None:
+            spec.check(tensor.dims, self.mesh)
+            got = spec.axis_roles(tensor.dims, self.mesh)
+            self._roles[key] = got
+        return got
+
+    def cost(self, src, dst, tensor) -> float:
+        if src is dst or src == dst:
+            return 0.0
+        key = (src, dst, tensor)
+        got = self._memo.get(key)
+        if got is None:
+            if isinstance(src, tuple) or isinstance(dst, tuple):
+                got = reshard(src, dst, tensor, self.mesh).cost
+            else:
+                got = _plan(self._roles_of(src, tensor), self._roles_of(dst, tensor), tensor,
+                            self.mesh).cost
+            self._memo[key] = got
+        return got
+
+    def __len__(self) -> int:
+        return len(self._memo)

@@ -1,0 +1,262 @@
+"""``ExecutionPlan``: the planner's answer as plain, JSON-serializable data, with a report.
+
+A plan holds, for the program it was made for: the mesh, a spec per op (what the annotator
+writes into the program), a spec per entry parameter by pytree path, the collectives the plan
+predicts with their bytes, per-device memory, the estimated step time, the search statistics
+and every op left replicated for lack of a rule. ``to_json`` / ``from_json`` round-trip it
+exactly, so a plan can be saved, diffed, reloaded and run later.
+
+Example:
+    >>> import jax.numpy as jnp, rhino
+    >>> p = rhino.plan(lambda x, w: jnp.sum(x @ w), jnp.ones((64, 32)), jnp.ones((32, 32)),
+    ...                mesh_shape=(4,))
+    >>> ExecutionPlan.from_json(p.to_json()) == p
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from typing import Any
+
+from rhino.planner.mesh import AbstractMesh
+from rhino.planner.spec import ShardingSpec
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OpPlan:
+    """The chosen strategy of one op.
+
+    Attributes:
+        name: the op's name in the graph (stable across ingestions of the same program).
+        opcode: the HLO opcode.
+        strategy: the strategy's label (e.g. ``dot[m0@x]``).
+        out_spec: output spec; None for tuple-shaped ops (kept replicated).
+        in_specs: the spec each operand is resharded to before the op (None for tuples).
+    """
+
+    name: str
+    opcode: str
+    strategy: str
+    out_spec: ShardingSpec | None
+    in_specs: tuple[ShardingSpec | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamPlan:
+    """Spec of one entry parameter.
+
+    Attributes:
+        index: flat parameter index; path: pytree path; shape: e.g. ``f32[512,2048]``.
+        spec: its spec; local_bytes: bytes per device under the spec; donated: donated.
+    """
+
+    index: int
+    path: str
+    shape: str
+    spec: ShardingSpec
+    global_bytes: int
+    local_bytes: int
+    donated: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedCollective:
+    """A collective the plan implies.
+
+    Attributes:
+        kind: all-reduce / all-gather / reduce-scatter / all-to-all.
+        axes: mesh axis names of the device group.
+        bytes: per-device bytes (convention of ``planner.collectives``).
+        seconds: α-β cost.
+        tensor: the op whose value is communicated; consumer: the op that needs it, or
+            ``"<output>"`` / ``"<carry to PARAM>"``.
+        source: ``file:line`` of the producing op.
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: int
+    seconds: float
+    tensor: str
+    consumer: str
+    source: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes: entry parameters (weights, optimizer state, batch) and the peak
+    of everything live at once in program order (parameters included)."""
+
+    parameters: int
+    peak: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchStats:
+    """How the plan was found. Times in seconds."""
+
+    opt_level: str
+    status: str
+    objective: float
+    ingest_s: float
+    analyze_s: float
+    build_s: float
+    solve_s: float
+    memory_rounds: int
+    forced_sharded: int
+    nodes: int
+    choices: int
+    edges: int
+
+    @property
+    def total_s(self) -> float:
+        return self.ingest_s + self.analyze_s + self.build_s + self.solve_s
+
+
+@dataclasses.dataclass(frozen=True)
+class UnplannedOp:
+    """An op kept replicated because no sharding rule covers it."""
+
+    name: str
+    opcode: str
+    source: str | None
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionPlan:
+    """An SPMD plan for one program on one mesh (see the module docstring)."""
+
+    program: str
+    origin: str
+    mesh: AbstractMesh
+    ops: tuple[OpPlan, ...]
+    params: tuple[ParamPlan, ...]
+    collectives: tuple[PlannedCollective, ...]
+    memory: MemoryEstimate
+    memory_budget: int | None
+    compute_s: float
+    communication_s: float
+    search: SearchStats
+    unplanned: tuple[UnplannedOp, ...]
+
+    @property
+    def step_time_s(self) -> float:
+        """Estimated step time: compute plus communication (no overlap assumed)."""
+        return self.compute_s + self.communication_s
+
+    def param_spec(self, path: str) -> ShardingSpec:
+        """The spec of the entry parameter at ``path`` (e.g. ``params['wte']``)."""
+        for p in self.params:
+            if p.path == path:
+                return p.spec
+        raise KeyError(f"no parameter {path!r} in the plan; parameters are e.g. "
+                       f"{[p.path for p in self.params[:5]]}")
+
+    def collective_summary(self) -> dict[str, tuple[int, int]]:
+        """kind -> (count, total bytes)."""
+        count: Counter = Counter()
+        nbytes: Counter = Counter()
+        for c in self.collectives:
+            count[c.kind] += 1
+            nbytes[c.kind] += c.bytes
+        return {k: (count[k], nbytes[k]) for k in sorted(count)}
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        def spec(s):
+            return None if s is None else s.to_dict()
+        return {
+            "format": FORMAT_VERSION, "program": self.program, "origin": self.origin,
+            "mesh": self.mesh.to_dict(),
+            "ops": [[o.name, o.opcode, o.strategy, spec(o.out_spec),
+                     [spec(s) for s in o.in_specs]] for o in self.ops],
+            "params": [dict(dataclasses.asdict(p), spec=p.spec.to_dict()) for p in self.params],
+            "collectives": [dataclasses.asdict(c) for c in self.collectives],
+            "memory": dataclasses.asdict(self.memory), "memory_budget": self.memory_budget,
+            "compute_s": self.compute_s, "communication_s": self.communication_s,
+            "search": dataclasses.asdict(self.search),
+            "unplanned": [dataclasses.asdict(u) for u in self.unplanned],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ExecutionPlan":
+        if d.get("format") != FORMAT_VERSION:
+            raise ValueError(f"plan JSON: expected format {FORMAT_VERSION}, found "
+                             f"{d.get('format')!r}")
+
+        def spec(x):
+            return None if x is None else ShardingSpec.from_dict(x)
+        return cls(
+            program=d["program"], origin=d["origin"], mesh=AbstractMesh.from_dict(d["mesh"]),
+            ops=tuple(OpPlan(n, oc, st, spec(o), tuple(spec(s) for s in ins))
+                      for n, oc, st, o, ins in d["ops"]),
+            params=tuple(ParamPlan(**dict(p, spec=ShardingSpec.from_dict(p["spec"])))
+                         for p in d["params"]),
+            collectives=tuple(PlannedCollective(**dict(c, axes=tuple(c["axes"])))
+                              for c in d["collectives"]),
+            memory=MemoryEstimate(**d["memory"]), memory_budget=d["memory_budget"],
+            compute_s=d["compute_s"], communication_s=d["communication_s"],
+            search=SearchStats(**d["search"]),
+            unplanned=tuple(UnplannedOp(**u) for u in d["unplanned"]))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ExecutionPlan":
+        return cls.from_dict(json.loads(text))
+
+    # ------------------------------------------------------------------ report
+    def report(self, max_params: int = 40, max_collectives: int = 15) -> str:
+        """A report a person can read: specs, collectives, memory, time, search, gaps."""
+        from rhino.errors import format_bytes as _bytes
+
+        m, s = self.mesh, self.search
+        lines = [
+            f"rhino plan: {self.program}  ({self.origin})",
+            f"  mesh              {m}  ({m.num_devices} devices; α {list(m.alpha)} s, "
+            f"β {list(m.beta)} s/B, {m.flops_per_s:.3g} FLOP/s)",
+            f"  search            {s.opt_level}, {s.status}, {s.total_s:.2f} s "
+            f"(ingest {s.ingest_s:.2f}, analyses {s.analyze_s:.2f}, build {s.build_s:.2f}, "
+            f"solve {s.solve_s:.2f}); {s.nodes} ops, {s.choices} strategies, {s.edges} edges",
+            f"  step time (est.)  {1e3 * self.step_time_s:.3f} ms = compute "
+            f"{1e3 * self.compute_s:.3f} ms + communication {1e3 * self.communication_s:.3f} ms",
+            f"  memory / device   parameters {_bytes(self.memory.parameters)}, peak "
+            f"{_bytes(self.memory.peak)}" + (
+                f" (budget {_bytes(self.memory_budget)}; {s.forced_sharded} largest parameters"
+                f" forced sharded after {s.memory_rounds} rounds)"
+                if self.memory_budget is not None else ""),
+        ]
+        summary = self.collective_summary()
+        lines.append("  collectives       " + (", ".join(
+            f"{k} ×{c} ({_bytes(b)})" for k, (c, b) in summary.items()) or "none"))
+        big = sorted(self.collectives, key=lambda c: -c.seconds)[:max_collectives]
+        for c in big:
+            lines.append(f"    {c.kind:<15} over {','.join(c.axes):<5} {_bytes(c.bytes):>12}  "
+                         f"{1e3 * c.seconds:8.3f} ms  {c.tensor} -> {c.consumer}"
+                         + (f"  [{c.source}]" if c.source else ""))
+        if len(self.collectives) > len(big):
+            lines.append(f"    ... {len(self.collectives) - len(big)} more")
+        lines.append("  parameters (spec per device, largest first):")
+        ranked = sorted(self.params, key=lambda p: -p.global_bytes)
+        counts = Counter(p.spec.to_str(m) for p in self.params)
+        for p in ranked[:max_params]:
+            lines.append(f"    {p.path:<44} {p.shape:<20} {p.spec.to_str(m):<16} "
+                         f"{_bytes(p.local_bytes):>12}")
+        if len(ranked) > max_params:
+            lines.append(f"    ... {len(ranked) - max_params} more; specs overall: " +
+                         ", ".join(f"{k} ×{v}" for k, v in counts.most_common()))
+        if self.unplanned:
+            lines.append(f"  replicated for lack of a rule ({len(self.unplanned)} ops):")
+            for u in self.unplanned[:20]:
+                lines.append(f"    {u.name} ({u.opcode}) {u.reason}"
+                             + (f"  at {u.source}" if u.source else ""))
+        else:
+            lines.append("  replicated for lack of a rule: none")
+        return "\n".join(lines)

@@ -1,0 +1,446 @@
+"""Tensor sharding specs (Rhino paper §4.1): per dimension the mesh axes and the stride.
+
+A ``ShardingSpec`` says how one tensor is laid out on an ``AbstractMesh``:
+
+* per tensor dimension a ``DimSharding(axes, stride)``: the mesh axes the dimension is split
+  over (outermost first; ``()`` = not split) and the *stride*, the number of consecutive
+  elements per chunk. With ``n`` = product of the axes' sizes, element ``e`` of a dimension of
+  size ``D`` lives on shard ``(e // stride) % n`` (shard index mixed-radix over ``axes``,
+  first axis most significant). ``stride=None`` means the maximum ``D / n``: plain blocked
+  sharding. A smaller stride deals chunks of ``stride`` elements round-robin to the shards;
+* ``partial``: mesh axes over which the value is a pending reduction (each device holds a
+  term of a ``"sum"``, or a candidate of a ``"max"``/``"min"``).
+
+Every mesh axis is used at most once per spec. Replicated = no axes, no partial.
+
+Per-axis view. Equivalently, each mesh axis ``a`` has a *role*: nothing, ``("partial", r)``
+or ``("dim", d, s)`` where ``s`` is the axis' own stride: element ``e`` of dim ``d`` is on
+coordinate ``(e // s) % n_a`` along ``a``. For axes ``(a0, .., ak)`` on one dim with stride
+``t`` the axis strides nest: ``s_ak = t``, ``s_a(k-1) = t * n_ak``, ... Two specs place every
+element on the same devices iff all axis roles agree; this is what resharding and reshape
+mapping (``map_reshape``) work on.
+
+Example:
+    >>> from rhino.planner.mesh import AbstractMesh
+    >>> mesh = AbstractMesh((4,))
+    >>> s = ShardingSpec((DimSharding((0,)), DimSharding()))
+    >>> str(s), s.local_shape((8, 6), mesh)
+    ('S[x]·R', (2, 6))
+    >>> t = ShardingSpec.parse("R·S[x/s16]·R·P(sum@x)")
+    Traceback (most recent call last):
+    ...
+    rhino.planner.spec.InvalidSpecError: spec 'R·S[x/s16]·R·P(sum@x)': expected each mesh axis used at most once, found axis 0 used twice
+    >>> str(ShardingSpec.parse("R·S[x/s16]"))
+    'R·S[x/s16]'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Any, Sequence
+
+from rhino.errors import RhinoError
+from rhino.planner.mesh import AbstractMesh, default_axis_names
+
+REDUCERS = ("sum", "max", "min")
+
+# An axis role: None (not used), ("dim", dim, axis_stride) or ("partial", reducer).
+AxisRole = Any
+
+
+class InvalidSpecError(RhinoError, ValueError):
+    """A spec that is malformed, or does not fit a tensor shape / mesh.
+
+    The message names the spec, what was expected and what was found.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class DimSharding:
+    """How one tensor dimension is split.
+
+    Attributes:
+        axes: mesh axes the dimension is split over, outermost first (``()``: not split).
+        stride: consecutive elements per chunk; None = maximum (blocked sharding).
+    """
+
+    axes: tuple[int, ...] = ()
+    stride: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes", tuple(int(a) for a in self.axes))
+        if self.stride is not None:
+            if not self.axes:
+                raise InvalidSpecError(f"DimSharding: expected stride None for an unsplit "
+                                       f"dimension, found stride {self.stride}")
+            if int(self.stride) < 1:
+                raise InvalidSpecError(f"DimSharding: expected stride >= 1, found "
+                                       f"{self.stride}")
+            object.__setattr__(self, "stride", int(self.stride))
+
+    @property
+    def is_split(self) -> bool:
+        return bool(self.axes)
+
+    def to_str(self, names: Sequence[str]) -> str:
+        if not self.axes:
+            return "R"
+        body = ",".join(names[a] for a in self.axes)
+        return f"S[{body}/s{self.stride}]" if self.stride is not None else f"S[{body}]"
+
+
+_REPLICATED_DIM = DimSharding()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardingSpec:
+    """The layout of one tensor on a mesh (see the module docstring).
+
+    Attributes:
+        dims: one ``DimSharding`` per tensor dimension.
+        partial: ``(axis, reducer)`` pairs, sorted by axis: the value is a pending
+            ``reducer`` ("sum", "max", "min") over those mesh axes.
+
+    Raises:
+        InvalidSpecError: a mesh axis used twice, or an unknown reducer.
+    """
+
+    dims: tuple[DimSharding, ...]
+    partial: tuple[tuple[int, str], ...] = ()
+    _key: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        dims = tuple(d if isinstance(d, DimSharding) else DimSharding(*d) for d in self.dims)
+        partial = tuple(sorted((int(a), str(r)) for a, r in self.partial))
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "partial", partial)
+        used: list[int] = [a for d in dims for a in d.axes] + [a for a, _ in partial]
+        if len(set(used)) != len(used):
+            twice = next(a for a in used if used.count(a) > 1)
+            raise InvalidSpecError(f"spec {self}: expected each mesh axis used at most once, "
+                                   f"found axis {twice} used twice")
+        for a, r in partial:
+            if r not in REDUCERS:
+                raise InvalidSpecError(f"spec {self}: expected a reducer in {REDUCERS}, "
+                                       f"found {r!r}")
+        if any(a < 0 for a in used):
+            raise InvalidSpecError(f"spec {self}: expected axis indices >= 0, found {used}")
+        key = (tuple((d.axes, d.stride) for d in dims), partial)
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_hash", hash(key))
+
+    @classmethod
+    def _trusted(cls, dims: tuple[DimSharding, ...],
+                 partial: tuple[tuple[int, str], ...] = ()) -> "ShardingSpec":
+        """Construct without validation (callers guarantee canonical, valid fields)."""
+        obj = object.__new__(cls)
+        key = (tuple((d.axes, d.stride) for d in dims), partial)
+        object.__setattr__(obj, "dims", dims)
+        object.__setattr__(obj, "partial", partial)
+        object.__setattr__(obj, "_key", key)
+        object.__setattr__(obj, "_hash", hash(key))
+        return obj
+
+    # -- identity ---------------------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardingSpec):
+            return NotImplemented
+        return self._hash == other._hash and self._key == other._key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    # -- constructors -----------------------------------------------------------------------
+    @classmethod
+    def replicated(cls, rank: int) -> "ShardingSpec":
+        """The replicated spec of a rank-``rank`` tensor."""
+        return cls((_REPLICATED_DIM,) * rank)
+
+    @classmethod
+    def sharded(cls, rank: int, splits: dict[int, Sequence[int] | int],
+                strides: dict[int, int] | None = None,
+                partial: Sequence[tuple[int, str]] = ()) -> "ShardingSpec":
+        """Build a spec from ``{dim: axes}`` (an int = one axis) and optional strides.
+
+        Example:
+            >>> str(ShardingSpec.sharded(2, {1: 0}, partial=[(1, "sum")]))
+            'R·S[x]·P(sum@y)'
+        """
+        strides = strides or {}
+        dims = []
+        for d in range(rank):
+            axes = splits.get(d, ())
+            axes = (axes,) if isinstance(axes, int) else tuple(axes)
+            dims.append(DimSharding(axes, strides.get(d)))
+        for d in splits:
+            if not 0 <= d < rank:
+                raise InvalidSpecError(f"sharded(): expected dims in 0..{rank - 1}, found {d}")
+        return cls(tuple(dims), tuple(partial))
+
+    # -- queries ----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    @property
+    def is_replicated(self) -> bool:
+        return not self.partial and not any(d.axes for d in self.dims)
+
+    @property
+    def is_partial(self) -> bool:
+        return bool(self.partial)
+
+    @property
+    def used_axes(self) -> tuple[int, ...]:
+        """Every mesh axis the spec uses (dims and partial), ascending."""
+        return tuple(sorted([a for d in self.dims for a in d.axes] +
+                            [a for a, _ in self.partial]))
+
+    @property
+    def split_axes(self) -> tuple[int, ...]:
+        """Mesh axes that split some dimension, ascending."""
+        return tuple(sorted(a for d in self.dims for a in d.axes))
+
+    def without_partial(self) -> "ShardingSpec":
+        """The same spec with the pending reductions done."""
+        return ShardingSpec(self.dims) if self.partial else self
+
+    def dim_shards(self, dim: int, mesh: AbstractMesh) -> int:
+        """Number of shards of dimension ``dim``."""
+        return mesh.group_size(self.dims[dim].axes)
+
+    def shard_count(self, mesh: AbstractMesh) -> int:
+        """Number of distinct shards (product of the sizes of the splitting axes)."""
+        return math.prod(mesh.shape[a] for d in self.dims for a in d.axes)
+
+    def local_shape(self, global_shape: Sequence[int], mesh: AbstractMesh) -> tuple[int, ...]:
+        """Per-device shape of a tensor of ``global_shape`` (the spec must be valid for it)."""
+        self.check(global_shape, mesh)
+        return tuple(s // mesh.group_size(d.axes) for s, d in zip(global_shape, self.dims))
+
+    def problems(self, global_shape: Sequence[int], mesh: AbstractMesh) -> list[str]:
+        """Why the spec does not fit ``global_shape`` on ``mesh`` (empty list: it fits)."""
+        out = []
+        if len(global_shape) != self.rank:
+            return [f"expected a rank-{self.rank} tensor, found shape {tuple(global_shape)}"]
+        for a in self.used_axes:
+            if a >= mesh.ndim:
+                out.append(f"expected axes < {mesh.ndim} for a {mesh.ndim}-D mesh, found "
+                           f"axis {a}")
+        if out:
+            return out
+        for i, (size, d) in enumerate(zip(global_shape, self.dims)):
+            n = mesh.group_size(d.axes)
+            if size % n:
+                out.append(f"dim {i} of size {size}: expected divisible by its {n} shards")
+            elif d.stride is not None and size % (n * d.stride):
+                out.append(f"dim {i} of size {size}: expected divisible by shards x stride = "
+                           f"{n} x {d.stride}")
+        return out
+
+    def is_valid(self, global_shape: Sequence[int], mesh: AbstractMesh) -> bool:
+        return not self.problems(global_shape, mesh)
+
+    def check(self, global_shape: Sequence[int], mesh: AbstractMesh) -> None:
+        """Raise ``InvalidSpecError`` unless the spec fits ``global_shape`` on ``mesh``."""
+        p = self.problems(global_shape, mesh)
+        if p:
+            raise InvalidSpecError(f"spec {self.to_str(mesh)} for shape "
+                                   f"{tuple(global_shape)} on {mesh}: " + "; ".join(p))
+
+    def normalized(self, global_shape: Sequence[int], mesh: AbstractMesh) -> "ShardingSpec":
+        """The same layout with maximum strides written as None (blocked)."""
+        dims = []
+        changed = False
+        for size, d in zip(global_shape, self.dims):
+            if d.stride is not None and d.stride * mesh.group_size(d.axes) == size:
+                dims.append(DimSharding(d.axes))
+                changed = True
+            else:
+                dims.append(d)
+        return ShardingSpec(tuple(dims), self.partial) if changed else self
+
+    # -- per-axis view ----------------------------------------------------------------------
+    def axis_roles(self, global_shape: Sequence[int],
+                   mesh: AbstractMesh) -> tuple[AxisRole, ...]:
+        """Per mesh axis: None, ``("dim", d, axis_stride)`` or ``("partial", reducer)``."""
+        roles: list[AxisRole] = [None] * mesh.ndim
+        for a, r in self.partial:
+            roles[a] = ("partial", r)
+        for i, d in enumerate(self.dims):
+            if not d.axes:
+                continue
+            n = mesh.group_size(d.axes)
+            s = d.stride if d.stride is not None else global_shape[i] // n
+            for a in reversed(d.axes):
+                roles[a] = ("dim", i, s)
+                s *= mesh.shape[a]
+        return tuple(roles)
+
+    @classmethod
+    def from_axis_roles(cls, roles: Sequence[AxisRole], global_shape: Sequence[int],
+                        mesh: AbstractMesh) -> "ShardingSpec | None":
+        """The spec with these axis roles, or None if no single-stride spec has them.
+
+        Axes on one dimension must nest: ordered by decreasing axis stride, each stride is
+        the next one times the next axis' size. The result is normalized (blocked = None).
+        """
+        per_dim: dict[int, list[tuple[int, int]]] = {}
+        partial = []
+        for a, role in enumerate(roles):
+            if role is None or mesh.shape[a] == 1 and role[0] == "dim":
+                continue
+            if role[0] == "partial":
+                partial.append((a, role[1]))
+            else:
+                per_dim.setdefault(role[1], []).append((role[2], a))
+        dims = [_REPLICATED_DIM] * len(global_shape)
+        for d, lst in per_dim.items():
+            lst.sort(key=lambda t: -t[0])
+            for (s_out, _), (s_in, a_in) in zip(lst, lst[1:]):
+                if s_out != s_in * mesh.shape[a_in]:
+                    return None
+            base = lst[-1][0]
+            axes = tuple(a for _, a in lst)
+            n = mesh.group_size(axes)
+            size = global_shape[d]
+            if size % (n * base):
+                return None
+            dims[d] = DimSharding(axes, None if base * n == size else base)
+        return cls(tuple(dims), tuple(partial))
+
+    # -- text and JSON ----------------------------------------------------------------------
+    def to_str(self, mesh: AbstractMesh | None = None) -> str:
+        """Compact text, e.g. ``S[x]·R``, ``S[x,y/s64]·R``, ``R·R·P(sum@y)``, ``()``."""
+        need = max(self.used_axes, default=-1) + 1
+        names = list(mesh.axis_names) if mesh is not None else []
+        names += [f"#{a}" for a in range(len(names), need)] if mesh is not None else list(
+            default_axis_names(need))
+        parts = [d.to_str(names) for d in self.dims] or ["()"]
+        if self.partial:
+            parts.append("P(" + ",".join(f"{r}@{names[a]}" for a, r in self.partial) + ")")
+        if not self.dims and self.partial:
+            parts = parts[1:]
+        return "·".join(parts)
+
+    def __str__(self) -> str:
+        try:
+            return self.to_str()
+        except (AttributeError, IndexError):  # during __post_init__ error reporting
+            return repr((self.dims, self.partial))
+
+    def __repr__(self) -> str:
+        return f"ShardingSpec({self})"
+
+    @classmethod
+    def parse(cls, text: str, mesh: AbstractMesh | None = None) -> "ShardingSpec":
+        """Inverse of ``to_str`` (``.`` is accepted for ``·``; axis names from ``mesh``)."""
+        names = list(mesh.axis_names) if mesh is not None else list(default_axis_names(26))
+        t = text.strip().replace(" ", "")
+        if t in ("()", ""):
+            return cls(())
+        dims: list[DimSharding] = []
+        partial: list[tuple[int, str]] = []
+
+        def axis(name: str) -> int:
+            if name not in names:
+                raise InvalidSpecError(f"spec {text!r}: expected an axis name in {names}, "
+                                       f"found {name!r}")
+            return names.index(name)
+
+        for tok in re.split(r"[·.]", t):
+            if tok == "R":
+                dims.append(_REPLICATED_DIM)
+            elif tok == "()":
+                continue
+            elif m := re.fullmatch(r"S\[([\w,]+?)(?:/s(\d+))?\]", tok):
+                axes = tuple(axis(x) for x in m.group(1).split(","))
+                dims.append(DimSharding(axes, int(m.group(2)) if m.group(2) else None))
+            elif m := re.fullmatch(r"P\(([\w@,]+)\)", tok):
+                for item in m.group(1).split(","):
+                    r, _, a = item.partition("@")
+                    partial.append((axis(a), r))
+            else:
+                raise InvalidSpecError(f"spec {text!r}: expected R, S[axes], S[axes/sN] or "
+                                       f"P(reducer@axis), found {tok!r}")
+        try:
+            return cls(tuple(dims), tuple(partial))
+        except InvalidSpecError as e:
+            raise InvalidSpecError(f"spec {text!r}: " + str(e).split(": ", 1)[-1]) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dims": [{"axes": list(d.axes), "stride": d.stride} for d in self.dims],
+                "partial": [[a, r] for a, r in self.partial]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ShardingSpec":
+        try:
+            return cls(tuple(DimSharding(tuple(x["axes"]), x.get("stride")) for x in d["dims"]),
+                       tuple((int(a), str(r)) for a, r in d.get("partial", ())))
+        except (KeyError, TypeError) as e:
+            raise InvalidSpecError(f"spec JSON: expected {{'dims': [{{'axes': [...], "
+                                   f"'stride': ...}}], 'partial': [[axis, reducer]]}}, found "
+                                   f"{d!r} ({e})") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardingSpec":
+        return cls.from_dict(json.loads(text))
+
+
+def _inner_sizes(shape: Sequence[int]) -> list[int]:
+    """Product of the dims after each dim (row-major element strides)."""
+    inner = [1] * len(shape)
+    acc = 1
+    for i in range(len(shape) - 1, -1, -1):
+        inner[i] = acc
+        acc *= shape[i]
+    return inner
+
+
+def map_linear_axis(linear_stride: int, n: int, shape: Sequence[int]) -> tuple[int, int] | None:
+    """The dim and axis stride of ``shape`` that puts row-major element ``L`` on
+    coordinate ``(L // linear_stride) % n``, or None if no single dim does."""
+    inner = _inner_sizes(shape)
+    for o, (size, inn) in enumerate(zip(shape, inner)):
+        if size > 1 and linear_stride % inn == 0 and (inn * size) % (linear_stride * n) == 0:
+            return o, linear_stride // inn
+    return None
+
+
+def map_reshape(spec: ShardingSpec, in_shape: Sequence[int], out_shape: Sequence[int],
+                mesh: AbstractMesh) -> ShardingSpec | None:
+    """The spec of a reshape's result that needs no data movement, or None if none exists.
+
+    A reshape keeps the row-major element order, so an axis with role ``("dim", i, s)``
+    (coordinate ``(e_i // s) % n``) puts linear element ``L`` on ``(L // (inner_i*s)) % n``;
+    that is ``("dim", o, inner_i*s / inner_o)`` on the output dim ``o`` whose span holds
+    ``[inner_i*s, inner_i*s*n)``. Pending reductions carry over unchanged.
+
+    Example:
+        >>> mesh = AbstractMesh((4,))
+        >>> heads = ShardingSpec.parse("R·R·R·S[x]·R")        # [B,S,3,heads=8,hd=16]
+        >>> str(map_reshape(heads, (2, 4, 3, 8, 16), (2, 4, 384), mesh))
+        'R·R·S[x/s32]'
+    """
+    if spec.rank != len(in_shape):
+        raise InvalidSpecError(f"map_reshape: spec {spec} has rank {spec.rank}, input shape "
+                               f"{tuple(in_shape)} has rank {len(in_shape)}")
+    inner = _inner_sizes(in_shape)
+    roles = []
+    for a, role in enumerate(spec.axis_roles(in_shape, mesh)):
+        if role is None or role[0] == "partial":
+            roles.append(role)
+            continue
+        _, i, s = role
+        hit = map_linear_axis(inner[i] * s, mesh.shape[a], out_shape)
+        if hit is None:
+            return None
+        roles.append(("dim", hit[0], hit[1]))
+    return ShardingSpec.from_axis_roles(roles, out_shape, mesh)

@@ -1,0 +1,109 @@
+"""rhino.plan end to end: report, JSON round trip, memory constraint (§4.4), CLI, errors."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+import rhino
+from rhino.cli import main
+from rhino.errors import InfeasiblePlanError
+from rhino.models import get_model
+from rhino.planner.api import memory_of
+from rhino.planner.build import build_problem
+from rhino.planner.plan import ExecutionPlan
+
+
+def _small_gpt():
+    # Parameters (with Adam state) dominate memory: wide layers, a short sequence.
+    return get_model("gpt", layers=2, hidden=256, heads=4, seq=8, vocab=4096, batch=8)
+
+
+def test_plan_report_and_json_round_trip(tmp_path):
+    m = get_model("mlp", batch=128, hidden=1024)
+    p = rhino.plan(m.step, *m.example_args(), mesh_shape=(4,), opt_level="O3")
+    rep = p.report()
+    for field in ("mesh", "search", "step time", "memory / device", "collectives",
+                  "parameters", "params['layers'][0]['w']", "replicated for lack of a rule"):
+        assert field in rep
+    q = ExecutionPlan.from_json(p.to_json())
+    assert q == p
+    assert q.param_spec("params['layers'][0]['w']") == p.param_spec("params['layers'][0]['w']")
+    assert p.search.status == "optimal" and p.search.nodes == len(p.ops)
+    # The predicted collectives account for all of the communication time.
+    assert sum(c.seconds for c in p.collectives) == pytest.approx(p.communication_s, rel=1e-9)
+    with pytest.raises(KeyError, match="no parameter"):
+        p.param_spec("params['nope']")
+    with pytest.raises(ValueError, match="format"):
+        ExecutionPlan.from_dict(dict(json.loads(p.to_json()), format=99))
+
+
+def test_o2_and_o3_agree_on_mlp():
+    m = get_model("mlp", batch=128, hidden=1024)
+    p2 = rhino.plan(m.step, *m.example_args(), mesh_shape=(4,), opt_level="O2")
+    p3 = rhino.plan(m.step, *m.example_args(), mesh_shape=(4,), opt_level="O3")
+    assert p3.search.objective <= p2.search.objective <= 1.05 * p3.search.objective
+
+
+def test_memory_budget_shards_only_the_largest_parameters():
+    m = _small_gpt()
+    free = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,))
+    budget = int(free.memory.peak * 0.6)
+    p = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=budget)
+    assert p.memory.peak <= budget < free.memory.peak
+    k = p.search.forced_sharded
+    assert 0 < k < len(p.params)
+    by_size = sorted(p.params, key=lambda q: -q.global_bytes)
+    # The k largest parameters are sharded ...
+    assert all(not q.spec.is_replicated for q in by_size[:k])
+    assert "forced sharded" in p.report()
+    # ... and k is the smallest count that fits: k-1 forced does not.
+    g = rhino.ingest(m.step, *m.example_args())
+    built = build_problem(g, p.mesh)
+    from rhino.planner.api import PlanOptions, _forbid_replicated, _solve
+    order = sorted(g.params, key=lambda i: -g.ops[i].out_bytes)
+    sol = _solve(built, _forbid_replicated(built, order[:k - 1]), PlanOptions())
+    assert memory_of(g, p.mesh, built.plan(sol.choice), built.carried).peak > budget
+
+
+def test_impossible_budget_raises_with_minimum_and_budget():
+    m = _small_gpt()
+    with pytest.raises(InfeasiblePlanError) as ei:
+        rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=4096)
+    assert ei.value.budget_bytes == 4096
+    assert ei.value.needed_bytes > 4096
+    assert "budget" in str(ei.value)
+
+
+def test_plan_from_hlo_file(tmp_path):
+    import jax
+    f = tmp_path / "m.hlo"
+    lowered = jax.jit(lambda x, w: jnp.sum(jnp.tanh(x @ w))).lower(jnp.ones((64, 32)),
+                                                                    jnp.ones((32, 32)))
+    f.write_text(lowered.as_text(dialect="hlo", debug_info=True))
+    p = rhino.plan(str(f), mesh_shape=(2, 2))
+    assert p.origin.startswith("hlo:") and p.mesh.shape == (2, 2)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="opt_level"):
+        rhino.plan(lambda x: x * 2, jnp.ones(8), mesh_shape=(2,), opt_level="O9")
+    with pytest.raises(rhino.RhinoError, match="mesh"):
+        rhino.plan(lambda x: x * 2, jnp.ones(8), mesh_shape=(0,))
+
+
+def test_cli_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "mlp:batch=128,hidden=512", "--mesh", "2,2", "--opt-level", "O3",
+                 "--output", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "rhino plan" in text and "Mesh(x=2, y=2)" in text
+    assert ExecutionPlan.from_json(out.read_text()).mesh.shape == (2, 2)
+    assert main(["plan", "mlp", "--mesh", "4", "--json", "--quiet",
+                 "--alpha", "1e-5", "--beta", "1e-9"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mesh"]["beta"] == [1e-9]
+    assert main(["plan", "mlp", "--mesh", "4", "--memory-budget", "1KiB", "--quiet"]) == 2
+    assert "no plan fits" in capsys.readouterr().err
+    assert main(["plan", "mlp", "--mesh", "4", "--memory-budget", "lots", "--quiet"]) == 2
+    assert "--memory-budget" in capsys.readouterr().err

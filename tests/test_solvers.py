@@ -1,0 +1,380 @@
+"""Solvers: brute force, exact reductions, ILP, tree DP, and O2 vs O3.
+
+Every exact solver is checked against brute force on tiny random problems; every O2 answer is
+checked for validity (one in-range choice per node, objective == problem.objective) and
+against O3.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import warnings
+
+import numpy as np
+import pytest
+
+from rhino.planner import hierarchical
+from rhino.planner.hierarchical import Partition, solve_o2, solve_o3
+from rhino.planner.problem import Edge, ShardingProblem
+from rhino.planner.solvers import (
+    InfeasibleProblemError, SolverTimeLimitWarning, improve_local, reduce_exact,
+    solve_brute_force, solve_ilp, solve_tree_dp)
+
+_BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "solver_micro.py"
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("solver_micro", _BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.make_gpt_like
+
+
+# ---- random problem makers -----------------------------------------------------------------
+def _problem(sizes, edges, rng, p_inf=0.0, scale=10.0) -> ShardingProblem:
+    n = len(sizes)
+    costs = []
+    for s in sizes:
+        c = rng.uniform(0, scale, s)
+        c[rng.random(s) < p_inf] = np.inf
+        costs.append(c)
+    es = []
+    for u, v in edges:
+        m = rng.uniform(0, scale, (sizes[u], sizes[v]))
+        m[rng.random(m.shape) < p_inf] = np.inf
+        es.append(Edge(u, v, m))
+    return ShardingProblem(tuple(f"n{i}" for i in range(n)),
+                           tuple(tuple(f"c{k}" for k in range(s)) for s in sizes),
+                           tuple(costs), tuple(es))
+
+
+def _sizes(rng, n, limit=200_000):
+    while True:
+        sizes = [int(rng.choice([1, 2, 3, 3, 4, 5, 6, 7])) for _ in range(n)]
+        if np.prod(sizes, dtype=np.float64) <= limit:
+            return sizes
+
+
+def _random_dag(rng, n, p_edge=0.4):
+    edges = [(u, v) for u in range(n) for v in range(u + 1, n) if rng.random() < p_edge]
+    if edges and rng.random() < 0.3:  # a parallel edge in the opposite direction
+        u, v = edges[0]
+        edges.append((v, u))
+    return edges
+
+
+def _series_parallel(rng, n):
+    edges = [(0, 1)]
+    nxt = 2
+    while nxt < n:
+        u, v = edges[int(rng.integers(len(edges)))]
+        if rng.random() < 0.5:
+            edges.remove((u, v))
+        edges += [(u, nxt), (nxt, v)]
+        nxt += 1
+    return edges
+
+
+def _tree(rng, n):
+    return [(int(rng.integers(v)), v) if rng.random() < 0.5 else (v, int(rng.integers(v)))
+            for v in range(1, n)]
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
+
+
+# ---- 1. ILP == brute force ----------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(36))
+def test_ilp_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 9))
+    prob = _problem(_sizes(rng, n), _random_dag(rng, n), rng, p_inf=0.15 if seed % 3 else 0.0)
+    try:
+        ref = solve_brute_force(prob)
+    except InfeasibleProblemError:
+        for reduce in (True, False):
+            with pytest.raises(InfeasibleProblemError):
+                solve_ilp(prob, reduce=reduce)
+        return
+    for reduce in (True, False):
+        sol = solve_ilp(prob, reduce=reduce, mip_rel_gap=1e-9)
+        assert sol.status == "optimal"
+        assert _same(sol.objective, ref.objective), (reduce, sol.objective, ref.objective)
+        assert _same(sol.objective, prob.objective(sol.choice))
+        assert sol.bound is not None and sol.bound <= sol.objective + 1e-9
+
+
+def test_brute_force_refuses_large():
+    rng = np.random.default_rng(0)
+    prob = _problem([10] * 7, [(0, 1)], rng)
+    with pytest.raises(ValueError, match="brute force"):
+        solve_brute_force(prob)
+
+
+# ---- 2. reductions ---------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(20))
+def test_reduce_exact_trees_and_series_parallel(seed):
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(2, 9))
+    edges = _tree(rng, n) if seed % 2 else _series_parallel(rng, n)
+    prob = _problem(_sizes(rng, n), edges, rng)
+    red = reduce_exact(prob)
+    assert red.core.num_nodes == 0  # series-parallel graphs and trees collapse completely
+    full = red.expand(())
+    assert _same(prob.objective(full), solve_brute_force(prob).objective)
+    assert _same(prob.objective(full), red.offset)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_reduce_exact_core_invariant(seed):
+    """objective(expand(c)) == core.objective(c) + offset for every core assignment c."""
+    rng = np.random.default_rng(200 + seed)
+    n = 8
+    edges = _random_dag(rng, n, 0.5) + [(0, 7)]
+    prob = _problem(_sizes(rng, n), edges, rng)
+    red = reduce_exact(prob, max_pair=4096)
+    for _ in range(20):
+        c = [int(rng.integers(red.core.num_choices(i))) for i in range(red.core.num_nodes)]
+        assert _same(prob.objective(red.expand(c)), red.core.objective(c) + red.offset)
+    best = solve_brute_force(red.core) if red.core.num_nodes else None
+    full = red.expand(best.choice if best else ())
+    assert _same(prob.objective(full), solve_brute_force(prob).objective)
+
+
+def test_reduce_respects_protected_and_pair_limit():
+    rng = np.random.default_rng(3)
+    prob = _problem([3, 4, 3], [(0, 1), (1, 2)], rng)
+    red = reduce_exact(prob, protected=[1])
+    assert red.core_nodes == (1,)
+    cycle = _problem([5, 5, 5, 5], [(0, 1), (1, 2), (2, 3), (3, 0)], rng)
+    assert reduce_exact(cycle, max_pair=10).core.num_nodes == 4  # 5 x 5 > 10 stops R2
+    assert reduce_exact(cycle).core.num_nodes == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_tree_dp(seed):
+    rng = np.random.default_rng(300 + seed)
+    n = int(rng.integers(1, 9))
+    prob = _problem(_sizes(rng, n), _tree(rng, n)[: max(0, n - 1 - seed % 2)], rng)
+    assert _same(solve_tree_dp(prob).objective, solve_brute_force(prob).objective)
+
+
+def test_tree_dp_rejects_cycle():
+    rng = np.random.default_rng(4)
+    with pytest.raises(ValueError, match="forest"):
+        solve_tree_dp(_problem([2, 2, 2], [(0, 1), (1, 2), (2, 0)], rng))
+
+
+def test_improve_local_never_worse():
+    rng = np.random.default_rng(5)
+    prob = _problem(_sizes(rng, 8), _random_dag(rng, 8, 0.6), rng)
+    start = [0] * 8
+    assert prob.objective(improve_local(prob, start)) <= prob.objective(start)
+
+
+# ---- 3. O2 vs O3 -----------------------------------------------------------------------------
+def _chain_case(rng, n, every, extra):
+    """A path 0-1-...-n-1 (plus some i->i+2 edges inside segments); single-node cones."""
+    pivots = list(range(every, n - 1, every))
+    pset = set(pivots)
+    edges = [(i, i + 1) for i in range(n - 1)]
+    edges += [(i, i + 2) for i in range(n - 2)
+              if rng.random() < extra and i + 1 not in pset and i not in pset
+              and i + 2 not in pset]
+    seg, k = [], 0
+    for i in range(n):
+        seg.append(-1 if i in pset else k)
+        k += i in pset
+    prob = _problem([int(rng.choice([2, 3, 5, 7])) for _ in range(n)], edges, rng)
+    return prob, Partition(tuple(range(n)), tuple(seg), tuple(pivots))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_o2_equals_o3_on_chains(seed):
+    rng = np.random.default_rng(400 + seed)
+    prob, part = _chain_case(rng, 30, int(rng.integers(2, 6)), 0.3)
+    o2, o3 = solve_o2(prob, part), solve_o3(prob, mip_rel_gap=1e-9)
+    assert _same(o2.objective, prob.objective(o2.choice))
+    assert _same(o2.objective, o3.objective)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_o2_equals_o3_on_single_cone(seed):
+    rng = np.random.default_rng(500 + seed)
+    n = int(rng.integers(3, 12))
+    root = n - 1
+    # member i feeds a later node (its consumer); some members also feed the root directly
+    edges = [(i, int(rng.integers(i + 1, n))) for i in range(n - 1)]
+    edges += [(i, root) for i in range(n - 2) if rng.random() < 0.3 and edges[i][1] != root]
+    prob = _problem([int(rng.choice([2, 3, 7])) for _ in range(n)], edges, rng)
+    part = Partition((root,) * n, (0,) * n, ())
+    o2, o3 = solve_o2(prob, part), solve_o3(prob, mip_rel_gap=1e-9)
+    assert _same(o2.objective, o3.objective)
+
+
+def _layered_case(rng, layers, width, n_skip):
+    """Layers of cones between pivots, plus skip edges between far layers."""
+    names, cone_of, seg, pivots, edges = [], [], [], [], []
+    prev_pivot = None
+    for l in range(layers):
+        k = len(pivots)
+        roots = []
+        for _ in range(width):
+            r = len(cone_of) + 2
+            a, b = r - 2, r - 1  # member chain a -> b -> r
+            cone_of += [r, r, r]
+            seg += [k, k, k]
+            edges += [(a, b), (b, r)]
+            if prev_pivot is not None:
+                edges.append((prev_pivot, a))
+            roots.append(r)
+        p = len(cone_of)
+        cone_of.append(p)
+        seg.append(-1)
+        edges += [(r, p) for r in roots]
+        pivots.append(p)
+        prev_pivot = p
+    n = len(cone_of)
+    for _ in range(n_skip):
+        u, v = sorted(int(x) for x in rng.choice(n, 2, replace=False))
+        edges.append((u, v))
+    prob = _problem([int(rng.choice([2, 3, 4])) for _ in range(n)], edges, rng)
+    return prob, Partition(tuple(cone_of), tuple(seg), tuple(pivots))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_o2_valid_with_skip_edges(seed):
+    rng = np.random.default_rng(600 + seed)
+    prob, part = _layered_case(rng, 5, 2, 8)
+    o2 = solve_o2(prob, part)
+    assert len(o2.choice) == prob.num_nodes
+    assert all(0 <= c < prob.num_choices(i) for i, c in enumerate(o2.choice))
+    assert o2.objective == prob.objective(o2.choice)
+    o3 = solve_o3(prob, mip_rel_gap=1e-9)
+    assert o3.objective <= o2.objective + 1e-9
+    assert o2.objective <= 1.15 * o3.objective
+
+
+def test_super_problem_is_exact():
+    """The cone super-problem's objective equals the original objective when expanded."""
+    rng = np.random.default_rng(7)
+    prob, part = _layered_case(rng, 4, 3, 6)
+    cones = hierarchical._solve_cones(prob, part.cone_of, 10.0, 1e-4)
+    sup = hierarchical._super_problem(prob, cones)
+    for _ in range(10):
+        roots = [int(rng.integers(sup.num_choices(k))) for k in range(sup.num_nodes)]
+        full = [int(cones.table[i][roots[cones.cone[i]]]) for i in range(prob.num_nodes)]
+        assert _same(sup.objective(roots), prob.objective(full))
+
+
+@pytest.mark.parametrize("mesh", ["1d", "2d"])
+def test_o2_close_to_o3_on_synthetic_gpt(mesh):
+    prob, part = _load_generator()(2, mesh=mesh, pad=2)
+    o2, o3 = solve_o2(prob, part), solve_o3(prob)
+    assert o2.objective == prob.objective(o2.choice)
+    assert o3.objective <= o2.objective * (1 + 1e-4)
+    assert o2.objective <= 1.03 * o3.objective
+
+
+def _k4_chain(rng):
+    """Segments that are K4s (irreducible by R1/R2) between pivots."""
+    edges, seg, pivots = [], [], []
+    n = 0
+    for s in range(3):
+        a, b = n, n + 1
+        seg += [s, s]
+        edges += [(a, b)]
+        if pivots:
+            edges += [(pivots[-1], a), (pivots[-1], b)]
+        p = n + 2
+        seg.append(-1)
+        edges += [(a, p), (b, p)]
+        pivots.append(p)
+        n += 3
+    prob = _problem([3] * n, edges, rng)
+    return prob, Partition(tuple(range(n)), tuple(seg), tuple(pivots))
+
+
+def test_o2_irreducible_segments(monkeypatch):
+    rng = np.random.default_rng(8)
+    prob, part = _k4_chain(rng)
+    ref = solve_brute_force(prob).objective
+    assert _same(solve_o2(prob, part, max_rounds=1).objective, ref)  # by conditioning
+    monkeypatch.setattr(hierarchical, "_CONDITION_BUDGET", 0)
+    assert _same(solve_o2(prob, part, max_rounds=1).objective, ref)  # one ILP per pair
+
+
+def test_o2_cone_fallback_warns():
+    rng = np.random.default_rng(9)
+    # members 0..3 form a K4: not a forest (nor reducible) once the root 4 is fixed
+    edges = [(u, v) for u in range(4) for v in range(u + 1, 4)] + [(3, 4)]
+    prob = _problem([2, 3, 2, 3, 3], edges, rng)
+    part = Partition((4,) * 5, (0,) * 5, ())
+    with pytest.warns(RuntimeWarning, match="not a forest"):
+        cones = hierarchical._solve_cones(prob, part.cone_of, 10.0, 1e-4)
+    # still exact: the best over root choices is the optimum
+    assert _same(float(np.min(cones.cost[0])), solve_brute_force(prob).objective)
+    with pytest.warns(RuntimeWarning, match="not a forest"):
+        assert _same(solve_o2(prob, part).objective, solve_brute_force(prob).objective)
+
+
+def test_partition_checked():
+    rng = np.random.default_rng(10)
+    prob = _problem([2, 2, 2], [(0, 1), (1, 2)], rng)
+    with pytest.raises(ValueError, match="not a root"):
+        solve_o2(prob, Partition((1, 2, 2), (0, 0, 0), ()))
+    with pytest.raises(ValueError, match="pivot"):
+        solve_o2(prob, Partition((0, 1, 2), (0, 0, 1), (1,)))
+
+
+# ---- 4. time limit ---------------------------------------------------------------------------
+def test_time_limit_returns_incumbent_with_warning():
+    rng = np.random.default_rng(11)
+    n = 80
+    edges = sorted({(u, v) for u in range(n) for v in rng.choice(n, 6) if u < v})
+    prob = _problem([7] * n, edges, rng)
+    with pytest.warns(SolverTimeLimitWarning, match="gap"):
+        sol = solve_ilp(prob, time_limit=0.01, reduce=False)
+    assert sol.status == "time_limit"
+    assert sol.objective == prob.objective(sol.choice)
+
+
+def test_time_limit_without_incumbent_raises(monkeypatch):
+    from rhino.planner import solvers
+    rng = np.random.default_rng(12)
+    n = 80
+    edges = sorted({(u, v) for u in range(n) for v in rng.choice(n, 6) if u < v})
+    prob = _problem([7] * n, edges, rng, p_inf=0.3)
+    monkeypatch.setattr(solvers, "_start_choice", lambda p: tuple([0] * p.num_nodes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SolverTimeLimitWarning)
+        try:
+            sol = solve_ilp(prob, time_limit=0.001, reduce=False)
+        except RuntimeError as err:
+            assert "time limit" in str(err)
+        except InfeasibleProblemError:
+            pass
+        else:
+            pytest.skip(f"HiGHS found an incumbent within 1 ms (status {sol.status})")
+
+
+# ---- 5. infinite costs -----------------------------------------------------------------------
+def test_infinite_costs_respected():
+    inf = np.inf
+    # without the infinities (0, 0) would cost 0 and (0, 2) 5; the optimum is (1, 0) = 4
+    prob = ShardingProblem(
+        ("a", "b"), (("x", "y", "z"), ("x", "y", "z")),
+        (np.array([0.0, 1.0, 5.0]), np.array([0.0, 2.0, inf])),
+        (Edge(0, 1, np.array([[inf, 5.0, 0.0], [3.0, 5.0, 5.0], [5.0, 5.0, 5.0]])),))
+    for sol in (solve_ilp(prob), solve_ilp(prob, reduce=False), solve_brute_force(prob),
+                solve_o2(prob, Partition((0, 1), (0, -1), (1,))), solve_tree_dp(prob)):
+        assert sol.choice == (1, 0) and sol.objective == 4.0, sol
+    dead = ShardingProblem(("a", "b"), (("x",), ("x", "y")),
+                           (np.array([0.0]), np.array([1.0, 1.0])),
+                           (Edge(0, 1, np.array([[inf, inf]])),))
+    for solve in (solve_ilp, solve_brute_force, solve_tree_dp,
+                  lambda p: solve_ilp(p, reduce=False)):
+        with pytest.raises(InfeasibleProblemError):
+            solve(dead)
