@@ -12,12 +12,15 @@ from rhino.errors import (HloParseError, InfeasiblePlanError, IngestError, Rhino
                           UnsupportedOpError)
 from rhino.hlo_passes import GraphAnalysis, HloGraph, analyze, ingest
 from rhino.planner.api import PlanOptions, plan
+from rhino.auto_parallel import auto_parallel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.plan import ExecutionPlan
 from rhino.planner.spec import ShardingSpec
+from rhino.pipeline import Cluster, PipelinePlan, grad, plan_pipeline
 
 __version__ = "0.1.0"
 
 __all__ = ["HloParseError", "InfeasiblePlanError", "IngestError", "RhinoError",
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
-           "AbstractMesh", "ExecutionPlan", "PlanOptions", "ShardingSpec", "plan"]
+           "AbstractMesh", "auto_parallel", "ExecutionPlan", "PlanOptions", "ShardingSpec", "plan",
+           "Cluster", "PipelinePlan", "grad", "plan_pipeline"]

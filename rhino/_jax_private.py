@@ -32,3 +32,20 @@ def kept_arg_indices(lowered: Any) -> tuple[int, ...] | None:
     compile_args = getattr(lowering, "compile_args", None) or {}
     kept = compile_args.get("kept_var_idx")
     return None if kept is None else tuple(sorted(kept))
+
+
+def eqn_context(eqn: Any):
+    """The context ``jax.core.eval_jaxpr`` binds an equation in: its source traceback and
+    name stack (so re-evaluated ops keep the user's file:line), and its extra context."""
+    import contextlib
+
+    from jax._src import source_info_util
+
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    stack = contextlib.ExitStack()
+    stack.enter_context(source_info_util.user_context(eqn.source_info.traceback,
+                                                      name_stack=name_stack))
+    ctx = getattr(eqn, "ctx", None)
+    if ctx is not None and getattr(ctx, "manager", None) is not None:
+        stack.enter_context(ctx.manager)
+    return stack

@@ -97,4 +97,5 @@ def calibrate_mesh(mesh_shape: Sequence[int], devices=None, reps: int = 5) -> Ab
     defaults = AbstractMesh.simulated_cpu(shape)
     return AbstractMesh(shape, alpha=tuple(alphas), beta=tuple(betas),
                         flops_per_s=measure_flops(devices[0], reps=reps),
-                        memory_bytes=mem if mem is not None else defaults.memory_bytes)
+                        memory_bytes=mem if mem is not None else defaults.memory_bytes,
+                        native_reduce_scatter=devices[0].platform != "cpu")

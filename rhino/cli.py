@@ -3,7 +3,7 @@
     rhino inspect PATH_OR_MODEL [--json] [--dot FILE]
     rhino plan PATH_OR_MODEL --mesh 2,4 [--alpha 1e-5,1e-5] [--beta 2e-10,2e-10]
                [--opt-level O2|O3] [--memory-budget BYTES] [--json] [--output FILE]
-    rhino demo
+    rhino demo [--model SPEC] [--mesh 8] [--steps 10]
 
 ``PATH_OR_MODEL`` is an ``.hlo`` / ``.mlir`` file, or a zoo model as ``NAME:key=value,...``
 (e.g. ``gpt:layers=72,hidden=512``); ``rhino inspect --models`` lists the zoo.
@@ -102,15 +102,52 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from rhino.inspection import inspect_source
+def _ensure_cpu_devices(n: int) -> None:
+    """Ask XLA for ``n`` simulated CPU devices (only effective before jax's backend starts)."""
+    flag = f"--xla_force_host_platform_device_count={n}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " " + flag).strip()
 
-    spec = args.model
-    print(f"rhino demo: inspecting the zoo model {spec!r} as the planner will see it")
-    source, example = resolve_source(spec)
-    rep = inspect_source(source, *example)
-    print(rep.to_text())
-    return 0
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    mesh_shape = tuple(int(x) for x in _floats(args.mesh, "--mesh"))
+    n = 1
+    for s in mesh_shape:
+        n *= s
+    _ensure_cpu_devices(n)
+    import jax
+    import numpy as np
+
+    import rhino
+
+    if len(jax.devices()) < n:
+        raise RhinoError(f"the demo needs {n} devices, found {len(jax.devices())}; start it "
+                         f"with XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+    from rhino.models import parse_model_spec
+    model = parse_model_spec(args.model)
+    print(f"rhino demo: {args.model} trained on {n} {jax.devices()[0].platform} devices "
+          f"(mesh {mesh_shape}), {args.steps} Adam steps, beside single-device jax.jit")
+    params, opt = model.init(jax.random.PRNGKey(0))
+    batch = model.make_batch(jax.random.PRNGKey(1))
+    step = rhino.auto_parallel(model.step, mesh_shape=mesh_shape, opt_level=args.opt_level)
+    plan = step.plan_for(params, opt, batch)
+    print(plan.report())
+    ref = jax.jit(model.step)
+    rp, ro = params, opt
+    ap, ao = jax.tree.map(np.array, params), jax.tree.map(np.array, opt)
+    print(f"\n  {'step':>4}  {'single device':>14}  {'rhino':>14}  {'|diff|':>9}")
+    worst = 0.0
+    for i in range(args.steps):
+        rp, ro, rl = ref(rp, ro, batch)
+        ap, ao, al = step(ap, ao, batch)
+        d = abs(float(rl) - float(al))
+        worst = max(worst, d / max(abs(float(rl)), 1e-30))
+        print(f"  {i + 1:>4}  {float(rl):>14.6f}  {float(al):>14.6f}  {d:>9.2e}")
+    ok = worst <= 1e-4
+    print(f"\n  largest relative loss difference {worst:.2e}: "
+          f"{'matches' if ok else 'DOES NOT MATCH'} single-device training (rtol 1e-4)")
+    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,9 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--output", metavar="FILE", help="also save the plan JSON to FILE")
     pp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     pp.set_defaults(func=_cmd_plan)
-    pd = sub.add_parser("demo", help="the main job: run rhino on a zoo model")
-    pd.add_argument("--model", default="gpt:layers=4,hidden=256",
+    pd = sub.add_parser("demo", help="the main job: plan and train a zoo model on simulated "
+                                     "CPU devices beside single-device training")
+    pd.add_argument("--model", default="gpt:layers=4,hidden=256,heads=8,seq=64,batch=8",
                     help="zoo model spec (default: %(default)s)")
+    pd.add_argument("--mesh", default="8", help="mesh shape (default: 8)")
+    pd.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
+    pd.add_argument("--opt-level", default="O2", choices=("O2", "O3"))
     pd.set_defaults(func=_cmd_demo)
     return p
 

@@ -26,9 +26,12 @@ Resharding (``reshard``) works axis by axis on the specs' axis roles (see ``spec
     none / partial          partial            nothing (free: keep on one device, zero the rest)
     dim                     partial            nothing (free: zero-pad the local shard)
     none                    dim                local slice (free)
-    partial                 dim                reduce-scatter
-    dim d                   dim d' (or stride) all-to-all (a permutation: 1/n stays)
-    partial                 none / other red.  all-reduce
+    partial                 dim                reduce-scatter (all-reduce + local slice
+                                               where ``mesh.native_reduce_scatter`` is False)
+    dim d                   dim d' (or stride) all-to-all (a permutation: 1/n stays); when
+                                               several axes move at once, all-gather then
+                                               slice (XLA's fallback does exactly that)
+    partial                 none / other red.  all-reduce, one per mesh axis (as XLA does)
     dim                     none               all-gather
 
 Steps run in that order of effect on size (slices and reduce-scatters first, gathers last),
@@ -199,18 +202,26 @@ def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh) -> Resha
         split[a] = True
     for red, axes in sorted(scatters.items()):
         b = local()
-        out.append(Collective(REDUCE_SCATTER, tuple(axes), b, red,
-                              collective_cost(REDUCE_SCATTER, axes, b, mesh)))
+        # Platforms without a reduce-scatter pass (XLA:CPU) all-reduce and slice locally.
+        kind = REDUCE_SCATTER if mesh.native_reduce_scatter else ALL_REDUCE
+        out.append(Collective(kind, tuple(axes), b, red, collective_cost(kind, axes, b, mesh)))
         for a in axes:
             split[a] = True
-    if a2a:
+    if len(a2a) == 1:
         b = local()
         out.append(Collective(ALL_TO_ALL, tuple(a2a), b, None,
                               collective_cost(ALL_TO_ALL, a2a, b, mesh)))
+    elif a2a:
+        # XLA's partitioner moves one mesh axis between dims with an all-to-all; moving
+        # several at once it "fully rematerializes": gathers the tensor, then slices.
+        gathers = sorted(set(gathers) | set(a2a))
     for red, axes in sorted(reduces.items()):
+        # XLA's partitioner reduces a sum pending over several mesh axes one axis at a
+        # time (one all-reduce per axis), so that is what is charged.
         b = local()
-        out.append(Collective(ALL_REDUCE, tuple(axes), b, red,
-                              collective_cost(ALL_REDUCE, axes, b, mesh)))
+        for a in axes:
+            out.append(Collective(ALL_REDUCE, (a,), b, red,
+                                  collective_cost(ALL_REDUCE, (a,), b, mesh)))
     if gathers:
         for a in gathers:
             split[a] = False

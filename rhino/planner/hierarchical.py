@@ -1,42 +1,49 @@
 """O2: Rhino's three-level subgraph merging (paper §4.3.2), and O3 (the whole-graph ILP).
 
-Levels::
+Pipeline of ``solve_o2``::
 
-    nodes ──(1) cone DP──► cone super-nodes ──(2)+(3) segment tables + chain DP──► root choices
-                                                    │ skip edges: unary passes, then ICM
-    root choices ──► members' choices (level-1 tables) ──► node ICM ──► Solution
+    problem ──(1) exact reductions, pivots kept──► core (cones folded into their roots)
+    core ──(2) segment tables: reductions, conditioning, ILP ──(3) chain DP over pivots──► A
+    core ──TRW message passing (skip edges)──► B
+    A, B ──skip-edge passes + ICM──► best core choice ──back-substitution + ICM──► Solution
 
-Level 1 (cones). For every cone and every choice of its root, the members' choices minimise
-unary + in-cone edge costs. The caller guarantees that once the root is fixed the in-cone
-edges form a forest, so R1/R2 reductions with the root protected fold every member into the
-root exactly (``solvers._reduce``), and back-substitution, vectorised over all root choices,
-yields a table ``member choice = table[root choice]``. The cones become the nodes of a
-*super-problem* whose edges are the cross-cone edges evaluated at those tables; its objective
-equals the original objective of the expanded assignment exactly. (A cone that violates the
-property falls back to one exact ILP per root choice, with a warning.)
+Level 1 (cones). The paper fixes each cone root's choice and picks its members by DP over the
+cone (a forest once the root is fixed), ignoring the members' edges that leave the cone. We
+fold cones with the exact PBQP reductions instead (``solvers.reduce_exact``, pivots
+protected): R1/R2 fold every member that hangs off its root into it — the same DP, with the
+same per-root-choice back-substitution tables — and a member whose edges leave its cone is
+not forced to a per-root-choice table (which measured 16% worse than O3 on a 2-layer GPT step)
+but stays in the core, linked exactly. Roots that reduce (degree <= 2) are folded too, as the
+reductions are exact. ``Partition.cone_of`` is validated and gives a core node whose own
+segment is -1 its root's segment.
 
-Levels 2 and 3 (segments, chain). Each cone belongs to the segment of its root; pivots
-(critical nodes) cut the chain: segment ``k`` lies between ``pivots[k-1]`` and ``pivots[k]``.
-For every segment we need the table ``T_k[a, b]`` = best cost of its cones given the left
-pivot's choice ``a`` and the right pivot's choice ``b``. Instead of an ILP per ``(a, b)`` we
-reduce the segment with both pivots protected: segments are nearly series-parallel, so R1/R2
-collapse them to one ``a x b`` matrix. An irreducible core is conditioned on its
-highest-degree node (pivots included) and reduced again, recursively, within a budget; past
-it, ``T_k`` falls back to one ILP (``solve_ilp``, level 2) per pair. Once the chain DP over
-pivot choices has picked ``(a, b)`` for a segment, its cones are decoded by reductions with the
-pivots fixed, plus ``solve_ilp`` on any core. Tables and decodings are memoised by a hash of
-the segment's re-indexed cost data, since transformer layers repeat.
+Levels 2 and 3 (segments, chain). Pivots (critical nodes) cut the chain: segment ``k`` lies
+between ``pivots[k-1]`` and ``pivots[k]``. For every segment we need the table
+``T_k[a, b]`` = best cost of its nodes given the left pivot's choice ``a`` and the right
+pivot's choice ``b``. Instead of an ILP per ``(a, b)`` we reduce the segment with both pivots
+protected: segments are nearly series-parallel, so R1/R2 collapse them to one ``a x b``
+matrix. An irreducible core is conditioned on its highest-degree node (pivots included) and
+reduced again, recursively, within a budget; past it, ``T_k`` falls back to one ILP
+(``solve_ilp``, level 2) per pair. Once the chain DP over pivot choices has picked ``(a, b)``
+for a segment, its nodes are decoded by reductions with the pivots fixed, plus ``solve_ilp``
+on any core. Tables and decodings are memoised by a hash of the segment's re-indexed cost
+data, since transformer layers repeat.
 
-Skip edges (documented approximation). A cross-cone edge whose endpoints are not in one
-segment (or a segment and its two pivots) — a weight used in forward layer k and backward
-layer k, an activation saved for backward — does not fit the chain. Pass 0 ignores them in
-the DP (they are still counted in the objective). Each further pass turns every skip edge
-into unary costs on both endpoints, evaluated at the other endpoint's choice in the current
-best assignment, and re-runs the chain DP; a pass is kept only if it lowers the true
-objective, and passes stop at the first one that does not. Then iterated conditional modes
-(ICM) over cone super-nodes and finally over single nodes run; ICM only ever lowers the true
-objective. The returned ``Solution.objective`` is always ``problem.objective(choice)`` and its
-status is ``"heuristic"``.
+Skip edges (documented approximation). An edge whose endpoints are not in one segment (or a
+segment and its two pivots) does not fit the chain: in a training step, weights and
+activations saved for the backward pass link forward layer k to backward layer k, and
+optimizer updates link every layer to the end of the chain; on GPT steps from
+``rhino.planner.build`` about 40% of the core's edges skip. The chain DP (candidate A)
+ignores them (they are still counted in the objective). A chain that is locally optimal this
+way can sit in the wrong global regime (e.g. sequence sharding everywhere where Megatron
+tensor parallelism is cheaper once the skip edges count), which no local move escapes, so a
+second candidate (B) comes from tree-reweighted min-sum message passing on the whole core
+(``solvers.solve_trw``), which sees every edge. Each candidate is then refined by passes that
+turn every skip edge into unary costs at the current choice of its other endpoint and re-run
+the chain DP (a pass is kept only if it lowers the true objective), and by iterated
+conditional modes (ICM) on the core and finally on all nodes. ICM and the passes only ever
+lower the true objective. The returned ``Solution.objective`` is always
+``problem.objective(choice)`` and its status is ``"heuristic"``.
 
 Example:
     >>> import numpy as np
@@ -55,7 +62,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-import warnings
 from typing import Sequence
 
 import numpy as np
@@ -63,14 +69,17 @@ import numpy as np
 from rhino.planner.problem import Edge, ShardingProblem, Solution
 from rhino.planner.solvers import (
     InfeasibleProblemError, _back_substitute, _Graph, _reduce, improve_local, reduce_exact,
-    solve_ilp)
+    solve_ilp, solve_trw)
 
 __all__ = ["Partition", "solve_o2", "solve_o3"]
 
-_SEGMENT_MAX_PAIR = 1 << 16   # R2 limit inside cones and segments (super-node pairs)
+_SEGMENT_MAX_PAIR = 1 << 16   # R2 limit inside segments
 _CONDITION_BUDGET = 2000      # recursion nodes of the conditioning fallback per table
-_MAX_PASSES = 4               # skip-edge passes after pass 0
-_MAX_ROUNDS = 8               # steered level-1 rounds
+_MAX_PASSES = 4               # skip-edge passes after the first chain DP
+# TRW edge weight: on GPT steps built by rhino.planner.build (1-D mesh of 8 at 2/12/36 layers,
+# 2x4 mesh at 2 layers) rho = 0.7 reached O3's optimum on every core; the spanning-tree
+# density (~0.53 there) was 1-4% worse and plain BP (rho = 1) 2-5% worse.
+_TRW_RHO = 0.7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +107,8 @@ class Partition:
         k = len(self.pivots)
         if len(set(self.pivots)) != k:
             raise ValueError(f"pivots repeat: {self.pivots}")
+        if not all(0 <= p < n for p in self.pivots):
+            raise ValueError(f"pivots out of range 0..{n - 1}: {self.pivots}")
         for i, r in enumerate(self.cone_of):
             if not 0 <= r < n or self.cone_of[r] != r:
                 raise ValueError(f"node {problem.names[i]!r}: cone root {r} is not a root "
@@ -118,116 +129,6 @@ def solve_o3(problem: ShardingProblem, *, time_limit: float = 600.0,
              mip_rel_gap: float = 1e-4) -> Solution:
     """O3: the whole-graph ILP (``solve_ilp`` with exact reductions)."""
     return solve_ilp(problem, time_limit=time_limit, mip_rel_gap=mip_rel_gap, reduce=True)
-
-
-# ----------------------------------------------------------------------------------------
-# Level 1: cones
-# ----------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Cones:
-    roots: list[int]              # cone k -> root node
-    cone: np.ndarray              # node -> cone index
-    table: list[np.ndarray]       # node -> its choice per choice of its cone's root
-    cost: list[np.ndarray]        # cone -> cost per root choice (unary + in-cone edges)
-
-
-def _solve_cones(problem: ShardingProblem, cone_of: Sequence[int], time_limit: float,
-                 mip_rel_gap: float, guide: np.ndarray | None = None) -> _Cones:
-    """Level 1. ``guide`` (a full assignment) adds, to every member, its cross-cone edges
-    evaluated at the guide's choices of the other endpoints; this only steers which member
-    choices the tables keep: the cone costs are always recomputed exactly (unary + in-cone).
-    """
-    roots = sorted(set(cone_of))
-    cidx = {r: k for k, r in enumerate(roots)}
-    cone = np.array([cidx[r] for r in cone_of], dtype=np.int64)
-    members: list[list[int]] = [[r] for r in roots]
-    for i, r in enumerate(cone_of):
-        if i != r:
-            members[cidx[r]].append(i)
-    inner: list[list[Edge]] = [[] for _ in roots]
-    steer: dict[int, np.ndarray] = {}
-    for e in problem.edges:
-        if cone[e.u] == cone[e.v]:
-            inner[cone[e.u]].append(e)
-        elif guide is not None:
-            if cone_of[e.u] != e.u:
-                add = e.cost[:, guide[e.v]]
-                steer[e.u] = steer[e.u] + add if e.u in steer else add
-            if cone_of[e.v] != e.v:
-                add = e.cost[guide[e.u], :]
-                steer[e.v] = steer[e.v] + add if e.v in steer else add
-    table: list[np.ndarray] = [np.zeros(0, np.int64)] * problem.num_nodes
-    cost: list[np.ndarray] = []
-    for k, mem in enumerate(members):
-        nr = problem.num_choices(mem[0])
-        if len(mem) == 1 and not inner[k]:
-            table[mem[0]] = np.arange(nr)
-            cost.append(np.asarray(problem.costs[mem[0]], dtype=np.float64))
-            continue
-        loc = {node: j for j, node in enumerate(mem)}
-        edges = [(loc[e.u], loc[e.v], e.cost) for e in inner[k]]
-        unary = [problem.costs[i] + steer[i] if i in steer else problem.costs[i] for i in mem]
-        g = _Graph.from_parts(unary, edges)
-        alive = [True] * len(mem)
-        log: list[tuple] = []
-        _reduce(g, alive, frozenset({0}), _SEGMENT_MAX_PAIR, log)
-        if sum(alive) == 1:
-            ch = np.zeros((len(mem), nr), dtype=np.int64)
-            ch[0] = np.arange(nr)
-            _back_substitute(log, ch)
-        else:
-            ch = _cone_by_ilp(problem, mem, inner[k], unary, time_limit, mip_rel_gap)
-        c = np.zeros(nr)
-        for j, node in enumerate(mem):
-            table[node] = ch[j]
-            c = c + np.asarray(problem.costs[node], dtype=np.float64)[ch[j]]
-        for e in inner[k]:
-            c = c + e.cost[ch[loc[e.u]], ch[loc[e.v]]]
-        cost.append(c)
-    return _Cones(roots, cone, table, cost)
-
-
-def _cone_by_ilp(problem: ShardingProblem, mem: list[int], inner: list[Edge],
-                 unary: list[np.ndarray], time_limit: float, mip_rel_gap: float) -> np.ndarray:
-    """Fallback for a cone that is not a forest once its root is fixed: one ILP per choice."""
-    warnings.warn(f"cone rooted at {problem.names[mem[0]]!r} ({len(mem)} nodes) is not a "
-                  f"forest once its root is fixed; solving it by one ILP per root choice",
-                  RuntimeWarning, stacklevel=3)
-    loc = {node: j for j, node in enumerate(mem)}
-    nr = problem.num_choices(mem[0])
-    ch = np.zeros((len(mem), nr), dtype=np.int64)
-    for r in range(nr):
-        if not np.isfinite(unary[0][r]):
-            continue
-        fixed = np.full(nr, np.inf)
-        fixed[r] = unary[0][r]
-        sub = ShardingProblem(
-            tuple(problem.names[i] for i in mem), tuple(problem.labels[i] for i in mem),
-            (fixed,) + tuple(unary[1:]), tuple(Edge(loc[e.u], loc[e.v], e.cost) for e in inner))
-        try:
-            ch[:, r] = solve_ilp(sub, time_limit=time_limit, mip_rel_gap=mip_rel_gap).choice
-        except InfeasibleProblemError:
-            ch[0, r] = r  # cost stays infinite: the root choice is effectively forbidden
-    return ch
-
-
-def _super_problem(problem: ShardingProblem, cones: _Cones) -> ShardingProblem:
-    """Cones as nodes; cross-cone edges evaluated at the members' tables."""
-    acc: dict[tuple[int, int], np.ndarray] = {}
-    for e in problem.edges:
-        cu, cv = int(cones.cone[e.u]), int(cones.cone[e.v])
-        if cu == cv:
-            continue
-        m = e.cost[np.ix_(cones.table[e.u], cones.table[e.v])]
-        key = (cu, cv) if cu < cv else (cv, cu)
-        if cu > cv:
-            m = m.T
-        acc[key] = acc[key] + m if key in acc else m
-    return ShardingProblem(
-        names=tuple(problem.names[r] for r in cones.roots),
-        labels=tuple(problem.labels[r] for r in cones.roots),
-        costs=tuple(cones.cost),
-        edges=tuple(Edge(u, v, m) for (u, v), m in sorted(acc.items())))
 
 
 # ----------------------------------------------------------------------------------------
@@ -271,11 +172,44 @@ def _table(g: _Graph, alive: list[bool], piv: tuple[int, ...], off: float,
     return np.minimum.reduce(results)
 
 
+def _condition(g: _Graph, alive: list[bool], budget: list[int]) -> tuple[float, np.ndarray]:
+    """Exact minimum (and argmin over the alive nodes) of a small graph by conditioning.
+
+    Conditions on the highest-degree node, reduces, recurses; raises ``_Budget`` when more
+    than ``budget[0]`` graphs would be visited. Entries of dead nodes are unspecified.
+    """
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _Budget
+    log: list[tuple] = []
+    off = _reduce(g, alive, frozenset(), _SEGMENT_MAX_PAIR, log)
+    core = [i for i, a in enumerate(alive) if a]
+    choice = np.zeros(len(alive), dtype=np.int64)
+    if core:
+        z = max(core, key=lambda i: (len(g.adj[i]), -len(g.costs[i])))
+        best_val, best = np.inf, None
+        for cz in range(len(g.costs[z])):
+            if not np.isfinite(g.costs[z][cz]):
+                continue
+            g2, alive2 = g.copy(), list(alive)
+            c0 = g2.fix(z, cz)
+            alive2[z] = False
+            val, sub = _condition(g2, alive2, budget)
+            if c0 + val < best_val:
+                best_val, best = c0 + val, sub
+                best[z] = cz
+        if best is None:
+            return np.inf, choice
+        choice, off = best, off + best_val
+    _back_substitute(log, choice)
+    return off, choice
+
+
 @dataclasses.dataclass(frozen=True)
 class _Segment:
-    """A segment re-indexed locally: pivots first (left, right, where present), then cones."""
+    """A segment re-indexed locally: pivots first (left, right, where present), then nodes."""
 
-    nodes: tuple[int, ...]            # super-problem indices of the local nodes
+    nodes: tuple[int, ...]            # core-problem indices of the local nodes
     npiv: int
     costs: tuple[np.ndarray, ...]     # pivots' unary costs zeroed (the chain DP adds them)
     edges: tuple[tuple[int, int, np.ndarray], ...]
@@ -302,7 +236,8 @@ class _SegmentSolver:
     def __init__(self, time_limit: float, mip_rel_gap: float, deadline: float):
         self.time_limit, self.mip_rel_gap, self.deadline = time_limit, mip_rel_gap, deadline
         self.tables: dict[bytes, np.ndarray] = {}
-        self.decoded: dict[tuple[bytes, tuple[int, ...]], tuple[float, np.ndarray]] = {}
+        self.decoded: dict[tuple[bytes, tuple[int, ...], bool],
+                           tuple[float, np.ndarray]] = {}
         self.stats = {"tables": 0, "table_hits": 0, "ilp_tables": 0, "decodes": 0}
 
     def table(self, seg: _Segment) -> np.ndarray:
@@ -328,8 +263,8 @@ class _SegmentSolver:
                exact: bool = True) -> tuple[float, np.ndarray]:
         """Best cost and local choices of the segment with its pivots fixed to ``fixed``.
 
-        Reductions, then ``solve_ilp`` on any irreducible core; with ``exact=False`` (time
-        is up) the core gets ICM from its unary argmins instead of the ILP.
+        Reductions, then conditioning (within a budget), then ``solve_ilp`` on any core
+        left; with ``exact=False`` (time is up) that core gets ICM instead of the ILP.
         """
         key = (seg.key, tuple(int(f) for f in fixed), exact)
         if key in self.decoded:
@@ -347,6 +282,13 @@ class _SegmentSolver:
         choice = np.zeros(n, dtype=np.int64)
         choice[:len(fixed)] = fixed
         core = [i for i in range(n) if alive[i]]
+        if core:
+            try:  # condition on high-degree nodes and reduce again, within a budget
+                sub_val, sub_choice = _condition(g, alive, [_CONDITION_BUDGET])
+                choice[core] = sub_choice[core]
+                core, val = [], val + sub_val
+            except _Budget:
+                pass
         if core:
             loc = {i: k for k, i in enumerate(core)}
             sub = ShardingProblem(
@@ -371,15 +313,16 @@ class _SegmentSolver:
 
 @dataclasses.dataclass(frozen=True)
 class _Chain:
-    """Segments of the super-problem and the skip edges that leave them."""
+    """Segments of a problem and the skip edges that leave them."""
 
-    pivots: tuple[int, ...]                       # super-node index of each pivot
-    members: tuple[tuple[int, ...], ...]          # per segment, its non-pivot super-nodes
-    local_edges: tuple[tuple[int, ...], ...]      # per segment, indices into sup.edges
-    skip_edges: tuple[int, ...]                   # indices into sup.edges
+    pivots: tuple[int, ...]                       # node index of each pivot
+    members: tuple[tuple[int, ...], ...]          # per segment, its non-pivot nodes
+    local_edges: tuple[tuple[int, ...], ...]      # per segment, indices into prob.edges
+    skip_edges: tuple[int, ...]                   # indices into prob.edges
 
 
-def _make_chain(sup: ShardingProblem, seg_of: Sequence[int], pivots: Sequence[int]) -> _Chain:
+def _make_chain(prob: ShardingProblem, seg_of: Sequence[int],
+                pivots: Sequence[int]) -> _Chain:
     k = len(pivots)
     pidx = {p: t for t, p in enumerate(pivots)}
     members: list[list[int]] = [[] for _ in range(k + 1)]
@@ -388,7 +331,7 @@ def _make_chain(sup: ShardingProblem, seg_of: Sequence[int], pivots: Sequence[in
             members[s].append(c)
     local: list[list[int]] = [[] for _ in range(k + 1)]
     skip = []
-    for ei, e in enumerate(sup.edges):
+    for ei, e in enumerate(prob.edges):
         su = ("p", pidx[e.u]) if e.u in pidx else ("s", seg_of[e.u])
         sv = ("p", pidx[e.v]) if e.v in pidx else ("s", seg_of[e.v])
         seg = _edge_segment(su, sv)
@@ -411,18 +354,18 @@ def _edge_segment(a: tuple[str, int], b: tuple[str, int]) -> int | None:
     return s if s in (t, t + 1) else None
 
 
-def _solve_chain(sup: ShardingProblem, chain: _Chain, extra: list[np.ndarray],
+def _solve_chain(prob: ShardingProblem, chain: _Chain, extra: list[np.ndarray],
                  solver: _SegmentSolver) -> np.ndarray:
-    """Chain DP over pivot choices; returns a choice per super-node."""
+    """Chain DP over pivot choices; returns a choice per node of ``prob``."""
     k = len(chain.pivots)
-    unary = [np.asarray(c) + x for c, x in zip(sup.costs, extra)]
+    unary = [np.asarray(c) + x for c, x in zip(prob.costs, extra)]
     segs = []
     for s in range(k + 1):
         piv = ([chain.pivots[s - 1]] if s > 0 else []) + ([chain.pivots[s]] if s < k else [])
         nodes = piv + list(chain.members[s])
         loc = {c: j for j, c in enumerate(nodes)}
         costs = [np.zeros(len(unary[c])) for c in piv] + [unary[c] for c in chain.members[s]]
-        edges = [(loc[sup.edges[ei].u], loc[sup.edges[ei].v], sup.edges[ei].cost)
+        edges = [(loc[prob.edges[ei].u], loc[prob.edges[ei].v], prob.edges[ei].cost)
                  for ei in chain.local_edges[s]]
         segs.append(_make_segment(nodes, len(piv), costs, edges))
     tables = [solver.table(seg) for seg in segs]
@@ -448,7 +391,7 @@ def _solve_chain(sup: ShardingProblem, chain: _Chain, extra: list[np.ndarray],
         piv_choice.reverse()
         fixed = [((piv_choice[s - 1],) if s > 0 else ()) + ((piv_choice[s],) if s < k else ())
                  for s in range(k + 1)]
-    out = np.zeros(sup.num_nodes, dtype=np.int64)
+    out = np.zeros(prob.num_nodes, dtype=np.int64)
     for p, c in zip(chain.pivots, piv_choice):
         out[p] = c
     for seg, f in zip(segs, fixed):
@@ -458,28 +401,28 @@ def _solve_chain(sup: ShardingProblem, chain: _Chain, extra: list[np.ndarray],
     return out
 
 
-def _skip_unary(sup: ShardingProblem, chain: _Chain, choice: np.ndarray) -> list[np.ndarray]:
-    extra = [np.zeros(len(c)) for c in sup.costs]
+def _skip_unary(prob: ShardingProblem, chain: _Chain, choice: np.ndarray) -> list[np.ndarray]:
+    extra = [np.zeros(len(c)) for c in prob.costs]
     for ei in chain.skip_edges:
-        e = sup.edges[ei]
+        e = prob.edges[ei]
         extra[e.u] = extra[e.u] + e.cost[:, choice[e.v]]
         extra[e.v] = extra[e.v] + e.cost[choice[e.u], :]
     return extra
 
 
-def _chain_passes(sup: ShardingProblem, chain: _Chain, solver: _SegmentSolver,
+def _chain_passes(prob: ShardingProblem, chain: _Chain, solver: _SegmentSolver,
                   start: np.ndarray | None, deadline: float) -> np.ndarray:
-    """Chain DP; then skip-edge passes while they lower the super-problem's objective."""
+    """Chain DP (or ``start``); then skip-edge passes while they lower the objective."""
     if start is None:
-        best = _solve_chain(sup, chain, [np.zeros(len(c)) for c in sup.costs], solver)
+        best = _solve_chain(prob, chain, [np.zeros(len(c)) for c in prob.costs], solver)
     else:
         best = start
-    best_obj = sup.objective(best)
+    best_obj = prob.objective(best)
     for _ in range(_MAX_PASSES if chain.skip_edges else 0):
         if time.perf_counter() > deadline:
             break
-        cand = _solve_chain(sup, chain, _skip_unary(sup, chain, best), solver)
-        obj = sup.objective(cand)
+        cand = _solve_chain(prob, chain, _skip_unary(prob, chain, best), solver)
+        obj = prob.objective(cand)
         if not obj < best_obj:
             break
         best, best_obj = cand, obj
@@ -487,17 +430,15 @@ def _chain_passes(sup: ShardingProblem, chain: _Chain, solver: _SegmentSolver,
 
 
 def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: float = 60.0,
-             mip_rel_gap: float = 1e-4, max_rounds: int = _MAX_ROUNDS) -> Solution:
-    """O2: exact reductions -> cone DP -> segment tables -> chain DP -> ICM.
+             mip_rel_gap: float = 1e-4) -> Solution:
+    """O2: exact reductions -> segment tables -> chain DP, plus TRW for skip edges -> ICM.
 
     Args:
         problem: the sharding problem.
         partition: cones, segments and pivots (see ``Partition``).
-        time_limit: soft limit in seconds; refinement rounds and passes stop when it is
-            spent, and it caps every fallback ILP.
+        time_limit: soft limit in seconds: message passing gets half of what is left after
+            the chain, refinement stops when it is spent, and it caps every fallback ILP.
         mip_rel_gap: relative gap of fallback ILPs.
-        max_rounds: rounds of level 1 steered by the previous round's assignment
-            (1 = the three levels once, plus ICM).
 
     Returns:
         A ``Solution`` with status ``"heuristic"`` and ``objective ==
@@ -510,46 +451,35 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     partition.check(problem)
-    roots = sorted(set(partition.cone_of))
-    red = reduce_exact(problem, protected=roots)
-    loc = {node: k for k, node in enumerate(red.core_nodes)}
-    core_part = Partition(
-        cone_of=tuple(loc[partition.cone_of[i]] for i in red.core_nodes),
-        segment_of=tuple(partition.segment_of[i] for i in red.core_nodes),
-        pivots=tuple(loc[p] for p in partition.pivots))
-    core_choice = _solve_core(red.core, core_part, time_limit, mip_rel_gap, max_rounds,
-                              deadline)
-    choice = improve_local(problem, red.expand(core_choice), max_sweeps=3, deadline=deadline)
+    red = reduce_exact(problem, protected=partition.pivots)
+    core = red.core
+    k = len(partition.pivots)
+    pidx = {p: t for t, p in enumerate(partition.pivots)}
+    seg = []
+    for i in red.core_nodes:  # a member of a pivot's cone precedes it: left segment
+        s, r = partition.segment_of[i], partition.cone_of[i]
+        s = s if s >= 0 else pidx.get(r, partition.segment_of[r])
+        seg.append(min(max(s, 0), k))
+    loc = {node: j for j, node in enumerate(red.core_nodes)}
+    chain = _make_chain(core, seg, [loc[p] for p in partition.pivots])
+    solver = _SegmentSolver(time_limit, mip_rel_gap, deadline)
+    cands = []
+    if core.num_nodes:
+        first = _chain_passes(core, chain, solver, None, deadline)
+        cands.append(improve_local(core, first, max_sweeps=20, deadline=deadline))
+        if chain.skip_edges and time.perf_counter() < deadline:
+            left = deadline - time.perf_counter()
+            try:
+                trw = np.asarray(solve_trw(core, rho=_TRW_RHO, time_limit=left / 2).choice)
+            except InfeasibleProblemError:
+                trw = None
+            if trw is not None:
+                start = _chain_passes(core, chain, solver, trw, deadline)
+                cands.append(improve_local(core, start, max_sweeps=20, deadline=deadline))
+    best = min(cands, key=core.objective) if cands else ()
+    choice = improve_local(problem, red.expand(best), max_sweeps=3, deadline=deadline)
     obj = problem.objective(choice)
     if not np.isfinite(obj):
         raise InfeasibleProblemError(f"O2 found no finite-cost assignment for "
                                      f"{problem.num_nodes} nodes (best costs {obj})")
     return Solution(choice, obj, "heuristic", time.perf_counter() - t0, None)
-
-
-def _solve_core(problem: ShardingProblem, partition: Partition, time_limit: float,
-                mip_rel_gap: float, max_rounds: int, deadline: float) -> tuple[int, ...]:
-    """The three levels plus steered rounds, on a problem whose cone roots are all kept."""
-    solver = _SegmentSolver(time_limit, mip_rel_gap, deadline)
-    best: tuple[int, ...] | None = None
-    best_obj = np.inf
-    for _ in range(max(1, max_rounds)):
-        guide = None if best is None else np.asarray(best)
-        cones = _solve_cones(problem, partition.cone_of, time_limit, mip_rel_gap, guide)
-        sup = _super_problem(problem, cones)
-        cidx = {r: k for k, r in enumerate(cones.roots)}
-        chain = _make_chain(sup, [partition.segment_of[r] for r in cones.roots],
-                            [cidx[p] for p in partition.pivots])
-        start = None if guide is None else guide[cones.roots]
-        roots = _chain_passes(sup, chain, solver, start, deadline)
-        roots = np.asarray(improve_local(sup, roots, max_sweeps=20, deadline=deadline))
-        choice = [int(cones.table[i][roots[cones.cone[i]]]) for i in range(problem.num_nodes)]
-        cand = improve_local(problem, choice, max_sweeps=3, deadline=deadline)
-        obj = problem.objective(cand)
-        improved = obj < best_obj and (best is None or best_obj - obj > 1e-9 * abs(best_obj))
-        if obj < best_obj:
-            best, best_obj = cand, obj
-        if not improved or time.perf_counter() > deadline:
-            break
-    assert best is not None
-    return best

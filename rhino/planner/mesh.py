@@ -48,6 +48,9 @@ class AbstractMesh:
             the slowest). A single float is broadcast to every axis.
         flops_per_s: FLOP/s of one device.
         memory_bytes: memory of one device in bytes, or None when unconstrained.
+        native_reduce_scatter: the platform's SPMD partitioner emits reduce-scatter for a
+            pending sum resharded to a split (XLA:GPU/TPU); False where it all-reduces and
+            slices instead (XLA:CPU), so the planner charges what will run.
 
     Raises:
         ValueError: on empty or non-positive sizes, wrong-length per-axis tuples, repeated
@@ -60,6 +63,7 @@ class AbstractMesh:
     beta: tuple[float, ...] | float = CPU_BETA
     flops_per_s: float = CPU_FLOPS
     memory_bytes: int | None = None
+    native_reduce_scatter: bool = True
 
     def __post_init__(self):
         shape = tuple(int(s) for s in self.shape)
@@ -88,14 +92,15 @@ class AbstractMesh:
 
     @classmethod
     def simulated_cpu(cls, shape: Sequence[int], **overrides: Any) -> "AbstractMesh":
-        """A mesh of simulated CPU devices: α = 10 µs, β = 1/(5 GB/s), 50 GFLOP/s, 4 GiB.
+        """A mesh of simulated CPU devices: α = 10 µs, β = 1/(5 GB/s), 50 GFLOP/s, 4 GiB,
+        no native reduce-scatter.
 
         Args:
             shape: the mesh shape.
             **overrides: any other field (``alpha``, ``beta``, ``axis_names``, ...).
         """
         fields = dict(alpha=CPU_ALPHA, beta=CPU_BETA, flops_per_s=CPU_FLOPS,
-                      memory_bytes=CPU_MEMORY)
+                      memory_bytes=CPU_MEMORY, native_reduce_scatter=False)
         fields.update(overrides)
         return cls(tuple(shape), **fields)
 
@@ -133,14 +138,15 @@ class AbstractMesh:
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "axis_names": list(self.axis_names),
                 "alpha": list(self.alpha), "beta": list(self.beta),
-                "flops_per_s": self.flops_per_s, "memory_bytes": self.memory_bytes}
+                "flops_per_s": self.flops_per_s, "memory_bytes": self.memory_bytes,
+                "native_reduce_scatter": self.native_reduce_scatter}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AbstractMesh":
         try:
             return cls(tuple(d["shape"]), tuple(d.get("axis_names", ())),
                        tuple(d["alpha"]), tuple(d["beta"]), float(d["flops_per_s"]),
-                       d.get("memory_bytes"))
+                       d.get("memory_bytes"), bool(d.get("native_reduce_scatter", True)))
         except KeyError as e:
             raise ValueError(f"mesh JSON: expected key {e.args[0]!r}, found keys "
                              f"{sorted(d)}") from None

@@ -1,0 +1,353 @@
+"""``rhino.auto_parallel``: run a one-device training step sharded over the local devices.
+
+First call per input signature: trace the step to a jaxpr, lower it through the
+equation-scoped interpreter (``hlo_passes.annotate``), ingest that HLO, plan (or reuse a
+given plan), constrain every planned value with ``with_sharding_constraint``, compile with
+XLA's SPMD partitioner, and check the compiled argument and result shardings against the plan
+before anything runs. Later calls with the same signature only run. Outputs keep the plan's
+shardings, so feeding them back as the next step's inputs moves nothing; training state that
+is updated and returned (parameters, optimizer state) is donated and updated in place.
+
+Example:
+    >>> import jax.numpy as jnp, rhino
+    >>> @rhino.auto_parallel(mesh_shape=(2,))
+    ... def step(w, x):
+    ...     return w - 0.1 * (x.T @ (x @ w)), jnp.sum(x @ w)
+    >>> w, loss = step(jnp.ones((4, 4)), jnp.ones((8, 4)))   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+
+from rhino.errors import RhinoError
+from rhino.hlo_passes import HloGraph, ingest
+from rhino.hlo_passes.annotate import EqnMap, ScopedFunction
+from rhino.planner.api import PlanOptions, plan_graph
+from rhino.planner.build import BuildOptions, carried_pairs
+from rhino.planner.collectives import reshard
+from rhino.planner.mesh import AbstractMesh
+from rhino.planner.plan import ExecutionPlan
+from rhino.planner.spec import ShardingSpec
+from rhino.runtime import spmd
+
+REPORT_ENV = "RHINO_REPORT"
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoParallelOptions:
+    """Options of ``auto_parallel`` (see its docstring)."""
+
+    devices: tuple | None = None
+    mesh_shape: tuple[int, ...] | None = None
+    mesh: AbstractMesh | None = None
+    opt_level: str = "O2"
+    memory_budget: int | None = None
+    annotations: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    plan: ExecutionPlan | None = None
+    report: bool | None = None
+    donate: bool = True
+    time_limit: float = 600.0
+    progress_after_s: float = 2.0
+
+
+class _Progress:
+    """Prints phase lines to stderr once a search has run longer than ``after`` seconds."""
+
+    def __init__(self, title: str, after: float):
+        self.title, self.t0, self.phase, self.shown = title, time.perf_counter(), "", False
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(after, self._show)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _show(self) -> None:
+        with self._lock:
+            self.shown = True
+            self._print()
+
+    def _print(self) -> None:
+        print(f"rhino: {self.title}: {self.phase} [{time.perf_counter() - self.t0:.1f} s]",
+              file=sys.stderr, flush=True)
+
+    def __call__(self, phase: str) -> None:
+        with self._lock:
+            self.phase = phase
+            if self.shown:
+                self._print()
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            if self.shown:
+                self.phase = "done"
+                self._print()
+
+
+def _pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: AbstractMesh
+          ) -> dict[int, ShardingSpec]:
+    """Annotations (pytree path or named-scope name -> spec) as op ids -> specs."""
+    pins: dict[int, ShardingSpec] = {}
+    by_path = {graph.ops[p].arg.path: p for p in graph.params if graph.ops[p].arg}
+    users = graph.users
+    for key, value in annotations.items():
+        spec = value if isinstance(value, ShardingSpec) else ShardingSpec.parse(str(value), mesh)
+        if key in by_path:
+            pins[by_path[key]] = spec
+            continue
+        scoped = [op.id for op in graph.ops if f"/{key}/" in f"/{op.op_name}/"]
+        members = set(scoped)
+        exported = [i for i in scoped if i in graph.outputs
+                    or any(u not in members for u in users[i])]
+        if not exported:
+            raise RhinoError(f"annotation {key!r}: expected a parameter pytree path (e.g. "
+                             f"{next(iter(by_path), 'params[...]')!r}) or a jax.named_scope "
+                             f"name used in the step; found neither")
+        for i in exported:
+            pins[i] = spec
+    return pins
+
+
+@dataclasses.dataclass
+class _Entry:
+    """A compiled signature."""
+
+    plan: ExecutionPlan
+    graph: HloGraph
+    compiled: Any
+    in_shardings: list
+    out_tree: Any
+    constrained: int
+    hlo_text: str | None = None
+
+
+class AutoParallel:
+    """A step function wrapped by ``auto_parallel``; call it like the original."""
+
+    def __init__(self, fn: Callable, options: AutoParallelOptions):
+        self.fn = fn
+        self.options = options
+        self._cache: dict[Any, _Entry] = {}
+        functools.update_wrapper(self, fn)
+
+    # ----------------------------------------------------------------- public helpers
+    def plan_for(self, *args: Any) -> ExecutionPlan:
+        """The plan used for these arguments (planning and compiling if needed)."""
+        return self._entry(args).plan
+
+    def compiled_text(self, *args: Any) -> str:
+        """The compiled, partitioned HLO for these arguments."""
+        e = self._entry(args)
+        if e.hlo_text is None:
+            e.hlo_text = e.compiled.as_text()
+        return e.hlo_text
+
+    def __call__(self, *args: Any) -> Any:
+        entry = self._entry(args)
+        flat, tree = jax.tree_util.tree_flatten(args)
+        moved = [x if (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim))
+                 else jax.device_put(x, s) for x, s in zip(flat, entry.in_shardings)]
+        return entry.compiled(*jax.tree_util.tree_unflatten(tree, moved))
+
+    # ----------------------------------------------------------------- compile
+    def _mesh(self) -> tuple[AbstractMesh, list]:
+        o = self.options
+        devices = list(o.devices) if o.devices is not None else jax.devices()
+        if o.mesh is not None:
+            return o.mesh, devices
+        shape = o.mesh_shape or (len(devices),)
+        return AbstractMesh.simulated_cpu(tuple(int(s) for s in shape)), devices
+
+    def _entry(self, args: tuple) -> _Entry:
+        abstract = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
+        leaves, tree = jax.tree_util.tree_flatten(abstract)
+        key = (tree, tuple((l.shape, l.dtype) for l in leaves))
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(abstract)
+            self._cache[key] = entry
+        return entry
+
+    def _compile(self, abstract: tuple) -> _Entry:
+        o = self.options
+        name = getattr(self.fn, "__name__", "step")
+        progress = _Progress(f"auto_parallel({name})", o.progress_after_s)
+        try:
+            progress("tracing")
+            traced = ScopedFunction(self.fn, *abstract)
+            progress("ingesting")
+            graph = ingest(traced, *abstract)
+            mesh, devices = self._mesh()
+            if o.plan is not None:
+                plan = o.plan
+                _check_plan_matches(plan, graph, mesh)
+            else:
+                pins = _pins(graph, o.annotations, mesh)
+                options = PlanOptions(opt_level=o.opt_level, memory_budget=o.memory_budget,
+                                      time_limit=o.time_limit,
+                                      build=BuildOptions(strided=False, pinned=pins,
+                                                         partial_passthrough=False))
+                plan = plan_graph(graph, mesh, options, progress)
+            progress("compiling")
+            entry = _compile_plan(self.fn, traced, graph, plan, devices, abstract, o.donate)
+        finally:
+            progress.close()
+        report = o.report if o.report is not None else os.environ.get(REPORT_ENV, "") not in (
+            "", "0")
+        if report:
+            print(entry.plan.report(), file=sys.stderr)
+        return entry
+
+
+def _check_plan_matches(plan: ExecutionPlan, graph: HloGraph, mesh: AbstractMesh) -> None:
+    if len(plan.ops) != len(graph.ops) or any(
+            p.name != op.name or p.opcode != op.opcode for p, op in zip(plan.ops, graph.ops)):
+        raise RhinoError(f"plan: made for a program of {len(plan.ops)} ops ({plan.program}), "
+                         f"this one has {len(graph.ops)} ({graph.name}) with different ops; "
+                         f"re-plan for this function and these argument shapes")
+    if plan.mesh.shape != mesh.shape and plan.mesh.num_devices > 0:
+        pass  # the plan's own mesh is used below
+
+
+def _named(spec: ShardingSpec | None, jmesh, names: Sequence[str]):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if spec is None:
+        return NamedSharding(jmesh, PartitionSpec())
+    return NamedSharding(jmesh, spmd.partition_spec(spec.without_partial(), names))
+
+
+def _compile_plan(fn: Callable, traced: ScopedFunction, graph: HloGraph, plan: ExecutionPlan,
+                  devices: list, abstract: tuple, donate: bool) -> _Entry:
+    names = plan.mesh.axis_names
+    jmesh = spmd.device_mesh(plan.mesh.shape, names, devices)
+    emap = EqnMap(traced, graph)
+    # A pending sum (partial spec) has no sharding of its own: the plan (made without
+    # partial pass-through) resolves it at its consumers. Constrain it to its reduced form
+    # (the partitioner then reduces right there, keeping the other splits as planned), or
+    # to its consumers' spec when that is only a local slice of the reduced form (a
+    # reduce-scatter, where the platform has one).
+    need_of: dict[int, set] = {}
+    for op, o in zip(graph.ops, plan.ops):
+        for q, u in enumerate(op.operands):
+            need_of.setdefault(u, set()).add(o.in_specs[q])
+    constraints = {}
+    for key, op_id in emap.producer.items():
+        spec = plan.ops[op_id].out_spec
+        if spec is None:
+            continue  # tuples stay as they are
+        if spec.is_partial:
+            needs = need_of.get(op_id, set())
+            one = next(iter(needs)) if len(needs) == 1 else None
+            reduced = spec.without_partial()
+            sliced = one is not None and not one.is_partial and reshard(
+                reduced, one, graph.ops[op_id].shape, plan.mesh).is_free
+            spec = one if sliced else reduced
+        constraints[key] = _named(spec, jmesh, names)
+
+    # Operands resharded for their consumer: constrain the operand as the consumer's
+    # strategy needs it, so the partitioner has no other way to run the consumer.
+    in_constraints = {}
+    for path, ids in emap.inputs.items():
+        main = emap.producer.get((path, 0))
+        if main is None:
+            continue
+        op = graph.ops[main]
+        want = plan.ops[main].in_specs
+        for j, h in enumerate(ids):
+            if h is None or h not in op.operands:
+                continue
+            need = want[op.operands.index(h)]
+            if need is None or need.is_partial or need == plan.ops[h].out_spec:
+                continue
+            in_constraints[(path, j)] = _named(need, jmesh, names)
+
+    def hook(path, k, x):
+        s = constraints.get((path, k))
+        return x if s is None else jax.lax.with_sharding_constraint(x, s)
+
+    def in_hook(path, j, x):
+        s = in_constraints.get((path, j))
+        return x if s is None else jax.lax.with_sharding_constraint(x, s)
+
+    in_flat = [_named(plan.params[i].spec, jmesh, names) for i in range(len(graph.params))]
+    carried = {o: p for o, p in carried_pairs(graph)}
+    out_flat = []
+    for o in graph.outputs:
+        src = carried.get(o, o)
+        out_flat.append(_named(plan.ops[src].out_spec, jmesh, names))
+    in_tree = jax.tree_util.tree_structure(abstract)
+    in_shardings = jax.tree_util.tree_unflatten(in_tree, in_flat)
+    out_shardings = jax.tree_util.tree_unflatten(traced.out_tree, out_flat)
+    donate_argnums = ()
+    if donate:
+        carried_params = set(carried.values())
+        pos = 0
+        picked = []
+        for k, arg in enumerate(abstract):
+            n = len(jax.tree_util.tree_leaves(arg))
+            ids = graph.params[pos:pos + n]
+            if n and all(i in carried_params for i in ids):
+                picked.append(k)
+            pos += n
+        donate_argnums = tuple(picked)
+    jitted = jax.jit(traced.with_hook(hook, in_hook), in_shardings=in_shardings,
+                     out_shardings=out_shardings, donate_argnums=donate_argnums)
+    compiled = jitted.lower(*abstract).compile()
+    got_in = jax.tree_util.tree_leaves(compiled.input_shardings[0])
+    got_out = jax.tree_util.tree_leaves(compiled.output_shardings)
+    ndim_in = [len(l.shape) for l in jax.tree_util.tree_leaves(abstract)]
+    paths_in = [graph.ops[p].arg.path for p in graph.params]
+    spmd.check_shardings("argument", got_in, in_flat, ndim_in, paths_in)
+    ndim_out = [len(graph.ops[o].shape.dims) if hasattr(graph.ops[o].shape, "dims") else 0
+                for o in graph.outputs]
+    spmd.check_shardings("result", got_out, out_flat, ndim_out,
+                         [i.path for i in graph.output_info])
+    return _Entry(plan, graph, compiled, in_flat, traced.out_tree, len(constraints))
+
+
+def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None,
+                  mesh_shape: Sequence[int] | None = None, mesh: AbstractMesh | None = None,
+                  opt_level: str = "O2", memory_budget: int | None = None,
+                  annotations: Mapping[str, Any] | None = None,
+                  plan: ExecutionPlan | None = None, report: bool | None = None,
+                  donate: bool = True, time_limit: float = 600.0):
+    """Shard a one-device training step over the local devices, automatically.
+
+    Usable bare (``@rhino.auto_parallel``) or with options.
+
+    Args:
+        fn: the step function (pure; pytrees of arrays in and out).
+        devices: the devices to use (default: all local devices).
+        mesh_shape: the device mesh, e.g. ``(8,)`` or ``(2, 4)`` (default: one axis over
+            all devices).
+        mesh: an explicit ``AbstractMesh`` (e.g. calibrated); overrides ``mesh_shape``.
+        opt_level: ``"O2"`` (fast) or ``"O3"`` (whole-graph ILP).
+        memory_budget: bytes per device; the planner shards the largest parameters first.
+        annotations: semi-automatic control: ``{pytree path or named_scope name: spec}``,
+            e.g. ``{"params['wte']": "S[x]·R"}``; the planner plans around them.
+        plan: a saved ``ExecutionPlan`` to reuse instead of planning.
+        report: print the plan report on the first call (default: env ``RHINO_REPORT``).
+        donate: donate the training state that the step updates and returns.
+        time_limit: seconds per solve.
+
+    Returns:
+        An ``AutoParallel`` callable (``.plan_for(*args)``, ``.compiled_text(*args)``).
+    """
+    options = AutoParallelOptions(
+        devices=tuple(devices) if devices is not None else None,
+        mesh_shape=tuple(mesh_shape) if mesh_shape is not None else None, mesh=mesh,
+        opt_level=opt_level, memory_budget=memory_budget, annotations=dict(annotations or {}),
+        plan=plan, report=report, donate=donate, time_limit=time_limit)
+    if fn is None:
+        return lambda f: AutoParallel(f, options)
+    return AutoParallel(fn, options)

@@ -1,0 +1,205 @@
+"""The cluster (hosts × devices per host, two link speeds) and its splits into stage meshes.
+
+Devices are numbered host-major (device ``h·D + d`` is device ``d`` of host ``h``). A split
+into ``p`` pipeline stages gives each stage ``N/p`` consecutive devices: either a part of
+one host (``D`` divisible by ``N/p``) or whole hosts (``N/p`` divisible by ``D``); other
+sizes would straddle hosts unevenly and are not enumerated. Each stage's devices form a
+logical SPMD mesh, 1-D ``(n,)`` or 2-D ``(a, b)`` (row-major over the stage's devices):
+an axis is *intra-host* when all its groups lie within a host, else it pays the inter-host
+α and β. With ``p = 1`` the split is SPMD over the whole cluster.
+
+Example:
+    >>> c = Cluster.parse("2x8", beta_inter=1e-9)
+    >>> [(s.num_stages, s.stage_shape) for s in enumerate_splits(c, max_stages=2)]
+    [(1, (16,)), (1, (2, 8)), (1, (4, 4)), (1, (8, 2)), (2, (8,)), (2, (2, 4))]
+    >>> s = enumerate_splits(c, 2)[1]
+    >>> s.stage_mesh(c, 0).beta
+    (1e-09, 2e-10)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from rhino.planner.mesh import CPU_ALPHA, CPU_BETA, CPU_FLOPS, CPU_MEMORY, AbstractMesh
+
+_MESH_FIELDS = frozenset(f.name for f in dataclasses.fields(AbstractMesh))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Hosts × devices per host, with the links within and across hosts.
+
+    Attributes:
+        hosts: number of hosts ``H``.
+        devices_per_host: devices per host ``D``.
+        alpha_intra, beta_intra: latency (s) and seconds per byte of links within a host.
+        alpha_inter, beta_inter: the same across hosts.
+        flops_per_s: FLOP/s of one device.
+        memory_bytes: memory of one device (None: unlimited).
+        native_reduce_scatter: the devices' SPMD partitioner emits reduce-scatter (GPU,
+            TPU); False for simulated CPU devices, which all-reduce and slice.
+    """
+
+    hosts: int
+    devices_per_host: int
+    alpha_intra: float = CPU_ALPHA
+    beta_intra: float = CPU_BETA
+    alpha_inter: float = CPU_ALPHA
+    beta_inter: float = CPU_BETA
+    flops_per_s: float = CPU_FLOPS
+    memory_bytes: int | None = CPU_MEMORY
+    native_reduce_scatter: bool = False
+
+    def __post_init__(self):
+        if self.hosts < 1 or self.devices_per_host < 1:
+            raise ValueError(f"cluster: expected >= 1 hosts and devices per host, found "
+                             f"{self.hosts}x{self.devices_per_host}")
+        for f in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"cluster {f}: expected >= 0, found {getattr(self, f)!r}")
+        if not self.flops_per_s > 0:
+            raise ValueError(f"cluster flops_per_s: expected > 0, found {self.flops_per_s!r}")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ValueError(f"cluster memory_bytes: expected > 0 or None, found "
+                             f"{self.memory_bytes!r}")
+
+    @classmethod
+    def parse(cls, text: str, **fields: Any) -> "Cluster":
+        """``"2x8"`` (hosts × devices per host) or ``"8"`` (one host), plus fields.
+
+        Raises:
+            ValueError: text not of that form.
+        """
+        m = re.fullmatch(r"\s*(\d+)\s*(?:[xX×]\s*(\d+))?\s*", str(text))
+        if m is None:
+            raise ValueError(f"cluster: expected HOSTSxDEVICES such as '2x8' (or DEVICES), "
+                             f"found {text!r}")
+        hosts, per = (int(m.group(1)), int(m.group(2))) if m.group(2) else (1, int(m.group(1)))
+        return cls(hosts, per, **fields)
+
+    @property
+    def num_devices(self) -> int:
+        return self.hosts * self.devices_per_host
+
+    def __str__(self) -> str:
+        return f"{self.hosts}x{self.devices_per_host}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Cluster":
+        return cls(**d)
+
+
+def _factor_pairs(n: int) -> list[tuple[int, int]]:
+    return [(a, n // a) for a in range(2, n) if n % a == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSplit:
+    """``num_stages`` stages, each a block of ``devices_per_stage`` devices as a mesh.
+
+    Attributes:
+        num_stages: ``p``.
+        stage_shape: the logical SPMD mesh of every stage.
+        devices_per_stage: ``N / p``.
+        hosts_per_stage: hosts a stage spans (1 when stages share hosts).
+    """
+
+    num_stages: int
+    stage_shape: tuple[int, ...]
+    devices_per_stage: int
+    hosts_per_stage: int
+
+    @property
+    def kind(self) -> str:
+        """``spmd`` (one stage), ``pipeline`` (one device per stage) or ``hybrid``."""
+        if self.num_stages == 1:
+            return "spmd"
+        return "pipeline" if self.devices_per_stage == 1 else "hybrid"
+
+    def devices(self, cluster: Cluster, stage: int) -> tuple[int, ...]:
+        n = self.devices_per_stage
+        return tuple(range(stage * n, (stage + 1) * n))
+
+    def hosts(self, cluster: Cluster, stage: int) -> tuple[int, ...]:
+        return tuple(sorted({d // cluster.devices_per_host for d in self.devices(cluster, stage)}))
+
+    def _axis_inter(self, cluster: Cluster, shape: tuple[int, ...]) -> list[bool]:
+        """Per axis: whether some group along it crosses hosts."""
+        n = self.devices_per_stage
+        per = cluster.devices_per_host
+        out = []
+        inner = 1
+        for size in reversed(shape):
+            span = inner * size              # consecutive devices a group spans
+            out.append(n > per and not (span <= per and per % span == 0))
+            inner = span
+        return list(reversed(out))
+
+    def stage_mesh(self, cluster: Cluster, stage: int = 0) -> AbstractMesh:
+        """The abstract mesh of one stage (all stages have the same)."""
+        inter = self._axis_inter(cluster, self.stage_shape)
+        alpha = tuple(cluster.alpha_inter if x else cluster.alpha_intra for x in inter)
+        beta = tuple(cluster.beta_inter if x else cluster.beta_intra for x in inter)
+        extra = ({"native_reduce_scatter": cluster.native_reduce_scatter}
+                 if "native_reduce_scatter" in _MESH_FIELDS else {})
+        return AbstractMesh(self.stage_shape, alpha=alpha, beta=beta,
+                            flops_per_s=cluster.flops_per_s, memory_bytes=cluster.memory_bytes,
+                            **extra)
+
+    def link(self, cluster: Cluster, src: int, dst: int) -> tuple[float, float]:
+        """(α, β) of the links between two stages: intra-host when both sit on one host."""
+        hs, hd = self.hosts(cluster, src), self.hosts(cluster, dst)
+        if len(hs) == 1 and hs == hd:
+            return cluster.alpha_intra, cluster.beta_intra
+        return cluster.alpha_inter, cluster.beta_inter
+
+    def label(self) -> str:
+        shape = "x".join(map(str, self.stage_shape))
+        return f"pp={self.num_stages} × ({shape})"
+
+
+def enumerate_splits(cluster: Cluster, max_stages: int | None = None,
+                     two_d: bool = True) -> list[MeshSplit]:
+    """Every split of the cluster into ``p ≤ max_stages`` stages × a stage mesh.
+
+    2-D stage meshes ``(a, b)`` with both axes of one link kind are enumerated once
+    (``a ≤ b``): the SPMD planner sees the same mesh up to axis names.
+
+    Args:
+        cluster: the cluster.
+        max_stages: the most stages (default: all devices).
+        two_d: also enumerate 2-D stage meshes.
+    """
+    n = cluster.num_devices
+    per = cluster.devices_per_host
+    max_stages = n if max_stages is None else max(1, min(max_stages, n))
+    out: list[MeshSplit] = []
+    for p in range(1, max_stages + 1):
+        if n % p:
+            continue
+        size = n // p
+        if size <= per:
+            if per % size:
+                continue
+            hosts_per_stage = 1
+        else:
+            if size % per:
+                continue
+            hosts_per_stage = size // per
+        shapes: list[tuple[int, ...]] = [(size,)]
+        if two_d:
+            probe = MeshSplit(p, (size,), size, hosts_per_stage)
+            for a, b in _factor_pairs(size):
+                kinds = probe._axis_inter(cluster, (a, b))
+                if kinds[0] == kinds[1] and a > b:
+                    continue
+                shapes.append((a, b))
+        for shape in shapes:
+            out.append(MeshSplit(p, shape, size, hosts_per_stage))
+    return out

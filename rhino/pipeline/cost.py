@@ -1,0 +1,166 @@
+"""Cost model of a pipeline: per-stage profiles from SPMD plans, transfers, 1F1B step time.
+
+A stage's SPMD plan is made for its subgraph at the whole batch; ``profile_stage`` splits
+it into what runs per microbatch and what runs once per step:
+
+* compute: the apply-gradients ops' share is ``Σ flops / (F · devices sharing the op)``
+  under the plan's output specs; the rest of the plan's compute is forward + backward,
+  divided by ``m`` per microbatch;
+* communication: collectives whose consumer is a compute-gradients op run per microbatch on
+  ``1/m`` of the bytes (α stays); the others (consumer an apply-gradients op, a carried
+  output: the gradient all-reduces and weight updates) run once per step — the gradient
+  synchronization after local accumulation;
+* memory: weights and optimizer state (the state arguments' local shards), a gradient
+  accumulation buffer (the local shards of the stage's gradients), and per microbatch the
+  batch and cut inputs plus the activations (the plan's peak minus its parameters), ``1/m``
+  of the whole batch's.
+
+Transfers between stage meshes (cross-mesh resharding): ``α + β · B / min(n_src, n_dst)``
+for ``B`` bytes — every source device holding the data sends a share (load-balanced senders,
+as in broadcast-based resharding) over links of the given α, β; when the destination spec
+keeps ``k`` copies, an all-gather inside the destination mesh completes them.
+
+1F1B with ``p`` stages and ``m`` microbatches, ``t_s`` the per-microbatch time of stage s
+(compute + communication + sends)::
+
+    step = Σ_s t_s + (m - 1) · max_s t_s + max_s apply_s
+
+(one microbatch flows through every stage and back — fill and drain — and the slowest stage
+paces the other m-1; apply-gradients and gradient synchronization run once at the end). For
+equal stages this is ``(m + p - 1) · t + apply``: the bubble is ``(p - 1) / m`` of the
+useful time. Stage s holds the activations of ``min(m, p - s)`` microbatches at once.
+
+Example:
+    >>> pipeline_step([0.1, 0.1], 4, [0.0, 0.0])["step"]
+    0.5
+    >>> in_flight(0, 4, 8), in_flight(3, 4, 8), in_flight(0, 4, 2)
+    (4, 1, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from rhino.hlo_passes.graph import HloGraph, TensorType
+from rhino.hlo_passes.subgraph import CUT_PREFIX
+from rhino.planner.collectives import collective_cost
+from rhino.planner.mesh import AbstractMesh
+from rhino.planner.plan import ExecutionPlan
+from rhino.planner.spec import ShardingSpec
+
+
+def in_flight(stage: int, num_stages: int, num_microbatches: int) -> int:
+    """Microbatches whose activations stage ``stage`` holds at once under 1F1B."""
+    return max(1, min(num_microbatches, num_stages - stage))
+
+
+def transfer_seconds(nbytes: float, src_devices: int, dst_devices: int, alpha: float,
+                     beta: float) -> float:
+    """Seconds to move ``nbytes`` from one mesh to another (module docstring)."""
+    if nbytes <= 0:
+        return 0.0
+    return alpha + beta * nbytes / max(1, min(src_devices, dst_devices))
+
+
+def gather_seconds(nbytes: float, spec: ShardingSpec | None, mesh: AbstractMesh) -> float:
+    """All-gather inside the destination mesh when ``spec`` keeps replicas there."""
+    if spec is None or mesh.num_devices <= 1:
+        return 0.0
+    shards = spec.shard_count(mesh)
+    if shards >= mesh.num_devices:
+        return 0.0
+    return collective_cost("all-gather", tuple(range(mesh.ndim)), nbytes / shards, mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProfile:
+    """A stage's SPMD plan split into per-microbatch and per-step parts (whole batch).
+
+    Attributes:
+        compute_s: forward + backward compute for the whole batch.
+        apply_compute_s: apply-gradients compute (once per step).
+        micro_collectives: ``(kind, axes, bytes)`` of collectives run per microbatch
+            (bytes for the whole batch).
+        step_comm_s: collectives run once per step (gradient sync, updates).
+        state_bytes: local weights and optimizer state.
+        gradient_bytes: local gradient accumulation buffer.
+        input_bytes: local batch and cut inputs for the whole batch.
+        activation_bytes: the plan's peak minus its parameters (whole batch).
+    """
+
+    compute_s: float
+    apply_compute_s: float
+    micro_collectives: tuple[tuple[str, tuple[int, ...], int], ...]
+    step_comm_s: float
+    state_bytes: int
+    gradient_bytes: int
+    input_bytes: int
+    activation_bytes: int
+
+    def microbatch_comm_s(self, mesh: AbstractMesh, m: int) -> float:
+        return float(sum(collective_cost(k, axes, b / m, mesh)
+                         for k, axes, b in self.micro_collectives))
+
+
+def profile_stage(sub_graph: HloGraph, plan: ExecutionPlan, apply_ops: set[str],
+                  gradient_ops: set[str], state_args: Sequence[str]) -> StageProfile:
+    """Split a stage's SPMD plan (see the module docstring).
+
+    Args:
+        sub_graph: the stage subgraph the plan was made for.
+        plan: its SPMD plan.
+        apply_ops: names of the apply-gradients ops in it.
+        gradient_ops: names of the gradient values it accumulates.
+        state_args: top-level argument names that are training state.
+    """
+    mesh = plan.mesh
+    specs = {o.name: o.out_spec for o in plan.ops}
+    apply_s = 0.0
+    grad_bytes = 0
+    for op in sub_graph.ops:
+        spec = specs.get(op.name)
+        if op.name in apply_ops:
+            div = 1
+            if isinstance(spec, ShardingSpec):
+                div = spec.shard_count(mesh) * mesh.group_size(
+                    [a for a in spec.used_axes if a not in spec.split_axes])
+            apply_s += op.flops / (mesh.flops_per_s * max(1, div))
+        if op.name in gradient_ops and isinstance(op.shape, TensorType):
+            shards = spec.shard_count(mesh) if isinstance(spec, ShardingSpec) else 1
+            grad_bytes += op.out_bytes // max(1, shards)
+    micro, step_comm = [], 0.0
+    for c in plan.collectives:
+        if c.consumer.startswith("<") or c.consumer in apply_ops:
+            step_comm += c.seconds
+        else:
+            micro.append((c.kind, tuple(mesh.axis_index(a) for a in c.axes), int(c.bytes)))
+    state = inputs = 0
+    state_set = set(state_args)
+    for p in plan.params:
+        head = p.path.split("[", 1)[0].split(".", 1)[0]
+        if head in state_set and not p.path.startswith(CUT_PREFIX):
+            state += p.local_bytes
+        else:
+            inputs += p.local_bytes
+    act = max(0, plan.memory.peak - plan.memory.parameters)
+    return StageProfile(max(0.0, plan.compute_s - apply_s), apply_s, tuple(micro), step_comm,
+                        state, grad_bytes, inputs, act)
+
+
+def pipeline_step(micro_s: Sequence[float], num_microbatches: int,
+                  apply_s: Sequence[float]) -> dict[str, float]:
+    """1F1B step time and its parts (module docstring).
+
+    Returns:
+        ``{"step", "bottleneck" (the slowest stage's microbatch time), "fill" (Σ t_s minus
+        the bottleneck's: the bubble), "apply"}``.
+    """
+    m = max(1, int(num_microbatches))
+    if not micro_s:
+        raise ValueError("pipeline_step: expected at least one stage")
+    t_max = max(micro_s)
+    fill = sum(micro_s) - t_max
+    apply = max(apply_s) if apply_s else 0.0
+    return {"step": m * t_max + fill + apply, "bottleneck": t_max, "fill": fill,
+            "apply": apply}

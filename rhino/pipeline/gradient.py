@@ -1,0 +1,313 @@
+"""The gradient boundary: split a training step into compute-gradients and apply-gradients.
+
+A training step ``(state..., batch...) -> (new state..., metrics...)`` has two parts (Rhino
+§6.1, Fig. 6): *compute-gradients* (CG: forward and backward; it reads the batch, runs once
+per microbatch and its gradients are accumulated) and *apply-gradients* (AG: the optimizer
+update; it runs once per step on the accumulated gradients). The values crossing from CG to
+AG that depend on the batch are the gradients.
+
+How the boundary is found, on the HLO graph alone (first that applies):
+
+1. **marker**: ops whose ``op_name`` has a ``rhino.grad`` component (``rhino.grad(g)`` wraps
+   each gradient in an exact identity, ``reduce-precision`` to its own precision, under that
+   named scope). CG is every ancestor of a marked op or of a batch-dependent metric output.
+2. **autodiff**: JAX names the ops of ``jax.grad`` / ``jax.value_and_grad`` ``jvp(...)``
+   (forward) and ``transpose(jvp(...))`` (backward). CG is every ancestor of such an op or
+   of a batch-dependent metric output; AG is the rest (optax's ops carry neither name).
+3. otherwise ``GradientBoundaryError`` says what was looked for and how to mark gradients.
+
+Arguments: *state* arguments are those whose parameters are carried to an output (the
+updated weights and optimizer state pair with them by pytree path) or that are called
+``params`` / ``opt_state``; *batch* arguments are the others unless
+``BoundaryOptions.batch_args`` names them. Metric outputs are outputs not carried.
+
+Checks (``GradientBoundaryError`` when one fails): some batch argument exists; AG is not
+empty and returns a carried output; a gradient exists; with a marker, no unmarked
+batch-dependent value enters AG.
+
+Example:
+    >>> import jax, jax.numpy as jnp, rhino
+    >>> def step(params, batch):
+    ...     loss, g = jax.value_and_grad(lambda p: jnp.mean((batch @ p["w"]) ** 2))(params)
+    ...     return {"w": params["w"] - 0.1 * g["w"]}, loss
+    >>> graph = rhino.ingest(step, {"w": jnp.ones((4, 2))}, jnp.ones((8, 4)))
+    >>> b = find_gradient_boundary(graph)
+    >>> b.method, [graph.ops[g].shape.dims for g in b.gradients]
+    ('autodiff', [(4, 2)])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Sequence
+
+from rhino.errors import RhinoError
+from rhino.hlo_passes.graph import HloGraph
+
+MARKER = "rhino.grad"
+STATE_NAMES = frozenset({"params", "opt_state", "state", "variables", "optimizer_state"})
+METHODS = ("auto", "marker", "autodiff")
+_HEAD = re.compile(r"^([A-Za-z_]\w*)")
+
+
+class GradientBoundaryError(RhinoError):
+    """The compute-gradients / apply-gradients boundary cannot be found or is inconsistent.
+
+    Attributes:
+        expected: what the search needed; found: what the graph has instead.
+    """
+
+    def __init__(self, expected: str, found: str, hint: str = ""):
+        self.expected, self.found = expected, found
+        super().__init__(f"gradient boundary: expected {expected}, found {found}"
+                         + (f". {hint}" if hint else ""))
+
+
+def grad(tree: Any) -> Any:
+    """Mark gradients for rhino's pipeline planner (an exact identity on every leaf).
+
+    Use it where the boundary cannot be found automatically (gradients not computed by
+    ``jax.grad``, or a step whose optimizer is itself differentiated): apply it to the
+    gradients right before the optimizer update. Each floating-point leaf goes through
+    ``reduce_precision`` to its own precision under the named scope ``rhino.grad``.
+
+    Args:
+        tree: a pytree of gradient arrays.
+
+    Returns:
+        The same values.
+
+    Example:
+        >>> import jax.numpy as jnp, rhino
+        >>> bool((rhino.grad({"w": jnp.arange(3.0)})["w"] == jnp.arange(3.0)).all())
+        True
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def mark(x):
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        fi = jnp.finfo(x.dtype)
+        with jax.named_scope(MARKER):
+            return jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+    return jax.tree.map(mark, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryOptions:
+    """How ``find_gradient_boundary`` searches.
+
+    Attributes:
+        batch_args: top-level argument names that carry the batch (e.g. ``("batch",)``);
+            None: every argument that is not state (see the module docstring).
+        method: ``"auto"`` (marker, then autodiff), ``"marker"`` or ``"autodiff"``.
+    """
+
+    batch_args: tuple[str, ...] | None = None
+    method: str = "auto"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method: expected one of {METHODS}, found {self.method!r}")
+        if self.batch_args is not None:
+            object.__setattr__(self, "batch_args", tuple(self.batch_args))
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientBoundary:
+    """The split of a training step (op ids of the graph it was found on).
+
+    Attributes:
+        method: ``"marker"`` or ``"autodiff"``.
+        batch_args / state_args: top-level argument names of each kind.
+        batch_params / state_params: entry parameter op ids of each kind.
+        compute: CG op ids (ascending); closed under operands.
+        apply: AG op ids (ascending): every other op.
+        gradients: CG ops read by AG that depend on the batch: accumulated per microbatch.
+        shared: CG ops read by AG that do not depend on the batch (weights, constants).
+        metrics: program outputs computed in CG that are not carried (the loss, ...).
+        cg_state: carried outputs computed in CG (state updated per microbatch, e.g.
+            batch-norm statistics); the last microbatch's value is kept.
+        batch_dependent: per op, whether it depends on a batch argument.
+    """
+
+    method: str
+    batch_args: tuple[str, ...]
+    state_args: tuple[str, ...]
+    batch_params: tuple[int, ...]
+    state_params: tuple[int, ...]
+    compute: tuple[int, ...]
+    apply: tuple[int, ...]
+    gradients: tuple[int, ...]
+    shared: tuple[int, ...]
+    metrics: tuple[int, ...]
+    cg_state: tuple[int, ...]
+    batch_dependent: tuple[bool, ...] = dataclasses.field(repr=False, default=())
+
+    def in_compute(self) -> list[bool]:
+        """Per op, whether it is in CG."""
+        flags = [False] * len(self.batch_dependent)
+        for i in self.compute:
+            flags[i] = True
+        return flags
+
+    def summary(self, graph: HloGraph) -> dict[str, Any]:
+        """Plain-data summary with op names (for plans and reports)."""
+        return {
+            "method": self.method, "batch_args": list(self.batch_args),
+            "state_args": list(self.state_args), "compute_ops": len(self.compute),
+            "apply_ops": len(self.apply),
+            "gradients": [graph.ops[i].name for i in self.gradients],
+            "gradient_bytes": int(sum(graph.ops[i].out_bytes for i in self.gradients)),
+            "metrics": [graph.ops[i].name for i in self.metrics],
+            "cg_state": [graph.ops[i].name for i in self.cg_state],
+        }
+
+
+def arg_name(graph: HloGraph, param: int) -> str:
+    """The top-level argument name of an entry parameter (``params`` for
+    ``params['w']``); the parameter's path when it has no identifier head."""
+    op = graph.ops[param]
+    path = op.arg.path if op.arg is not None else op.name
+    m = _HEAD.match(path)
+    return m.group(1) if m else path
+
+
+def _carried(graph: HloGraph) -> tuple[tuple[int, int], ...]:
+    from rhino.planner.build import carried_pairs
+    return carried_pairs(graph)
+
+
+def split_arguments(graph: HloGraph, batch_args: Sequence[str] | None = None
+                    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(batch argument names, state argument names), in parameter order.
+
+    Raises:
+        GradientBoundaryError: a named batch argument does not exist, or no argument is
+            left to carry the batch.
+    """
+    names = list(dict.fromkeys(arg_name(graph, p) for p in graph.params))
+    if batch_args is not None:
+        unknown = [a for a in batch_args if a not in names]
+        if unknown:
+            raise GradientBoundaryError(f"batch_args among the arguments {names}",
+                                        f"{unknown}")
+        batch = [a for a in names if a in batch_args]
+    else:
+        carried_args = {arg_name(graph, p) for _, p in _carried(graph)}
+        batch = [a for a in names if a not in carried_args and a not in STATE_NAMES]
+    if not batch:
+        raise GradientBoundaryError(
+            "an argument carrying the batch", f"only state arguments {names}",
+            "Pass batch_args (e.g. BoundaryOptions(batch_args=('batch',))).")
+    return tuple(batch), tuple(a for a in names if a not in batch)
+
+
+def _ancestors(graph: HloGraph, seeds: Sequence[int]) -> list[bool]:
+    flags = [False] * len(graph.ops)
+    stack = list(seeds)
+    while stack:
+        i = stack.pop()
+        if flags[i]:
+            continue
+        flags[i] = True
+        stack.extend(o for o in graph.ops[i].operands if not flags[o])
+    return flags
+
+
+def _has_component(op_name: str, pred) -> bool:
+    return any(pred(part) for part in op_name.split("/"))
+
+
+def _is_marker(op_name: str) -> bool:
+    return _has_component(op_name, lambda c: c == MARKER)
+
+
+def _is_autodiff(op_name: str) -> bool:
+    return _has_component(op_name, lambda c: c.startswith("jvp(") or c.startswith("transpose("))
+
+
+def find_gradient_boundary(graph: HloGraph, options: BoundaryOptions = BoundaryOptions()
+                           ) -> GradientBoundary:
+    """Find the compute-gradients / apply-gradients split of a training step.
+
+    Args:
+        graph: the training step's graph.
+        options: batch arguments and method.
+
+    Returns:
+        The ``GradientBoundary``.
+
+    Raises:
+        GradientBoundaryError: no batch argument, no marker or autodiff ops (for the
+            method asked), no apply-gradients part, no gradient, or an unmarked value
+            entering apply-gradients when a marker is used.
+    """
+    batch_args, state_args = split_arguments(graph, options.batch_args)
+    batch_params = tuple(p for p in graph.params if arg_name(graph, p) in batch_args)
+    state_params = tuple(p for p in graph.params if arg_name(graph, p) not in batch_args)
+    n = len(graph.ops)
+    dep = [False] * n
+    for p in batch_params:
+        dep[p] = True
+    for op in graph.ops:
+        if not dep[op.id] and any(dep[o] for o in op.operands):
+            dep[op.id] = True
+    carried_outs = {o for o, _ in _carried(graph)}
+    metrics = [o for o in dict.fromkeys(graph.outputs) if o not in carried_outs and dep[o]]
+
+    markers = [op.id for op in graph.ops if _is_marker(op.op_name)]
+    autodiff = [op.id for op in graph.ops if _is_autodiff(op.op_name)]
+    if options.method == "marker" or (options.method == "auto" and markers):
+        if not markers:
+            raise GradientBoundaryError(f"ops marked {MARKER!r} (rhino.grad)", "none",
+                                        "Wrap the gradients with rhino.grad(...).")
+        method, seeds = "marker", markers
+    elif options.method == "autodiff" or autodiff:
+        if not autodiff:
+            raise GradientBoundaryError("jax.grad / value_and_grad ops (op_name jvp(...) or "
+                                        "transpose(...))", "none",
+                                        "Wrap the gradients with rhino.grad(...).")
+        method, seeds = "autodiff", autodiff
+    else:
+        raise GradientBoundaryError(
+            f"ops of jax.grad (op_name jvp(...)/transpose(...)) or ops marked {MARKER!r}",
+            f"neither in {len(graph.ops)} ops (op_name metadata "
+            f"{'present' if any(op.op_name for op in graph.ops) else 'absent'})",
+            "Wrap the gradients with rhino.grad(...) before the optimizer update.")
+    in_cg = _ancestors(graph, list(seeds) + metrics)
+    compute = tuple(i for i in range(n) if in_cg[i])
+    apply = tuple(i for i in range(n) if not in_cg[i])
+    users = graph.users
+    crossing = sorted({o for i in apply for o in graph.ops[i].operands if in_cg[o]})
+    gradients = tuple(o for o in crossing if dep[o])
+    shared = tuple(o for o in crossing if not dep[o])
+    ag_outs = [o for o in graph.outputs if not in_cg[o]]
+    if not any(o in carried_outs for o in ag_outs):
+        raise GradientBoundaryError(
+            "an apply-gradients part that returns updated state (an output paired with a "
+            "state argument)", f"{len(apply)} apply-gradients ops returning "
+            f"{[graph.output_info[graph.outputs.index(o)].path for o in ag_outs][:3]}",
+            "Is this a training step? Its updated parameters must be outputs.")
+    if not gradients:
+        raise GradientBoundaryError("a batch-dependent value entering apply-gradients",
+                                    "none: the update does not depend on the batch")
+    if method == "marker":
+        marked = set(markers)
+        unmarked = [o for o in gradients if o not in marked]
+        if unmarked:
+            op = graph.ops[unmarked[0]]
+            raise GradientBoundaryError(
+                "only rhino.grad-marked values entering apply-gradients",
+                f"{len(unmarked)} unmarked, e.g. {op.name} ({op.opcode} {op.shape}, "
+                f"{op.source}) read by {graph.ops[users[op.id][-1]].name}",
+                "Mark every gradient the optimizer reads.")
+    cg_state = tuple(o for o in dict.fromkeys(graph.outputs) if o in carried_outs and in_cg[o]
+                     and dep[o])
+    return GradientBoundary(method, batch_args, state_args, batch_params, state_params,
+                            compute, apply, gradients, shared, tuple(metrics), cg_state,
+                            tuple(dep))

@@ -1,0 +1,192 @@
+"""rhino.auto_parallel on 8 simulated CPU devices: numerics against single-device jax.jit,
+collectives of the compiled program against the plan, annotations, plan reuse, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rhino
+from rhino.errors import RhinoError
+from rhino.models import get_model
+from rhino.planner.plan import ExecutionPlan
+from rhino.runtime.spmd import ShardingMismatchError, count_collectives, summarize
+
+# Adam divides by sqrt(v): where a gradient is ~0, a last-bit difference from another
+# reduction order moves that element by up to a fraction of one step (lr = 1e-3), so
+# parameters are compared with rtol 1e-4 plus an atol of 5% of a step.
+RTOL, ATOL = 1e-4, 5e-5
+
+MODELS = {
+    "mlp": dict(batch=64, hidden=128),
+    "gpt": dict(layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=8),
+    "moe": dict(layers=2, hidden=64, heads=4, seq=16, vocab=256, batch=8, experts=4),
+    "wide_resnet": dict(batch=8, image=16, base_channels=8, layers=10),
+}
+
+
+def _train(model, step_fn, steps, params, opt, batch):
+    losses = []
+    for _ in range(steps):
+        params, opt, loss = step_fn(params, opt, batch)
+        losses.append(float(loss))
+    return params, losses
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+@pytest.mark.parametrize("mesh", [(8,), (2, 4)])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_matches_single_device(name, mesh, opt_level):
+    model = get_model(name, **MODELS[name])
+    params, opt = model.init(jax.random.PRNGKey(0))
+    batch = model.make_batch(jax.random.PRNGKey(1))
+    ref_params, ref_losses = _train(model, jax.jit(model.step), 10, params, opt, batch)
+    step = rhino.auto_parallel(model.step, mesh_shape=mesh, opt_level=opt_level)
+    got_params, got_losses = _train(model, step, 10, _copy(params), _copy(opt), batch)
+    np.testing.assert_allclose(got_losses, ref_losses, rtol=RTOL)
+    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+    # Outputs keep the plan's shardings, so the next step's inputs need no movement.
+    plan = step.plan_for(params, opt, batch)
+    leaf = jax.tree.leaves(got_params)[0]
+    assert leaf.sharding.mesh.devices.shape == mesh
+    assert plan.mesh.shape == mesh and plan.search.opt_level == opt_level
+
+
+def _compare_collectives(step, args, exact_counts: bool):
+    plan = step.plan_for(*args)
+    got = summarize(count_collectives(step.compiled_text(*args)))
+    want = plan.collective_summary()
+
+    def fold(d):  # XLA may run an all-to-all resharding as a collective-permute
+        d = dict(d)
+        if "collective-permute" in d:
+            c, b = d.pop("collective-permute")
+            c0, b0 = d.get("all-to-all", (0, 0))
+            d["all-to-all"] = (c0 + c, b0 + b)
+        return d
+
+    got, want = fold(got), fold(want)
+    assert set(got) == set(want), (got, want)
+    total_got = sum(b for _, b in got.values())
+    total_want = sum(b for _, b in want.values())
+    assert abs(total_got - total_want) <= 0.10 * total_want, (got, want)
+    for kind in want:
+        if exact_counts:
+            assert got[kind][0] == want[kind][0], (kind, got, want)
+        else:
+            # On 2-D meshes XLA sometimes merges or splits per-axis reductions differently
+            # from the plan (known gap); counts must agree to 20%, bytes to 10% overall.
+            assert abs(got[kind][0] - want[kind][0]) <= max(2, 0.2 * want[kind][0]), (got, want)
+    return plan, got
+
+
+def test_mlp_collectives_data_parallel():
+    m = get_model("mlp", batch=1024, hidden=128)
+    step = rhino.auto_parallel(m.step, mesh_shape=(4,), opt_level="O3")
+    plan, got = _compare_collectives(step, m.example_args(), exact_counts=True)
+    # Data parallel: the batch split, weights replicated, gradients all-reduced.
+    assert plan.param_spec("batch['inputs']").to_str(plan.mesh) == "S[x]·R"
+    assert plan.param_spec("params['layers'][0]['w']").is_replicated
+    assert set(got) == {"all-reduce"}
+
+
+def test_mlp_collectives_megatron():
+    m = get_model("mlp", batch=128, hidden=1024)
+    step = rhino.auto_parallel(m.step, mesh_shape=(4,), opt_level="O3")
+    plan, got = _compare_collectives(step, m.example_args(), exact_counts=True)
+    assert plan.param_spec("params['layers'][0]['w']").to_str(plan.mesh) == "R·S[x]"
+    assert plan.param_spec("params['layers'][1]['w']").to_str(plan.mesh) == "S[x]·R"
+    assert got == {"all-reduce": (1, 128 * 1024 * 4)}
+
+
+def test_gpt_collectives_1d():
+    m = get_model("gpt", layers=2)
+    step = rhino.auto_parallel(m.step, mesh_shape=(8,), opt_level="O2")
+    _compare_collectives(step, m.example_args(), exact_counts=True)
+
+
+def test_gpt_collectives_2d():
+    m = get_model("gpt", layers=2)
+    step = rhino.auto_parallel(m.step, mesh_shape=(2, 4), opt_level="O2")
+    _compare_collectives(step, m.example_args(), exact_counts=False)
+
+
+def test_annotation_pins_embedding_to_vocabulary_split():
+    m = get_model("gpt", **MODELS["gpt"])
+    params, opt = m.init(jax.random.PRNGKey(0))
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    free = rhino.auto_parallel(m.step, mesh_shape=(8,)).plan_for(params, opt, batch)
+    step = rhino.auto_parallel(m.step, mesh_shape=(8,),
+                               annotations={"params['wte']": "S[x]·R"})
+    plan = step.plan_for(params, opt, batch)
+    assert plan.param_spec("params['wte']").to_str(plan.mesh) == "S[x]·R"
+    assert plan.search.objective >= free.search.objective - 1e-12
+    ref_params, ref_losses = _train(m, jax.jit(m.step), 3, params, opt, batch)
+    got_params, got_losses = _train(m, step, 3, _copy(params), _copy(opt), batch)
+    np.testing.assert_allclose(got_losses, ref_losses, rtol=RTOL)
+    assert got_params["wte"].sharding.spec[0] == "x"
+
+
+def test_contradictory_annotations_are_clear_errors():
+    m = get_model("gpt", **MODELS["gpt"])
+    args = m.example_args()
+    # 4 heads' worth of a 64-wide dim cannot split 8 ways with a 3-long dim... use an
+    # impossible split: the position table's 32 rows over a mesh axis of 8 is fine, so pin
+    # a scalar-shaped count (rank 0) to a split instead.
+    bad = rhino.auto_parallel(m.step, mesh_shape=(8,),
+                              annotations={"opt_state[0].count": "S[x]"})
+    with pytest.raises(RhinoError, match="opt_state"):
+        bad.plan_for(*args)
+    unknown = rhino.auto_parallel(m.step, mesh_shape=(8,),
+                                  annotations={"params['nope']": "S[x]·R"})
+    with pytest.raises(RhinoError, match="params\\['nope'\\]"):
+        unknown.plan_for(*args)
+
+
+def test_saved_plan_is_reused(tmp_path):
+    m = get_model("mlp", batch=64, hidden=128)
+    params, opt = m.init(jax.random.PRNGKey(0))
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    first = rhino.auto_parallel(m.step, mesh_shape=(4,))
+    plan = first.plan_for(params, opt, batch)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    again = rhino.auto_parallel(m.step, plan=ExecutionPlan.from_json(path.read_text()))
+    assert again.plan_for(params, opt, batch) == plan
+    p1, l1 = _train(m, first, 2, _copy(params), _copy(opt), batch)
+    p2, l2 = _train(m, again, 2, _copy(params), _copy(opt), batch)
+    assert l1 == l2
+    other = get_model("mlp", batch=64, hidden=64)
+    with pytest.raises(RhinoError, match="re-plan"):
+        rhino.auto_parallel(other.step, plan=plan).plan_for(*other.example_args())
+
+
+def test_bare_decorator_and_report(capsys, monkeypatch):
+    @rhino.auto_parallel
+    def step(w, x):
+        return w - 0.01 * x.T @ (x @ w), jnp.sum((x @ w) ** 2)
+
+    w, x = jnp.ones((16, 16)), jnp.ones((64, 16))
+    monkeypatch.setenv("RHINO_REPORT", "1")
+    w2, loss = step(w, x)
+    assert "rhino plan" in capsys.readouterr().err
+    ref_w, ref_loss = jax.jit(step.__wrapped__)(w, x)
+    np.testing.assert_allclose(np.asarray(w2), np.asarray(ref_w), rtol=1e-5)
+    # Same signature: no re-planning; a host array is accepted as input.
+    w3, _ = step(np.asarray(w2), x)
+    assert len(step._cache) == 1
+
+
+def test_mismatched_compiled_sharding_is_refused():
+    from rhino.runtime.spmd import check_shardings
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import numpy as onp
+    mesh = jax.sharding.Mesh(onp.array(jax.devices()[:2]), ("x",))
+    with pytest.raises(ShardingMismatchError, match="refusing to run"):
+        check_shardings("argument", [NamedSharding(mesh, P())], [NamedSharding(mesh, P("x"))],
+                        [1], ["params['w']"])
