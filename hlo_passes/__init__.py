@@ -10,6 +10,10 @@ Pass order::
         ▼
     GraphAnalysis                 consumed by the planner (rhino.planner)
 
+    annotate.py                   for execution: a jaxpr interpreter naming every equation
+                                  (eqn<i> scopes in op_name), EqnMap from HLO ops to
+                                  equation outputs, hooks that apply sharding constraints
+
 Each pass takes the previous pass's product and checks its invariants (``HloGraph.check``).
 """
 

@@ -73,7 +73,7 @@ class _Builder:
         self.names: set[str] = set()
         self._flops_memo: dict[str, float] = {}
 
-    def _unique(self, name: str, comp: str) -> str:
+    def _unique(self, name: str) -> str:
         if name not in self.names:
             self.names.add(name)
             return name
@@ -136,7 +136,7 @@ class _Builder:
         flops = op_flops(ins.opcode, ins.shape, operand_shapes, attrs)
         if ins.opcode in _OPAQUE:
             flops = self._opaque(ins, attrs)
-        op = Op(id=len(self.ops), name=self._unique(ins.name, ""), opcode=ins.opcode,
+        op = Op(id=len(self.ops), name=self._unique(ins.name), opcode=ins.opcode,
                 shape=ins.shape, operands=tuple(operand_ids), attrs=attrs, flops=flops,
                 out_bytes=sum(t.nbytes for t in flatten_shape(ins.shape)),
                 op_name=md.get("op_name", ""), source=self.module.source_of(md))

@@ -117,6 +117,11 @@ def format_summary(s: dict[str, Any], hist_rows: int = 12) -> str:
     return "\n".join(lines)
 
 
+def _q(text: str) -> str:
+    """Escape text for a double-quoted Graphviz label."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
 def coarse_dot(graph: HloGraph, a: GraphAnalysis, max_cones: int = 2000) -> str:
     """Graphviz text of the coarsened graph: segments (boxes) and critical nodes (ellipses),
     with edges labelled by the bytes crossing them. Cones appear as nodes inside their
@@ -135,7 +140,7 @@ def coarse_dot(graph: HloGraph, a: GraphAnalysis, max_cones: int = 2000) -> str:
     cones_by_seg: dict[int, list] = {}
     for cone in a.cones:
         cones_by_seg.setdefault(a.segment_of[cone.root], []).append(cone)
-    out = [f'digraph "{graph.name}" {{', "  rankdir=TB; node [fontsize=10];"]
+    out = [f'digraph "{_q(graph.name)}" {{', "  rankdir=TB; node [fontsize=10];"]
     for k, members in enumerate(a.segments):
         if not members:
             continue
@@ -147,15 +152,15 @@ def coarse_dot(graph: HloGraph, a: GraphAnalysis, max_cones: int = 2000) -> str:
             for cone in cones_by_seg[k]:
                 r = graph.ops[cone.root]
                 out.append(f'    k{cone.root} [shape=box, style=rounded, '
-                           f'label="cone {r.name}\\n{len(cone.members)} ops"];')
+                           f'label="cone {_q(r.name)}\\n{len(cone.members)} ops"];')
             out.append("  }")
         else:
             out.append(f'  s{k} [shape=box, label="{label}"];')
     for c in a.critical:
         op = graph.ops[c]
-        src = f"\\n{op.source}" if op.source else ""
+        src = f"\\n{_q(op.source)}" if op.source else ""
         out.append(f'  c{c} [shape=ellipse, style=filled, fillcolor=lightblue, '
-                   f'label="{op.name}\\n{shape_str(op.shape)}{src}"];')
+                   f'label="{_q(op.name)}\\n{shape_str(op.shape)}{src}"];')
     for (s, d), b in sorted(edges.items()):
         out.append(f'  {s} -> {d} [label="{b / 2**20:.2f} MiB"];')
     out.append("}")

@@ -37,9 +37,15 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-@pytest.mark.parametrize("opt_level", ["O2", "O3"])
-@pytest.mark.parametrize("mesh", [(8,), (2, 4)])
-@pytest.mark.parametrize("name", list(MODELS))
+# The default suite runs one case per model; the whole matrix (4 models x 2 meshes x
+# O2/O3) is marked slow: python -m pytest -m slow tests/test_auto_parallel.py
+_DEFAULT = {("mlp", (2, 4), "O3"), ("gpt", (8,), "O2"), ("gpt", (2, 4), "O3"),
+            ("moe", (8,), "O3"), ("wide_resnet", (8,), "O2")}
+CASES = [pytest.param(n, m, o, marks=() if (n, m, o) in _DEFAULT else pytest.mark.slow)
+         for n in MODELS for m in [(8,), (2, 4)] for o in ["O2", "O3"]]
+
+
+@pytest.mark.parametrize("name,mesh,opt_level", CASES)
 def test_training_matches_single_device(name, mesh, opt_level):
     model = get_model(name, **MODELS[name])
     params, opt = model.init(jax.random.PRNGKey(0))
