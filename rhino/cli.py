@@ -3,6 +3,9 @@
     rhino inspect PATH_OR_MODEL [--json] [--dot FILE]
     rhino plan PATH_OR_MODEL --mesh 2,4 [--alpha 1e-5,1e-5] [--beta 2e-10,2e-10]
                [--opt-level O2|O3] [--memory-budget BYTES] [--json] [--output FILE]
+    rhino plan PATH_OR_MODEL --cluster 2x8 [--microbatches 8] [--epsilon 0.1]
+               [--max-stages 4] [--alpha-intra S] [--beta-intra S/B] [--alpha-inter S]
+               [--beta-inter S/B] [--memory-budget BYTES] [--json] [--output FILE]
     rhino demo [--model SPEC] [--mesh 8] [--steps 10]
 
 ``PATH_OR_MODEL`` is an ``.hlo`` / ``.mlir`` file, or a zoo model as ``NAME:key=value,...``
@@ -82,9 +85,33 @@ def _memory(text: str | None) -> int | None:
                          f"{text!r}") from None
 
 
+def _cmd_plan_pipeline(args: argparse.Namespace) -> int:
+    """``rhino plan --cluster HxD``: weigh SPMD-only, pipeline and hybrid plans."""
+    import rhino
+
+    source, example = resolve_source(args.source)
+    progress = None if args.quiet else (lambda msg: print(f"rhino: {msg}", file=sys.stderr))
+    budget = _memory(args.memory_budget)
+    try:
+        p = rhino.plan_pipeline(
+            source, *example, cluster=args.cluster, microbatches=args.microbatches,
+            epsilon=args.epsilon, max_stages=args.max_stages, alpha_intra=args.alpha_intra,
+            beta_intra=args.beta_intra, alpha_inter=args.alpha_inter,
+            beta_inter=args.beta_inter, memory_bytes=budget, progress=progress)
+    except ValueError as e:
+        raise RhinoError(str(e)) from None
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(p.to_json(indent=1))
+    print(p.to_json(indent=1) if args.json else p.report())
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     import rhino
 
+    if getattr(args, "cluster", None):
+        return _cmd_plan_pipeline(args)
     mesh_shape = tuple(int(x) for x in _floats(args.mesh, "--mesh"))
     source, example = resolve_source(args.source)
     progress = None if args.quiet else (lambda msg: print(f"rhino: {msg}", file=sys.stderr))
@@ -171,6 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json", action="store_true", help="print the plan as JSON")
     pp.add_argument("--output", metavar="FILE", help="also save the plan JSON to FILE")
     pp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    pp.add_argument("--cluster", metavar="HxD", help="plan SPMD / pipeline / hybrid for H hosts "
+                    "x D devices per host, e.g. 2x8 (the pipeline planner; --mesh is ignored)")
+    pp.add_argument("--microbatches", type=int, default=8, help="microbatches per step (1F1B)")
+    pp.add_argument("--epsilon", type=float, default=0.1, help="stage imbalance tolerance")
+    pp.add_argument("--max-stages", type=int, help="the most pipeline stages")
+    for where in ("intra", "inter"):
+        pp.add_argument(f"--alpha-{where}", type=float,
+                        help=f"link latency {where}-host in seconds (with --cluster)")
+        pp.add_argument(f"--beta-{where}", type=float,
+                        help=f"seconds per byte {where}-host (with --cluster)")
     pp.set_defaults(func=_cmd_plan)
     pd = sub.add_parser("demo", help="the main job: plan and train a zoo model on simulated "
                                      "CPU devices beside single-device training")

@@ -35,8 +35,9 @@ computed from parameters) on the units of the forward ops reading it. Walking ba
 program order, an op goes to the latest unit (topological rank) among those where its
 forward operands are available that is not after any unit of its backward operands
 (gradients only flow from later stages to earlier ones); with no forward operand it joins
-its backward operands' earliest unit. So the weight gradient ``xᵀ·dy`` of a layer lands with
-the layer and ``dy·Wᵀ`` with ``dy``. Each backward edge ``i -> j`` then requires ``stage(j)
+its backward operands' earliest unit. A weight's gradient is also available where the weight
+is read. So the weight gradient ``xᵀ·dy`` of a layer lands with the layer, ``dy·Wᵀ`` with
+``W``, and a bias gradient ``Σ dy`` with its bias. Each backward edge ``i -> j`` then requires ``stage(j)
 ≤ stage(i)``: the unit DAG gets the edge ``unit(j) -> unit(i)``, and backward tensors count
 when cut. Each stage thus owns its layers' weights and both passes. Cycles among units (a
 counterpart rule that disagrees with the forward order) are merged into one unit.
@@ -57,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from rhino.hlo_passes.analyses import analyze
 from rhino.hlo_passes.graph import HloGraph
@@ -367,7 +368,8 @@ def _unit_problem(graph: HloGraph, role: Sequence[str], unit_of: list[int],
     return problem, members, unit_of
 
 
-def _attach_backward(graph: HloGraph, role: Sequence[str], unit_of: list[int]) -> None:
+def _attach_backward(graph: HloGraph, role: Sequence[str], unit_of: list[int],
+                     gradient_weights: Mapping[int, Sequence[int]]) -> None:
     """Backward ops join their forward counterpart's unit (module docstring)."""
     n = len(graph.ops)
     users = graph.users
@@ -389,6 +391,19 @@ def _attach_backward(graph: HloGraph, role: Sequence[str], unit_of: list[int]) -
                     avail[i].add(unit_of[j])
                 elif from_param[j]:
                     avail[i] |= avail[j]
+    # A gradient's private chain (ops only it reads, e.g. Σ over the batch, then over the
+    # sequence, then a reshape) belongs with the weight too.
+    owner: dict[int, Sequence[int]] = dict(gradient_weights)
+    for g, ws in gradient_weights.items():
+        chain = {g}
+        stack = [g]
+        while stack:
+            i = stack.pop()
+            for o in graph.ops[i].operands:
+                if role[o] == BWD and o not in chain and all(j in chain for j in users[o]):
+                    chain.add(o)
+                    owner.setdefault(o, ws)
+                    stack.append(o)
     pending = []
     last = max(unit_of)
     for op in graph.ops:
@@ -400,6 +415,8 @@ def _attach_backward(graph: HloGraph, role: Sequence[str], unit_of: list[int]) -
         for o in op.operands:
             if role[o] == FWD or from_param[o]:
                 resid |= avail[o]
+        for w in owner.get(i, ()):   # a weight's gradient: at home with the weight
+            resid |= avail[w]
         upper = min(grads) if grads else None
         cands = [r for r in resid if upper is None or r <= upper]
         if cands:
@@ -414,7 +431,8 @@ def _attach_backward(graph: HloGraph, role: Sequence[str], unit_of: list[int]) -
 
 
 def coarsen(graph: HloGraph, roles: OpRoles, granularity: str = "auto",
-            state_params: Sequence[int] = (), max_group_share: float = 0.5) -> Coarsening:
+            state_params: Sequence[int] = (), max_group_share: float = 0.5,
+            gradient_weights: Mapping[int, Sequence[int]] | None = None) -> Coarsening:
     """Group forward ops into units, attach backward ops, and build the unit DAG.
 
     Args:
@@ -424,6 +442,9 @@ def coarsen(graph: HloGraph, roles: OpRoles, granularity: str = "auto",
             ``layer``, ``segment`` or ``op`` (see the module docstring).
         state_params: the weight (state) parameter ops, for the weight groups.
         max_group_share: a group spanning more of the forward compute is not grouped.
+        gradient_weights: gradient op -> the weights it updates
+            (``gradient.gradient_weights``): a gradient joins its weight's unit even when it
+            reads no forward value (a bias gradient ``Σ dy``).
 
     Raises:
         ValueError: unknown granularity.
@@ -451,7 +472,7 @@ def coarsen(graph: HloGraph, roles: OpRoles, granularity: str = "auto",
         granularity = "layer"
         key, groups = _layer_keys(graph, role, fwd, readers, max_group_share)
     _, _, unit_of = _unit_problem(graph, role, key, backward=False)
-    _attach_backward(graph, role, unit_of)
+    _attach_backward(graph, role, unit_of, gradient_weights or {})
     problem, members, unit_of = _unit_problem(graph, role, unit_of, backward=True)
     return Coarsening(tuple(unit_of), tuple(tuple(m) for m in members), problem, granularity,
                       tuple(groups))

@@ -168,6 +168,34 @@ class GradientBoundary:
         }
 
 
+def gradient_weights(graph: HloGraph, boundary: GradientBoundary) -> dict[int, tuple[int, ...]]:
+    """Gradient op id -> the state parameters whose update reads it.
+
+    Walks back from each updated-state output through the apply-gradients ops that depend on
+    the batch, to the gradients. With Adam, ``g_w`` maps to ``w`` and its two moments.
+    """
+    dep = boundary.batch_dependent
+    in_cg = boundary.in_compute()
+    grads = set(boundary.gradients)
+    state = set(boundary.state_params)
+    out: dict[int, list[int]] = {}
+    for o, p in _carried(graph):
+        if p not in state or in_cg[o] or not dep[o]:
+            continue
+        seen: set[int] = set()
+        stack = [o]
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if i in grads:
+                out.setdefault(i, []).append(p)
+                continue
+            stack.extend(x for x in graph.ops[i].operands if dep[x] and x not in seen)
+    return {g: tuple(sorted(set(ps))) for g, ps in out.items()}
+
+
 def arg_name(graph: HloGraph, param: int) -> str:
     """The top-level argument name of an entry parameter (``params`` for
     ``params['w']``); the parameter's path when it has no identifier head."""

@@ -135,7 +135,8 @@ class Candidate:
         compute_s / communication_s / transfer_s / bubble_s / apply_s: the parts of
             ``step_s`` (see ``cost.pipeline_step``).
         memory: the largest per-device bytes of any stage.
-        note: why it is infeasible, or what limited it.
+        note: why it is infeasible (or pruned), or what limited it.
+        lower_bound_s: no plan of this stage count can be faster (``search._lower_bound``).
     """
 
     kind: str
@@ -150,6 +151,7 @@ class Candidate:
     apply_s: float
     memory: int
     note: str = ""
+    lower_bound_s: float = 0.0
 
     @property
     def label(self) -> str:
@@ -301,6 +303,8 @@ class PipelinePlan:
                              f"transfer {ms * x.transfer_s:.3f} + bubble {ms * x.bubble_s:.3f} "
                              f"+ apply {ms * x.apply_s:.3f}; mem {format_bytes(x.memory)}"
                              + (f"  ({x.note})" if x.note else ""))
+            elif x.note.startswith("pruned"):
+                lines.append(f"   {mark}{x.label:<34} {x.note}")
             else:
                 lines.append(f"   {mark}{x.label:<34} infeasible: {x.note}")
         if len(order) > max_candidates:

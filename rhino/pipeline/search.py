@@ -5,7 +5,9 @@ Phases (the paper's Fig. 2: enumerate mesh configurations, plan each in parallel
     graph ─► gradient boundary ─► roles + coarsening (once)
           ─► for each stage count p > 1: stage ILP (§5, in parallel)
           ─► for each split (p × stage mesh): stage subgraphs -> SPMD plan per stage
-             (in parallel; identical stages planned once) ; p = 1: SPMD plan of the graph
+             (in parallel; identical stages planned once) ; p = 1: SPMD plan of the graph;
+             in waves of increasing p: a wave whose lower bound ``(m + p - 1) / m ·
+             FLOPs / (F · N)`` exceeds the best step found is pruned unplanned
           ─► per candidate: profiles, transfers, 1F1B step, memory (cost.py); a stage over
              the memory budget is re-planned with the SPMD planner's memory constraint
           ─► controller: the feasible candidate with the least estimated step time
@@ -27,6 +29,7 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 from rhino.errors import InfeasiblePlanError, RhinoError, format_bytes
@@ -36,7 +39,8 @@ from rhino.pipeline.cluster import Cluster, MeshSplit, enumerate_splits
 from rhino.pipeline.coarsen import AG, BWD, FREE, FWD, classify_ops, coarsen
 from rhino.pipeline.cost import (StageProfile, gather_seconds, in_flight, pipeline_step,
                                  profile_stage, transfer_seconds)
-from rhino.pipeline.gradient import BoundaryOptions, GradientBoundary, find_gradient_boundary
+from rhino.pipeline.gradient import (BoundaryOptions, GradientBoundary, find_gradient_boundary,
+                                     gradient_weights)
 from rhino.pipeline.plan import (Candidate, CrossTensor, PipelinePlan, SearchTimes,
                                  StageEstimate, StageMemory, StagePlan)
 from rhino.pipeline.stage_ilp import StageAssignmentError, StageOptions
@@ -46,10 +50,9 @@ from rhino.planner.build import BuildOptions, carried_pairs
 from rhino.planner.collectives import collective_cost
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.plan import ExecutionPlan
-from rhino.planner.spec import ShardingSpec
 
 KINDS = ("spmd", "pipeline", "hybrid")
-EXECUTORS = ("thread", "process", "serial")
+EXECUTORS = ("auto", "thread", "process", "serial")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +74,12 @@ class PipelineOptions:
         two_d: also weigh 2-D stage meshes.
         memory_budget: bytes per device (default: the cluster's device memory).
         workers: parallel workers (0: one per CPU).
-        executor: ``thread``, ``process`` or ``serial``.
+        executor: ``process`` (forked workers; true parallelism for the pure-Python SPMD
+            planner), ``thread``, ``serial``, or ``auto``: processes where ``fork`` exists
+            and the graph has over 3000 ops, else threads.
         keep_spmd: keep each stage's ``ExecutionPlan`` in the result.
+        prune: skip the candidates of a stage count whose lower bound (perfectly scaled
+            compute with the 1F1B bubble) exceeds the best step already found.
     """
 
     num_microbatches: int = 8
@@ -88,8 +95,9 @@ class PipelineOptions:
     two_d: bool = True
     memory_budget: int | None = None
     workers: int = 0
-    executor: str = "thread"
+    executor: str = "auto"
     keep_spmd: bool = True
+    prune: bool = True
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -136,18 +144,40 @@ def _rename_plan(plan: ExecutionPlan, src: HloGraph, dst: HloGraph) -> Execution
                                collectives=colls, unplanned=unplanned)
 
 
+def _picklable(options: PlanOptions) -> dict[str, Any]:
+    """PlanOptions as plain data (its BuildOptions holds a mappingproxy, which does not
+    pickle) for worker processes."""
+    build = {f.name: getattr(options.build, f.name) for f in dataclasses.fields(BuildOptions)}
+    build["pinned"] = dict(build["pinned"])
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(PlanOptions)}
+    fields["build"] = build
+    return fields
+
+
+def _plan_task_in_worker(graph: HloGraph, mesh: AbstractMesh, fields: dict[str, Any]
+                         ) -> tuple[ExecutionPlan | None, str, float]:
+    fields = dict(fields, build=BuildOptions(**fields["build"]))
+    return _plan_task(graph, mesh, PlanOptions(**fields))
+
+
 class _SpmdPool:
-    """Runs SPMD plans in parallel, planning structurally identical stages once."""
+    """Runs SPMD plans in parallel, planning structurally identical stages once.
+
+    ``process`` workers are forked (the planner is pure Python: threads would share one
+    core under the GIL); ``thread`` and ``serial`` run in this process.
+    """
 
     def __init__(self, workers: int, executor: str):
         self.lock = threading.Lock()
         self.futures: dict[tuple, tuple[cf.Future, HloGraph]] = {}
         self.seconds = 0.0
         self.made = 0
+        self.processes = False
         if executor == "process" and workers > 1:
             import multiprocessing as mp
             self.pool: cf.Executor | None = cf.ProcessPoolExecutor(
-                workers, mp_context=mp.get_context("forkserver"))
+                workers, mp_context=mp.get_context("fork"))
+            self.processes = True
         elif executor == "serial" or workers <= 1:
             self.pool = None
         else:
@@ -162,6 +192,13 @@ class _SpmdPool:
                 if self.pool is None:
                     fut: cf.Future = cf.Future()
                     fut.set_result(_plan_task(graph, mesh, options))
+                elif self.processes:
+                    # Workers fork lazily here. JAX warns at every fork of a process that
+                    # imported it; the workers only run the pure-Python planner, never JAX.
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+                        fut = self.pool.submit(_plan_task_in_worker, graph, mesh,
+                                               _picklable(options))
                 else:
                     fut = self.pool.submit(_plan_task, graph, mesh, options)
                 got = (fut, graph)
@@ -211,20 +248,21 @@ def _stage_works(graph: HloGraph, boundary: GradientBoundary, a: StageAssignment
                and graph.ops[o].opcode != "parameter"]
     dep = boundary.batch_dependent
     grads = set(boundary.gradients)
+    state = set(boundary.state_params)
     out = []
     for s in range(a.num_stages):
         ops = a.ops_of(s) + (orphans if s == 0 else [])
         sub = extract_subgraph(graph, ops, duplicate=free, name=f"{graph.name}.stage{s}")
         index = {src: k for k, src in enumerate(sub.origin)}
+        cut = {index[i] for i in sub.inputs}
         pairs = tuple((index[o], index[p]) for o, p in carried
-                      if o in index and p in index and index[o] not in
-                      {index[i] for i in sub.inputs})
+                      if o in index and p in index and index[o] not in cut)
         counts = {"forward": sum(1 for i in ops if role[i] == FWD),
                   "backward": sum(1 for i in ops if role[i] == BWD),
                   "apply": sum(1 for i in ops if role[i] == AG),
                   "copied": len(sub.duplicated)}
         weights = tuple(graph.ops[i].arg.path for i in sub.duplicated
-                        if graph.ops[i].opcode == "parameter" and i in set(boundary.state_params)
+                        if graph.ops[i].opcode == "parameter" and i in state
                         and graph.ops[i].arg is not None)
         out.append(_StageWork(
             s, sub, pairs, {graph.ops[i].name for i in ops if role[i] == AG},
@@ -250,7 +288,8 @@ class _Costed:
 
 def _cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: StageAssignment,
                    works: list[_StageWork], plans: list[ExecutionPlan],
-                   state_args: Sequence[str], m: int, budget: int | None) -> _Costed:
+                   state_args: Sequence[str], m: int, budget: int | None,
+                   lower_bound: float = 0.0) -> _Costed:
     p = split.num_stages
     mesh = split.stage_mesh(cluster)
     n = split.devices_per_stage
@@ -316,22 +355,22 @@ def _cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: Stage
     cand = Candidate(split.kind, p, split.stage_shape, not over,
                      None if over else parts["step"], m * estimates[b].compute_s,
                      m * estimates[b].communication_s, m * estimates[b].send_s, parts["fill"],
-                     parts["apply"], int(peak), note)
+                     parts["apply"], int(peak), note, lower_bound)
     return _Costed(cand, split, plans, profiles, estimates, memories, cross, a, works)
 
 
 def _cost_spmd(split: MeshSplit, plan: ExecutionPlan | None, err: str,
-               budget: int | None) -> _Costed:
+               budget: int | None, lower_bound: float = 0.0) -> _Costed:
     if plan is None:
         cand = Candidate("spmd", 1, split.stage_shape, False, None, 0.0, 0.0, 0.0, 0.0, 0.0, 0,
-                         err or "no plan")
+                         err or "no plan", lower_bound)
         return _Costed(cand, split)
     mem = plan.memory.peak
     feasible = budget is None or mem <= budget
     note = "" if feasible else f"needs {format_bytes(mem)} > budget {format_bytes(budget)}"
     cand = Candidate("spmd", 1, split.stage_shape, feasible,
                      plan.step_time_s if feasible else None, plan.compute_s,
-                     plan.communication_s, 0.0, 0.0, 0.0, int(mem), note)
+                     plan.communication_s, 0.0, 0.0, 0.0, int(mem), note, lower_bound)
     return _Costed(cand, split, plans=[plan])
 
 
@@ -357,9 +396,21 @@ def _decision(winner: Candidate, cands: Sequence[Candidate]) -> str:
                          f"({'x'.join(map(str, best.stage_mesh))}) {ms * best.step_s:.3f} ms "
                          f"({best.step_s / winner.step_s:.2f}×; mostly +{ms * comps[top]:.3f}"
                          f" ms of {top})")
+        elif others and all(c.note.startswith("pruned") for c in others):
+            lb = min(c.lower_bound_s for c in others)
+            parts.append(f"every {kind} candidate pruned: even with perfect scaling its "
+                         f"compute and 1F1B bubble take at least {ms * lb:.3f} ms")
         elif others:
             parts.append(f"no {kind} candidate fits ({others[0].note})")
     return "; ".join(parts)
+
+
+def _lower_bound(flops: float, num_stages: int, num_microbatches: int,
+                 cluster: Cluster) -> float:
+    """No plan of ``p`` stages beats perfectly scaled compute with the 1F1B bubble:
+    ``(m + p - 1) / m · flops / (F · N)``."""
+    m = max(1, num_microbatches)
+    return (m + num_stages - 1) / m * flops / (cluster.flops_per_s * cluster.num_devices)
 
 
 def _balance_weight(graph: HloGraph, a_problem_mean: float, cluster: Cluster,
@@ -421,12 +472,18 @@ def plan_pipeline_graph(graph: HloGraph, cluster: Cluster,
     t1 = time.perf_counter()
     if boundary is not None:
         roles = classify_ops(graph, boundary)
-        coarse = coarsen(graph, roles, options.granularity, boundary.state_params)
+        coarse = coarsen(graph, roles, options.granularity, boundary.state_params,
+                         gradient_weights=gradient_weights(graph, boundary))
         say(f"coarsened the forward/backward graph into {coarse.problem.num_units} units "
             f"({coarse.granularity})")
     t2 = time.perf_counter()
     workers = options.workers or os.cpu_count() or 1
-    pool = _SpmdPool(workers, options.executor)
+    executor = options.executor
+    if executor == "auto":
+        import multiprocessing as mp
+        executor = ("process" if len(graph.ops) > 3000 and "fork" in mp.get_all_start_methods()
+                    else "thread")
+    pool = _SpmdPool(workers, executor)
     carried = carried_pairs(graph)
     state_args = boundary.state_args if boundary is not None else tuple(
         dict.fromkeys(a.path.split("[", 1)[0] for a in (graph.ops[q].arg for q in graph.params)
@@ -457,56 +514,92 @@ def plan_pipeline_graph(graph: HloGraph, cluster: Cluster,
                     ilp_s += secs
         works = {p: _stage_works(graph, boundary, a, carried)
                  for p, a in assignments.items() if isinstance(a, StageAssignment)}
-        # SPMD plans for every split, submitted all at once.
-        say(f"SPMD plans for {len(splits)} candidate splits ({options.executor}, "
-            f"{workers} workers)")
+        # SPMD plans, in waves of equal stage count by increasing lower bound; a wave
+        # whose lower bound exceeds the best step found is pruned without planning.
+        say(f"SPMD plans for {len(splits)} candidate splits ({executor}, {workers} workers)")
         spmd_opts = dataclasses.replace(options.spmd, memory_budget=None)
-        handles: dict[int, list] = {}
-        for k, sp in enumerate(splits):
-            mesh = sp.stage_mesh(cluster)
-            if sp.num_stages == 1:
-                opts = dataclasses.replace(options.spmd, memory_budget=budget)
-                handles[k] = [pool.submit(graph, mesh, opts)]
-            elif sp.num_stages in works:
-                handles[k] = [pool.submit(w.sub.graph, mesh, dataclasses.replace(
-                    spmd_opts, build=dataclasses.replace(spmd_opts.build, carried=w.carried)),
-                    repr(w.carried)) for w in works[sp.num_stages]]
+        cg_flops = (sum(graph.ops[i].flops for i in boundary.compute)
+                    if boundary is not None else graph.total_flops)
         cost_s = 0.0
-        costed: list[_Costed] = []
-        for k, sp in enumerate(splits):
-            if sp.num_stages == 1:
-                plan, err = pool.result(handles[k][0], graph)
-                tc = time.perf_counter()
-                costed.append(_cost_spmd(sp, plan, err, budget))
-                cost_s += time.perf_counter() - tc
+        best_step = float("inf")
+        by_k: dict[int, _Costed] = {}
+        for p in sorted({sp.num_stages for sp in splits}):
+            wave = [k for k, sp in enumerate(splits) if sp.num_stages == p]
+            lb = _lower_bound(graph.total_flops if p == 1 else cg_flops, p,
+                              1 if p == 1 else m, cluster)
+            a = assignments.get(p)
+            if p > 1 and not isinstance(a, StageAssignment):
+                for k in wave:
+                    sp = splits[k]
+                    by_k[k] = _Costed(Candidate(sp.kind, p, sp.stage_shape, False, None, 0, 0,
+                                                0, 0, 0, 0, str(a), lb), sp)
                 continue
-            a = assignments.get(sp.num_stages)
-            if not isinstance(a, StageAssignment):
-                costed.append(_Costed(Candidate(sp.kind, sp.num_stages, sp.stage_shape, False,
-                                                None, 0, 0, 0, 0, 0, 0, str(a)), sp))
+            if options.prune and lb > best_step:
+                for k in wave:
+                    sp = splits[k]
+                    by_k[k] = _Costed(Candidate(
+                        sp.kind, p, sp.stage_shape, False, None, 0, 0, 0, 0, 0, 0,
+                        f"pruned: at least {1e3 * lb:.3f} ms (compute over all devices with "
+                        f"the 1F1B bubble) > best {1e3 * best_step:.3f} ms", lb), sp)
+                say(f"pruned {len(wave)} candidates with {p} stages (lower bound "
+                    f"{1e3 * lb:.3f} ms > best {1e3 * best_step:.3f} ms)")
                 continue
-            ws = works[sp.num_stages]
-            plans = [pool.result(h, w.sub.graph)[0] for h, w in zip(handles[k], ws)]
-            tc = time.perf_counter()
-            c = _cost_pipeline(graph, cluster, sp, a, ws, plans, state_args, m, budget)
-            cost_s += time.perf_counter() - tc
-            if not c.candidate.feasible and budget is not None:
-                # Re-plan the stages over budget with the SPMD memory constraint.
+            handles: dict[int, dict[int, Any]] = {}
+            jobs = []
+            for k in wave:
+                sp = splits[k]
                 mesh = sp.stage_mesh(cluster)
-                replanned = list(plans)
-                for s, mem in enumerate(c.memories):
-                    if mem.total > budget:
-                        opts = dataclasses.replace(spmd_opts, memory_budget=budget, build=
-                                                   dataclasses.replace(spmd_opts.build,
-                                                                       carried=ws[s].carried))
-                        got, err = pool.result(pool.submit(ws[s].sub.graph, mesh, opts,
-                                                           repr(ws[s].carried)), ws[s].sub.graph)
-                        if got is not None:
-                            replanned[s] = got
-                tc = time.perf_counter()
-                c = _cost_pipeline(graph, cluster, sp, a, ws, replanned, state_args, m, budget)
-                cost_s += time.perf_counter() - tc
-            costed.append(c)
+                if p == 1:
+                    opts = dataclasses.replace(options.spmd, memory_budget=budget)
+                    jobs.append((k, 0, graph, mesh, opts, ""))
+                else:
+                    for w in works[p]:
+                        jobs.append((k, w.index, w.sub.graph, mesh, dataclasses.replace(
+                            spmd_opts, build=dataclasses.replace(spmd_opts.build,
+                                                                 carried=w.carried)),
+                            repr(w.carried)))
+            # Largest first (ops × mesh axes), so the pool's last jobs are short ones.
+            for k, s_idx, g_, mesh, opts, extra in sorted(
+                    jobs, key=lambda j: -len(j[2].ops) * j[3].ndim):
+                handles.setdefault(k, {})[s_idx] = pool.submit(g_, mesh, opts, extra)
+            for k in wave:
+                sp = splits[k]
+                hs = [handles[k][i] for i in sorted(handles[k])]
+                if p == 1:
+                    plan, err = pool.result(hs[0], graph)
+                    tc = time.perf_counter()
+                    c = _cost_spmd(sp, plan, err, budget, lb)
+                    cost_s += time.perf_counter() - tc
+                else:
+                    ws = works[p]
+                    plans = [pool.result(h, w.sub.graph)[0] for h, w in zip(hs, ws)]
+                    tc = time.perf_counter()
+                    c = _cost_pipeline(graph, cluster, sp, a, ws, plans, state_args, m, budget,
+                                       lb)
+                    cost_s += time.perf_counter() - tc
+                    if not c.candidate.feasible and budget is not None:
+                        # Re-plan the stages over budget with the SPMD memory constraint.
+                        mesh = sp.stage_mesh(cluster)
+                        replanned = list(plans)
+                        for st, mem in enumerate(c.memories):
+                            if mem.total > budget:
+                                opts = dataclasses.replace(
+                                    spmd_opts, memory_budget=budget,
+                                    build=dataclasses.replace(spmd_opts.build,
+                                                              carried=ws[st].carried))
+                                got, _ = pool.result(pool.submit(
+                                    ws[st].sub.graph, mesh, opts, repr(ws[st].carried)),
+                                    ws[st].sub.graph)
+                                if got is not None:
+                                    replanned[st] = got
+                        tc = time.perf_counter()
+                        c = _cost_pipeline(graph, cluster, sp, a, ws, replanned, state_args, m,
+                                           budget, lb)
+                        cost_s += time.perf_counter() - tc
+                by_k[k] = c
+                if c.candidate.feasible:
+                    best_step = min(best_step, c.candidate.step_s)
+        costed = [by_k[k] for k in range(len(splits))]
     finally:
         pool.close()
     feasible = [c for c in costed if c.candidate.feasible]
@@ -546,8 +639,8 @@ def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
     a = best.assignment
     stages = []
     for w, pl, est, mem in zip(best.works, best.plans, best.estimates, best.memories):
-        ops = tuple(graph.ops[i].name for i in w.sub.origin
-                    if i not in set(w.sub.inputs) and i not in set(w.sub.duplicated))
+        extra = set(w.sub.inputs) | set(w.sub.duplicated)
+        ops = tuple(graph.ops[i].name for i in w.sub.origin if i not in extra)
         stages.append(StagePlan(w.index, sp.devices(cluster, w.index), sp.hosts(cluster, w.index),
                                 pl.mesh, ops, dict(w.counts), tuple(a.flops[w.index]),
                                 w.weights, est, mem, pl if options.keep_spmd else None))

@@ -34,7 +34,8 @@ from typing import Any, Sequence
 from rhino.hlo_passes.graph import HloGraph
 from rhino.pipeline.coarsen import (AG, BWD, FREE, FWD, Coarsening, OpRoles, classify_ops,
                                     coarsen)
-from rhino.pipeline.gradient import GradientBoundary, find_gradient_boundary
+from rhino.pipeline.gradient import (GradientBoundary, find_gradient_boundary,
+                                     gradient_weights)
 from rhino.pipeline.stage_ilp import StageOptions, StageSolution, solve_stage_problem
 
 __all__ = ["Crossing", "StageAssignment", "assign_stages", "check_assignment",
@@ -77,8 +78,8 @@ class StageAssignment:
         unit_of: per op, its unit (-1: free or apply-gradients).
         num_units: units of the coarsened problem; granularity: how they were made.
         crossings: tensors between stages.
-        shared_weights: ``(parameter op id, stages reading it)`` for weights read on more
-            than one stage (tied embeddings): updated on one, sent to the others per step.
+        shared_weights: ``(parameter op id, (owner stage, other readers...))`` for weights
+            updated on one stage and read on others (tied embeddings): sent after each update.
         flops: per stage ``(forward, backward, apply)`` FLOPs (whole batch).
         solution: the ILP solution on the units.
     """
@@ -173,22 +174,33 @@ def assign_stages(graph: HloGraph, boundary: GradientBoundary, num_stages: int,
     """
     roles = classify_ops(graph, boundary)
     if coarsening is None:
-        coarsening = coarsen(graph, roles, granularity, boundary.state_params)
+        coarsening = coarsen(graph, roles, granularity, boundary.state_params,
+                             gradient_weights=gradient_weights(graph, boundary))
     problem = dataclasses.replace(coarsening.problem, num_stages=num_stages)
     sol = solve_stage_problem(problem, options)
     stage_of = [sol.stage_of[u] if u >= 0 else -1 for u in coarsening.unit_of]
     _map_apply(graph, roles, stage_of)
     crossings = _crossings(graph, roles, stage_of)
+    # Weights each stage reads, directly or through copied (free) ops such as ``wte.T``.
     readers: dict[int, set[int]] = {}
-    for op in graph.ops:
-        if stage_of[op.id] < 0:
-            continue
-        for o in op.operands:
-            if graph.ops[o].opcode == "parameter" and o in set(boundary.state_params):
-                readers.setdefault(o, set()).add(stage_of[op.id])
     state = set(boundary.state_params)
-    shared = tuple((p, tuple(sorted(s))) for p, s in sorted(readers.items())
-                   if len(s) > 1 and p in state)
+    via: list[frozenset[int]] = [frozenset()] * len(graph.ops)
+    for op in graph.ops:
+        i = op.id
+        got = frozenset().union(*(via[o] for o in op.operands)) if op.operands else frozenset()
+        if i in state:
+            via[i] = frozenset((i,))
+        elif roles.role[i] == FREE:
+            via[i] = got
+        elif stage_of[i] >= 0:
+            for w in got:
+                readers.setdefault(w, set()).add(stage_of[i])
+    # A weight updated on one stage (its owner) and read on others is sent after the update;
+    # state that free ops update (a step count) is recomputed on every stage instead.
+    from rhino.planner.build import carried_pairs
+    owner = {p: stage_of[o] for o, p in carried_pairs(graph) if stage_of[o] >= 0}
+    shared = tuple((p, (owner[p],) + tuple(sorted(s - {owner[p]})))
+                   for p, s in sorted(readers.items()) if p in owner and s - {owner[p]})
     flops = [[0.0, 0.0, 0.0] for _ in range(num_stages)]
     col = {FWD: 0, BWD: 1, AG: 2}
     for i, s in enumerate(stage_of):

@@ -1,0 +1,186 @@
+"""Cluster splits, the 1F1B cost model, the controller, PipelinePlan JSON and the CLI."""
+
+import dataclasses
+import doctest
+import json
+
+import pytest
+
+import rhino
+from rhino.cli import main
+from rhino.errors import InfeasiblePlanError
+from rhino.models import get_model
+from rhino.pipeline import cluster as cluster_module
+from rhino.pipeline import cost as cost_module
+from rhino.pipeline import plan as plan_module
+from rhino.pipeline.cluster import Cluster, enumerate_splits
+from rhino.pipeline.cost import in_flight, pipeline_step, transfer_seconds
+from rhino.pipeline.plan import PipelinePlan
+from rhino.pipeline.search import PipelineOptions
+
+FAST = PipelineOptions(two_d=False, executor="thread")
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    # Compute-heavy enough that the bubble matters; small enough to plan in seconds.
+    m = get_model("gpt", layers=2, hidden=64, heads=2, seq=64, vocab=256, batch=32)
+    return rhino.ingest(m.step, *m.example_args())
+
+
+def test_doctests():
+    for mod in (cluster_module, cost_module):
+        assert doctest.testmod(mod).failed == 0
+
+
+def test_cluster_parse_and_splits():
+    c = Cluster.parse("2x8")
+    assert (c.hosts, c.devices_per_host, c.num_devices) == (2, 8, 16)
+    assert Cluster.parse("8").hosts == 1
+    with pytest.raises(ValueError, match="HOSTSxDEVICES"):
+        Cluster.parse("2by8")
+    with pytest.raises(ValueError, match="hosts"):
+        Cluster(0, 8)
+    splits = enumerate_splits(Cluster.parse("2x8", beta_inter=1e-9))
+    assert sorted({s.num_stages for s in splits}) == [1, 2, 4, 8, 16]
+    kinds = {(s.num_stages, s.kind) for s in splits}
+    assert (1, "spmd") in kinds and (16, "pipeline") in kinds and (2, "hybrid") in kinds
+    # Every split covers the cluster; 2 stages = one per host, linked across hosts.
+    for s in splits:
+        assert s.num_stages * s.devices_per_stage == 16
+        assert s.stage_mesh(Cluster.parse("2x8")).num_devices == s.devices_per_stage
+    two = next(s for s in splits if s.num_stages == 2 and s.stage_shape == (8,))
+    c = Cluster.parse("2x8", beta_inter=1e-9)
+    assert two.hosts(c, 0) == (0,) and two.hosts(c, 1) == (1,)
+    assert two.link(c, 0, 1) == (c.alpha_inter, 1e-9)
+    four = next(s for s in splits if s.num_stages == 4 and s.stage_shape == (4,))
+    assert four.link(c, 0, 1) == (c.alpha_intra, c.beta_intra)
+    assert four.link(c, 1, 2) == (c.alpha_inter, 1e-9)
+    spmd = next(s for s in splits if s.num_stages == 1 and s.stage_shape == (2, 8))
+    assert spmd.stage_mesh(c).beta == (1e-9, c.beta_intra)
+    assert [s.num_stages for s in enumerate_splits(c, max_stages=2)] == [1, 1, 1, 1, 2, 2]
+    # 3 hosts x 4: 2 stages of 6 devices would straddle a host unevenly.
+    assert not any(s.num_stages == 2 for s in enumerate_splits(Cluster.parse("3x4")))
+
+
+def test_one_f_one_b_formula():
+    # Equal stages: (m + p - 1) · t + apply.
+    assert pipeline_step([1.0] * 4, 8, [0.5] * 4)["step"] == pytest.approx(11 * 1.0 + 0.5)
+    # The slowest stage paces the steady state.
+    parts = pipeline_step([1.0, 3.0, 1.0], 4, [0.0, 0.2, 0.1])
+    assert parts == {"step": 4 * 3.0 + 2.0 + 0.2, "bottleneck": 3.0, "fill": 2.0,
+                     "apply": 0.2}
+    assert [in_flight(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight(0, 4, 2) == 2
+    assert transfer_seconds(0, 4, 4, 1e-5, 1e-9) == 0.0
+    assert transfer_seconds(4e6, 4, 2, 1e-5, 1e-9) == pytest.approx(1e-5 + 2e-3)
+
+
+def test_controller_slow_inter_host_links_pick_pipeline_across_hosts(gpt_graph):
+    """Acceptance 4a: slow links between hosts -> one stage per host, SPMD within."""
+    p = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=1e-8, options=FAST)
+    assert p.kind == "hybrid" and p.num_stages == 2
+    assert [s.hosts for s in p.stages] == [(0,), (1,)]
+    assert p.stages[0].mesh.shape == (2,)
+    spmd = [c for c in p.candidates if c.kind == "spmd"]
+    assert spmd and all(c.step_s > p.step_s for c in spmd)
+    assert "communication" in p.decision
+    assert p.crossings and {c.kind for c in p.crossings} <= {"activation", "gradient"}
+
+
+def test_controller_uniform_fast_links_pick_spmd(gpt_graph):
+    """Acceptance 4b: uniform fast links -> SPMD only."""
+    p = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=2e-10, options=FAST)
+    assert p.kind == "spmd" and p.num_stages == 1 and p.stages[0].mesh.shape == (4,)
+    others = [c for c in p.candidates if c.kind != "spmd"]
+    assert others
+    for c in others:   # slower, or pruned: its lower bound is already slower
+        assert (c.feasible and c.step_s > p.step_s) or (
+            c.note.startswith("pruned") and c.lower_bound_s > p.step_s)
+    assert "bubble" in p.decision
+    # Without pruning every candidate is costed, and SPMD still wins.
+    q = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=2e-10,
+                            options=dataclasses.replace(FAST, prune=False))
+    assert q.kind == "spmd" and all(c.feasible for c in q.candidates if c.num_stages <= 2)
+    assert q.step_s == pytest.approx(p.step_s)
+
+
+def test_controller_fits_a_model_too_big_to_replicate():
+    """Acceptance 4c: the weights and Adam state do not fit one small device."""
+    m = get_model("gpt", layers=2, hidden=256, heads=4, seq=16, vocab=2048, batch=8)
+    g = rhino.ingest(m.step, *m.example_args())
+    budget = 16 * 2**20
+    state = sum(g.ops[q].out_bytes for q in g.params if not g.ops[q].arg.path.startswith("batch"))
+    assert state > budget        # replicated state alone is over budget
+    p = rhino.plan_pipeline(g, cluster="1x4", memory_bytes=budget, options=FAST)
+    assert all(s.memory.total <= budget for s in p.stages)
+    assert p.winner.memory <= budget and p.winner.feasible
+    with pytest.raises(InfeasiblePlanError, match="budget"):
+        rhino.plan_pipeline(g, cluster="1x2", memory_bytes=2 * 2**20, options=FAST)
+
+
+def test_plan_json_round_trip_and_report(gpt_graph):
+    p = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=1e-8, options=FAST,
+                            microbatches=4)
+    q = PipelinePlan.from_json(p.to_json())
+    assert q == p
+    d = json.loads(p.to_json(include_spmd=False))
+    assert all(s["spmd"] is None for s in d["stages"])
+    assert p.num_microbatches == 4
+    rep = p.report()
+    for field in ("cluster", "chosen", "why", "gradient boundary", "search", "candidates",
+                  "stage 0", "stage 1", "tensors between stages"):
+        assert field in rep
+    # Every op the program runs is on exactly one stage; copied ops are extra.
+    names = [n for s in p.stages for n in s.ops]
+    assert len(names) == len(set(names))
+    s0 = p.stages[0]
+    assert s0.op_counts["forward"] > 0 and s0.op_counts["backward"] > 0
+    assert s0.spmd is not None and s0.spmd.mesh == s0.mesh
+    assert any(w.startswith("params['layers'][0]") for w in s0.weights)
+    t = p.search
+    assert t.total >= t.stage_ilp and t.spmd_plans >= 3 and t.candidates == len(p.candidates)
+    with pytest.raises(ValueError, match="format"):
+        PipelinePlan.from_dict(dict(json.loads(p.to_json()), format=99))
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="num_microbatches"):
+        PipelineOptions(num_microbatches=0)
+    with pytest.raises(ValueError, match="kinds"):
+        PipelineOptions(kinds=("mpmd",))
+    with pytest.raises(ValueError, match="executor"):
+        PipelineOptions(executor="gpu")
+
+
+def test_cli_plan_with_cluster(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "mlp:batch=32,hidden=64,layers=2", "--cluster", "1x2",
+               "--microbatches", "2", "--max-stages", "2", "--epsilon", "0.3",
+               "--beta-inter", "1e-9", "--quiet", "--output", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "rhino pipeline plan" in text and "candidates" in text
+    p = PipelinePlan.from_json(out.read_text())
+    assert p.cluster.hosts == 1 and p.num_microbatches in (1, 2)
+    assert main(["plan", "mlp", "--cluster", "2by2", "--quiet"]) == 2
+    assert "HOSTSxDEVICES" in capsys.readouterr().err
+
+
+def test_plan_module_doctest():
+    assert doctest.testmod(plan_module).failed == 0
+
+
+def test_identical_stages_are_planned_once_and_renamed():
+    m = get_model("gpt", layers=4, hidden=32, heads=2, seq=8, vocab=32, batch=4)
+    g = rhino.ingest(m.step, *m.example_args())
+    # Volume first (the paper's objective): equal cuts in every layer gap.
+    p = rhino.plan_pipeline(g, cluster="1x4", options=dataclasses.replace(
+        FAST, kinds=("pipeline",), prune=False, balance_weight=0.05), epsilon=0.3)
+    assert p.kind == "pipeline" and p.num_stages == 4
+    assert p.search.spmd_plans < 4          # the two middle stages share one plan
+    for s in p.stages:
+        planned = {o.name for o in s.spmd.ops}
+        assert set(s.ops) <= planned, s.index
+        assert {w for w in s.weights} <= {q.path for q in s.spmd.params}
+    assert p.stages[1].weights != p.stages[2].weights
