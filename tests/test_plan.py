@@ -48,7 +48,12 @@ def test_o2_and_o3_agree_on_mlp():
 def test_memory_budget_shards_only_the_largest_parameters():
     m = _small_gpt()
     free = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,))
-    budget = int(free.memory.peak * 0.6)
+    # The floor: what a plan needs with every parameter forced sharded.
+    with pytest.raises(InfeasiblePlanError) as ei:
+        rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=1024)
+    floor = ei.value.needed_bytes
+    assert floor < free.memory.peak
+    budget = int(floor + 0.3 * (free.memory.peak - floor))
     p = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=budget)
     assert p.memory.peak <= budget < free.memory.peak
     k = p.search.forced_sharded

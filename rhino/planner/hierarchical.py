@@ -25,9 +25,9 @@ protected: segments are nearly series-parallel, so R1/R2 collapse them to one ``
 matrix. An irreducible core is conditioned on its highest-degree node (pivots included) and
 reduced again, recursively, within a budget; past it, ``T_k`` falls back to one ILP
 (``solve_ilp``, level 2) per pair. Once the chain DP over pivot choices has picked ``(a, b)``
-for a segment, its nodes are decoded by reductions with the pivots fixed, plus ``solve_ilp``
-on any core. Tables and decodings are memoised by a hash of the segment's re-indexed cost
-data, since transformer layers repeat.
+for a segment, its nodes are decoded with the pivots fixed: reductions, conditioning, and
+``solve_ilp`` on any core left. Tables and decodings are memoised by a hash of the segment's
+re-indexed cost data, since transformer layers repeat.
 
 Skip edges (documented approximation). An edge whose endpoints are not in one segment (or a
 segment and its two pivots) does not fit the chain: in a training step, weights and
@@ -76,15 +76,15 @@ __all__ = ["Partition", "solve_o2", "solve_o3"]
 _SEGMENT_MAX_PAIR = 1 << 16   # R2 limit inside segments
 _CONDITION_BUDGET = 2000      # recursion nodes of the conditioning fallback per table
 _MAX_PASSES = 4               # skip-edge passes after the first chain DP
-# TRW edge weight: on GPT steps built by rhino.planner.build (1-D mesh of 8 at 2/12/36 layers,
-# 2x4 mesh at 2 layers) rho = 0.7 reached O3's optimum on every core; the spanning-tree
-# density (~0.53 there) was 1-4% worse and plain BP (rho = 1) 2-5% worse.
-_TRW_RHO = 0.7
 
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
     """Cones, segments and pivots of a problem (built by the planner from an HloGraph).
+
+    ``solve_o2`` folds cones by exact reductions (see the module docstring), so ``cone_of``
+    only places a node whose own segment is -1 (its root's segment, or the segment left of
+    a pivot root); ``segment_of`` and ``pivots`` define the chain.
 
     Attributes:
         cone_of: per node, the node index of its cone's root (a root maps to itself).
@@ -103,7 +103,8 @@ class Partition:
         n = problem.num_nodes
         if len(self.cone_of) != n or len(self.segment_of) != n:
             raise ValueError(f"partition has {len(self.cone_of)} cone_of and "
-                             f"{len(self.segment_of)} segment_of entries, problem has {n} nodes")
+                             f"{len(self.segment_of)} segment_of entries, problem has {n} "
+                             f"nodes")
         k = len(self.pivots)
         if len(set(self.pivots)) != k:
             raise ValueError(f"pivots repeat: {self.pivots}")
@@ -421,7 +422,10 @@ def _chain_passes(prob: ShardingProblem, chain: _Chain, solver: _SegmentSolver,
     for _ in range(_MAX_PASSES if chain.skip_edges else 0):
         if time.perf_counter() > deadline:
             break
-        cand = _solve_chain(prob, chain, _skip_unary(prob, chain, best), solver)
+        try:
+            cand = _solve_chain(prob, chain, _skip_unary(prob, chain, best), solver)
+        except InfeasibleProblemError:  # forbidden skip pairs at the current choice
+            break
         obj = prob.objective(cand)
         if not obj < best_obj:
             break
@@ -470,7 +474,7 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
         if chain.skip_edges and time.perf_counter() < deadline:
             left = deadline - time.perf_counter()
             try:
-                trw = np.asarray(solve_trw(core, rho=_TRW_RHO, time_limit=left / 2).choice)
+                trw = np.asarray(solve_trw(core, time_limit=left / 2).choice)
             except InfeasibleProblemError:
                 trw = None
             if trw is not None:

@@ -54,6 +54,7 @@ __all__ = [
 
 _BRUTE_FORCE_LIMIT = 2_000_000
 _OBJ_SCALE = 1e3  # largest |objective coefficient| handed to HiGHS
+_TRW_START_NODES = 300  # ILP cores at least this large get a TRW MIP start
 
 
 class InfeasibleProblemError(RhinoError, ValueError):
@@ -359,7 +360,7 @@ def improve_local(problem: ShardingProblem, choice: Sequence[int], *,
     return tuple(cur)
 
 
-def solve_trw(problem: ShardingProblem, *, rho: float | None = None, max_iters: int = 300,
+def solve_trw(problem: ShardingProblem, *, rho: float | None = 0.7, max_iters: int = 300,
               patience: int = 60, damping: float = 0.5,
               time_limit: float | None = None) -> Solution:
     """Tree-reweighted min-sum message passing (parallel TRW, damped), then ICM. Heuristic.
@@ -367,11 +368,14 @@ def solve_trw(problem: ShardingProblem, *, rho: float | None = None, max_iters: 
     Every edge's messages are updated at once, vectorised over edges of equal matrix shape:
     ``m_uv(b) = min_a [E(a, b) / rho + belief_u(a) - m_vu(a)]`` with
     ``belief_u = cost_u + rho * sum of incoming messages``. ``rho`` is the edge appearance
-    probability (default: that of a spanning tree, ``(n - 1) / |E|``, capped at 1; ``rho=1``
-    is plain min-sum belief propagation). The belief argmin is decoded every 10 iterations and
-    the best assignment (true objective) is kept; the run stops after ``patience``
-    iterations without improvement, ``max_iters``, or ``time_limit`` seconds. Infinite costs
-    are replaced by a large finite penalty inside the messages only.
+    probability; ``None`` takes that of a spanning tree, ``(n - 1) / |E|``, and ``rho=1`` is
+    plain min-sum belief propagation. The default 0.7 reached the ILP optimum on every GPT
+    step core we measured (``rhino.planner.build``, 1-D mesh of 8 at 2/12/36 layers, 2x4 mesh
+    at 2 layers), where the spanning-tree density (~0.53) was 1-4% worse and BP 2-5% worse.
+    The belief argmin is decoded every 10 iterations and the best assignment (true
+    objective) is kept; the run stops after ``patience`` iterations without improvement,
+    ``max_iters``, or ``time_limit`` seconds. Infinite costs are replaced by a large finite
+    penalty inside the messages only.
 
     Returns:
         ``Solution`` with status ``"heuristic"`` and no bound.
@@ -445,9 +449,16 @@ def solve_trw(problem: ShardingProblem, *, rho: float | None = None, max_iters: 
     return _finish(problem, improve_local(problem, best), "heuristic", t0, None)
 
 
-def _start_choice(problem: ShardingProblem, max_sweeps: int = 5) -> tuple[int, ...]:
-    start = [int(np.argmin(c)) for c in problem.costs]
-    return improve_local(problem, start, max_sweeps=max_sweeps)
+def _start_choice(problem: ShardingProblem, time_limit: float) -> tuple[int, ...]:
+    """MIP start: ICM from the unary argmins; on larger problems TRW if it does better."""
+    start = improve_local(problem, [int(np.argmin(c)) for c in problem.costs], max_sweeps=5)
+    if problem.num_nodes >= _TRW_START_NODES:
+        try:
+            trw = solve_trw(problem, time_limit=0.1 * time_limit).choice
+        except InfeasibleProblemError:
+            return start
+        start = min((start, trw), key=problem.objective)
+    return start
 
 
 def _merged_edges(problem: ShardingProblem) -> dict[tuple[int, int], np.ndarray]:
@@ -479,6 +490,7 @@ def _milp(problem: ShardingProblem, time_limit: float, mip_rel_gap: float,
     """
     import highspy
 
+    t0 = time.perf_counter()
     n = problem.num_nodes
     costs = [np.array(c, dtype=np.float64) for c in problem.costs]
     allowed = [np.isfinite(c) for c in costs]
@@ -534,7 +546,6 @@ def _milp(problem: ShardingProblem, time_limit: float, mip_rel_gap: float,
 
     h = highspy.Highs()
     h.silent()
-    h.setOptionValue("time_limit", max(float(time_limit), 1e-3))
     h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
     h.addBinaries(nx, obj=(x_obj / scale).tolist(), ub=x_ub.tolist())
     if na:
@@ -546,12 +557,13 @@ def _milp(problem: ShardingProblem, time_limit: float, mip_rel_gap: float,
     starts = np.searchsorted(ri, np.arange(row)).astype(np.int32)
     rhs = np.concatenate([np.ones(n), np.zeros(row - n)])
     h.addRows(row, rhs, rhs, len(ri), starts, rj.astype(np.int32), rv.astype(np.float64))
-    start = _start_choice(problem)
+    start = _start_choice(problem, time_limit)
     if np.isfinite(problem.objective(start)):
         idx = np.array([x_off[i] + c for i, c in enumerate(start)], dtype=np.int32)
         h.setSolution(len(idx), idx, np.ones(len(idx)))
     else:
         start = None
+    h.setOptionValue("time_limit", max(float(time_limit) - (time.perf_counter() - t0), 1e-3))
     h.minimize()
     status = h.getModelStatus()
     info = h.getInfo()
@@ -601,8 +613,7 @@ def solve_ilp(problem: ShardingProblem, *, time_limit: float = 60.0,
     else:
         red, core, offset = None, problem, 0.0
     if core.num_nodes == 0:
-        assert red is not None
-        return _finish(problem, red.expand(()), "optimal", t0, None)
+        return _finish(problem, red.expand(()) if red else (), "optimal", t0, None)
     remaining = time_limit - (time.perf_counter() - t0)
     choice, status, bound, start = _milp(core, remaining, mip_rel_gap)
     if status == "time_limit":
