@@ -30,6 +30,7 @@ import jax
 
 from rhino.errors import RhinoError
 from rhino.hlo_passes import HloGraph, ingest
+from rhino.hlo_passes.graph import shape_str
 from rhino.hlo_passes.annotate import EqnMap, ScopedFunction
 from rhino.planner.api import PlanOptions, plan_graph
 from rhino.planner.build import BuildOptions, carried_pairs
@@ -188,8 +189,8 @@ class AutoParallel:
             graph = ingest(traced, *abstract)
             mesh, devices = self._mesh()
             if o.plan is not None:
-                plan = o.plan
-                _check_plan_matches(plan, graph, mesh)
+                plan = o.plan  # runs on the plan's own mesh
+                _check_plan_matches(plan, graph)
             else:
                 pins = _pins(graph, o.annotations, mesh)
                 options = PlanOptions(opt_level=o.opt_level, memory_budget=o.memory_budget,
@@ -208,14 +209,18 @@ class AutoParallel:
         return entry
 
 
-def _check_plan_matches(plan: ExecutionPlan, graph: HloGraph, mesh: AbstractMesh) -> None:
-    if len(plan.ops) != len(graph.ops) or any(
-            p.name != op.name or p.opcode != op.opcode for p, op in zip(plan.ops, graph.ops)):
-        raise RhinoError(f"plan: made for a program of {len(plan.ops)} ops ({plan.program}), "
-                         f"this one has {len(graph.ops)} ({graph.name}) with different ops; "
+def _check_plan_matches(plan: ExecutionPlan, graph: HloGraph) -> None:
+    """A saved plan must be for this program: the same ops and the same parameter types."""
+    same_ops = len(plan.ops) == len(graph.ops) and all(
+        p.name == op.name and p.opcode == op.opcode for p, op in zip(plan.ops, graph.ops))
+    shapes = [shape_str(graph.ops[i].shape) for i in graph.params]
+    same_params = [p.shape for p in plan.params] == shapes
+    if not (same_ops and same_params):
+        what = "ops" if not same_ops else "parameter shapes"
+        raise RhinoError(f"plan: made for {plan.program} with {len(plan.ops)} ops and parameters "
+                         f"{[p.shape for p in plan.params[:3]]}..., this program has "
+                         f"{len(graph.ops)} ops and {shapes[:3]}... (different {what}); "
                          f"re-plan for this function and these argument shapes")
-    if plan.mesh.shape != mesh.shape and plan.mesh.num_devices > 0:
-        pass  # the plan's own mesh is used below
 
 
 def _named(spec: ShardingSpec | None, jmesh, names: Sequence[str]):
