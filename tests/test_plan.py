@@ -112,3 +112,11 @@ def test_cli_plan(tmp_path, capsys):
     assert "no plan fits" in capsys.readouterr().err
     assert main(["plan", "mlp", "--mesh", "4", "--memory-budget", "lots", "--quiet"]) == 2
     assert "--memory-budget" in capsys.readouterr().err
+
+
+def test_plan_with_cluster_uses_the_controller():
+    m = get_model("gpt", layers=4, hidden=64, heads=4, seq=16, vocab=256, batch=8)
+    p = rhino.plan(m.step, *m.example_args(), cluster="2x4", microbatches=4, max_stages=2)
+    from rhino.pipeline.plan import PipelinePlan
+    assert isinstance(p, PipelinePlan)
+    assert "candidates" in p.report().lower() or "winner" in p.report().lower()

@@ -240,9 +240,11 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
          mesh: AbstractMesh | None = None, opt_level: str = "O2",
          memory_budget: int | None = None, alpha: Sequence[float] | float | None = None,
          beta: Sequence[float] | float | None = None, time_limit: float = 600.0,
-         build: BuildOptions | None = None, progress: Callable[[str], None] | None = None
-         ) -> ExecutionPlan:
-    """Plan how to run ``source`` over a device mesh with SPMD sharding.
+         build: BuildOptions | None = None, progress: Callable[[str], None] | None = None,
+         cluster: Any = None, microbatches: int = 8, epsilon: float = 0.1,
+         max_stages: int | None = None) -> Any:
+    """Plan how to run ``source`` over a device mesh with SPMD sharding, or — given a
+    ``cluster`` — over hosts × devices, weighing SPMD, pipeline and hybrid plans.
 
     Args:
         source: a JAX function (with ``example_args``) or a path to a ``.hlo``/``.mlir`` file.
@@ -257,9 +259,13 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
         time_limit: seconds per solve.
         build: options of the problem builder.
         progress: called with a line of text at each phase.
+        cluster: ``"HOSTSxDEVICES"`` (e.g. ``"2x8"``) or a ``rhino.Cluster``: plan with the
+            controller of ``rhino.plan_pipeline`` (with ``microbatches``, ``epsilon``,
+            ``max_stages``; ``memory_budget`` is the per-device memory).
 
     Returns:
-        The ``ExecutionPlan`` (``.report()``, ``.to_json()``).
+        The ``ExecutionPlan`` (``.report()``, ``.to_json()``); with ``cluster``, the
+        controller's ``PipelinePlan``, whose winner may be SPMD-only.
 
     Example:
         >>> import jax.numpy as jnp, rhino
@@ -268,6 +274,11 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
         >>> p.search.opt_level, p.mesh.shape
         ('O2', (2,))
     """
+    if cluster is not None:
+        from rhino.pipeline.api import plan_pipeline
+        return plan_pipeline(source, *example_args, cluster=cluster, microbatches=microbatches,
+                             epsilon=epsilon, max_stages=max_stages, memory_bytes=memory_budget,
+                             progress=progress)
     if mesh is None:
         if mesh_shape is None:
             import jax
