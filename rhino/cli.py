@@ -100,6 +100,11 @@ def _cmd_plan_pipeline(args: argparse.Namespace) -> int:
             beta_inter=args.beta_inter, memory_bytes=budget, progress=progress)
     except ValueError as e:
         raise RhinoError(str(e)) from None
+    return _emit_plan(p, args)
+
+
+def _emit_plan(p, args: argparse.Namespace) -> int:
+    """Save (--output) and print (report, or --json) a plan."""
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(p.to_json(indent=1))
@@ -122,11 +127,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                        time_limit=args.time_limit, progress=progress)
     except ValueError as e:
         raise RhinoError(str(e)) from None
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(p.to_json(indent=1))
-    print(p.to_json(indent=1) if args.json else p.report())
-    return 0
+    return _emit_plan(p, args)
 
 
 def _ensure_cpu_devices(n: int) -> None:
