@@ -178,10 +178,10 @@ def test_bare_decorator_and_report(capsys, monkeypatch):
         return w - 0.01 * x.T @ (x @ w), jnp.sum((x @ w) ** 2)
 
     w, x = jnp.ones((16, 16)), jnp.ones((64, 16))
-    monkeypatch.setenv("RHINO_REPORT", "1")
-    w2, loss = step(w, x)
-    assert "rhino plan" in capsys.readouterr().err
     ref_w, ref_loss = jax.jit(step.__wrapped__)(w, x)
+    monkeypatch.setenv("RHINO_REPORT", "1")
+    w2, loss = step(w, x)  # w is donated: updated in place
+    assert "rhino plan" in capsys.readouterr().err
     np.testing.assert_allclose(np.asarray(w2), np.asarray(ref_w), rtol=1e-5)
     # Same signature: no re-planning; a host array is accepted as input.
     w3, _ = step(np.asarray(w2), x)
