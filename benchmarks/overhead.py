@@ -1,0 +1,165 @@
+"""Per-call overhead of rhino.auto_parallel against jax.jit (issue 4, item 6).
+
+At 1 and 8 simulated CPU devices, for steps of different cost, three callables run the same
+training step with the same argument and result shardings and the same donation:
+
+* ``rhino``  — ``rhino.auto_parallel(step, devices=..., mesh_shape=(n,))`` called as a user
+  calls it (its ``__call__``: signature lookup, input sharding check, compiled executable);
+* ``jit``    — ``jax.jit(step, in_shardings=<rhino's compiled entry in_shardings>,
+  out_shardings=<rhino's compiled output shardings>, donate_argnums=<same>)``: the function
+  the user wrote, compiled by jax with rhino's boundary shardings and XLA's propagation
+  inside (so the program may differ from rhino's inside);
+* ``exe``    — rhino's own compiled executable called directly (``step._entry(args)
+  .compiled``): the same program as ``rhino``, without the wrapper — their difference is the
+  wrapper's cost alone.
+
+Calls are interleaved (rhino, jit, exe, rhino, ...) so that the shared machine's drift hits
+all three alike; each call feeds its outputs back (donated state), is blocked on, and is timed
+alone. Reported: the median per-call wall time of each, the ratios rhino ÷ jit (target: at
+most 1.05) and rhino ÷ exe, the wrapper's absolute cost (median rhino − median exe), and
+whether the jit program has the same collectives as rhino's (same boundary shardings do not
+make the same program: XLA propagates its own shardings inside). No GPU was available to the
+run recorded in RESULTS.md; the script runs unchanged on one (``--sizes 1`` on a single GPU).
+
+    python benchmarks/overhead.py --out benchmarks/out/overhead.jsonl
+    python benchmarks/overhead.py --table benchmarks/out/overhead.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+WORKLOADS = {
+    # name: (zoo model, config overrides, timed calls per callable)
+    "mlp-small": ("mlp", dict(batch=64, hidden=128), 400),
+    "gpt-small": ("gpt", dict(layers=2, hidden=64, heads=4, seq=32, vocab=256, batch=8), 200),
+    "gpt-medium-2l": ("gpt", dict(preset="GPT-Medium", layers=2, seq=128, vocab=8192,
+                                  batch=8), 12),
+}
+SIZES = (1, 8)
+
+
+def run(workload: str, n: int, out_path: str) -> dict:
+    import jax
+
+    import rhino
+    from rhino.models import get_model
+    from rhino.runtime.spmd import count_collectives, summarize
+
+    name, cfg, calls = WORKLOADS[workload]
+    model = get_model(name, **cfg)
+    example = model.example_args()
+    devices = jax.devices()[:n]
+    ap = rhino.auto_parallel(model.step, devices=devices, mesh_shape=(n,))
+    entry = ap._entry(example)
+    exe = entry.compiled
+    in_tree = jax.tree_util.tree_structure(example)
+    in_sh = jax.tree_util.tree_unflatten(in_tree, entry.in_shardings)
+    out_sh = exe.output_shardings
+    # rhino donates the arguments it updates and returns: (params, opt_state) = (0, 1).
+    jitted = jax.jit(model.step, in_shardings=in_sh, out_shardings=out_sh,
+                     donate_argnums=(0, 1))
+    jitted_exe = jitted.lower(*example).compile()
+    # Same boundary: the jit program's shardings are rhino's.
+    for a, b, nd in zip(jax.tree.leaves(jitted_exe.input_shardings[0]), entry.in_shardings,
+                        [len(x.shape) for x in jax.tree.leaves(example)]):
+        assert a.is_equivalent_to(b, nd), (a, b)
+
+    host = jax.device_get((*model.init(jax.random.PRNGKey(0)),
+                           model.make_batch(jax.random.PRNGKey(1))))
+    flat, tree = jax.tree_util.tree_flatten(host)
+
+    def fresh():
+        return jax.tree_util.tree_unflatten(
+            tree, [jax.device_put(x, s) for x, s in zip(flat, entry.in_shardings)])
+
+    fns = {"rhino": ap, "jit": jitted, "exe": exe}
+    states = {k: fresh() for k in fns}
+    batch = states["rhino"][2]
+    times = {k: [] for k in fns}
+    warm = max(3, calls // 20)
+    for i in range(warm + calls):
+        for k, f in fns.items():
+            params, opt = states[k][0], states[k][1]
+            t = time.perf_counter()
+            out = f(params, opt, batch)
+            jax.block_until_ready(out)
+            dt = time.perf_counter() - t
+            states[k] = (out[0], out[1], batch)
+            if i >= warm:
+                times[k].append(dt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    row = {"workload": workload, "devices": n, "calls": calls,
+           "median_s": med, "rhino_over_jit": med["rhino"] / med["jit"],
+           "rhino_over_exe": med["rhino"] / med["exe"],
+           "wrapper_us": 1e6 * (med["rhino"] - med["exe"]),
+           "leaves": len(flat), "platform": jax.devices()[0].platform,
+           "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "alias_bytes": {"rhino": exe.memory_analysis().alias_size_in_bytes,
+                           "jit": jitted_exe.memory_analysis().alias_size_in_bytes},
+           # Same boundary shardings, but is it the same program inside? (collectives)
+           "collectives": {"rhino": summarize(count_collectives(exe.as_text())),
+                           "jit": summarize(count_collectives(jitted_exe.as_text()))}}
+    print(json.dumps(row), flush=True)
+    with open(out_path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
+
+
+def tables(rows: list[dict]) -> str:
+    out = ["| workload | devices | argument leaves | calls | jax.jit ms | rhino ms | "
+           "rhino exe ms | rhino ÷ jit | rhino ÷ own exe | wrapper µs/call | "
+           "rhino ÷ jit ≤ 1.05 | same collectives as jit |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+
+    def mib(d):
+        return ", ".join(f"{k} ×{c} ({b / 2**20:.1f} MiB)" for k, (c, b) in d.items()) or "none"
+
+    for r in rows:
+        m = r["median_s"]
+        ok = r["rhino_over_jit"] <= 1.05
+        c = r.get("collectives", {})
+        same = ("yes" if c.get("rhino") == c.get("jit") else
+                f"no: rhino {mib(c['rhino'])}; jit {mib(c['jit'])}") if c else "?"
+        out.append(f"| {r['workload']} | {r['devices']} | {r['leaves']} | {r['calls']} | "
+                   f"{1e3 * m['jit']:.3f} | {1e3 * m['rhino']:.3f} | {1e3 * m['exe']:.3f} | "
+                   f"{r['rhino_over_jit']:.3f} | {r['rhino_over_exe']:.3f} | "
+                   f"{r['wrapper_us']:.0f} | {'yes' if ok else '**no**'} | {same} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    p.add_argument("--out", default="benchmarks/out/overhead.jsonl")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--table")
+    a = p.parse_args()
+    if a.table:
+        print(tables([json.loads(l) for l in open(a.table) if l.strip()]))
+        return
+    if a.one:
+        w, n = a.one.split("@")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=8")
+        run(w, int(n), a.out)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    open(a.out, "w").close()
+    for w in a.workloads.split(","):
+        for n in a.sizes.split(","):
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--one", f"{w}@{n}",
+                            "--out", a.out], check=False)
+    print(tables([json.loads(l) for l in open(a.out) if l.strip()]))
+
+
+if __name__ == "__main__":
+    main()
