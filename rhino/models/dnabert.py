@@ -14,14 +14,13 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from rhino.models.base import (ModelConfig, cross_entropy, embed, init_embeddings,
-                               init_layernorm, init_transformer_layer, layernorm, require,
-                               transformer_layer)
-from rhino.models.gpt import validate_lm
+from rhino.models.base import (ModelConfig, cross_entropy, embed, init_transformer_layer,
+                               layernorm, require, transformer_layer)
+from rhino.models.gpt import LanguageModel, validate_lm
 
 
 @dataclass(frozen=True)
-class DnabertConfig(ModelConfig):
+class DnabertConfig(LanguageModel, ModelConfig):
     """DNABERT hyper-parameters.
 
     Attributes:
@@ -48,17 +47,11 @@ class DnabertConfig(ModelConfig):
         validate_lm("dnabert", self)
         require(self.vocab >= 2, f"dnabert: vocab must be >= 2 (mask token), got {self.vocab}")
 
-    @property
-    def ffn_dim(self) -> int:
-        """The FFN inner width (``ffn`` or ``4 * hidden``)."""
-        return self.ffn or 4 * self.hidden
-
     def init_params(self, key: jax.Array) -> dict[str, Any]:
         k_emb, k_layers = jax.random.split(key)
         layers = [init_transformer_layer(k, self.hidden, self.ffn_dim)
                   for k in jax.random.split(k_layers, self.layers)]
-        return {**init_embeddings(k_emb, self.vocab, self.seq, self.hidden),
-                "layers": layers, "ln_f": init_layernorm(self.hidden)}
+        return self.lm_params(k_emb, layers)
 
     def make_batch(self, key: jax.Array) -> dict[str, jax.Array]:
         k_tok, k_mask = jax.random.split(key)

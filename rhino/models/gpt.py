@@ -42,6 +42,21 @@ GPT_CONFIGS = types.MappingProxyType({
 """Presets for ``get_model("gpt", preset=...)``: the Rhino paper's Table 1 shapes."""
 
 
+class LanguageModel:
+    """What the transformer language models share (a mixin of their frozen configs, which
+    have ``vocab``, ``seq``, ``hidden`` and ``ffn``)."""
+
+    @property
+    def ffn_dim(self) -> int:
+        """The FFN inner width (``ffn`` or ``4 * hidden``)."""
+        return self.ffn or 4 * self.hidden
+
+    def lm_params(self, k_emb: jax.Array, layers: Any) -> dict[str, Any]:
+        """Embeddings, the given layers, and the final layernorm."""
+        return {**init_embeddings(k_emb, self.vocab, self.seq, self.hidden),
+                "layers": layers, "ln_f": init_layernorm(self.hidden)}
+
+
 def validate_lm(name: str, cfg: Any) -> None:
     """Checks the fields shared by the transformer LMs (batch, seq, vocab, layers, heads)."""
     require(min(cfg.batch, cfg.seq, cfg.vocab, cfg.layers, cfg.hidden, cfg.heads) >= 1,
@@ -64,7 +79,7 @@ def lm_head_loss(params: dict[str, Any], x: jax.Array, labels: jax.Array) -> jax
 
 
 @dataclass(frozen=True)
-class GptConfig(ModelConfig):
+class GptConfig(LanguageModel, ModelConfig):
     """GPT hyper-parameters.
 
     Attributes:
@@ -92,19 +107,13 @@ class GptConfig(ModelConfig):
     def __post_init__(self):
         validate_lm("gpt", self)
 
-    @property
-    def ffn_dim(self) -> int:
-        """The FFN inner width (``ffn`` or ``4 * hidden``)."""
-        return self.ffn or 4 * self.hidden
-
     def init_params(self, key: jax.Array) -> dict[str, Any]:
         k_emb, k_layers = jax.random.split(key)
         layers = [init_transformer_layer(k, self.hidden, self.ffn_dim)
                   for k in jax.random.split(k_layers, self.layers)]
         if self.scan:
             layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-        return {**init_embeddings(k_emb, self.vocab, self.seq, self.hidden),
-                "layers": layers, "ln_f": init_layernorm(self.hidden)}
+        return self.lm_params(k_emb, layers)
 
     def make_batch(self, key: jax.Array) -> dict[str, jax.Array]:
         return make_lm_batch(self, key)

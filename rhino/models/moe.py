@@ -28,10 +28,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from rhino.models.base import (ModelConfig, embed, init_attention, init_embeddings,
-                               init_layernorm, init_transformer_layer, layernorm, normal,
+from rhino.models.base import (ModelConfig, embed, init_attention, init_layernorm, init_transformer_layer, layernorm, normal,
                                require, self_attention, transformer_layer)
-from rhino.models.gpt import lm_head_loss, make_lm_batch, validate_lm
+from rhino.models.gpt import LanguageModel, lm_head_loss, make_lm_batch, validate_lm
 
 MOE_CONFIGS = types.MappingProxyType({
     # The Rhino paper's Table 2 (N_params, N_GPUs in the comment).
@@ -104,7 +103,7 @@ def moe_ffn(p: dict[str, jax.Array], x: jax.Array, capacity: int) -> tuple[jax.A
 
 
 @dataclass(frozen=True)
-class MoeConfig(ModelConfig):
+class MoeConfig(LanguageModel, ModelConfig):
     """GShard MoE hyper-parameters.
 
     Attributes:
@@ -143,11 +142,6 @@ class MoeConfig(ModelConfig):
                 f"moe: capacity_factor must be > 0, got {self.capacity_factor}")
 
     @property
-    def ffn_dim(self) -> int:
-        """The FFN inner width (``ffn`` or ``4 * hidden``)."""
-        return self.ffn or 4 * self.hidden
-
-    @property
     def capacity(self) -> int:
         """Slots per expert per group: ``ceil(capacity_factor * seq / experts)``."""
         return max(1, math.ceil(self.capacity_factor * self.seq / self.experts))
@@ -169,8 +163,7 @@ class MoeConfig(ModelConfig):
         layers = [self._init_moe_layer(k) if self.is_moe_layer(i)
                   else init_transformer_layer(k, self.hidden, self.ffn_dim)
                   for i, k in enumerate(jax.random.split(k_layers, self.layers))]
-        return {**init_embeddings(k_emb, self.vocab, self.seq, self.hidden),
-                "layers": layers, "ln_f": init_layernorm(self.hidden)}
+        return self.lm_params(k_emb, layers)
 
     def make_batch(self, key: jax.Array) -> dict[str, jax.Array]:
         return make_lm_batch(self, key)
