@@ -325,7 +325,11 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   opt_level: str = "O2", memory_budget: int | None = None,
                   annotations: Mapping[str, Any] | None = None,
                   plan: ExecutionPlan | None = None, report: bool | None = None,
-                  donate: bool = True, time_limit: float = 600.0):
+                  donate: bool = True, time_limit: float = 600.0,
+                  cluster: Any = None, num_microbatches: int = 4, schedule: str = "1f1b",
+                  executor: str = "local", stages: int | None = None,
+                  pipeline_plan: Any = None, accumulate: str = "mean",
+                  batch_args: Sequence[str] | None = None, timeout: float = 600.0):
     """Shard a one-device training step over the local devices, automatically.
 
     Usable bare (``@rhino.auto_parallel``) or with options.
@@ -344,10 +348,44 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         report: print the plan report on the first call (default: env ``RHINO_REPORT``).
         donate: donate the training state that the step updates and returns.
         time_limit: seconds per solve.
+        cluster: run as a pipeline over ``"HOSTSxDEVICES"`` (or a ``Cluster``): the pipeline
+            planner picks stages and stage meshes, the step is cut into per-stage programs
+            and run with a static schedule (see ``rhino.pipelined``). The options below
+            apply only with a cluster.
+        num_microbatches: microbatches per step.
+        schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"eager-1f1b"``.
+        executor: ``"local"`` (one process, disjoint sets of local devices) or ``"ray"``
+            (one actor per stage; see ``rhino.init``).
+        stages: the number of pipeline stages (default: the planner's choice).
+        pipeline_plan: a saved ``PipelinePlan`` to run instead of planning (a hand-edited
+            stage assignment goes here).
+        accumulate: ``"mean"`` (default) or ``"sum"``: how batch-dependent values (loss,
+            gradients) combine over microbatches.
+        batch_args: names of the arguments carrying the batch (default: non-state ones).
+        timeout: seconds any wait of the pipeline executor may take.
 
     Returns:
-        An ``AutoParallel`` callable (``.plan_for(*args)``, ``.compiled_text(*args)``).
+        An ``AutoParallel`` callable (``.plan_for(*args)``, ``.compiled_text(*args)``), or
+        with ``cluster`` a ``PipelinedStep`` (``.plan_for``, ``.timeline(path)``).
     """
+    if cluster is not None:
+        from rhino.pipelined import PipelinedStep, PipelineRunOptions
+
+        if plan is not None or annotations or memory_budget is not None or mesh is not None \
+                or mesh_shape is not None:
+            raise RhinoError("auto_parallel: plan, annotations, memory_budget, mesh and "
+                             "mesh_shape are SPMD-only options; with cluster=... pass "
+                             "pipeline_plan/stages instead")
+        run = PipelineRunOptions(cluster=cluster, num_microbatches=num_microbatches,
+                                 schedule=schedule, executor=executor, stages=stages,
+                                 plan=pipeline_plan, accumulate=accumulate,
+                                 batch_args=tuple(batch_args) if batch_args else None,
+                                 timeout=timeout,
+                                 devices=tuple(devices) if devices is not None else None,
+                                 report=report)
+        if fn is None:
+            return lambda f: PipelinedStep(f, run, opt_level=opt_level)
+        return PipelinedStep(fn, run, opt_level=opt_level)
     options = AutoParallelOptions(
         devices=tuple(devices) if devices is not None else None,
         mesh_shape=tuple(mesh_shape) if mesh_shape is not None else None, mesh=mesh,

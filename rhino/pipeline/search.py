@@ -63,6 +63,8 @@ class PipelineOptions:
         num_microbatches: ``m`` for 1F1B (the SPMD-only candidate runs the whole batch).
         epsilon: stage imbalance tolerance of the stage ILP (§5.2).
         max_stages: the most pipeline stages (default: every device).
+        num_stages: only splits with exactly this many stages (e.g. to run a pipeline of
+            a given depth); None: any count up to ``max_stages``.
         kinds: which of ``spmd``, ``pipeline``, ``hybrid`` to weigh.
         batch_args: argument names that carry the batch (default: the non-state ones).
         boundary_method: ``auto``, ``marker`` or ``autodiff`` (see ``gradient.py``).
@@ -85,6 +87,7 @@ class PipelineOptions:
     num_microbatches: int = 8
     epsilon: float = 0.1
     max_stages: int | None = None
+    num_stages: int | None = None
     kinds: tuple[str, ...] = KINDS
     batch_args: tuple[str, ...] | None = None
     boundary_method: str = "auto"
@@ -106,6 +109,8 @@ class PipelineOptions:
             raise ValueError(f"epsilon: expected >= 0, found {self.epsilon!r}")
         if self.max_stages is not None and self.max_stages < 1:
             raise ValueError(f"max_stages: expected >= 1, found {self.max_stages}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"num_stages: expected >= 1, found {self.num_stages}")
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds:
             raise ValueError(f"kinds: expected a non-empty subset of {KINDS}, found "
@@ -455,11 +460,15 @@ def plan_pipeline_graph(graph: HloGraph, cluster: Cluster,
     t_start = time.perf_counter()
     m = options.num_microbatches
     budget = options.memory_budget if options.memory_budget is not None else cluster.memory_bytes
-    splits = [s for s in enumerate_splits(cluster, options.max_stages, options.two_d)
-              if s.kind in options.kinds]
+    most = options.max_stages if options.num_stages is None else options.num_stages
+    splits = [s for s in enumerate_splits(cluster, most, options.two_d)
+              if s.kind in options.kinds
+              and options.num_stages in (None, s.num_stages)]
     if not splits:
+        count = (f"exactly {options.num_stages}" if options.num_stages is not None
+                 else f"at most {options.max_stages}")
         raise RhinoError(f"pipeline search: expected some split of cluster {cluster} of kinds "
-                         f"{options.kinds} with at most {options.max_stages} stages, found none")
+                         f"{options.kinds} with {count} stages, found none")
     stage_counts = sorted({s.num_stages for s in splits if s.num_stages > 1})
     t0 = time.perf_counter()
     boundary = roles = coarse = None

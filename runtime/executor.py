@@ -1,0 +1,425 @@
+"""Executors: run a static pipeline schedule of stage programs on device meshes.
+
+Both executors run the same per-stage *instruction lists* (``instructions``), derived from a
+``Schedule`` (which task when) and a ``StepSplit`` (what each task reads and writes)::
+
+    stage 0: run F(mb0) · send v12@mb0→1 · run F(mb1) · send ... · recv g7@mb0←1 · run B(mb0) ...
+    stage 1: recv v12@mb0←0 · run F(mb0) · run B(mb0) · send g7@mb0→0 · ...
+
+A ``StageWorker`` owns one stage: its mesh, its compiled programs (one per task kind, with
+and without the gradient accumulators; compiled on first use), the training state it reads,
+and per microbatch the values still awaited by a later task (released after their last
+reader ran, so 1F1B holds at most its in-flight microbatches' activations). It runs its
+instruction list once per step through a ``Transport``:
+
+* ``LocalTransport``: one process; a value is handed over in memory and put on the
+  receiving mesh with the receiver's sharding (``jax.device_put``: a cross-mesh copy).
+* the Ray executor (``ray_executor.py``) moves host copies through the object store.
+
+``LocalExecutor`` runs one thread per stage (meshes are disjoint sets of local devices; the
+threads only dispatch and wait). Every wait has a timeout; an error on one stage stops the
+others at their next wait and is raised naming the stage and the task.
+
+Example:
+    >>> from rhino.runtime.schedules import one_f_one_b
+    >>> # instructions(split, one_f_one_b(2, 4), stage=0)  -> [Instr('run', 'F', 0), ...]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import jax
+import numpy as np
+
+from rhino.errors import RhinoError
+from rhino.runtime.schedules import Schedule
+from rhino.runtime.stage_programs import StepSplit, finish_accumulated, task_function
+from rhino.runtime.timeline import TaskRecord
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class ExecutorError(RhinoError):
+    """A pipeline step failed or timed out on a stage."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    """One instruction of a stage.
+
+    Attributes:
+        op: ``run``, ``send`` or ``recv``.
+        kind: ``F``/``B``/``A`` (run); microbatch: its microbatch (None for ``A`` and for
+            values of apply tasks); ref: the value (send/recv); peer: the other stage;
+            acc: the value is an accumulated sum (sent once per step).
+    """
+
+    op: str
+    kind: str = ""
+    microbatch: int | None = None
+    ref: int | None = None
+    peer: int | None = None
+    acc: bool = False
+
+    @property
+    def key(self) -> tuple:
+        return (self.ref, "acc" if self.acc else self.microbatch)
+
+    def label(self) -> str:
+        if self.op == "run":
+            return f"{self.kind}{'' if self.microbatch is None else self.microbatch}"
+        arrow = "→" if self.op == "send" else "←"
+        what = "acc" if self.acc else ("" if self.microbatch is None else self.microbatch)
+        return f"{self.op} v{self.ref}@{what}{arrow}{self.peer}"
+
+
+def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr]:
+    """The instruction list of ``stage`` for one step (pure; see the module docstring)."""
+    if schedule.num_stages != split.num_stages or \
+            schedule.num_microbatches != split.num_microbatches:
+        raise ExecutorError(f"schedule: expected {split.num_stages} stages × "
+                            f"{split.num_microbatches} microbatches (the split), found "
+                            f"{schedule.num_stages} × {schedule.num_microbatches}")
+    m = split.num_microbatches
+    out: list[Instr] = []
+    received: set[tuple] = set()  # a value read by several tasks here is received once
+    for t in schedule.stage_tasks(stage):
+        spec = split.task(t.kind, stage)
+        mb = None if t.kind == "A" else t.microbatch
+        for i in spec.inputs:
+            if i.source == "task" and i.producer[1] != stage:
+                ins = Instr("recv", ref=i.ref, microbatch=mb if i.producer[0] != "A"
+                            else None, peer=i.producer[1])
+            elif i.source == "acc" and i.producer[1] != stage:
+                ins = Instr("recv", ref=i.ref, peer=i.producer[1], acc=True)
+            else:
+                continue
+            if ins.key not in received:
+                received.add(ins.key)
+                out.append(ins)
+        out.append(Instr("run", t.kind, mb))
+        for r in spec.outputs:
+            dsts = sorted({s for k, s in split.consumers.get(r, ()) if s != stage
+                           and (k != "A" or t.kind == "A")})
+            out.extend(Instr("send", ref=r, microbatch=mb, peer=d) for d in dsts)
+        if t.kind != "A" and mb == m - 1:
+            for r in spec.accumulate:
+                dsts = sorted({s for k, s in split.consumers.get(r, ()) if k == "A"
+                               and s != stage})
+                out.extend(Instr("send", ref=r, peer=d, acc=True) for d in dsts)
+    return out
+
+
+class Transport(Protocol):
+    """Moves values between stages (an NCCL transport would implement the same)."""
+
+    def send(self, src: int, dst: int, key: tuple, value: Any) -> None: ...
+
+    def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any: ...
+
+
+class LocalTransport:
+    """In-process mailboxes, one per stage; ``abort`` wakes every waiting receiver."""
+
+    def __init__(self, num_stages: int):
+        self._boxes: list[dict] = [dict() for _ in range(num_stages)]
+        self._cond = threading.Condition()
+        self._aborted: str | None = None
+
+    def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
+        with self._cond:
+            self._boxes[dst][(src, key)] = value
+            self._cond.notify_all()
+
+    def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (src, key) not in self._boxes[dst]:
+                if self._aborted is not None:
+                    raise ExecutorError(f"aborted: {self._aborted}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no value {key} from stage {src} after {timeout:.0f} s")
+                self._cond.wait(left)
+            return self._boxes[dst].pop((src, key))
+
+    def abort(self, why: str) -> None:
+        with self._cond:
+            self._aborted = why
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        with self._cond:
+            self._aborted = None
+            for b in self._boxes:
+                b.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class StageShardings:
+    """The shardings a stage uses, as PartitionSpecs on its mesh (plain data).
+
+    Attributes:
+        values: ``(equation path, result index) -> PartitionSpec`` constraints inside the
+            stage's programs.
+        refs: ``ref -> PartitionSpec`` for values the stage receives or is given
+            (arguments, microbatch slices, values from other stages). Unlisted: replicated.
+    """
+
+    values: Mapping[tuple[tuple[int, ...], int], Any] = dataclasses.field(default_factory=dict)
+    refs: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+
+
+class StageWorker:
+    """Runs one stage's instruction list (see the module docstring).
+
+    Args:
+        split: the step split; stage: which stage; mesh: its ``jax.sharding.Mesh``;
+        shardings: its ``StageShardings``; schedule: the static schedule.
+        measure: block on each task's results to time it (for the timeline).
+    """
+
+    def __init__(self, split: StepSplit, stage: int, mesh: Any, shardings: StageShardings,
+                 schedule: Schedule, measure: bool = True):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self.split, self.stage, self.mesh, self.schedule = split, stage, mesh, schedule
+        self.measure = measure
+        self.instrs = instructions(split, schedule, stage)
+        self._named = lambda spec: NamedSharding(mesh, spec if spec is not None
+                                                 else PartitionSpec())
+        self._ref_sharding = {r: self._named(p) for r, p in shardings.refs.items()}
+        self._value_sharding = {k: self._named(p) for k, p in shardings.values.items()}
+        self._replicated = self._named(None)
+        self._programs: dict[tuple[str, bool], Any] = {}
+        # How many tasks of this stage read each (ref, microbatch) value: released after.
+        self._readers: dict[int, int] = {}
+        for k in ("F", "B", "A"):
+            for i in split.task(k, stage).inputs:
+                if i.source in ("task", "batch"):
+                    self._readers[i.ref] = self._readers.get(i.ref, 0) + 1
+        for k in ("F", "B", "A"):
+            for r in split.task(k, stage).outputs:
+                self._readers.setdefault(r, 0)
+        self._last_send = {ins.key: n for n, ins in enumerate(self.instrs) if ins.op == "send"}
+        self._state: dict[int, Any] = {}
+        self._state_src: dict[int, int] = {}
+
+    def sharding(self, ref: int) -> Any:
+        return self._ref_sharding.get(ref, self._replicated)
+
+    def program(self, kind: str, with_acc: bool) -> Any:
+        key = (kind, with_acc)
+        fn = self._programs.get(key)
+        if fn is None:
+            task = self.split.task(kind, self.stage)
+            cons = self._value_sharding
+
+            def constrain(path, k, x):
+                s = cons.get((path, k))
+                return x if s is None else jax.lax.with_sharding_constraint(x, s)
+
+            donate = (1,) if with_acc else ()
+            fn = jax.jit(task_function(self.split, task, with_acc, constrain),
+                         donate_argnums=donate)
+            self._programs[key] = fn
+        return fn
+
+    # ------------------------------------------------------------------ one step
+    def _place_args(self, args: Mapping[int, Any]) -> tuple[dict, dict]:
+        """State on this mesh (kept across steps when the same array comes back), and the
+        batch cut into microbatches on this mesh."""
+        m = self.split.num_microbatches
+        batch: dict[tuple[int, int], Any] = {}
+        for r, x in args.items():
+            if r in self.split.batch_refs:
+                n = np.shape(x)[0]
+                if n % m:
+                    raise ExecutorError(f"batch argument #{r}: expected a leading dimension "
+                                        f"divisible by {m} microbatches, found {n}")
+                host = np.asarray(x)
+                size = n // m
+                for k in range(m):
+                    batch[(r, k)] = jax.device_put(host[k * size:(k + 1) * size],
+                                                   self.sharding(r))
+            elif self._state_src.get(r) != id(x) or r not in self._state:
+                self._state[r] = jax.device_put(x, self.sharding(r))
+                self._state_src[r] = id(x)
+        return self._state, batch
+
+    def run_step(self, args: Mapping[int, Any], transport: Transport,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> tuple[dict[int, Any], list[TaskRecord]]:
+        """Run this stage's instructions once.
+
+        Args:
+            args: flat argument ref -> array for the arguments this stage reads.
+            transport: moves values between stages.
+            timeout: seconds to wait for any one value.
+
+        Returns:
+            (the step's results this stage produces: ref -> array, measured task records).
+
+        Raises:
+            ExecutorError: naming this stage and the instruction that failed or timed out.
+        """
+        state, batch = self._place_args(args)
+        values: dict[tuple[int, Any], Any] = {}
+        left: dict[tuple[int, Any], int] = {}
+        accs: dict[int, Any] = {}
+        records: list[TaskRecord] = []
+        t_step = time.perf_counter()
+        for n, ins in enumerate(self.instrs):
+            try:
+                if ins.op == "recv":
+                    t0 = time.perf_counter()
+                    x = transport.recv(self.stage, ins.peer, ins.key, timeout)
+                    x = jax.device_put(x, self.sharding(ins.ref))
+                    if ins.acc:
+                        accs[ins.ref] = x
+                    else:
+                        values[(ins.ref, ins.microbatch)] = x
+                        left[(ins.ref, ins.microbatch)] = self._readers.get(ins.ref, 1)
+                    records.append(TaskRecord(self.stage, ins.label(), t0, time.perf_counter(),
+                                              ins.microbatch, "recv"))
+                elif ins.op == "send":
+                    t0 = time.perf_counter()
+                    x = accs[ins.ref] if ins.acc else values[(ins.ref, ins.microbatch)]
+                    if ins.acc:
+                        x = finish_accumulated(self.split, x)
+                    transport.send(self.stage, ins.peer, ins.key, x)
+                    k = (ins.ref, ins.microbatch)
+                    if not ins.acc and left.get(k, 1) <= 0 and not self._awaited(k) and \
+                            self._last_send[ins.key] == n:
+                        values.pop(k, None)
+                    records.append(TaskRecord(self.stage, ins.label(), t0, time.perf_counter(),
+                                              ins.microbatch, "send"))
+                else:
+                    records.append(self._run(ins, state, batch, values, left, accs))
+            except ExecutorError as e:
+                raise ExecutorError(f"stage {self.stage}, {ins.label()}: {e}") from e
+            except TimeoutError as e:
+                raise ExecutorError(f"stage {self.stage}, {ins.label()}: timed out: {e}") \
+                    from e
+            except Exception as e:  # a program failed: say where
+                raise ExecutorError(f"stage {self.stage}, {ins.label()}: "
+                                    f"{type(e).__name__}: {e}") from e
+        outs: dict[int, Any] = {}
+        for o in self.split.outputs:
+            if o.producer is None or o.producer[1] != self.stage:
+                continue
+            if o.source == "acc":
+                outs[o.ref] = finish_accumulated(self.split, accs[o.ref])
+            elif o.source == "task":
+                outs[o.ref] = values[(o.ref, None)]
+        del t_step
+        return outs, records
+
+    def _run(self, ins: Instr, state, batch, values, left, accs) -> TaskRecord:
+        task = self.split.task(ins.kind, self.stage)
+        mb = ins.microbatch
+        inputs = []
+        used = []
+        for i in task.inputs:
+            if i.source == "arg":
+                inputs.append(state[i.ref])
+            elif i.source == "batch":
+                inputs.append(batch[(i.ref, mb)])
+            elif i.source == "acc":
+                x = accs[i.ref]
+                inputs.append(finish_accumulated(self.split, x) if i.producer[1] == self.stage
+                              else x)
+            else:
+                key = (i.ref, mb if i.producer[0] != "A" else None)
+                inputs.append(values[key])
+                used.append(key)
+        with_acc = ins.kind != "A" and mb is not None and mb > 0
+        acc_in = [accs[r] for r in task.accumulate] if with_acc else []
+        t0 = time.perf_counter()
+        outs, new = self.program(ins.kind, with_acc)(inputs, acc_in)
+        if self.measure:
+            jax.block_until_ready((outs, new))
+        t1 = time.perf_counter()
+        key_mb = None if ins.kind == "A" else mb
+        for r, x in zip(task.outputs, outs):
+            values[(r, key_mb)] = x
+            left[(r, key_mb)] = self._readers.get(r, 0)
+        accs.update(zip(task.accumulate, new))
+        for key in used:  # release values whose last reader on this stage ran
+            left[key] -= 1
+            if left[key] <= 0 and not self._awaited(key):
+                values.pop(key, None)
+        kind = {"F": "forward", "B": "backward", "A": "apply"}[ins.kind]
+        return TaskRecord(self.stage, ins.label(), t0, t1, mb, kind)
+
+    def _awaited(self, key) -> bool:
+        """Still needed by a send or as a step result (never released early)."""
+        ref, _ = key
+        return any(o.ref == ref and o.source == "task" for o in self.split.outputs)
+
+
+class LocalExecutor:
+    """All stages in this process, one thread each (see the module docstring).
+
+    Args:
+        workers: one ``StageWorker`` per stage, in stage order.
+        timeout: seconds any one wait may take.
+    """
+
+    def __init__(self, workers: Sequence[StageWorker], timeout: float = DEFAULT_TIMEOUT_S):
+        self.workers = list(workers)
+        self.timeout = timeout
+        self.transport = LocalTransport(len(self.workers))
+        self._pool = cf.ThreadPoolExecutor(max_workers=len(self.workers),
+                                           thread_name_prefix="rhino-stage")
+        self.last_records: list[TaskRecord] = []
+        self.last_step_s = 0.0
+
+    def run(self, flat_args: Sequence[Any]) -> dict[int, Any]:
+        """One step: flat arguments in, ``ref -> value`` of the step's stage results out."""
+        self.transport.reset()
+        split = self.workers[0].split
+        t0 = time.perf_counter()
+        futures = []
+        for w in self.workers:
+            args = {r: flat_args[r] for r in split.stage_args(w.stage)}
+            futures.append(self._pool.submit(self._guarded, w, args))
+        outs: dict[int, Any] = {}
+        records: list[TaskRecord] = []
+        errors = []
+        for w, f in zip(self.workers, futures):
+            try:
+                o, rec = f.result(timeout=self.timeout * 2)
+                outs.update(o)
+                records.extend(rec)
+            except cf.TimeoutError:
+                self.transport.abort(f"stage {w.stage} did not finish")
+                errors.append(ExecutorError(f"stage {w.stage}: the step did not finish "
+                                            f"within {2 * self.timeout:.0f} s"))
+            except ExecutorError as e:
+                errors.append(e)
+        if errors:
+            # The root cause: a failure that is not another stage's abort, earliest first.
+            first = [e for e in errors if "aborted:" not in str(e)] or errors
+            if len(errors) > 1:
+                others = "; ".join(str(e) for e in errors if e is not first[0])
+                raise ExecutorError(f"{first[0]} (other stages: {others})") from first[0]
+            raise first[0]
+        jax.block_until_ready(outs)
+        self.last_step_s = time.perf_counter() - t0
+        self.last_records = records
+        return outs
+
+    def _guarded(self, worker: StageWorker, args):
+        try:
+            return worker.run_step(args, self.transport, self.timeout)
+        except Exception as e:
+            self.transport.abort(str(e))
+            raise
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
