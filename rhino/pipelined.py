@@ -220,6 +220,50 @@ class PipelinedStep:
             tl.draw(path, title=title)
         return tl
 
+    def distributed_init(self, init_fn: Callable, *init_args: Any, example_args: tuple):
+        """Create the training state directly on the stage meshes (Rhino §6.3).
+
+        ``init_fn(*init_args)`` returns the step's leading arguments (e.g. ``(params,
+        opt_state)`` for ``step(params, opt_state, batch)``); each leaf is computed by a
+        program compiled for the stage that reads it first, with that stage's sharding
+        (``runtime.init.distributed_init``), so no device materializes another stage's
+        weights. The values equal ``jax.jit(init_fn)(*init_args)`` (partitionable threefry).
+
+        Args:
+            init_fn, init_args: the initializer and its arguments (e.g. a PRNG key).
+            example_args: the step's arguments (arrays or ShapeDtypeStructs) the state is
+                for; plans the step if it has not been planned yet.
+
+        Raises:
+            RhinoError: the local executor is needed, or ``init_fn``'s leaves do not match
+                the step's leading argument leaves in shape and dtype.
+        """
+        from rhino.runtime.init import distributed_init
+
+        entry = self._entry(tuple(example_args))
+        workers = getattr(entry.executor, "workers", None)
+        if workers is None:
+            raise RhinoError("distributed_init: expected the local executor, found "
+                             f"{self.options.executor!r} (actors initialize their own state)")
+        shapes = jax.eval_shape(init_fn, *init_args)
+        leaves, tree = jax.tree_util.tree_flatten(shapes)
+        ex = jax.tree_util.tree_leaves(example_args)
+        for k, x in enumerate(leaves):
+            if k >= len(ex) or tuple(x.shape) != tuple(np.shape(ex[k])) or \
+                    x.dtype != jax.numpy.result_type(ex[k]):
+                found = (f"{x.shape} {x.dtype}" if k < len(ex) else "no such argument")
+                want = (f"{tuple(np.shape(ex[k]))} {jax.numpy.result_type(ex[k])}"
+                        if k < len(ex) else "-")
+                raise RhinoError(f"distributed_init: leaf {k} of init_fn's result should be "
+                                 f"the step's argument leaf {k}: expected {want}, found {found}")
+        shardings = []
+        for k in range(len(leaves)):
+            reader = next((w for w in workers if k in entry.split.stage_args(w.stage)),
+                          workers[0])
+            shardings.append(reader.sharding(k))
+        return distributed_init(init_fn, *init_args,
+                                shardings=jax.tree_util.tree_unflatten(tree, shardings))
+
     def close(self) -> None:
         """Stop the executors (threads, Ray actors)."""
         for e in self._cache.values():
@@ -229,7 +273,7 @@ class PipelinedStep:
     # ----------------------------------------------------------------- build
     def _entry(self, args: tuple) -> _Entry:
         leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple((np.shape(x), jax.numpy.result_type(x)) for x in leaves))
+        key = (tree, tuple((tuple(np.shape(x)), jax.numpy.result_type(x)) for x in leaves))
         entry = self._cache.get(key)
         if entry is None:
             entry = self._build(args)

@@ -235,7 +235,7 @@ class StageWorker:
         """State on this mesh (kept across steps when the same array comes back), and the
         batch cut into microbatches on this mesh."""
         m = self.split.num_microbatches
-        batch: dict[tuple[int, int], Any] = {}
+        keys, slices, targets = [], [], []
         for r, x in args.items():
             if r in self.split.batch_refs:
                 n = np.shape(x)[0]
@@ -245,11 +245,14 @@ class StageWorker:
                 host = np.asarray(x)
                 size = n // m
                 for k in range(m):
-                    batch[(r, k)] = jax.device_put(host[k * size:(k + 1) * size],
-                                                   self.sharding(r))
-            elif self._state_src.get(r) != id(x) or r not in self._state:
+                    keys.append((r, k))
+                    slices.append(host[k * size:(k + 1) * size])
+                    targets.append(self.sharding(r))
+            elif self._state_src.get(r) is not x:  # the object itself is kept: no id reuse
                 self._state[r] = jax.device_put(x, self.sharding(r))
-                self._state_src[r] = id(x)
+                self._state_src[r] = x
+        # One call places every microbatch slice (fewer dispatches than one per slice).
+        batch = dict(zip(keys, jax.device_put(slices, targets))) if keys else {}
         return self._state, batch
 
     def run_step(self, args: Mapping[int, Any], transport: Transport,
@@ -289,8 +292,6 @@ class StageWorker:
                 elif ins.op == "send":
                     t0 = time.perf_counter()
                     x = accs[ins.ref] if ins.acc else values[(ins.ref, ins.microbatch)]
-                    if ins.acc:
-                        x = finish_accumulated(self.split, x)
                     transport.send(self.stage, ins.peer, ins.key, x)
                     k = (ins.ref, ins.microbatch)
                     if not ins.acc and left.get(k, 1) <= 0 and not self._awaited(k) and \
@@ -330,9 +331,7 @@ class StageWorker:
             elif i.source == "batch":
                 inputs.append(batch[(i.ref, mb)])
             elif i.source == "acc":
-                x = accs[i.ref]
-                inputs.append(finish_accumulated(self.split, x) if i.producer[1] == self.stage
-                              else x)
+                inputs.append(accs[i.ref])  # raw sum: the program takes the mean
             else:
                 key = (i.ref, mb if i.producer[0] != "A" else None)
                 inputs.append(values[key])

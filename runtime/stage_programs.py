@@ -471,7 +471,8 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
     """The Python function of a stage program (to ``jax.jit``).
 
     Signature: ``fn(inputs, accs) -> (outputs, new_accs)``; ``inputs`` in ``task.inputs``
-    order, ``accs`` in
+    order (``acc`` inputs are the raw sums over microbatches: the program divides them
+    by m for ``mean``), ``accs`` in
     ``task.accumulate`` order (ignored unless ``with_acc``), ``outputs`` in
     ``task.outputs`` order, ``new_accs`` = ``accs + value`` (or the value on the first
     microbatch). ``constrain(path, k, x)`` may apply sharding constraints to results.
@@ -481,10 +482,16 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
     consts = {x: flat.consts[x] for fe in eqns for x in fe.ins
               if isinstance(x, int) and x in flat.consts}
 
+    scale = None
+    if split.accumulate == "mean" and split.num_microbatches > 1:
+        scale = 1.0 / split.num_microbatches
+
     def fn(inputs, accs):
         env: dict[int, Any] = dict(consts)
         for spec, x in zip(task.inputs, inputs):
-            env[spec.ref] = x
+            # An accumulated sum becomes the step's mean here, inside the program.
+            env[spec.ref] = x * jax.numpy.asarray(scale, x.dtype) if (
+                spec.source == "acc" and scale is not None) else x
         for fe in eqns:
             invals = [x.value if isinstance(x, Lit) else env[x] for x in fe.ins]
             params = fe.eqn.primitive.get_bind_params(fe.eqn.params)

@@ -65,7 +65,7 @@ def _run_sequentially(sp, args, schedule):
                 n = args[i.ref].shape[0] // m
                 ins.append(args[i.ref][k * n:(k + 1) * n])
             elif i.source == "acc":
-                ins.append(finish_accumulated(sp, accs[i.ref]))
+                ins.append(accs[i.ref])  # the raw sum: the program takes the mean
             else:
                 ins.append(vals[(i.ref, k if i.producer[0] != "A" else None)])
         first = t.kind == "A" or k == 0
@@ -278,3 +278,20 @@ def test_unet_pipeline_matches_single_device():
     _close((p1, o1), (p2, o2))
     assert step.plan_for(params, opt, batch).num_stages == 2
     step.close()
+
+
+def test_distributed_init_creates_state_on_the_stage_meshes(gpt_run):
+    m = gpt_run["model"]
+    params, opt, batch = gpt_run["params"]
+    step = gpt_run["step"]
+    key = jax.random.PRNGKey(0)
+    p, o = step.distributed_init(m.init, key, example_args=(params, opt, batch))
+    _close((p, o), (params, opt))  # equal to the single-device init with the same seed
+    entry = step._entry((params, opt, batch))
+    for k, leaf in enumerate(jax.tree_util.tree_leaves((p, o))):
+        first = next(w for w in entry.executor.workers if k in entry.split.stage_args(w.stage))
+        assert leaf.sharding.is_equivalent_to(first.sharding(k), leaf.ndim)
+    p1, o1, loss = step(p, o, batch)
+    assert float(loss) == pytest.approx(gpt_run["losses"][0][0], rel=RTOL)
+    with pytest.raises(RhinoError, match="leaf 0"):
+        step.distributed_init(lambda k: jnp.zeros(3), key, example_args=(params, opt, batch))

@@ -1,0 +1,131 @@
+"""Pipeline runtime overhead: step time minus the critical path of the measured tasks (issue 6).
+
+A pipelined step (``rhino.auto_parallel(step, cluster=..., stages=2, num_microbatches=4)``)
+runs its static schedule; every task (F/B/A per stage and microbatch) is timed on its
+stage. The schedule's task graph (``runtime.task_graph``: F/B/A per stage, the schedule's
+per-stage order as extra edges) with those measured durations has a critical path; what the
+step takes beyond it is the runtime's overhead: dispatch, microbatch slicing and placement,
+cross-mesh copies, waits, thread hand-offs (Rhino §7 measures the same). Transfers are given
+zero duration in the critical path, so their time counts as overhead.
+
+For each step after ``--warmup`` steps: step wall time, critical path, overhead = step − cp,
+and overhead / step. Also the single-device ``jax.jit`` step for scale, and the losses of
+both (they must match). Writes the last step's Gantt chart (``--png``) and prints its text
+rendering.
+
+    python benchmarks/pipeline_overhead.py --model gpt --steps 20 \
+        --png benchmarks/pipeline_timeline.png
+    python benchmarks/pipeline_overhead.py --model gpt --executor ray
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+
+def critical_path_s(records, num_stages: int, num_microbatches: int, schedule) -> float:
+    """Longest path through the step's task graph (with the schedule's order) under the
+    measured task durations (transfers: 0)."""
+    from rhino.runtime.task_graph import build_task_graph
+
+    dur: dict[str, float] = {}
+    for r in records:
+        if r.kind in ("forward", "backward"):
+            dur[f"{r.label[0]}({r.stage},{r.microbatch})"] = r.end - r.start
+        elif r.kind == "apply":
+            dur[f"AG({r.stage})"] = r.end - r.start
+    g = build_task_graph(num_stages, num_microbatches).with_schedule(schedule)
+    return g.critical_path(lambda n: dur.get(n.id, 0.0)).length
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt", choices=["gpt", "unet"])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--cluster", default="2x4")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--executor", default="local", choices=["local", "ray"])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--png", default=None)
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    import rhino
+    from rhino.models import get_model
+    from rhino.runtime.schedules import make_schedule
+
+    if args.model == "gpt":
+        m = get_model("gpt", layers=args.layers, hidden=args.hidden, heads=4, seq=64,
+                      vocab=2048, batch=args.batch)
+    else:
+        m = get_model("unet", batch=args.batch)
+    params, opt = m.init(jax.random.PRNGKey(0))
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    if args.executor == "ray":
+        from rhino.runtime.ray_executor import init
+        init()
+    t0 = time.perf_counter()
+    step = rhino.auto_parallel(m.step, cluster=args.cluster, stages=args.stages,
+                               num_microbatches=args.microbatches, schedule=args.schedule,
+                               executor=args.executor)
+    p, o = params, opt
+    p, o, loss = step(p, o, batch)
+    first_s = time.perf_counter() - t0
+    ref = jax.jit(m.step)
+    rp, ro, rloss = ref(params, opt, batch)
+    losses = [(float(loss), float(rloss))]
+    sched = make_schedule(args.schedule, args.stages, args.microbatches)
+    rows = []
+    for k in range(args.warmup + args.steps):
+        p, o, loss = step(p, o, batch)
+        rp, ro, rloss = ref(rp, ro, batch)
+        losses.append((float(loss), float(rloss)))
+        if k >= args.warmup:
+            cp = critical_path_s(step.last_records, args.stages, args.microbatches, sched)
+            rows.append((step.last_step_s, cp))
+    ref_times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(ref(rp, ro, batch))
+        ref_times.append(time.perf_counter() - t)
+    bad = [i for i, (a, b) in enumerate(losses) if abs(a - b) > 1e-4 * abs(b)]
+    steps = [s for s, _ in rows]
+    cps = [c for _, c in rows]
+    over = [(s - c) / s for s, c in rows]
+    print(f"model {args.model} (layers {args.layers}, hidden {args.hidden}, batch "
+          f"{args.batch}), cluster {args.cluster}, {args.stages} stages, {args.microbatches} "
+          f"microbatches, {args.schedule}, executor {args.executor}")
+    print(f"first call (plan + split + compile + step): {first_s:.1f} s")
+    print(f"step      median {statistics.median(steps) * 1e3:8.2f} ms  "
+          f"(min {min(steps) * 1e3:.2f}, max {max(steps) * 1e3:.2f})")
+    print(f"crit path median {statistics.median(cps) * 1e3:8.2f} ms")
+    print(f"overhead  median {statistics.median(over) * 100:8.2f} %   "
+          f"(step - critical path) / step, min {min(over) * 100:.2f} %, "
+          f"max {max(over) * 100:.2f} %")
+    print(f"overhead  median {statistics.median([s - c for s, c in rows]) * 1e3:8.2f} ms")
+    print(f"single-device jax.jit step median {statistics.median(ref_times) * 1e3:.2f} ms")
+    print(f"losses (pipelined, single device): first {losses[0]}, last {losses[-1]}; "
+          f"mismatches: {bad or 'none'}")
+    tl = step.timeline(args.png, title=None) if args.png else step.timeline()
+    print(tl.render_text(100))
+    if args.png:
+        print(f"wrote {args.png}")
+    step.close()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
