@@ -20,8 +20,19 @@ Built so far (pure pieces first, each testable without a cluster)::
                      moves jax arrays between meshes of one process and assembles every
                      destination tile.
     spmd.py          SPMD execution of an ExecutionPlan on a local mesh (execution layer).
+    stage_programs.py  the step's jaxpr cut into per-stage F/B/A programs (call-like
+                     equations inlined; batch-independent values recomputed where read;
+                     gradients and metrics accumulated over microbatches in the programs).
+    executor.py      per-stage instruction lists from a schedule (run / send / recv),
+                     StageWorker (one stage's mesh, programs, state), Transport,
+                     LocalExecutor (one thread per stage over disjoint local devices).
+    ray_executor.py  the Ray executor (one actor per stage mesh, object-store transport)
+                     and ``init`` (``rhino.init``); imports ray lazily.
+    init.py          distributed initialization: state created on its stage's devices,
+                     equal to a single-device init with the same seed (§6.3).
+    timeline.py      measured task records and the per-stage Gantt chart (PNG / text).
 
-Not built yet: stage programs, the local and Ray executors, distributed initialization.
+The public entry is ``rhino.auto_parallel(step, cluster=...)`` (``rhino/pipelined.py``).
 
 Example:
     >>> from rhino.runtime import build_task_graph, make_schedule
