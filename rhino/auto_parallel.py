@@ -329,7 +329,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   cluster: Any = None, num_microbatches: int = 4, schedule: str = "1f1b",
                   executor: str = "local", stages: int | None = None,
                   pipeline_plan: Any = None, accumulate: str = "mean",
-                  batch_args: Sequence[str] | None = None, timeout: float = 600.0):
+                  batch_args: Sequence[str] | None = None, timeout: float = 600.0,
+                  transport: str = "device_put"):
     """Shard a one-device training step over the local devices, automatically.
 
     Usable bare (``@rhino.auto_parallel``) or with options.
@@ -363,6 +364,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             gradients) combine over microbatches.
         batch_args: names of the arguments carrying the batch (default: non-state ones).
         timeout: seconds any wait of the pipeline executor may take.
+        transport: between stage meshes of the local executor: ``"device_put"`` or 004's
+            cross-mesh resharding, ``"broadcast"`` / ``"send_recv"``.
 
     Returns:
         An ``AutoParallel`` callable (``.plan_for(*args)``, ``.compiled_text(*args)``), or
@@ -380,7 +383,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                                  schedule=schedule, executor=executor, stages=stages,
                                  plan=pipeline_plan, accumulate=accumulate,
                                  batch_args=tuple(batch_args) if batch_args else None,
-                                 timeout=timeout,
+                                 timeout=timeout, transport=transport,
                                  devices=tuple(devices) if devices is not None else None,
                                  report=report)
         if fn is None:

@@ -53,6 +53,7 @@ from rhino.runtime.stage_programs import (ACCUMULATE, FlatProgram, StepSplit,
                                           assignment_from_ops, flatten, split_step)
 
 EXECUTORS = ("local", "ray")
+TRANSPORTS = ("device_put", "broadcast", "send_recv")
 REPORT_ENV = "RHINO_REPORT"
 
 
@@ -76,6 +77,10 @@ class PipelineRunOptions:
         report: print the plan report on the first call (default: env ``RHINO_REPORT``).
         ray_address: Ray cluster address for ``executor='ray'`` (None: ``rhino.init``'s or
             a local one).
+        transport: how the local executor moves values between stage meshes:
+            ``device_put`` (XLA's copy onto the receiver's sharding), or ``broadcast`` /
+            ``send_recv``: 004's cross-mesh resharding (unit tasks, load-balanced senders;
+            ``runtime.cross_mesh``).
     """
 
     cluster: str | Cluster = "1x8"
@@ -90,8 +95,12 @@ class PipelineRunOptions:
     devices: tuple | None = None
     report: bool | None = None
     ray_address: str | None = None
+    transport: str = "device_put"
 
     def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise RhinoError(f"transport: expected one of {TRANSPORTS}, found "
+                             f"{self.transport!r}")
         if self.schedule not in SCHEDULE_NAMES:
             raise RhinoError(f"schedule: expected one of {SCHEDULE_NAMES}, found "
                              f"{self.schedule!r}")
@@ -379,7 +388,14 @@ class PipelinedStep:
                              f"{len(devices)}")
         workers = [spec.build([devices[d] for d in st.devices], split)
                    for spec, st in zip(specs, plan.stages)]
-        return LocalExecutor(workers, o.timeout)
+        transport = None
+        if o.transport != "device_put":
+            from rhino.runtime.cross_mesh import CrossMeshTransport
+
+            transport = CrossMeshTransport(lambda dst, ref: workers[dst].sharding(ref),
+                                           len(workers), plan.cluster.devices_per_host,
+                                           strategy=o.transport)
+        return LocalExecutor(workers, o.timeout, transport)
 
 
 def _check_plan(plan: PipelinePlan, graph: HloGraph) -> None:

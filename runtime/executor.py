@@ -367,12 +367,15 @@ class LocalExecutor:
     Args:
         workers: one ``StageWorker`` per stage, in stage order.
         timeout: seconds any one wait may take.
+        transport: how values move (default ``LocalTransport``: ``jax.device_put`` onto the
+            receiver's layout; ``cross_mesh.CrossMeshTransport``: 004's resharding).
     """
 
-    def __init__(self, workers: Sequence[StageWorker], timeout: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, workers: Sequence[StageWorker], timeout: float = DEFAULT_TIMEOUT_S,
+                 transport: LocalTransport | None = None):
         self.workers = list(workers)
         self.timeout = timeout
-        self.transport = LocalTransport(len(self.workers))
+        self.transport = transport or LocalTransport(len(self.workers))
         self._pool = cf.ThreadPoolExecutor(max_workers=len(self.workers),
                                            thread_name_prefix="rhino-stage")
         self.last_records: list[TaskRecord] = []
