@@ -181,7 +181,8 @@ class StageWorker:
     Args:
         split: the step split; stage: which stage; mesh: its ``jax.sharding.Mesh``;
         shardings: its ``StageShardings``; schedule: the static schedule.
-        measure: block on each task's results to time it (for the timeline).
+        measure: time each task (a watcher thread waits for its results, so dispatch of the
+            next task is not held up).
     """
 
     def __init__(self, split: StepSplit, stage: int, mesh: Any, shardings: StageShardings,
@@ -207,6 +208,8 @@ class StageWorker:
             for r in split.task(k, stage).outputs:
                 self._readers.setdefault(r, 0)
         self._last_send = {ins.key: n for n, ins in enumerate(self.instrs) if ins.op == "send"}
+        self._watch = cf.ThreadPoolExecutor(max_workers=1,
+                                            thread_name_prefix=f"rhino-stage{stage}-timer")
         self._state: dict[int, Any] = {}
         self._state_src: dict[int, int] = {}
 
@@ -287,8 +290,12 @@ class StageWorker:
                     else:
                         values[(ins.ref, ins.microbatch)] = x
                         left[(ins.ref, ins.microbatch)] = self._readers.get(ins.ref, 1)
-                    records.append(TaskRecord(self.stage, ins.label(), t0, time.perf_counter(),
-                                              ins.microbatch, "recv"))
+                    rec = TaskRecord(self.stage, ins.label(), t0, time.perf_counter(),
+                                     ins.microbatch, "recv")
+                    # When the value is ready on this mesh (the copy may still run): the
+                    # task reading it cannot start before.
+                    records.append(_Pending(rec, self._watch.submit(_ready_at, x))
+                                   if self.measure else rec)
                 elif ins.op == "send":
                     t0 = time.perf_counter()
                     x = accs[ins.ref] if ins.acc else values[(ins.ref, ins.microbatch)]
@@ -318,7 +325,10 @@ class StageWorker:
             elif o.source == "task":
                 outs[o.ref] = values[(o.ref, None)]
         del t_step
-        return outs, records
+        try:
+            return outs, self._timed(records, timeout)
+        except Exception as e:  # a program failed while running asynchronously
+            raise ExecutorError(f"stage {self.stage}: {type(e).__name__}: {e}") from e
 
     def _run(self, ins: Instr, state, batch, values, left, accs) -> TaskRecord:
         task = self.split.task(ins.kind, self.stage)
@@ -340,9 +350,16 @@ class StageWorker:
         acc_in = [accs[r] for r in task.accumulate] if with_acc else []
         t0 = time.perf_counter()
         outs, new = self.program(ins.kind, with_acc)(inputs, acc_in)
-        if self.measure:
-            jax.block_until_ready((outs, new))
-        t1 = time.perf_counter()
+        # Timed without stalling dispatch: a watcher thread waits for the results while
+        # this thread goes on to the next instruction (see _timed).
+        # (Its accumulators are not waited on there: the next microbatch's call donates
+        # them; all results of one execution become ready together.)
+        done = None
+        if self.measure and outs:
+            done = self._watch.submit(_ready_at, outs)
+        elif self.measure:
+            jax.block_until_ready(new)
+            done = _done_now()
         key_mb = None if ins.kind == "A" else mb
         for r, x in zip(task.outputs, outs):
             values[(r, key_mb)] = x
@@ -353,12 +370,49 @@ class StageWorker:
             if left[key] <= 0 and not self._awaited(key):
                 values.pop(key, None)
         kind = {"F": "forward", "B": "backward", "A": "apply"}[ins.kind]
-        return TaskRecord(self.stage, ins.label(), t0, t1, mb, kind)
+        return _Pending(TaskRecord(self.stage, ins.label(), t0, t0, mb, kind), done)
+
+    def _timed(self, records: list, timeout: float) -> list[TaskRecord]:
+        """Measured records: a task ends when its results are ready and starts at the
+        latest of its dispatch, the end of the stage's previous task (a stage's devices run
+        one program at a time) and the arrival of the values it received."""
+        out: list[TaskRecord] = []
+        prev_end = inputs_ready = float("-inf")
+        for r in records:
+            if isinstance(r, _Pending) and r.record.kind == "recv":
+                inputs_ready = max(inputs_ready, r.done.result(timeout=timeout))
+                r = r.record
+            elif isinstance(r, _Pending):
+                end = r.done.result(timeout=timeout) if r.done is not None else r.record.end
+                start = max(r.record.start, prev_end, inputs_ready)
+                prev_end, inputs_ready = end, float("-inf")
+                r = dataclasses.replace(r.record, start=start, end=max(end, start))
+            out.append(r)
+        return out
 
     def _awaited(self, key) -> bool:
         """Still needed by a send or as a step result (never released early)."""
         ref, _ = key
         return any(o.ref == ref and o.source == "task" for o in self.split.outputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A dispatched task whose end time a watcher thread will report."""
+
+    record: TaskRecord
+    done: Any
+
+
+def _done_now() -> cf.Future:
+    f: cf.Future = cf.Future()
+    f.set_result(time.perf_counter())
+    return f
+
+
+def _ready_at(tree: Any) -> float:
+    jax.block_until_ready(tree)
+    return time.perf_counter()
 
 
 class LocalExecutor:
