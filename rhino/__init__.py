@@ -17,10 +17,11 @@ from rhino.planner.mesh import AbstractMesh
 from rhino.planner.plan import ExecutionPlan
 from rhino.planner.spec import ShardingSpec
 from rhino.pipeline import Cluster, PipelinePlan, grad, plan_pipeline
+from rhino.runtime.ray_executor import init
 
 __version__ = "0.1.0"
 
 __all__ = ["HloParseError", "InfeasiblePlanError", "IngestError", "RhinoError",
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
            "AbstractMesh", "auto_parallel", "ExecutionPlan", "PlanOptions", "ShardingSpec", "plan",
-           "Cluster", "PipelinePlan", "grad", "plan_pipeline"]
+           "Cluster", "PipelinePlan", "grad", "plan_pipeline", "init"]

@@ -330,7 +330,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   executor: str = "local", stages: int | None = None,
                   pipeline_plan: Any = None, accumulate: str = "mean",
                   batch_args: Sequence[str] | None = None, timeout: float = 600.0,
-                  transport: str = "device_put"):
+                  transport: str = "device_put", ray_address: str | None = None):
     """Shard a one-device training step over the local devices, automatically.
 
     Usable bare (``@rhino.auto_parallel``) or with options.
@@ -366,6 +366,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         timeout: seconds any wait of the pipeline executor may take.
         transport: between stage meshes of the local executor: ``"device_put"`` or 004's
             cross-mesh resharding, ``"broadcast"`` / ``"send_recv"``.
+        ray_address: the Ray cluster for ``executor="ray"`` (default: ``rhino.init``'s,
+            ``$RAY_ADDRESS``, or a new local one).
 
     Returns:
         An ``AutoParallel`` callable (``.plan_for(*args)``, ``.compiled_text(*args)``), or
@@ -384,6 +386,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                                  plan=pipeline_plan, accumulate=accumulate,
                                  batch_args=tuple(batch_args) if batch_args else None,
                                  timeout=timeout, transport=transport,
+                                 ray_address=ray_address,
                                  devices=tuple(devices) if devices is not None else None,
                                  report=report)
         if fn is None:

@@ -1,0 +1,331 @@
+"""The Ray executor: one actor per stage, values through the object store.
+
+Needs ray (skipped otherwise). A local Ray cluster with 4 CPUs is started once for the
+module; the job-submission test starts its own head node (``ray start --head --block``) and
+stops it by its process group (never ``ray stop``, which stops every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import jax  # noqa: E402
+
+import rhino  # noqa: E402
+from rhino.models import get_model  # noqa: E402
+from rhino.runtime.executor import ExecutorError  # noqa: E402
+from rhino.runtime.ray_executor import (Mailbox, RayExecutor, RayInfo, init,  # noqa: E402
+                                        xla_flags)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    info = init(num_cpus=4, log_to_driver=False)
+    yield info
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    m = get_model("gpt", **GPT)
+    params, opt = m.init(jax.random.PRNGKey(0))
+    return m, params, opt, m.make_batch(jax.random.PRNGKey(1))
+
+
+@pytest.fixture(scope="module")
+def gpt_ray(ray_cluster, gpt):
+    m = gpt[0]
+    step = rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
+                               executor="ray", timeout=120.0)
+    yield step
+    step.close()
+
+
+# ------------------------------------------------------------------ pure pieces
+def test_doctests():
+    import doctest
+
+    import rhino.runtime.ray_executor as mod
+
+    assert doctest.testmod(mod).failed == 0
+
+
+def test_xla_flags_replace_the_device_count():
+    assert xla_flags(4, "--xla_force_host_platform_device_count=8 --xla_foo=1") == \
+        "--xla_foo=1 --xla_force_host_platform_device_count=4"
+    assert xla_flags(2, "") == "--xla_force_host_platform_device_count=2"
+
+
+def test_mailbox_times_out_and_aborts_per_step():
+    box = Mailbox()
+    box.put(1, 0, ("v", 0), 5)
+    assert box.take(1, 0, ("v", 0), 1.0) == 5
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="from stage 0"):
+        box.take(1, 0, ("v", 1), 0.2)
+    assert time.monotonic() - t0 < 2
+    threading.Timer(0.1, box.abort, (1, "stage 1 died")).start()
+    with pytest.raises(ExecutorError, match="aborted: stage 1 died"):
+        box.take(1, 0, ("v", 2), 30.0)
+    box.start(2)  # a new step forgets the abort
+    box.put(2, 0, ("v", 0), 7)
+    assert box.take(2, 0, ("v", 0), 1.0) == 7
+
+
+# ------------------------------------------------------------------ on a local Ray cluster
+def test_init_is_idempotent(ray_cluster):
+    assert isinstance(ray_cluster, RayInfo) and ray_cluster.nodes == 1
+    assert ray_cluster.cpus == 4 and ray_cluster.started
+    again = init()
+    assert again.address == ray_cluster.address and not again.started
+    with pytest.raises(ExecutorError, match="already connected"):
+        init("10.255.255.1:6379")
+
+
+def test_gpt_on_two_actors_matches_one_device(gpt_ray, gpt):
+    m, params, opt, batch = gpt
+    ref = jax.jit(m.step)
+    p1, o1, p2, o2 = params, opt, params, opt
+    for i in range(3):
+        t0 = time.time()
+        p1, o1, l1 = gpt_ray(p1, o1, batch)
+        t1 = time.time()
+        p2, o2, l2 = ref(p2, o2, batch)
+        np.testing.assert_allclose(float(l1), float(l2), rtol=1e-4, atol=5e-5)
+    for a, b in zip(jax.tree_util.tree_leaves((p1, o1)), jax.tree_util.tree_leaves((p2, o2))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=5e-5)
+    assert isinstance(l1, jax.Array)
+    ex = gpt_ray._last.executor
+    assert isinstance(ex, RayExecutor) and len(ex.actors) == 2
+    # 2 actors × 4 devices, in two processes.
+    assert [d["devices"] for d in ex._describe] == [4, 4]
+    assert ex._describe[0]["pid"] != ex._describe[1]["pid"] != os.getpid()
+    # Steady state: the state each actor returned is not sent again, only what another
+    # stage produced (small) and nothing of the unchanged batch.
+    assert ex.last_kept > 0
+    assert ex.last_sent_bytes < 0.1 * sum(np.asarray(x).nbytes
+                                          for x in jax.tree_util.tree_leaves((p1, o1)))
+    # Task records from both actors, on the wall clock of this step.
+    recs = gpt_ray.last_records
+    assert {r.stage for r in recs} == {0, 1}
+    assert {r.kind for r in recs} >= {"forward", "backward", "apply", "send", "recv"}
+    assert all(t0 - 1 <= r.start <= r.end <= t1 + 1 for r in recs)
+    assert gpt_ray.timeline().step_s <= gpt_ray.last_step_s + 0.5
+
+
+def _specs(step, args):
+    step.plan_for(*args)
+    entry = step._last or next(iter(step._cache.values()))
+    return entry.specs, entry.plan.cluster
+
+
+def test_stalled_stage_times_out_naming_the_stages(gpt_ray, gpt):
+    """A stage that stops answering (SIGSTOP): the peer's wait times out and the step fails
+    naming the stages. If the stalled stage comes back and stops, the executor goes on
+    (and the failed step changed nothing); if it stays stuck, the step fails within
+    2 × timeout and the executor refuses further steps."""
+    m, params, opt, batch = gpt
+    specs, cluster = _specs(gpt_ray, (params, opt, batch))
+    ex = RayExecutor(specs, cluster, timeout=120.0)
+    try:
+        flat = jax.tree_util.tree_leaves((params, opt, batch))
+        first = ex.run(flat)  # compiles
+        pid = ex._describe[1]["pid"]
+
+        # 1. Stage 1 stalls for 2 s; stage 0 gives up after 1.5 s; both stop.
+        ex.timeout = 1.5
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(2.0, os.kill, (pid, signal.SIGCONT)).start()
+        with pytest.raises(ExecutorError, match=r"^stage 0, recv v\d+@\d←1: timed out"):
+            ex.run(flat)
+        ex.timeout = 120.0
+        again = ex.run(flat)  # the same arguments: the same results
+        assert again.keys() == first.keys()
+        for r in first:
+            np.testing.assert_allclose(np.asarray(again[r]), np.asarray(first[r]), rtol=1e-6)
+
+        # 2. Stage 1 stays stopped.
+        ex.timeout = 2.0
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(ExecutorError) as err:
+                ex.run(flat)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        msg = str(err.value)
+        assert msg.startswith("stage 0, recv v") and "timed out" in msg, msg
+        assert "stage 1: the step did not finish within 4 s" in msg, msg
+        assert took < 10, took
+        with pytest.raises(ExecutorError, match="failed earlier"):
+            ex.run(flat)
+    finally:
+        ex.close()
+
+
+def test_killed_actor_raises_naming_the_stage(gpt_ray, gpt):
+    m, params, opt, batch = gpt
+    specs, cluster = _specs(gpt_ray, (params, opt, batch))
+    flat = jax.tree_util.tree_leaves((params, opt, batch))
+    ex = RayExecutor(specs, cluster, timeout=60.0)
+    try:
+        box: dict = {}
+
+        def run():
+            t = time.monotonic()
+            try:
+                ex.run(flat)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                box["error"] = e
+            box["s"] = time.monotonic() - t
+
+        th = threading.Thread(target=run)
+        th.start()
+        time.sleep(2.0)  # the first step is compiling on both actors
+        t_kill = time.monotonic()
+        ray.kill(ex.actors[1])
+        th.join(timeout=60)
+        assert not th.is_alive(), "the step hung after an actor was killed"
+        assert time.monotonic() - t_kill < 15
+        e = box.get("error")
+        assert isinstance(e, ExecutorError), repr(e)
+        assert str(e).startswith("stage 1: the actor died"), str(e)
+        with pytest.raises(ExecutorError, match="failed earlier.*stage 1: the actor died"):
+            ex.run(flat)
+    finally:
+        ex.close()
+
+
+# ------------------------------------------------------------------ ray job submit
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def ray_head():
+    """A Ray head node with the dashboard (the Jobs API) on 127.0.0.1, in its own process
+    group, stopped by that group."""
+    gcs, dash, agent, agent_grpc, client, metrics, env_agent = _free_ports(7)
+    tmp = tempfile.mkdtemp(prefix="rr", dir="/tmp")  # short: Ray's socket paths
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    cmd = ["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+           "--port", str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+           "--include-dashboard=true", "--dashboard-agent-listen-port", str(agent),
+           "--dashboard-agent-grpc-port", str(agent_grpc),
+           "--ray-client-server-port", str(client), "--metrics-export-port", str(metrics),
+           "--runtime-env-agent-port", str(env_agent), "--num-cpus", "4",
+           "--temp-dir", tmp, "--disable-usage-stats"]
+    log = open(os.path.join(tmp, "ray_start.log"), "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/version", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                raise RuntimeError(f"ray start failed: {open(log.name).read()[-3000:]}")
+            time.sleep(1)
+        yield url, env
+    finally:
+        for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            end = time.monotonic() + wait
+            while time.monotonic() < end and _group_alive(proc.pid):
+                proc.poll()
+                time.sleep(0.5)
+            if not _group_alive(proc.pid):
+                break
+        proc.wait(timeout=10)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_ray_job_submit_runs_the_example(ray_head, gpt):
+    url, env = ray_head
+    steps = 3
+    work = tempfile.mkdtemp(prefix="rhino-job-")
+    try:
+        os.makedirs(os.path.join(work, "examples"))
+        shutil.copy(os.path.join(REPO, "examples", "pipeline_ray.py"),
+                    os.path.join(work, "examples"))
+        cmd = ["ray", "job", "submit", "--address", url, "--working-dir", work, "--",
+               "python", "examples/pipeline_ray.py", "--steps", str(steps)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    logs = out.stdout + out.stderr
+    assert out.returncode == 0, logs[-4000:]
+    assert "succeeded" in logs and "OK: 3 steps match" in logs, logs[-4000:]
+    # The losses the job printed are the single-device ones, computed here again.
+    m, params, opt, batch = gpt
+    ref = jax.jit(m.step)
+    found = [tuple(map(float, x)) for x in re.findall(
+        r"step \d+: pipelined loss ([0-9.]+)  single-device loss ([0-9.]+)", logs)]
+    assert len(found) == steps, logs[-4000:]
+    p, o = params, opt
+    for pipelined, single in found:
+        p, o, loss = ref(p, o, batch)
+        assert abs(single - float(loss)) <= 2e-6 * abs(float(loss)) + 1e-6
+        assert abs(pipelined - float(loss)) <= 1e-4 * abs(float(loss))
+
+
+def test_actor_that_cannot_start_is_named(gpt_ray, gpt):
+    """Too few devices in the actor (wrong XLA_FLAGS): the creation error names the stage."""
+    m, params, opt, batch = gpt
+    specs, cluster = _specs(gpt_ray, (params, opt, batch))
+    env = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
+    t0 = time.monotonic()
+    with pytest.raises(ExecutorError) as err:
+        RayExecutor(specs, cluster, timeout=60.0, actor_options={"runtime_env": env})
+    assert re.match(r"stage (\d): creating the stage actor failed: the actor failed to start "
+                    r"\(ExecutorError: stage \1: expected 4 devices in the actor, "
+                    r"found 2 \(XLA_FLAGS=",
+                    str(err.value)), str(err.value)
+    assert time.monotonic() - t0 < 30
