@@ -327,7 +327,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   plan: ExecutionPlan | None = None, report: bool | None = None,
                   donate: bool = True, time_limit: float = 600.0,
                   cluster: Any = None, num_microbatches: int = 4, schedule: str = "1f1b",
-                  executor: str = "local", stages: int | None = None,
+                  executor: str = "local", stages: int | Mapping[str, int] | None = None,
                   pipeline_plan: Any = None, accumulate: str = "mean",
                   batch_args: Sequence[str] | None = None, timeout: float = 600.0,
                   transport: str = "device_put", ray_address: str | None = None):
@@ -357,7 +357,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"eager-1f1b"``.
         executor: ``"local"`` (one process, disjoint sets of local devices) or ``"ray"``
             (one actor per stage; see ``rhino.init``).
-        stages: the number of pipeline stages (default: the planner's choice).
+        stages: the number of pipeline stages (default: the planner's choice), or a
+            hand-given split ``{weight pytree path prefix: stage}``.
         pipeline_plan: a saved ``PipelinePlan`` to run instead of planning (a hand-edited
             stage assignment goes here).
         accumulate: ``"mean"`` (default) or ``"sum"``: how batch-dependent values (loss,
@@ -382,7 +383,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                              "mesh_shape are SPMD-only options; with cluster=... pass "
                              "pipeline_plan/stages instead")
         run = PipelineRunOptions(cluster=cluster, num_microbatches=num_microbatches,
-                                 schedule=schedule, executor=executor, stages=stages,
+                                 schedule=schedule, executor=executor,
+                                 stages=dict(stages) if isinstance(stages, Mapping) else stages,
                                  plan=pipeline_plan, accumulate=accumulate,
                                  batch_args=tuple(batch_args) if batch_args else None,
                                  timeout=timeout, transport=transport,

@@ -67,7 +67,10 @@ class PipelineRunOptions:
             must divide by it).
         schedule: ``1f1b`` (default), ``gpipe`` or ``eager-1f1b``.
         executor: ``local`` or ``ray``.
-        stages: the number of pipeline stages (None: the planner's choice).
+        stages: the number of pipeline stages (None: the planner's choice), or a hand-given
+            split ``{weight pytree path prefix: stage}`` (e.g. ``{"params['wte']": 0,
+            "params['layers'][0]": 0, "params['layers'][1]": 1}``) used instead of the stage
+            ILP; the stage meshes and their SPMD plans are still searched.
         plan: a ``PipelinePlan`` to reuse instead of planning.
         accumulate: ``mean`` or ``sum`` of batch-dependent values over microbatches.
         batch_args: the argument names carrying the batch (default: non-state ones).
@@ -87,7 +90,7 @@ class PipelineRunOptions:
     num_microbatches: int = 4
     schedule: str = "1f1b"
     executor: str = "local"
-    stages: int | None = None
+    stages: Any = None
     plan: PipelinePlan | None = None
     accumulate: str = "mean"
     batch_args: tuple[str, ...] | None = None
@@ -322,10 +325,13 @@ class PipelinedStep:
 
         spmd_opts = PlanOptions(opt_level=self.opt_level, validate=False,
                                 build=BuildOptions(strided=False))
-        kinds = ("pipeline", "hybrid") if o.stages not in (None, 1) else \
+        given = dict(o.stages) if isinstance(o.stages, dict) else None
+        count = max(given.values()) + 1 if given else o.stages
+        kinds = ("pipeline", "hybrid") if count not in (None, 1) else \
             ("spmd", "pipeline", "hybrid")
-        opts = PipelineOptions(num_microbatches=o.num_microbatches, num_stages=o.stages,
-                               kinds=kinds if o.stages != 1 else ("spmd",),
+        opts = PipelineOptions(num_microbatches=o.num_microbatches, num_stages=count,
+                               weight_stages=given if given and count > 1 else None,
+                               kinds=kinds if count != 1 else ("spmd",),
                                batch_args=o.batch_args, spmd=spmd_opts, two_d=False,
                                workers=1, executor="serial")
         return plan_pipeline_graph(graph, cluster, opts, progress)

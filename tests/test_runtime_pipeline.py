@@ -313,3 +313,35 @@ def test_cross_mesh_broadcast_transport_matches_and_moves_fewer_cross_host_bytes
         cross[strategy] = t.cross_host_bytes
         step.close()
     assert 0 < cross["broadcast"] < cross["send_recv"]
+
+
+def test_hand_given_split_is_honored_and_matches():
+    m, params, opt, batch = _gpt(layers=4, batch=16)
+    split = {"params['wte']": 0, "params['wpe']": 0, "params['layers'][0]": 0,
+             "params['layers'][1]": 1, "params['layers'][2]": 1, "params['layers'][3]": 1}
+    step = rhino.auto_parallel(m.step, cluster="2x4", stages=split, num_microbatches=4,
+                               timeout=120)
+    _close(step(params, opt, batch), jax.jit(m.step)(params, opt, batch))
+    plan = step.plan_for(params, opt, batch)
+    w0, w1 = (set(s.weights) for s in plan.stages)
+    assert "params['layers'][0]['w1']" in w0 and "params['layers'][1]['w1']" in w1
+    assert not any(w.startswith("params['layers'][0]") for w in w1)
+    assert not any(w.startswith("params['layers'][3]") for w in w0)
+    step.close()
+
+
+def test_hand_given_split_errors():
+    from rhino.pipeline.stage_ilp import StageAssignmentError
+    from rhino.pipeline.stages import assign_given_stages
+
+    m, params, opt, batch = _gpt(layers=2, batch=8)
+    g = ingest(m.step, params, opt, batch)
+    b = find_gradient_boundary(g)
+    with pytest.raises(StageAssignmentError, match="forward data must flow"):
+        assign_given_stages(g, b, {"params['layers'][0]": 1, "params['layers'][1]": 0})
+    with pytest.raises(StageAssignmentError, match="found none"):
+        assign_given_stages(g, b, {"params['nope']": 0, "params['layers'][1]": 1})
+    with pytest.raises(StageAssignmentError, match="empty"):
+        assign_given_stages(g, b, {"params['layers']": 2})
+    a = assign_given_stages(g, b, {"params['layers'][0]": 0, "params['layers'][1]": 1})
+    assert a.num_stages == 2 and a.solution.status == "given"

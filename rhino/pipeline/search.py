@@ -44,7 +44,7 @@ from rhino.pipeline.gradient import (BoundaryOptions, GradientBoundary, find_gra
 from rhino.pipeline.plan import (Candidate, CrossTensor, PipelinePlan, SearchTimes,
                                  StageEstimate, StageMemory, StagePlan)
 from rhino.pipeline.stage_ilp import StageAssignmentError, StageOptions
-from rhino.pipeline.stages import StageAssignment, assign_stages
+from rhino.pipeline.stages import StageAssignment, assign_given_stages, assign_stages
 from rhino.planner.api import PlanOptions, plan_graph
 from rhino.planner.build import BuildOptions, carried_pairs
 from rhino.planner.collectives import collective_cost
@@ -65,6 +65,8 @@ class PipelineOptions:
         max_stages: the most pipeline stages (default: every device).
         num_stages: only splits with exactly this many stages (e.g. to run a pipeline of
             a given depth); None: any count up to ``max_stages``.
+        weight_stages: a hand-given split instead of the stage ILP: ``{weight pytree path
+            prefix: stage}`` (``stages.assign_given_stages``); implies ``num_stages``.
         kinds: which of ``spmd``, ``pipeline``, ``hybrid`` to weigh.
         batch_args: argument names that carry the batch (default: the non-state ones).
         boundary_method: ``auto``, ``marker`` or ``autodiff`` (see ``gradient.py``).
@@ -88,6 +90,7 @@ class PipelineOptions:
     epsilon: float = 0.1
     max_stages: int | None = None
     num_stages: int | None = None
+    weight_stages: Any = None
     kinds: tuple[str, ...] = KINDS
     batch_args: tuple[str, ...] | None = None
     boundary_method: str = "auto"
@@ -111,6 +114,17 @@ class PipelineOptions:
             raise ValueError(f"max_stages: expected >= 1, found {self.max_stages}")
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"num_stages: expected >= 1, found {self.num_stages}")
+        if self.weight_stages is not None:
+            if not self.weight_stages or not all(
+                    isinstance(v, int) and v >= 0 for v in self.weight_stages.values()):
+                raise ValueError(f"weight_stages: expected {{path prefix: stage >= 0}}, found "
+                                 f"{self.weight_stages!r}")
+            n = max(self.weight_stages.values()) + 1
+            if self.num_stages not in (None, n):
+                raise ValueError(f"num_stages: expected {n} (from weight_stages), found "
+                                 f"{self.num_stages}")
+            object.__setattr__(self, "weight_stages", dict(self.weight_stages))
+            object.__setattr__(self, "num_stages", n)
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds:
             raise ValueError(f"kinds: expected a non-empty subset of {KINDS}, found "
@@ -510,7 +524,11 @@ def plan_pipeline_graph(graph: HloGraph, cluster: Cluster,
                                        balance_weight=weight)
             t = time.perf_counter()
             try:
-                a = assign_stages(graph, boundary, p, opts, coarsening=coarse)
+                if options.weight_stages is not None:
+                    a = assign_given_stages(graph, boundary, options.weight_stages, opts,
+                                            coarsening=coarse)
+                else:
+                    a = assign_stages(graph, boundary, p, opts, coarsening=coarse)
             except StageAssignmentError as e:
                 return p, str(e), time.perf_counter() - t
             return p, a, time.perf_counter() - t

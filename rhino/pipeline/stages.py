@@ -38,7 +38,8 @@ from rhino.pipeline.gradient import (GradientBoundary, find_gradient_boundary,
                                      gradient_weights)
 from rhino.pipeline.stage_ilp import StageOptions, StageSolution, solve_stage_problem
 
-__all__ = ["Crossing", "StageAssignment", "assign_stages", "check_assignment",
+__all__ = ["Crossing", "StageAssignment", "assign_stages", "assign_given_stages",
+           "check_assignment",
            "find_gradient_boundary", "StageOptions", "FREE", "FWD", "BWD", "AG"]
 
 
@@ -178,6 +179,114 @@ def assign_stages(graph: HloGraph, boundary: GradientBoundary, num_stages: int,
                              gradient_weights=gradient_weights(graph, boundary))
     problem = dataclasses.replace(coarsening.problem, num_stages=num_stages)
     sol = solve_stage_problem(problem, options)
+    return _assignment(graph, boundary, roles, coarsening, num_stages, sol)
+
+
+def _weight_paths(graph: HloGraph, boundary: GradientBoundary, roles: OpRoles
+                  ) -> list[frozenset[int]]:
+    """Per op, the state parameters it reads directly or through free ops (``wte.T``)."""
+    state = set(boundary.state_params)
+    via: list[frozenset[int]] = [frozenset()] * len(graph.ops)
+    for op in graph.ops:
+        i = op.id
+        got = frozenset().union(*(via[o] for o in op.operands)) if op.operands else frozenset()
+        if i in state:
+            via[i] = frozenset((i,))
+        elif roles.role[i] == FREE:
+            via[i] = got
+    return via
+
+
+def assign_given_stages(graph: HloGraph, boundary: GradientBoundary,
+                        weight_stages: dict[str, int], options: StageOptions = StageOptions(),
+                        granularity: str = "auto", coarsening: Coarsening | None = None
+                        ) -> StageAssignment:
+    """A hand-given split: weights (by pytree path prefix) -> stage; the rest follows.
+
+    Each unit of the coarsened graph goes to the latest stage among the weights it reads
+    first (a weight belongs to its first forward reader; the longest matching prefix of
+    each weight's path gives its stage; e.g.
+    ``{"params['wte']": 0, "params['layers'][0]": 0, "params['layers'][1]": 1}``), at least
+    that of the units it reads from; units reading no listed weight follow their inputs.
+    Backward ops go with their forward counterparts, as in ``assign_stages``.
+
+    Raises:
+        StageAssignmentError: a stage out of range or left empty, no listed weight found,
+            or an assignment the data flow cannot honor (a weight on an earlier stage than
+            values it reads).
+    """
+    from rhino.pipeline.stage_ilp import StageAssignmentError
+
+    if not weight_stages:
+        raise StageAssignmentError("given stages: expected {weight path prefix: stage}, "
+                                   "found an empty mapping")
+    num_stages = max(weight_stages.values()) + 1
+    bad = {k: v for k, v in weight_stages.items() if not isinstance(v, int) or v < 0}
+    if bad:
+        raise StageAssignmentError(f"given stages: expected stages >= 0, found {bad}")
+    roles = classify_ops(graph, boundary)
+    if coarsening is None:
+        coarsening = coarsen(graph, roles, granularity, boundary.state_params,
+                             gradient_weights=gradient_weights(graph, boundary))
+    problem = dataclasses.replace(coarsening.problem, num_stages=num_stages)
+    via = _weight_paths(graph, boundary, roles)
+
+    def stage_of_weight(q: int) -> int | None:
+        path = graph.ops[q].arg.path if graph.ops[q].arg is not None else graph.ops[q].name
+        best = max((k for k in weight_stages if path.startswith(k)), key=len, default=None)
+        return None if best is None else weight_stages[best]
+
+    # A weight is placed with its first forward reader (units are numbered in topological
+    # order); later readers (a tied embedding's output projection) may sit on later stages.
+    first: dict[int, int] = {}
+    for u, members in enumerate(coarsening.units):
+        for i in members:
+            if roles.role[i] != FWD:
+                continue
+            for q in via[i] | frozenset(w for o in graph.ops[i].operands for w in via[o]):
+                first[q] = min(first.get(q, u), u)
+    used = {k: False for k in weight_stages}
+    wanted: list[int | None] = [None] * problem.num_units
+    for q, u in first.items():
+        st = stage_of_weight(q)
+        if st is None:
+            continue
+        path = graph.ops[q].arg.path if graph.ops[q].arg else ""
+        for k in used:
+            if path.startswith(k):
+                used[k] = True
+        wanted[u] = st if wanted[u] is None else max(wanted[u], st)
+    missing = [k for k, hit in used.items() if not hit]
+    if missing:
+        raise StageAssignmentError(f"given stages: expected weights whose paths start with "
+                                   f"{missing}, found none read by the forward pass")
+    preds: dict[int, list[int]] = {}
+    for a, b in problem.edges:
+        preds.setdefault(b, []).append(a)
+    stage = [0] * problem.num_units
+    for u in problem.topological_order():
+        before = max((stage[a] for a in preds.get(u, ())), default=0)
+        if wanted[u] is not None and wanted[u] < before:
+            raise StageAssignmentError(
+                f"given stages: unit {problem.names[u]!r} has weights on stage {wanted[u]} "
+                f"but reads values computed on stage {before}: forward data must flow to "
+                f"the same or later stages")
+        stage[u] = before if wanted[u] is None else wanted[u]
+    empty = sorted(set(range(num_stages)) - set(stage))
+    if empty:
+        raise StageAssignmentError(f"given stages: expected every stage 0..{num_stages - 1} "
+                                   f"to hold some layer, found stages {empty} empty")
+    loads = problem.loads(stage)
+    sol = StageSolution(tuple(stage), "given", problem.objective(stage, options),
+                        problem.cut_bytes(stage), tuple(loads), _imbalance(loads), False, 0,
+                        0, 0.0, 0)
+    return _assignment(graph, boundary, roles, coarsening, num_stages, sol)
+
+
+def _assignment(graph: HloGraph, boundary: GradientBoundary, roles: OpRoles,
+                coarsening: Coarsening, num_stages: int, sol: StageSolution
+                ) -> StageAssignment:
+    """Unit stages -> op stages, apply ops, crossings, shared weights, FLOPs."""
     stage_of = [sol.stage_of[u] if u >= 0 else -1 for u in coarsening.unit_of]
     _map_apply(graph, roles, stage_of)
     crossings = _crossings(graph, roles, stage_of)
