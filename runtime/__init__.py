@@ -28,6 +28,8 @@ Built so far (pure pieces first, each testable without a cluster)::
                      LocalExecutor (one thread per stage over disjoint local devices).
     ray_executor.py  the Ray executor (one actor per stage mesh, object-store transport)
                      and ``init`` (``rhino.init``); imports ray lazily.
+    ray_resharding.py  a ReshardingPlan executed with every host a Ray actor (004 Table 2).
+    cross_mesh.py    004's resharding as the local executor's transport between stages.
     init.py          distributed initialization: state created on its stage's devices,
                      equal to a single-device init with the same seed (§6.3).
     timeline.py      measured task records and the per-stage Gantt chart (PNG / text).
