@@ -16,6 +16,7 @@ rendering.
     python benchmarks/pipeline_overhead.py --model gpt --steps 20 \
         --png benchmarks/pipeline_timeline.png
     python benchmarks/pipeline_overhead.py --model gpt --executor ray
+    python benchmarks/pipeline_overhead.py --model gpt --transport broadcast   # 004 §3
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--executor", default="local", choices=["local", "ray"])
+    ap.add_argument("--transport", default="device_put",
+                    choices=["device_put", "broadcast", "send_recv"],
+                    help="how the local executor moves values between stage meshes")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--png", default=None)
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     step = rhino.auto_parallel(m.step, cluster=args.cluster, stages=args.stages,
                                num_microbatches=args.microbatches, schedule=args.schedule,
-                               executor=args.executor)
+                               executor=args.executor, transport=args.transport)
     p, o = params, opt
     p, o, loss = step(p, o, batch)
     first_s = time.perf_counter() - t0
@@ -117,6 +121,11 @@ def main(argv=None) -> int:
           f"max {max(over) * 100:.2f} %")
     print(f"overhead  median {statistics.median([s - c for s, c in rows]) * 1e3:8.2f} ms")
     print(f"single-device jax.jit step median {statistics.median(ref_times) * 1e3:.2f} ms")
+    transport = getattr(step._entry((params, opt, batch)).executor, "transport", None)
+    if hasattr(transport, "moved_bytes"):
+        n = 1 + args.warmup + args.steps
+        print(f"transport {args.transport}: per step {transport.moved_bytes / n / 2**20:.2f} "
+              f"MiB moved, {transport.cross_host_bytes / n / 2**20:.2f} MiB across hosts")
     print(f"losses (pipelined, single device): first {losses[0]}, last {losses[-1]}; "
           f"mismatches: {bad or 'none'}")
     tl = step.timeline(args.png, title=None) if args.png else step.timeline()
