@@ -152,11 +152,26 @@ class AutoParallel:
         return e.hlo_text
 
     def __call__(self, *args: Any) -> Any:
-        entry = self._entry(args)
         flat, tree = jax.tree_util.tree_flatten(args)
-        moved = [x if (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim))
-                 else jax.device_put(x, s) for x, s in zip(flat, entry.in_shardings)]
-        return entry.compiled(*jax.tree_util.tree_unflatten(tree, moved))
+        entry = self._entry(args, flat, tree)
+        # Hot path: an input whose sharding object is the planned one, or one already
+        # found equivalent for this signature (e.g. last step's output, fed back), is
+        # passed as it is; anything else (host arrays, other shardings) is moved.
+        accepted = entry.__dict__.setdefault("accepted_shardings", [None] * len(flat))
+        moved = None
+        for i, (x, s) in enumerate(zip(flat, entry.in_shardings)):
+            sh = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+            if sh is not None and (sh is s or sh is accepted[i]):
+                continue
+            if sh is not None and sh.is_equivalent_to(s, x.ndim):
+                accepted[i] = sh
+                continue
+            if moved is None:
+                moved = list(flat)
+            moved[i] = jax.device_put(x, s)
+        if moved is not None:
+            args = jax.tree_util.tree_unflatten(tree, moved)
+        return entry.compiled(*args)
 
     # ----------------------------------------------------------------- compile
     def _mesh(self) -> tuple[AbstractMesh, list]:
@@ -167,13 +182,18 @@ class AutoParallel:
         shape = o.mesh_shape or (len(devices),)
         return AbstractMesh.simulated_cpu(tuple(int(s) for s in shape)), devices
 
-    def _entry(self, args: tuple) -> _Entry:
-        abstract = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
-        leaves, tree = jax.tree_util.tree_flatten(abstract)
-        key = (tree, tuple((l.shape, l.dtype) for l in leaves))
+    def _entry(self, args: tuple, flat: list | None = None, tree: Any = None) -> _Entry:
+        """The compiled entry of ``args``' signature (``flat, tree``: their flattening)."""
+        if flat is None:
+            flat, tree = jax.tree_util.tree_flatten(args)
+        # Signature: tree + (shape, dtype) per leaf; jax arrays carry canonical dtypes,
+        # other leaves (numpy arrays, Python scalars) are canonicalised as jax would.
+        key = (tree, tuple((x.shape, x.dtype) if isinstance(x, jax.Array) else
+                           (jax.numpy.shape(x), jax.numpy.result_type(x)) for x in flat))
         entry = self._cache.get(key)
         if entry is None:
+            abstract = jax.tree_util.tree_unflatten(
+                tree, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in key[1]])
             entry = self._compile(abstract)
             self._cache[key] = entry
         return entry
@@ -260,18 +280,31 @@ def _compile_plan(fn: Callable, traced: ScopedFunction, graph: HloGraph, plan: E
         constraints[key] = _named(spec, jmesh, names)
 
     # Operands resharded for their consumer: constrain the operand as the consumer's
-    # strategy needs it, so the partitioner has no other way to run the consumer.
+    # strategy needs it, so the partitioner has no other way to run the consumer. The
+    # consumer is whichever op of the equation reads the input: the equation's main op,
+    # or an op it lowers to before it (a transpose, reshape or convert feeding a dot).
+    from rhino.hlo_passes.annotate import eqn_path
+
+    members: dict[tuple[int, ...], list[int]] = {}
+    for op in graph.ops:
+        if op.opcode != "parameter":
+            members.setdefault(eqn_path(op.op_name), []).append(op.id)
     in_constraints = {}
     for path, ids in emap.inputs.items():
         main = emap.producer.get((path, 0))
         if main is None:
             continue
-        op = graph.ops[main]
-        want = plan.ops[main].in_specs
+        inside = members.get(path, [main])
         for j, h in enumerate(ids):
-            if h is None or h not in op.operands:
+            if h is None:
                 continue
-            need = want[op.operands.index(h)]
+            needs = {plan.ops[m].in_specs[q] for m in inside
+                     for q, x in enumerate(graph.ops[m].operands) if x == h}
+            if len(needs) != 1 and h in graph.ops[main].operands:
+                needs = {plan.ops[main].in_specs[graph.ops[main].operands.index(h)]}
+            if len(needs) != 1:
+                continue  # read in several layouts inside the equation: leave it to XLA
+            need = next(iter(needs))
             if need is None or need.is_partial or need == plan.ops[h].out_spec:
                 continue
             in_constraints[(path, j)] = _named(need, jmesh, names)

@@ -80,7 +80,9 @@ def _compare_collectives(step, args, exact_counts: bool):
     assert set(got) == set(want), (got, want)
     total_got = sum(b for _, b in got.values())
     total_want = sum(b for _, b in want.values())
-    assert abs(total_got - total_want) <= 0.10 * total_want, (got, want)
+    # Pending sums are reduced once and readers of one value in one layout share the
+    # resharding (as XLA does), so the prediction is exact here (it allowed 10% before).
+    assert abs(total_got - total_want) <= 0.01 * total_want, (got, want)
     for kind in want:
         if exact_counts:
             assert got[kind][0] == want[kind][0], (kind, got, want)
@@ -119,15 +121,18 @@ def test_gpt_collectives_1d():
 def test_gpt_collectives_2d():
     m = get_model("gpt", layers=2)
     step = rhino.auto_parallel(m.step, mesh_shape=(2, 4), opt_level="O2")
-    _compare_collectives(step, m.example_args(), exact_counts=False)
+    _compare_collectives(step, m.example_args(), exact_counts=True)
 
 
 def test_annotation_pins_embedding_to_vocabulary_split():
     m = get_model("gpt", **MODELS["gpt"])
     params, opt = m.init(jax.random.PRNGKey(0))
     batch = m.make_batch(jax.random.PRNGKey(1))
-    free = rhino.auto_parallel(m.step, mesh_shape=(8,)).plan_for(params, opt, batch)
-    step = rhino.auto_parallel(m.step, mesh_shape=(8,),
+    # O3 (exact): a pin cannot beat the free optimum (O2 is a heuristic; on this tiny
+    # GPT it lands 1.9% above the optimum, so the comparison would not test the pin).
+    free = rhino.auto_parallel(m.step, mesh_shape=(8,), opt_level="O3").plan_for(
+        params, opt, batch)
+    step = rhino.auto_parallel(m.step, mesh_shape=(8,), opt_level="O3",
                                annotations={"params['wte']": "S[x]·R"})
     plan = step.plan_for(params, opt, batch)
     assert plan.param_spec("params['wte']").to_str(plan.mesh) == "S[x]·R"
@@ -196,3 +201,37 @@ def test_mismatched_compiled_sharding_is_refused():
     with pytest.raises(ShardingMismatchError, match="refusing to run"):
         check_shardings("argument", [NamedSharding(mesh, P())], [NamedSharding(mesh, P("x"))],
                         [1], ["params['w']"])
+
+
+def test_ffn_layernorm_backward_reduces_once():
+    """A pending sum read three times (the layernorm backward reading the FFN input's
+    gradient) is one all-reduce in the plan and in the compiled program: Megatron's
+    column/row split wins, with three all-reduces of the [64, 256] activations in all."""
+    def ln(v):
+        m = jnp.mean(v, -1, keepdims=True)
+        return (v - m) * jax.lax.rsqrt(jnp.mean((v - m) ** 2, -1, keepdims=True) + 1e-5)
+
+    def step(p, x):
+        def loss(p):
+            x0 = x @ p["w0"]
+            return jnp.mean((x0 + jax.nn.relu(ln(x0) @ p["w1"]) @ p["w2"]) ** 2)
+        grads = jax.grad(loss)(p)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    p = {"w0": 0.05 * jax.random.normal(keys[0], (256, 256)),
+         "w1": 0.05 * jax.random.normal(keys[1], (256, 1024)),
+         "w2": 0.05 * jax.random.normal(keys[2], (1024, 256))}
+    x = jax.random.normal(keys[3], (64, 256))
+    ref = jax.jit(step)(p, x)
+    fn = rhino.auto_parallel(step, mesh_shape=(4,), opt_level="O3", donate=False)
+    plan, got = _compare_collectives(fn, (p, x), exact_counts=True)
+    assert plan.param_spec("p['w1']").to_str(plan.mesh) == "R·S[x]"
+    assert plan.param_spec("p['w2']").to_str(plan.mesh) == "S[x]·R"
+    assert got == {"all-reduce": (3, 3 * 64 * 256 * 4)}
+    # x0 (4 uses) and the FFN input's gradient (2 uses) are reduced once each.
+    assert sorted(c.consumer for c in plan.collectives if c.consumer.startswith("<")) == [
+        "<reduced once for 2 uses>", "<reduced once for 4 uses>"]
+    out = fn(p, x)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

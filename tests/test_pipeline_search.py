@@ -120,7 +120,7 @@ def test_controller_fits_a_model_too_big_to_replicate():
 
 
 def test_plan_json_round_trip_and_report(gpt_graph):
-    p = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=1e-8, options=FAST,
+    p = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=2e-8, options=FAST,
                             microbatches=4)
     q = PipelinePlan.from_json(p.to_json())
     assert q == p

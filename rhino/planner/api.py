@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
@@ -166,11 +166,22 @@ def _fit_memory(built: BuiltProblem, options: PlanOptions, progress: Callable[[s
     return s, m, hi, rounds
 
 
-def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy]
-                          ) -> tuple[PlannedCollective, ...]:
-    """Every collective the plan implies: operand reshardings, output reductions, carries."""
+def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy],
+                          resolved: Collection[int] = ()) -> tuple[PlannedCollective, ...]:
+    """Every collective the plan implies: operand reshardings, output reductions, carries.
+
+    A pending sum in ``resolved`` (``BuiltProblem.resolved(choice)``) is reduced once
+    (consumer ``"<reduced once for N uses>"``) and its uses that need a reduced spec
+    reshard from the reduced form. Readers of one value that need the same spec share one
+    resharding, as in the compiled program (XLA's CSE); the objective still charges each
+    such reader (an upper bound: sharing one resharding among any number of readers is not
+    a pairwise cost), so the collectives' seconds can sum to less than the plan's
+    communication time.
+    """
     graph, mesh = built.graph, built.mesh
     out: list[PlannedCollective] = []
+    carried = {o: p for o, p in built.carried}
+    free_outs = set(graph.outputs) - set(carried)
 
     def add(rp, u: int, consumer: str) -> None:
         for c in rp.collectives:
@@ -178,15 +189,39 @@ def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy]
                                          int(c.bytes), float(c.cost), graph.ops[u].name,
                                          consumer, graph.ops[u].source))
 
+    def source(u: int, need: Any) -> Any:
+        spec = plan[u].out_spec
+        if u in resolved and isinstance(need, ShardingSpec) and not need.is_partial:
+            return spec.without_partial()
+        return spec
+
+    uses: dict[int, int] = {}
+    for op in graph.ops:
+        for u in op.operands:
+            uses[u] = uses.get(u, 0) + 1
+    for o, p in built.carried:
+        if o != p:
+            uses[o] = uses.get(o, 0) + 1
+    for u in sorted(resolved):
+        spec = plan[u].out_spec
+        if u not in free_outs:  # a free output is reduced below, as "<output>"
+            add(reshard(spec, spec.without_partial(), graph.ops[u].shape, mesh), u,
+                f"<reduced once for {uses.get(u, 0)} uses>")
+    seen: set = set()
     for op, st in zip(graph.ops, plan):
         for k, u in enumerate(op.operands):
-            add(reshard(plan[u].out_spec, st.in_specs[k], graph.ops[u].shape, mesh), u, op.name)
-    carried = {o: p for o, p in built.carried}
+            need = st.in_specs[k]
+            src = source(u, need)
+            if (u, src, need) in seen:
+                continue  # XLA runs one resharding of a value into one layout (CSE)
+            seen.add((u, src, need))
+            add(reshard(src, need, graph.ops[u].shape, mesh), u, op.name)
     for o in dict.fromkeys(graph.outputs):
         spec = plan[o].out_spec
         if o in carried:
             p = carried[o]
-            add(reshard(spec, plan[p].out_spec, graph.ops[o].shape, mesh), o,
+            add(reshard(source(o, plan[p].out_spec), plan[p].out_spec, graph.ops[o].shape,
+                        mesh), o,
                 f"<carry to {graph.ops[p].arg.path if graph.ops[p].arg else graph.ops[p].name}>")
         elif isinstance(spec, ShardingSpec) and spec.is_partial:
             add(reshard(spec, spec.without_partial(), graph.ops[o].shape, mesh), o, "<output>")
@@ -226,7 +261,8 @@ def plan_graph(graph: HloGraph, mesh: AbstractMesh, options: PlanOptions = PlanO
                                 bool(op.arg and op.arg.donated)))
     return ExecutionPlan(
         program=graph.name, origin=graph.origin, mesh=mesh, ops=tuple(ops),
-        params=tuple(params), collectives=predicted_collectives(built, strategies),
+        params=tuple(params),
+        collectives=predicted_collectives(built, strategies, built.resolved(sol.choice)),
         memory=mem, memory_budget=options.memory_budget, compute_s=br.compute,
         communication_s=br.communication,
         search=SearchStats(options.opt_level, sol.status, float(sol.objective), timings[0],

@@ -8,6 +8,18 @@ Costs (seconds):
   left on it is charged here as the all-reduce that resolves it;
 * edge ``u -> v``: the resharding cost (``collectives.reshard``) from ``u``'s output spec to
   the spec ``v`` needs for that operand, summed over every operand position reading ``u``;
+* shared pending sums: a value that may be a pending sum (a partial spec) and is used in
+  several places (operand positions, a carry, being a program output) is reduced **once**,
+  as the executor and XLA do (``auto_parallel`` constrains it to its reduced form), and every
+  reader that needs a reduced spec reshards from that reduced form (usually a free slice).
+  Charging the reduction on every reader edge would price a layernorm-backward input with
+  three readers as three all-reduces, and reject Megatron's row-parallel matmul for it. The
+  reduction ``reshard(s, s.without_partial())`` goes into the producer's unary cost. When a
+  reader can also take the pending sum as it is (partial pass-through), each partial choice
+  of the producer gets a twin that *leaves the sum pending* (no reduction charged; the edge
+  to any reader that needs a reduced spec is forbidden), so the decision stays pairwise and
+  adds no node (see ``SharedValue``). A value used in one place keeps the plain edge
+  ``reshard(s, t)`` (which may be one reduce-scatter);
 * carry: a training step's updated parameters (and optimizer state) are outputs that become
   the next step's parameters. Each such output is paired with its parameter (by pytree path:
   ``out[0]['w']`` or ``out['w']`` with ``params['w']``, same type) and the pair gets the
@@ -108,6 +120,30 @@ class CostBreakdown:
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedValue:
+    """A value that may be a pending sum and is used in several places (reduced once).
+
+    Attributes:
+        op: the producer's op id.
+        readers: ``(consumer op id, operand position)`` of every operand reading it.
+        carried_to: the parameter op ids its carries go to.
+        output: whether it is a program output that is not carried (needs its reduced form;
+            its strategy's comm cost already charges the reduction).
+        pending: the producer's choice indices that leave the sum pending (twins of its
+            partial choices, offered only when some reader can take a pending sum).
+        reduce_cost: per producer choice, the reduction charged once in its unary cost (0
+            for non-partial and pending choices, and for a program output).
+    """
+
+    op: int
+    readers: tuple[tuple[int, int], ...]
+    carried_to: tuple[int, ...]
+    output: bool
+    pending: tuple[int, ...]
+    reduce_cost: np.ndarray = dataclasses.field(repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class BuiltProblem:
     """A ``ShardingProblem`` with what is needed to map its solutions back to the graph.
 
@@ -116,12 +152,14 @@ class BuiltProblem:
         mesh: the mesh planned for.
         options: the build options.
         problem: the problem; node ``i`` is op ``i``; choice ``j`` is ``strategies[i][j]``.
-        strategies: per node, its strategies (after forcing/pinning).
+        strategies: per node, its strategies (after forcing/pinning; a shared value's
+            pending twins repeat its partial strategies, see ``SharedValue``).
         partition: cones, segments and pivots for ``solve_o2``.
         unknown_ops: ops replicated for lack of a rule.
         carried: ``(output op id, parameter op id)`` pairs charged for carry resharding.
         unforceable: ``forced_sharded`` parameters that have no sharded spec (kept).
         seconds: wall time of the build.
+        shared: the values whose pending sum is reduced once (see ``SharedValue``).
     """
 
     graph: HloGraph
@@ -134,6 +172,7 @@ class BuiltProblem:
     carried: tuple[tuple[int, int], ...]
     unforceable: tuple[int, ...]
     seconds: float
+    shared: tuple[SharedValue, ...] = ()
 
     def plan(self, choice: Sequence[int]) -> tuple[Strategy, ...]:
         """The chosen strategy of every op."""
@@ -142,13 +181,20 @@ class BuiltProblem:
                              f"{len(self.strategies)} nodes")
         return tuple(s[c] for s, c in zip(self.strategies, choice))
 
+    def resolved(self, choice: Sequence[int]) -> frozenset[int]:
+        """Op ids whose pending sum is reduced once under ``choice`` (then read reduced)."""
+        out = set()
+        for sv in self.shared:
+            spec = self.strategies[sv.op][choice[sv.op]].out_spec
+            if isinstance(spec, ShardingSpec) and spec.is_partial and (
+                    choice[sv.op] not in sv.pending):
+                out.add(sv.op)
+        return frozenset(out)
+
     def breakdown(self, choice: Sequence[int]) -> CostBreakdown:
         """Compute vs communication seconds of an assignment (sums to the objective)."""
-        plan = self.plan(choice)
-        compute = sum(s.compute_cost for s in plan)
-        comm = sum(s.comm_cost for s in plan)
-        comm += sum(float(e.cost[choice[e.u], choice[e.v]]) for e in self.problem.edges)
-        return CostBreakdown(float(compute), float(comm))
+        compute = float(sum(s.compute_cost for s in self.plan(choice)))
+        return CostBreakdown(compute, float(self.problem.objective(choice)) - compute)
 
     def stats(self) -> dict[str, float]:
         """Sizes: nodes, choices (total and max per node), edges and edge-matrix entries."""
@@ -211,6 +257,47 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
 
 
 # ------------------------------------------------------------------------------ building
+def _shared_values(graph: HloGraph, strategies: list[tuple[Strategy, ...]],
+                   carried: Sequence[tuple[int, int]], table: ReshardCostTable
+                   ) -> tuple[SharedValue, ...]:
+    """Values that may be pending sums and are used in more than one place.
+
+    Appends the pending twins of their partial strategies to ``strategies`` (in place)
+    where some reader can take a pending sum.
+    """
+    readers: dict[int, list[tuple[int, int]]] = {}
+    for op in graph.ops:
+        for k, u in enumerate(op.operands):
+            readers.setdefault(u, []).append((op.id, k))
+    carry: dict[int, tuple[int, ...]] = {}
+    for o, p in carried:
+        if o != p:
+            carry[o] = carry.get(o, ()) + (p,)
+    outs = set(graph.outputs) - {o for o, _ in carried}
+    shared = []
+    for u, strats in enumerate(strategies):
+        t = graph.ops[u].shape
+        reads = tuple(readers.get(u, ()))
+        uses = len(reads) + len(carry.get(u, ())) + (u in outs)
+        if not reads or uses < 2 or not isinstance(t, TensorType):
+            continue
+        partial = [j for j, s in enumerate(strats) if s.out_spec.is_partial]
+        if not partial:
+            continue
+        red = [table.cost(s.out_spec, s.out_spec.without_partial(), t)
+               if s.out_spec.is_partial and u not in outs else 0.0 for s in strats]
+        pending: tuple[int, ...] = ()
+        if u not in outs and any(
+                isinstance(s.in_specs[k], ShardingSpec) and s.in_specs[k].is_partial
+                for v, k in reads for s in strategies[v]):
+            pending = tuple(range(len(strats), len(strats) + len(partial)))
+            strategies[u] = strats + tuple(strats[j] for j in partial)
+            red += [0.0] * len(partial)
+        shared.append(SharedValue(u, reads, carry.get(u, ()), u in outs, pending,
+                                  np.array(red)))
+    return tuple(shared)
+
+
 def _partition(graph: HloGraph) -> Partition:
     an = analyze(graph)
     cone_of = list(an.cone_of)
@@ -328,26 +415,48 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh,
         carried = carried_pairs(graph)
     _finish_outputs(graph, strategies, carried, table)
 
+    shared = _shared_values(graph, strategies, carried, table)
+    by_op = {sv.op: sv for sv in shared}
+    costs = [np.array([s.cost for s in strats], dtype=float) for strats in strategies]
+    for sv in shared:
+        costs[sv.op] = costs[sv.op] + sv.reduce_cost
+
     eb = _EdgeBuilder(table)
     mats: dict[tuple[int, int], np.ndarray] = {}
+
+    def add(u: int, v: int, m: np.ndarray) -> None:
+        key = (u, v)
+        mats[key] = mats[key] + m if key in mats else m
+
+    def read(u: int, dst: Sequence) -> np.ndarray:
+        """reshard cost of ``u``'s value, per (choice of u, spec in ``dst``)."""
+        specs = [s.out_spec for s in strategies[u]]
+        sv = by_op.get(u)
+        if sv is None:
+            return eb.matrix(specs, dst, graph.ops[u].shape)
+        pend = np.array([isinstance(t, ShardingSpec) and t.is_partial for t in dst])
+        reduced = [x.without_partial() if isinstance(x, ShardingSpec) and x.is_partial
+                   and j not in sv.pending else x for j, x in enumerate(specs)]
+        m = eb.matrix(reduced, dst, graph.ops[u].shape)  # reduced readers: reduced form
+        if pend.any():  # a reader taking the pending sum reads it as it is
+            m = np.where(pend[None, :], eb.matrix(specs, dst, graph.ops[u].shape), m)
+        if sv.pending:
+            m = m.copy()
+            m[np.ix_(list(sv.pending), np.flatnonzero(~pend))] = np.inf
+        return m
+
     for op in graph.ops:
-        v = op.id
-        dst_all = strategies[v]
         for k, u in enumerate(op.operands):
-            m = eb.matrix([s.out_spec for s in strategies[u]],
-                          [s.in_specs[k] for s in dst_all], graph.ops[u].shape)
-            key = (u, v)
-            mats[key] = mats[key] + m if key in mats else m
+            add(u, op.id, read(u, [s.in_specs[k] for s in strategies[op.id]]))
     for o, p in carried:
         if o == p:
             continue
-        # cost[i_p, j_o] = reshard(output spec j_o -> parameter spec i_p)
-        m = eb.matrix([s.out_spec for s in strategies[o]],
-                      [s.out_spec for s in strategies[p]], graph.ops[o].shape).T
-        key = (p, o) if p < o else (o, p)
-        if key != (p, o):
-            m = m.T
-        mats[key] = mats[key] + m if key in mats else m
+        # cost[j_o, i_p] = reshard(output spec j_o -> parameter spec i_p)
+        m = read(o, [s.out_spec for s in strategies[p]])
+        if p < o:
+            add(p, o, m.T)
+        else:
+            add(o, p, m)
     edges = tuple(Edge(u, v, m) for (u, v), m in mats.items())
 
     mult = 1.0 + options.optimizer_state_multiplier
@@ -358,13 +467,17 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh,
                                     for s in strats], dtype=float))
         else:
             memory.append(np.zeros(len(strats)))
-    labels = tuple(tuple(_choice_label(s, mesh) for s in strats) for strats in strategies)
-    costs = tuple(np.array([s.cost for s in strats], dtype=float) for strats in strategies)
-    problem = ShardingProblem(tuple(op.name for op in graph.ops), labels, costs, edges,
-                              tuple(memory))
+    labels = []
+    for i, strats in enumerate(strategies):
+        pend = set(by_op[i].pending) if i in by_op else ()
+        labels.append(tuple(_choice_label(s, mesh) + (" (left pending)" if j in pend else "")
+                            for j, s in enumerate(strats)))
+    problem = ShardingProblem(tuple(op.name for op in graph.ops), tuple(labels), tuple(costs),
+                              edges, tuple(memory))
     partition = _partition(graph)
     return BuiltProblem(graph, mesh, options, problem, tuple(strategies), partition,
-                        sset.unknown_ops, carried, unforceable, time.perf_counter() - t0)
+                        sset.unknown_ops, carried, unforceable, time.perf_counter() - t0,
+                        shared)
 
 
 def _local_bytes(shape, spec, mesh: AbstractMesh) -> float:

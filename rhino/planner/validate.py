@@ -12,7 +12,11 @@ everything from the ops' semantics, with code separate from the strategy generat
    the work when it splits a dim of the output or of an operand;
 4. communication = the resharding (``collectives.reshard``) of every producer's output spec
    into each consumer's operand spec, of every carried output back to its parameter's spec,
-   and the all-reduce resolving a pending reduction left on a program output;
+   and the all-reduce resolving a pending reduction left on a program output. A pending sum
+   used more than once (*shared*: several operands, a carry, being an output) is reduced
+   once — the reduction is charged once and the uses that need a reduced spec reshard from
+   the reduced form — as the executor and XLA run it; a shared pending sum some use needs
+   reduced must be in ``resolved``, and only shared ones may be;
 5. the total equals the solver's objective (relative tolerance 1e-9 by default).
 
 It raises ``PlanValidationError`` naming the op (name, opcode, source line) and what is
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 
@@ -408,9 +412,55 @@ def _close(x: float, y: float, rel: float) -> bool:
     return abs(x - y) <= rel * max(abs(x), abs(y), 1e-300) or abs(x - y) < 1e-300
 
 
+def _check_resolved(graph: HloGraph, mesh: AbstractMesh, plan: Sequence[Any],
+                    carried: Sequence[tuple[int, int]], outs_free: set[int],
+                    resolved: Collection[int] | None) -> frozenset[int]:
+    """The pending sums reduced once: checked against the plan, or derived (None).
+
+    A value is *shared* when its spec is a pending sum, some operand reads it and it is used
+    more than once (operand positions, a carry, being an output). A shared value that some
+    use needs reduced must be reduced once; only shared values may be.
+    """
+    needs: dict[int, list[Any]] = {}
+    for op, st in zip(graph.ops, plan):
+        for k, u in enumerate(op.operands):
+            needs.setdefault(u, []).append(st.in_specs[k])
+    carries: dict[int, int] = {}
+    for o, p in carried:
+        if o != p:
+            carries[o] = carries.get(o, 0) + 1
+    must, may = set(), set()
+    for u, got in needs.items():
+        spec = plan[u].out_spec
+        if not (isinstance(spec, ShardingSpec) and spec.is_partial):
+            continue
+        if len(got) + carries.get(u, 0) + (u in outs_free) < 2:
+            continue
+        may.add(u)
+        if u in carries or u in outs_free or any(
+                not (isinstance(t, ShardingSpec) and t.is_partial) for t in got):
+            must.add(u)
+    if resolved is None:
+        return frozenset(must)
+    resolved = frozenset(int(u) for u in resolved)
+    for u in sorted(resolved - may):
+        raise _fail(graph.ops[u], f"reduced once: expected a pending sum read in several "
+                    f"places, found spec {_spec_str(plan[u].out_spec, mesh)} with "
+                    f"{len(needs.get(u, ()))} reading operand(s)")
+    for u in sorted(must - resolved):
+        raise _fail(graph.ops[u], f"pending sum {_spec_str(plan[u].out_spec, mesh)}: expected "
+                    f"it reduced once (a use needs it reduced), found it left pending")
+    return resolved
+
+
+def _spec_str(spec: Any, mesh: AbstractMesh) -> str:
+    return spec.to_str(mesh) if isinstance(spec, ShardingSpec) else repr(spec)
+
+
 def validate_plan(graph: HloGraph, mesh: AbstractMesh, plan: Sequence[Any], *,
                   objective: float | None = None,
                   carried: Sequence[tuple[int, int]] = (),
+                  resolved: Collection[int] | None = None,
                   rel_tol: float = 1e-9) -> PlanCheck:
     """Check a plan from scratch (see the module docstring).
 
@@ -420,6 +470,8 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, plan: Sequence[Any], *,
         plan: one ``Strategy`` per op (``BuiltProblem.plan(choice)``).
         objective: the solver's objective to compare with, or None.
         carried: ``(output op id, parameter op id)`` pairs (``BuiltProblem.carried``).
+        resolved: op ids of the pending sums reduced once (``BuiltProblem.resolved``);
+            None: every shared pending sum that some reader needs reduced.
         rel_tol: relative tolerance on costs.
 
     Returns:
@@ -431,8 +483,21 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, plan: Sequence[Any], *,
     if len(plan) != len(graph.ops):
         raise PlanValidationError(f"plan has {len(plan)} strategies, graph {graph.name!r} has "
                                   f"{len(graph.ops)} ops")
+    for o, p in carried:
+        if graph.ops[p].opcode != "parameter" or graph.ops[o].shape != graph.ops[p].shape:
+            raise PlanValidationError(f"carried pair ({graph.ops[o].name}, {graph.ops[p].name})"
+                                      f": expected an output and a parameter of one type")
+    outs_free = set(graph.outputs) - {o for o, _ in carried}
+    resolved = _check_resolved(graph, mesh, plan, carried, outs_free, resolved)
     compute = comm = 0.0
     resharded = 0
+
+    def source(u: int, need: Any) -> Any:
+        spec = plan[u].out_spec
+        if u in resolved and isinstance(need, ShardingSpec) and not need.is_partial:
+            return spec.without_partial()  # read from the value reduced once
+        return spec
+
     for op, st in zip(graph.ops, plan):
         check_strategy(graph, op, st, mesh)
         shapes = [op.shape] + [graph.ops[o].shape for o in op.operands]
@@ -442,20 +507,21 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, plan: Sequence[Any], *,
                         f"{_share(op, st, shapes, mesh)} devices), found {st.compute_cost:.6g}")
         compute += c
         for k, u in enumerate(op.operands):
-            cost = reshard(plan[u].out_spec, st.in_specs[k], graph.ops[u].shape, mesh).cost
+            need = st.in_specs[k]
+            cost = reshard(source(u, need), need, graph.ops[u].shape, mesh).cost
             comm += cost
             resharded += cost > 0
-    carried_outs = set()
+    for u in sorted(resolved):  # after check_strategy: the specs fit
+        op, spec = graph.ops[u], plan[u].out_spec
+        if u not in outs_free:  # a free output's reduction is its strategy's comm cost
+            comm += reshard(spec, spec.without_partial(), op.shape, mesh).cost
     for o, p in carried:
-        if graph.ops[p].opcode != "parameter" or graph.ops[o].shape != graph.ops[p].shape:
-            raise PlanValidationError(f"carried pair ({graph.ops[o].name}, {graph.ops[p].name})"
-                                      f": expected an output and a parameter of one type")
-        carried_outs.add(o)
-        comm += reshard(plan[o].out_spec, plan[p].out_spec, graph.ops[o].shape, mesh).cost
+        need = plan[p].out_spec
+        comm += reshard(source(o, need), need, graph.ops[o].shape, mesh).cost
     for o in dict.fromkeys(graph.outputs):
         st, op = plan[o], graph.ops[o]
         inner = 0.0
-        if o not in carried_outs and isinstance(st.out_spec, ShardingSpec):
+        if o in outs_free and isinstance(st.out_spec, ShardingSpec):
             inner = reshard(st.out_spec, st.out_spec.without_partial(), op.shape, mesh).cost
         if not _close(inner, st.comm_cost, rel_tol):
             raise _fail(op, f"comm cost inside the op: expected {inner:.6g} s (resolving the "
@@ -479,4 +545,4 @@ def validate_built(built: Any, choice: Sequence[int], objective: float | None = 
     ``built.problem.objective(choice)``)."""
     obj = built.problem.objective(choice) if objective is None else objective
     return validate_plan(built.graph, built.mesh, built.plan(choice), objective=obj,
-                         carried=built.carried)
+                         carried=built.carried, resolved=built.resolved(choice))
