@@ -193,6 +193,30 @@ def test_bare_decorator_and_report(capsys, monkeypatch):
     assert len(step._cache) == 1
 
 
+def test_fast_path_falls_back_on_other_layouts_and_shapes():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def f(w, x):
+        return w - 0.01 * x.T @ (x @ w), jnp.sum((x @ w) ** 2)
+
+    step = rhino.auto_parallel(f, mesh_shape=(8,), donate=False)
+    w, x = jnp.ones((16, 16)), jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16) / 1e3
+    want = jax.jit(f)(w, x)
+    got = step(w, x)
+    _close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
+    _close(got[1], want[1])
+    # A committed input laid out otherwise than planned: moved, same result.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("z",))
+    odd = jax.device_put(x, NamedSharding(mesh, PartitionSpec(None, "z")))
+    assert not odd.sharding.is_equivalent_to(step._last.in_shardings[1], 2)
+    _close(step(w, odd)[1], want[1])
+    # Another shape: a second entry, right result; then the first shape again.
+    x2 = x[:32]
+    _close(step(w, x2)[1], jax.jit(f)(w, x2)[1])
+    assert len(step._cache) == 2
+    _close(step(w, x)[1], want[1])
+
+
 def test_mismatched_compiled_sharding_is_refused():
     from rhino.runtime.spmd import check_shardings
     from jax.sharding import NamedSharding, PartitionSpec as P
