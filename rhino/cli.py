@@ -6,7 +6,7 @@
     rhino plan PATH_OR_MODEL --cluster 2x8 [--microbatches 8] [--epsilon 0.1]
                [--max-stages 4] [--alpha-intra S] [--beta-intra S/B] [--alpha-inter S]
                [--beta-inter S/B] [--memory-budget BYTES] [--json] [--output FILE]
-    rhino demo [--model SPEC] [--mesh 8] [--steps 10]
+    rhino demo [--model SPEC] [--mesh 8] [--steps 10] [--cluster 2x4 --stages 2]
 
 ``PATH_OR_MODEL`` is an ``.hlo`` / ``.mlir`` file, or a zoo model as ``NAME:key=value,...``
 (e.g. ``gpt:layers=72,hidden=512``); ``rhino inspect --models`` lists the zoo.
@@ -143,6 +143,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     n = 1
     for s in mesh_shape:
         n *= s
+    if args.cluster:
+        from rhino.pipeline.api import make_cluster
+        n = make_cluster(args.cluster).num_devices
     _ensure_cpu_devices(n)
     import jax
     import numpy as np
@@ -154,11 +157,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                          f"with XLA_FLAGS=--xla_force_host_platform_device_count={n}")
     from rhino.models import parse_model_spec
     model = parse_model_spec(args.model)
+    where = (f"cluster {args.cluster} as a pipeline ({args.microbatches} microbatches, "
+             f"{args.schedule})" if args.cluster else f"mesh {mesh_shape}")
     print(f"rhino demo: {args.model} trained on {n} {jax.devices()[0].platform} devices "
-          f"(mesh {mesh_shape}), {args.steps} Adam steps, beside single-device jax.jit")
+          f"({where}), {args.steps} Adam steps, beside single-device jax.jit")
     params, opt = model.init(jax.random.PRNGKey(0))
     batch = model.make_batch(jax.random.PRNGKey(1))
-    step = rhino.auto_parallel(model.step, mesh_shape=mesh_shape, opt_level=args.opt_level)
+    if args.cluster:
+        step = rhino.auto_parallel(model.step, cluster=args.cluster, stages=args.stages,
+                                   num_microbatches=args.microbatches, schedule=args.schedule,
+                                   opt_level=args.opt_level)
+    else:
+        step = rhino.auto_parallel(model.step, mesh_shape=mesh_shape, opt_level=args.opt_level)
     plan = step.plan_for(params, opt, batch)
     print(plan.report())
     ref = jax.jit(model.step)
@@ -175,6 +185,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     ok = worst <= 1e-4
     print(f"\n  largest relative loss difference {worst:.2e}: "
           f"{'matches' if ok else 'DOES NOT MATCH'} single-device training (rtol 1e-4)")
+    if args.cluster:
+        print("\n  the last step as run (measured):\n" + step.timeline().render_text(96))
+        step.close()
     return 0 if ok else 1
 
 
@@ -217,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--mesh", default="8", help="mesh shape (default: 8)")
     pd.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
     pd.add_argument("--opt-level", default="O2", choices=("O2", "O3"))
+    pd.add_argument("--cluster", metavar="HxD", help="train as a pipeline over H hosts x D "
+                    "devices, e.g. 2x4 (--mesh is ignored)")
+    pd.add_argument("--stages", type=int, help="pipeline stages with --cluster (default: the "
+                    "planner's choice)")
+    pd.add_argument("--microbatches", type=int, default=4, help="with --cluster (default: 4)")
+    pd.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "eager-1f1b"))
     pd.set_defaults(func=_cmd_demo)
     return p
 

@@ -59,3 +59,14 @@ def test_errors_are_clear(tmp_path, capsys):
 def test_models_listing(capsys):
     assert main(["inspect", "--models"]) == 0
     assert "gpt" in capsys.readouterr().out.split()
+
+
+def test_demo_spmd_and_pipelined(capsys):
+    assert main(["demo", "--model", "mlp:batch=32,hidden=32", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rhino plan" in out and "matches single-device training" in out
+    assert main(["demo", "--model", "gpt:layers=2,hidden=32,heads=2,seq=8,vocab=64,batch=16",
+                 "--cluster", "2x4", "--stages", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "matches single-device training" in out
+    assert "stage 0 |" in out and "stage 1 |" in out  # the measured timeline
