@@ -293,16 +293,11 @@ def _assignment(graph: HloGraph, boundary: GradientBoundary, roles: OpRoles,
     # Weights each stage reads, directly or through copied (free) ops such as ``wte.T``.
     readers: dict[int, set[int]] = {}
     state = set(boundary.state_params)
-    via: list[frozenset[int]] = [frozenset()] * len(graph.ops)
+    via = _weight_paths(graph, boundary, roles)
     for op in graph.ops:
         i = op.id
-        got = frozenset().union(*(via[o] for o in op.operands)) if op.operands else frozenset()
-        if i in state:
-            via[i] = frozenset((i,))
-        elif roles.role[i] == FREE:
-            via[i] = got
-        elif stage_of[i] >= 0:
-            for w in got:
+        if i not in state and roles.role[i] != FREE and stage_of[i] >= 0:
+            for w in frozenset().union(*(via[o] for o in op.operands)):
                 readers.setdefault(w, set()).add(stage_of[i])
     # A weight updated on one stage (its owner) and read on others is sent after the update;
     # state that free ops update (a step count) is recomputed on every stage instead.
