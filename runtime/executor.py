@@ -208,6 +208,7 @@ class StageWorker:
             for r in split.task(k, stage).outputs:
                 self._readers.setdefault(r, 0)
         self._last_send = {ins.key: n for n, ins in enumerate(self.instrs) if ins.op == "send"}
+        self._results = frozenset(o.ref for o in split.outputs if o.source == "task")
         self._watch = cf.ThreadPoolExecutor(max_workers=1,
                                             thread_name_prefix=f"rhino-stage{stage}-timer")
         self._state: dict[int, Any] = {}
@@ -391,9 +392,8 @@ class StageWorker:
         return out
 
     def _awaited(self, key) -> bool:
-        """Still needed by a send or as a step result (never released early)."""
-        ref, _ = key
-        return any(o.ref == ref and o.source == "task" for o in self.split.outputs)
+        """A step result (never released early)."""
+        return key[0] in self._results
 
 
 @dataclasses.dataclass(frozen=True)
