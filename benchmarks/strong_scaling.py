@@ -54,7 +54,7 @@ def run_size(n: int, runs: int, out_path: str, seq: int) -> dict:
 
     import rhino
     from rhino.models import get_model
-    from rhino.runtime.spmd import count_collectives, summarize
+    from rhino.runtime.spmd import compiled_memory, count_collectives, summarize
 
     config = dict(CONFIG, seq=seq)
     model = get_model("gpt", **config)
@@ -83,11 +83,7 @@ def run_size(n: int, runs: int, out_path: str, seq: int) -> dict:
     colls = count_collectives(hlo)
     row["bytes"] = int(sum(c.bytes for c in colls))
     row["collectives"] = {k: list(v) for k, v in summarize(colls).items()}
-    ma = compiled.memory_analysis()
-    mem = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in
-           ("argument", "output", "temp", "alias")}
-    mem["peak"] = mem["argument"] + mem["output"] + mem["temp"] - mem["alias"]
-    row["memory"] = mem
+    row["memory"] = compiled_memory(compiled)
 
     flat, tree = jax.tree_util.tree_flatten(host)
     args = jax.tree_util.tree_unflatten(tree, [jax.device_put(x, s) for x, s in zip(flat, in_sh)])

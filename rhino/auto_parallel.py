@@ -128,6 +128,25 @@ class _Entry:
     out_tree: Any
     constrained: int
     hlo_text: str | None = None
+    memory: dict | None = None          # compiled memory_analysis (spmd.compiled_memory)
+    memory_budget: int | None = None
+    pressure: float | None = None       # the memory pressure that met the budget
+
+    def report(self) -> str:
+        """The plan report, with the compiled program's memory per device."""
+        from rhino.errors import format_bytes as b
+
+        text = self.plan.report()
+        m = self.memory
+        if m is None:
+            return text
+        line = (f"  compiled memory   peak {b(m['peak'])} per device (arguments {b(m['argument'])}"
+                f", outputs {b(m['output'])}, temporaries {b(m['temp'])}, donated "
+                f"{b(m['alias'])})")
+        if self.memory_budget is not None:
+            line += (f"; budget {b(self.memory_budget)}, met at memory pressure "
+                     f"μ={self.pressure:g}")
+        return text + "\n" + line
 
 
 class AutoParallel:
@@ -144,6 +163,15 @@ class AutoParallel:
     def plan_for(self, *args: Any) -> ExecutionPlan:
         """The plan used for these arguments (planning and compiling if needed)."""
         return self._entry(args).plan
+
+    def memory_for(self, *args: Any) -> dict | None:
+        """The compiled program's memory per device for these arguments (bytes:
+        ``argument``, ``output``, ``temp``, ``alias``, ``peak``), from XLA's
+        ``memory_analysis()``; None where the backend gives none."""
+        e = self._entry(args)
+        if e.memory is None:
+            e.memory = spmd.compiled_memory(e.compiled)
+        return e.memory
 
     def compiled_text(self, *args: Any) -> str:
         """The compiled, partitioned HLO for these arguments."""
@@ -223,22 +251,90 @@ class AutoParallel:
             if o.plan is not None:
                 plan = o.plan  # runs on the plan's own mesh
                 _check_plan_matches(plan, graph)
+                progress("compiling")
+                entry = _compile_plan(self.fn, traced, graph, plan, devices, abstract, o.donate)
             else:
                 pins = _pins(graph, o.annotations, mesh)
-                options = PlanOptions(opt_level=o.opt_level, memory_budget=o.memory_budget,
-                                      time_limit=o.time_limit,
+                options = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
                                       build=BuildOptions(strided=False, pinned=pins,
                                                          partial_passthrough=False))
-                plan = plan_graph(graph, mesh, options, progress)
-            progress("compiling")
-            entry = _compile_plan(self.fn, traced, graph, plan, devices, abstract, o.donate)
+
+                def make(options: PlanOptions) -> _Entry:
+                    plan = plan_graph(graph, mesh, options, progress)
+                    progress("compiling")
+                    return _compile_plan(self.fn, traced, graph, plan, devices, abstract,
+                                         o.donate)
+
+                if o.memory_budget is None:
+                    entry = make(options)
+                    entry.memory = spmd.compiled_memory(entry.compiled)
+                else:
+                    entry = _fit_compiled_memory(
+                        lambda opts: plan_graph(graph, mesh, opts, progress),
+                        lambda plan: (progress("compiling"), _compile_plan(
+                            self.fn, traced, graph, plan, devices, abstract, o.donate))[1],
+                        options, o.memory_budget, progress)
         finally:
             progress.close()
         report = o.report if o.report is not None else os.environ.get(REPORT_ENV, "") not in (
             "", "0")
         if report:
-            print(entry.plan.report(), file=sys.stderr)
+            print(entry.report(), file=sys.stderr)
         return entry
+
+
+# Memory pressure steps of ``memory_budget`` (see ``_fit_compiled_memory``): each step μ
+# plans with a Lagrangian weight μ on activation bytes and max(1e-3, 30 μ) on parameter
+# and optimizer-state bytes, both in units of the mesh's cheapest β (seconds per byte).
+MEMORY_PRESSURE = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+def _fit_compiled_memory(plan_fn: Callable[[PlanOptions], ExecutionPlan],
+                         compile_fn: Callable[[ExecutionPlan], "_Entry"],
+                         options: PlanOptions, budget: int,
+                         progress: Callable[[str], None]) -> "_Entry":
+    """The first plan, in order of rising memory pressure, whose *compiled* program fits.
+
+    The planner's liveness estimate follows the program order, not XLA's schedule and
+    buffer assignment, so it can be 10-20% off the compiled peak either way. A budget is
+    therefore checked on ``memory_analysis()`` of the compiled program (argument + output
+    + temp − alias bytes per device): plan, compile, measure; if it does not fit, plan again
+    with more weight on memory (``MEMORY_PRESSURE``). Less pressure keeps more of the
+    time-optimal plan, so the first fit is taken. A plan equal to an earlier one is not
+    compiled again. Nothing fits: ``InfeasiblePlanError`` with every attempt's peak.
+    """
+    from rhino.errors import InfeasiblePlanError, format_bytes
+
+    tried: list[str] = []
+    seen: dict[tuple, tuple[float, int]] = {}
+    for mu in MEMORY_PRESSURE:
+        opts = dataclasses.replace(options, activation_tiebreak=mu,
+                                   memory_tiebreak=max(options.memory_tiebreak, 30 * mu))
+        plan = plan_fn(opts)
+        key = (tuple(p.spec for p in plan.params),
+               tuple((op.out_spec, op.in_specs) for op in plan.ops))
+        if key in seen:
+            first, peak = seen[key]
+            tried.append(f"μ={mu:g}: the plan of μ={first:g}")
+            continue
+        entry = compile_fn(plan)
+        mem = spmd.compiled_memory(entry.compiled)
+        if mem is None:
+            raise RhinoError("auto_parallel: memory_budget is checked on the compiled "
+                             "program's memory_analysis(), which this backend does not give; "
+                             "use rhino.plan(..., memory_budget=...) (the planner's "
+                             "estimate) instead")
+        peak = mem["peak"]
+        seen[key] = (mu, peak)
+        tried.append(f"μ={mu:g}: {format_bytes(peak)}")
+        progress(f"memory: pressure μ={mu:g} -> compiled peak {format_bytes(peak)} "
+                 f"(budget {format_bytes(budget)})")
+        if peak <= budget:
+            entry.memory, entry.memory_budget, entry.pressure = mem, budget, mu
+            return entry
+    raise InfeasiblePlanError(min(p for _, p in seen.values()), budget,
+                              "compiled peak per device at each memory pressure: " +
+                              ", ".join(tried))
 
 
 def _check_plan_matches(plan: ExecutionPlan, graph: HloGraph) -> None:
@@ -387,7 +483,10 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             all devices).
         mesh: an explicit ``AbstractMesh`` (e.g. calibrated); overrides ``mesh_shape``.
         opt_level: ``"O2"`` (fast) or ``"O3"`` (whole-graph ILP).
-        memory_budget: bytes per device; the planner shards the largest parameters first.
+        memory_budget: bytes per device the *compiled* program may use (XLA's
+            ``memory_analysis()``: arguments + outputs + temporaries − donated). Plans are
+            made with rising weight on memory until one fits (``MEMORY_PRESSURE``);
+            ``InfeasiblePlanError`` if none does.
         annotations: semi-automatic control: ``{pytree path or named_scope name: spec}``,
             e.g. ``{"params['wte']": "S[x]·R"}``; the planner plans around them.
         plan: a saved ``ExecutionPlan`` to reuse instead of planning.

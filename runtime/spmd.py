@@ -132,3 +132,20 @@ def summarize(collectives: Sequence[CountedCollective]) -> dict[str, tuple[int, 
         b[x.kind] += x.bytes
     return {k: (c[k], b[k]) for k in sorted(c)}
 
+
+
+def compiled_memory(compiled: Any) -> dict[str, int] | None:
+    """Per-device memory of a compiled program from XLA's ``memory_analysis()``:
+    ``argument``, ``output``, ``temp``, ``alias`` and ``generated_code`` bytes, and ``peak``
+    = argument + output + temp − alias (donated state updated in place counts once).
+    None where the backend gives no analysis."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None
+    if ma is None:
+        return None
+    d = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in
+         ("argument", "output", "temp", "alias", "generated_code")}
+    d["peak"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
+    return d

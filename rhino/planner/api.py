@@ -58,6 +58,11 @@ class PlanOptions:
             keeping less per device wins (e.g. a batch split rather than replicated and
             sliced). 1e-3 keeps it 100× below the latency of any collective; the reported
             objective excludes it.
+        activation_tiebreak: each choice of every other op also costs
+            ``activation_tiebreak × min β × local bytes`` of its value: a Lagrangian weight on
+            the activation memory. 0 (default) plans for time alone; ``auto_parallel`` raises
+            it, with ``memory_tiebreak``, step by step until the compiled program fits its
+            ``memory_budget``. The reported objective excludes it.
     """
 
     opt_level: str = "O2"
@@ -67,6 +72,7 @@ class PlanOptions:
     build: BuildOptions = BuildOptions()
     validate: bool = True
     memory_tiebreak: float = 1e-3
+    activation_tiebreak: float = 0.0
 
     def __post_init__(self):
         if self.opt_level not in OPT_LEVELS:
@@ -76,22 +82,44 @@ class PlanOptions:
                              f"{self.memory_budget!r}")
         if not self.time_limit > 0:
             raise ValueError(f"time_limit: expected > 0 seconds, found {self.time_limit!r}")
+        for name in ("memory_tiebreak", "activation_tiebreak"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: expected a weight >= 0, found "
+                                 f"{getattr(self, name)!r}")
 
 
 def _solve(built: BuiltProblem, problem: ShardingProblem, options: PlanOptions) -> Solution:
-    """Solve ``problem`` (a cost variant of ``built.problem``) with the memory tie-break;
+    """Solve ``problem`` (a cost variant of ``built.problem``) with the memory tie-breaks;
     the returned objective is the true one, ``built.problem.objective(choice)``."""
+    beta = min(built.mesh.beta or (0.0,))
     if options.memory_tiebreak > 0 and problem.memory is not None:
-        eps = options.memory_tiebreak * min(built.mesh.beta or (0.0,))
+        eps = options.memory_tiebreak * beta
         if eps > 0:
             problem = dataclasses.replace(problem, costs=tuple(
                 c + eps * m for c, m in zip(problem.costs, problem.memory)))
+    if options.activation_tiebreak > 0 and beta > 0:
+        eps = options.activation_tiebreak * beta
+        problem = dataclasses.replace(problem, costs=tuple(
+            c + eps * m for c, m in zip(problem.costs, _activation_bytes(built))))
     if options.opt_level == "O3":
         sol = solve_o3(problem, time_limit=options.time_limit, mip_rel_gap=options.mip_rel_gap)
     else:
         sol = solve_o2(problem, built.partition, time_limit=options.time_limit,
                        mip_rel_gap=options.mip_rel_gap)
     return dataclasses.replace(sol, objective=built.problem.objective(sol.choice))
+
+
+def _activation_bytes(built: BuiltProblem) -> list[np.ndarray]:
+    """Per op, the local bytes of its value under each choice (0 for parameters, whose
+    memory is ``problem.memory``)."""
+    cached = built.__dict__.get("_activation_bytes")
+    if cached is None:
+        cached = [np.zeros(len(strats)) if op.opcode == "parameter" else
+                  np.array([local_bytes(op.shape, s.out_spec, built.mesh) for s in strats],
+                           dtype=float)
+                  for op, strats in zip(built.graph.ops, built.strategies)]
+        object.__setattr__(built, "_activation_bytes", cached)
+    return cached
 
 
 def local_bytes(shape: Any, spec: Any, mesh: AbstractMesh) -> int:

@@ -1,0 +1,109 @@
+"""Memory budgets: the planner's activation weight, and ``auto_parallel(memory_budget=...)``
+checked on the compiled program (XLA's memory_analysis), on 8 simulated CPU devices."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rhino
+from rhino.errors import InfeasiblePlanError
+from rhino.models import get_model
+from rhino.planner.api import PlanOptions, _activation_bytes, plan_graph
+from rhino.planner.build import build_problem
+from rhino.planner.mesh import AbstractMesh
+
+import rhino.auto_parallel  # noqa: F401  (the module; the package exports the function)
+
+ap_module = sys.modules["rhino.auto_parallel"]
+
+MLP = dict(batch=64, hidden=128)
+
+
+def _activation_total(graph, mesh, plan) -> float:
+    built = build_problem(graph, mesh)
+    per_op = _activation_bytes(built)
+    # The plan's choice per op, found by its spec among the op's strategies.
+    total = 0.0
+    for op, strats, costs, o in zip(graph.ops, built.strategies, per_op, plan.ops):
+        if op.opcode == "parameter" or o.out_spec is None:
+            continue
+        total += next(c for s, c in zip(strats, costs) if s.out_spec == o.out_spec)
+    return total
+
+
+def test_activation_tiebreak_trades_time_for_activation_memory():
+    m = get_model("mlp", **MLP)
+    graph = rhino.ingest(m.step, *m.example_args())
+    mesh = AbstractMesh.simulated_cpu((8,))
+    free = plan_graph(graph, mesh, PlanOptions(opt_level="O3"))
+    heavy = plan_graph(graph, mesh, PlanOptions(opt_level="O3", activation_tiebreak=1.0))
+    # A Lagrangian weight on a term never raises that term at the optimum, and here it
+    # lowers it strictly; the reported objective (time alone) can only rise.
+    assert _activation_total(graph, mesh, heavy) < _activation_total(graph, mesh, free)
+    assert heavy.search.objective >= free.search.objective * (1 - 1e-6)
+
+
+def test_negative_tiebreak_is_refused():
+    with pytest.raises(ValueError, match="activation_tiebreak: expected a weight >= 0"):
+        PlanOptions(activation_tiebreak=-1.0)
+
+
+def _peak_at(m, mu):
+    """The compiled peak of the plan made at memory pressure ``mu`` alone."""
+    saved = ap_module.MEMORY_PRESSURE
+    ap_module.MEMORY_PRESSURE = (mu,)
+    try:
+        step = rhino.auto_parallel(m.step, mesh_shape=(8,), memory_budget=1 << 40)
+        return step.memory_for(*m.example_args())["peak"]
+    finally:
+        ap_module.MEMORY_PRESSURE = saved
+
+
+def test_memory_budget_is_met_by_the_compiled_program_and_training_is_exact():
+    m = get_model("mlp", **MLP)
+    params, opt = m.init(jax.random.PRNGKey(0))
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    default = rhino.auto_parallel(m.step, mesh_shape=(8,))
+    free_peak = default.memory_for(params, opt, batch)["peak"]
+    # A budget below the time-optimal plan's compiled peak that a higher pressure meets.
+    peaks = {mu: _peak_at(m, mu) for mu in ap_module.MEMORY_PRESSURE}
+    assert peaks[0.0] == free_peak
+    low = min(peaks.values())
+    assert low < free_peak
+    budget = (low + free_peak) // 2 if low < free_peak - 1 else low
+
+    step = rhino.auto_parallel(m.step, mesh_shape=(8,), memory_budget=budget)
+    mem = step.memory_for(params, opt, batch)
+    assert mem["peak"] <= budget < free_peak
+    entry = step._entry((params, opt, batch))
+    # The first pressure (in order) whose compiled program fits is the one taken.
+    first = next(mu for mu in ap_module.MEMORY_PRESSURE if peaks[mu] <= budget)
+    assert entry.pressure == first > 0
+    assert mem["peak"] == peaks[first]
+    report = entry.report()
+    assert "compiled memory" in report and "met at memory pressure" in report
+
+    ref = jax.jit(m.step)
+    p1, o1, p2, o2 = params, opt, jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt)
+    for _ in range(3):
+        p1, o1, l1 = ref(p1, o1, batch)
+        p2, o2, l2 = step(p2, o2, batch)
+        np.testing.assert_allclose(float(l2), float(l1), rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=5e-5)
+
+
+def test_memory_budget_nothing_fits_names_every_attempt():
+    m = get_model("mlp", **MLP)
+    with pytest.raises(InfeasiblePlanError) as ei:
+        rhino.auto_parallel(m.step, mesh_shape=(8,), memory_budget=4096)(
+            *m.example_args())
+    e = ei.value
+    assert e.budget_bytes == 4096 and e.needed_bytes > 4096
+    text = str(e)
+    for mu in ap_module.MEMORY_PRESSURE:
+        assert f"μ={mu:g}:" in text
+    assert "compiled peak per device" in text
