@@ -3,7 +3,7 @@
 Pipeline of ``solve_o2``::
 
     problem ──(1) exact reductions, pivots kept──► core (cones folded into their roots)
-    core ──(2) segment tables: reductions, conditioning, ILP ──(3) chain DP over pivots──► A
+    core ──(2) segment tables: reductions, elimination, conditioning ──(3) chain DP──► A
     core ──TRW message passing (skip edges)──► B
     A, B ──skip-edge passes + ICM──► best core choice ──back-substitution + ICM──► Solution
 
@@ -22,12 +22,28 @@ between ``pivots[k-1]`` and ``pivots[k]``. For every segment we need the table
 ``T_k[a, b]`` = best cost of its nodes given the left pivot's choice ``a`` and the right
 pivot's choice ``b``. Instead of an ILP per ``(a, b)`` we reduce the segment with both pivots
 protected: segments are nearly series-parallel, so R1/R2 collapse them to one ``a x b``
-matrix. An irreducible core is conditioned on its highest-degree node (pivots included) and
-reduced again, recursively, within a budget; past it, ``T_k`` falls back to one ILP
-(``solve_ilp``, level 2) per pair. Once the chain DP over pivot choices has picked ``(a, b)``
-for a segment, its nodes are decoded with the pivots fixed: reductions, conditioning, and
-``solve_ilp`` on any core left. Tables and decodings are memoised by a hash of the segment's
-re-indexed cost data, since transformer layers repeat.
+matrix. An irreducible core is solved exactly by min-sum variable elimination (greedy
+min-size order, pivots kept as table axes) when its largest factor stays under
+``_ELIM_MAX_FACTOR`` entries; otherwise we condition on its highest-degree node (pivots
+included), reduce again and recurse. Where the table conditioned on a non-pivot node it
+records that node's best choice per pivot pair (a hint), so decoding a pair later fixes it
+and eliminates the rest, cheaply and exactly. The whole exact computation has a work budget
+(``_EXACT_WORK``, in factor entries, ~1-2 s); the quick MoE step on mesh (2, 4) has one
+segment (a 29-node core of 9-24 choices per node, treewidth ~5) that needs 1.7e8 of it.
+
+Approximate tables (documented approximation). A segment past the budget gets an upper-bound
+table instead (``_approx_table``): TRW's choice of its non-pivot nodes, improved by ICM
+for all pivot pairs at once in vectorised sweeps; every entry is the cost of a real
+assignment. Such a segment is remembered by its shape (sizes and edge endpoints, which fix
+the exact work), so its cost variants (skip-edge passes, repeated layers) skip the exact
+attempt. Only the pivot pair the chain DP picks is then decoded exactly (reductions,
+elimination within a small budget, else ``solve_ilp`` on the core), once per chain solve.
+The former fallback, reductions + conditioning + an ILP for every one of the ~900 pivot
+pairs, took 690 s on that MoE step; see ``benchmarks/o2_hard_segments.py``.
+
+Once the chain DP over pivot choices has picked ``(a, b)`` for a segment, its nodes are
+decoded with the pivots fixed as above. Tables and decodings are memoised by a hash of the
+segment's re-indexed cost data, since transformer layers repeat.
 
 Skip edges (documented approximation). An edge whose endpoints are not in one segment (or a
 segment and its two pivots) does not fit the chain: in a training step, weights and
@@ -74,7 +90,11 @@ from rhino.planner.solvers import (
 __all__ = ["Partition", "solve_o2", "solve_o3"]
 
 _SEGMENT_MAX_PAIR = 1 << 16   # R2 limit inside segments
-_CONDITION_BUDGET = 2000      # recursion nodes of the conditioning fallback per table
+_EXACT_WORK = 3e8             # work budget of an exact table or decode (factor entries)
+_NODE_WORK = 1e5              # work charged per conditioning node (copy + reductions)
+_HARD_DECODE_WORK = 1e7       # budget of a decode in a segment whose table exceeded it
+_ELIM_MAX_FACTOR = 1 << 22    # entries (float64) of the largest factor elimination builds
+_ICM_SWEEPS = 20              # sweeps of the batched ICM of an approximate table
 _MAX_PASSES = 4               # skip-edge passes after the first chain DP
 
 
@@ -150,43 +170,173 @@ def _pivot_table(g: _Graph, piv: tuple[int, ...], off: float) -> np.ndarray:
     return t if m is None else t + m
 
 
+def _charge(budget: list[float], work: float) -> None:
+    budget[0] -= work
+    if budget[0] < 0:
+        raise _Budget
+
+
+def _elimination_order(g: _Graph, alive: list[bool], keep: tuple[int, ...]
+                       ) -> tuple[list[int], float, float]:
+    """Greedy min-size order of the alive nodes outside ``keep``, its largest factor and
+    its work (the factors' total entries).
+
+    A node's factor spans it and its current neighbours (``keep`` included); eliminating it
+    joins those neighbours pairwise, as min-sum variable elimination does.
+    """
+    nb = {i: set(g.adj[i]) for i, a in enumerate(alive) if a}
+    size = {i: len(g.costs[i]) for i in nb}
+    todo = set(nb) - set(keep)
+    order, largest, work = [], 1.0, 0.0
+    while todo:
+        best, v = np.inf, -1
+        for u in todo:
+            c = float(size[u])
+            for x in nb[u]:
+                c *= size[x]
+            if c < best:
+                best, v = c, u
+        largest, work = max(largest, best), work + best
+        rest = nb.pop(v)
+        for x in rest:
+            nb[x].discard(v)
+            nb[x] |= rest - {x}
+        todo.discard(v)
+        order.append(v)
+    return order, largest, work
+
+
+def _eliminate(g: _Graph, alive: list[bool], keep: tuple[int, ...], order: list[int],
+               steps: list[tuple] | None = None) -> np.ndarray:
+    """Exact min-sum variable elimination of ``order`` (from ``_elimination_order``).
+
+    Returns the min-cost table over ``keep`` (one axis per kept node, in ``keep``'s order;
+    a 0-d array when ``keep`` is empty). With ``steps``, appends ``(v, scope, argmin)`` per
+    eliminated node for ``_eliminated_choice``.
+    """
+    nodes = [i for i, a in enumerate(alive) if a]
+    size = {i: len(g.costs[i]) for i in nodes}
+    factors: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+    of: dict[int, set[int]] = {i: set() for i in nodes}
+    for i in nodes:
+        of[i].add(len(factors))
+        factors[len(factors)] = ((i,), g.costs[i])
+    for i, j, m in g.edges(nodes):
+        of[i].add(len(factors))
+        of[j].add(len(factors))
+        factors[len(factors)] = ((i, j), m)
+    fid = len(factors)
+
+    def aligned(scope: tuple[int, ...], s: tuple[int, ...], arr: np.ndarray) -> np.ndarray:
+        pos = [scope.index(x) for x in s]
+        shape = [1] * len(scope)
+        for x in s:
+            shape[scope.index(x)] = size[x]
+        return np.transpose(arr, np.argsort(pos)).reshape(shape)
+
+    for v in order:
+        fs = sorted(of.pop(v))
+        scope = (v,) + tuple(sorted({x for f in fs for x in factors[f][0]} - {v}))
+        total = np.zeros([size[x] for x in scope])
+        for f in fs:
+            s, arr = factors.pop(f)
+            total += aligned(scope, s, arr)
+            for x in s:
+                if x != v:
+                    of[x].discard(f)
+        if steps is None:
+            new = total.min(axis=0)
+        else:
+            arg = np.argmin(total, axis=0)
+            steps.append((v, scope[1:], arg))
+            new = np.take_along_axis(total, arg[None], axis=0)[0]
+        factors[fid] = (scope[1:], new)
+        for x in scope[1:]:
+            of[x].add(fid)
+        fid += 1
+    out = np.zeros([size[x] for x in keep])
+    for s, arr in factors.values():
+        out = out + aligned(keep, s, arr)
+    return out
+
+
+def _eliminated_choice(steps: list[tuple], choice: np.ndarray) -> None:
+    """Back-substitution of ``_eliminate``'s steps into ``choice`` (kept nodes set)."""
+    for v, scope, arg in reversed(steps):
+        choice[v] = arg[tuple(int(choice[x]) for x in scope)]
+
+
 def _table(g: _Graph, alive: list[bool], piv: tuple[int, ...], off: float,
-           budget: list[int]) -> np.ndarray:
-    """Exact min-cost table over the protected pivots ``piv`` (reductions + conditioning)."""
+           budget: list[float]) -> tuple[np.ndarray, tuple | None]:
+    """Exact min-cost table over the protected pivots ``piv``: reductions, then variable
+    elimination when its factors stay small, else conditioning on the highest-degree node
+    and recursion. Raises ``_Budget`` past ``budget[0]`` units of work.
+
+    Returns the table and a hint for ``_hinted_fixes``: the best choice of every non-pivot
+    node conditioned on, per pivot choice (None when nothing was conditioned on).
+    """
     off += _reduce(g, alive, frozenset(piv), _SEGMENT_MAX_PAIR, [])
     core = [i for i, a in enumerate(alive) if a and i not in piv]
     if not core:
-        return _pivot_table(g, piv, off)
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise _Budget
+        return _pivot_table(g, piv, off), None
+    order, largest, work = _elimination_order(g, alive, piv)
+    if largest <= _ELIM_MAX_FACTOR:
+        _charge(budget, work)
+        return _eliminate(g, alive, piv, order) + off, None
+    _charge(budget, _NODE_WORK)
     z = max(core + list(piv), key=lambda i: (len(g.adj[i]), -len(g.costs[i])))
     rest = tuple(p for p in piv if p != z)
-    results = []
+    results, kids = [], []
     for cz in range(len(g.costs[z])):
         g2, alive2 = g.copy(), list(alive)
         c0 = g2.fix(z, cz)
         alive2[z] = False
-        results.append(_table(g2, alive2, rest, off + c0, budget))
+        t, h = _table(g2, alive2, rest, off + c0, budget)
+        results.append(t)
+        kids.append(h)
     if z in piv:
-        return np.stack(results, axis=piv.index(z))
-    return np.minimum.reduce(results)
+        hint = None if all(h is None for h in kids) else (z, piv, None, kids)
+        return np.stack(results, axis=piv.index(z)), hint
+    stacked = np.stack(results)
+    arg = np.argmin(stacked, axis=0)
+    used = set(np.unique(arg).tolist())
+    kids = [h if cz in used else None for cz, h in enumerate(kids)]
+    return np.asarray(np.take_along_axis(stacked, arg[None], axis=0)[0]), (z, piv, arg, kids)
 
 
-def _condition(g: _Graph, alive: list[bool], budget: list[int]) -> tuple[float, np.ndarray]:
-    """Exact minimum (and argmin over the alive nodes) of a small graph by conditioning.
+def _hinted_fixes(hint: tuple | None, fixed: dict[int, int]) -> dict[int, int]:
+    """The pivot choices ``fixed`` plus the best choices the table's conditioning found for
+    the non-pivot nodes it conditioned on (exact: the rest is then solved given them)."""
+    fixed = dict(fixed)
+    while hint is not None:
+        z, piv, arg, kids = hint
+        if arg is not None:
+            fixed[z] = int(arg[tuple(fixed[p] for p in piv)])
+        hint = kids[fixed[z]]
+    return fixed
 
-    Conditions on the highest-degree node, reduces, recurses; raises ``_Budget`` when more
-    than ``budget[0]`` graphs would be visited. Entries of dead nodes are unspecified.
+
+def _condition(g: _Graph, alive: list[bool], budget: list[float]
+               ) -> tuple[float, np.ndarray]:
+    """Exact minimum (and argmin over the alive nodes) of a small graph.
+
+    Reduces; eliminates the rest when its factors stay small; else conditions on the
+    highest-degree node and recurses. Raises ``_Budget`` past ``budget[0]`` units of work
+    (factor entries; ``_NODE_WORK`` per conditioning node). Entries of dead nodes are
+    unspecified.
     """
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise _Budget
+    _charge(budget, _NODE_WORK)
     log: list[tuple] = []
     off = _reduce(g, alive, frozenset(), _SEGMENT_MAX_PAIR, log)
     core = [i for i, a in enumerate(alive) if a]
     choice = np.zeros(len(alive), dtype=np.int64)
-    if core:
+    order, largest, work = _elimination_order(g, alive, ()) if core else ([], 1.0, 0.0)
+    if core and largest <= _ELIM_MAX_FACTOR:
+        _charge(budget, work)
+        steps: list[tuple] = []
+        off += float(_eliminate(g, alive, (), order, steps))
+        _eliminated_choice(steps, choice)
+    elif core:
         z = max(core, key=lambda i: (len(g.adj[i]), -len(g.costs[i])))
         best_val, best = np.inf, None
         for cz in range(len(g.costs[z])):
@@ -214,49 +364,68 @@ class _Segment:
     npiv: int
     costs: tuple[np.ndarray, ...]     # pivots' unary costs zeroed (the chain DP adds them)
     edges: tuple[tuple[int, int, np.ndarray], ...]
-    key: bytes
+    key: bytes                        # hash of the cost data: memoises tables and decodes
+    shape_key: bytes                  # hash of sizes and edge endpoints: the exact work
 
 
 def _make_segment(nodes: list[int], npiv: int, costs: list[np.ndarray],
                   edges: list[tuple[int, int, np.ndarray]]) -> _Segment:
     h = hashlib.blake2b(digest_size=20)
-    h.update(np.array([len(nodes), npiv], np.int64).tobytes())
-    for c in costs:
-        h.update(np.int64(len(c)).tobytes())
-        h.update(np.ascontiguousarray(c, dtype=np.float64).tobytes())
+    shape = [len(nodes), npiv] + [len(c) for c in costs]
     edges = sorted(edges, key=lambda t: (t[0], t[1]))
     for i, j, m in edges:
-        h.update(np.array([i, j, *m.shape], np.int64).tobytes())
+        shape += [i, j]
+    for c in costs:
+        h.update(np.ascontiguousarray(c, dtype=np.float64).tobytes())
+    for i, j, m in edges:
         h.update(np.ascontiguousarray(m, dtype=np.float64).tobytes())
-    return _Segment(tuple(nodes), npiv, tuple(costs), tuple(edges), h.digest())
+    shape_key = hashlib.blake2b(np.array(shape, np.int64).tobytes(), digest_size=20).digest()
+    h.update(shape_key)
+    return _Segment(tuple(nodes), npiv, tuple(costs), tuple(edges), h.digest(), shape_key)
 
 
 class _SegmentSolver:
-    """Tables and decodings of segments, memoised by the segment's cost-data hash."""
+    """Tables and decodings of segments, memoised by the segment's cost-data hash.
+
+    A segment whose exact table exceeds the work budget ``_EXACT_WORK`` is remembered by its
+    shape (sizes and edge endpoints, which fix the work), so that the same segment with
+    other costs (the skip-edge passes add unary terms; repeated layers) goes straight to
+    ``_approx_table`` and its decodes try elimination only briefly before the ILP.
+
+    ``stats`` counts: ``tables`` built (``table_hits`` memoised), ``approx_tables``,
+    ``budget_exceeded`` (exact attempts abandoned), ``decodes``, ``decode_ilps`` (decodes
+    whose core needed ``solve_ilp``) and ``decode_icm`` (past the deadline: ICM instead).
+    """
 
     def __init__(self, time_limit: float, mip_rel_gap: float, deadline: float):
         self.time_limit, self.mip_rel_gap, self.deadline = time_limit, mip_rel_gap, deadline
         self.tables: dict[bytes, np.ndarray] = {}
+        self.hints: dict[bytes, tuple] = {}  # conditioning choices of exact tables
+        self.hard: set[bytes] = set()   # shape keys whose exact table exceeded the budget
         self.decoded: dict[tuple[bytes, tuple[int, ...], bool],
                            tuple[float, np.ndarray]] = {}
-        self.stats = {"tables": 0, "table_hits": 0, "ilp_tables": 0, "decodes": 0}
+        self.stats = {"tables": 0, "table_hits": 0, "approx_tables": 0, "budget_exceeded": 0,
+                      "decodes": 0, "decode_ilps": 0, "decode_icm": 0}
 
     def table(self, seg: _Segment) -> np.ndarray:
         if seg.key in self.tables:
             self.stats["table_hits"] += 1
             return self.tables[seg.key]
         self.stats["tables"] += 1
-        g = _Graph.from_parts(seg.costs, seg.edges)
-        piv = tuple(range(seg.npiv))
-        try:
-            t = _table(g, [True] * len(seg.costs), piv, 0.0, [_CONDITION_BUDGET])
-        except _Budget:
-            self.stats["ilp_tables"] += 1
-            sizes = [len(seg.costs[p]) for p in piv]
-            t = np.empty(sizes)
-            for idx in np.ndindex(*sizes):
-                exact = time.perf_counter() < self.deadline
-                t[idx] = self.decode(seg, idx, exact=exact)[0]
+        t = None
+        if seg.shape_key not in self.hard:
+            g = _Graph.from_parts(seg.costs, seg.edges)
+            try:
+                t, hint = _table(g, [True] * len(seg.costs), tuple(range(seg.npiv)), 0.0,
+                                 [_EXACT_WORK])
+                if hint is not None:
+                    self.hints[seg.key] = hint
+            except _Budget:
+                self.stats["budget_exceeded"] += 1
+                self.hard.add(seg.shape_key)
+        if t is None:
+            self.stats["approx_tables"] += 1
+            t = _approx_table(seg, self.deadline)
         self.tables[seg.key] = t
         return t
 
@@ -264,8 +433,9 @@ class _SegmentSolver:
                exact: bool = True) -> tuple[float, np.ndarray]:
         """Best cost and local choices of the segment with its pivots fixed to ``fixed``.
 
-        Reductions, then conditioning (within a budget), then ``solve_ilp`` on any core
-        left; with ``exact=False`` (time is up) that core gets ICM instead of the ILP.
+        Reductions, then elimination / conditioning (within a work budget, small for a
+        segment whose table exceeded it), then ``solve_ilp`` on any core left; with
+        ``exact=False`` (time is up) that core gets ICM instead of the ILP.
         """
         key = (seg.key, tuple(int(f) for f in fixed), exact)
         if key in self.decoded:
@@ -275,17 +445,19 @@ class _SegmentSolver:
         g = _Graph.from_parts(seg.costs, seg.edges)
         alive = [True] * n
         val = 0.0
-        for p, c in enumerate(fixed):
-            val += g.fix(p, int(c))
-            alive[p] = False
+        choice = np.zeros(n, dtype=np.int64)
+        fixes = _hinted_fixes(self.hints.get(seg.key), dict(enumerate(int(f) for f in fixed)))
+        for v, c in fixes.items():
+            val += g.fix(v, c)
+            alive[v] = False
+            choice[v] = c
         log: list[tuple] = []
         val += _reduce(g, alive, frozenset(), _SEGMENT_MAX_PAIR, log)
-        choice = np.zeros(n, dtype=np.int64)
-        choice[:len(fixed)] = fixed
         core = [i for i in range(n) if alive[i]]
         if core:
-            try:  # condition on high-degree nodes and reduce again, within a budget
-                sub_val, sub_choice = _condition(g, alive, [_CONDITION_BUDGET])
+            budget = [_HARD_DECODE_WORK if seg.shape_key in self.hard else _EXACT_WORK]
+            try:
+                sub_val, sub_choice = _condition(g, alive, budget)
                 choice[core] = sub_choice[core]
                 core, val = [], val + sub_val
             except _Budget:
@@ -298,6 +470,7 @@ class _SegmentSolver:
                 tuple(Edge(loc[i], loc[j], m) for i, j, m in g.edges(core)))
             left = max(min(self.time_limit, self.deadline - time.perf_counter()), 0.1)
             if exact:
+                self.stats["decode_ilps"] += 1
                 try:
                     sol = solve_ilp(sub, time_limit=left, mip_rel_gap=self.mip_rel_gap,
                                     reduce=False)
@@ -305,11 +478,61 @@ class _SegmentSolver:
                 except InfeasibleProblemError:
                     val = np.inf
             else:
+                self.stats["decode_icm"] += 1
                 guess = improve_local(sub, [int(np.argmin(c)) for c in sub.costs])
                 choice[core], val = guess, val + sub.objective(guess)
         _back_substitute(log, choice)
         self.decoded[key] = (val, choice)
         return val, choice
+
+
+def _approx_table(seg: _Segment, deadline: float) -> np.ndarray:
+    """Upper-bound table of a segment too dense for the exact one: the cost, per pivot
+    choice, of batched ICM started from TRW's choice of the non-pivot nodes.
+
+    Every entry is the cost of a real assignment of the segment, so the chain DP's value
+    for a pick is never below the decoded (exact) one; the pivot pairs share one sweep of
+    vectorised array operations, so this costs milliseconds where a solve per pair took
+    minutes.
+    """
+    n, npiv = len(seg.costs), seg.npiv
+    sizes = [len(seg.costs[p]) for p in range(npiv)]
+    sub = ShardingProblem(tuple(f"n{i}" for i in range(n)),
+                          tuple(("",) * len(c) for c in seg.costs), seg.costs,
+                          tuple(Edge(i, j, m) for i, j, m in seg.edges))
+    try:
+        seed = np.asarray(solve_trw(sub, time_limit=max(
+            min(5.0, deadline - time.perf_counter()), 0.1)).choice)
+    except InfeasibleProblemError:
+        seed = np.array([int(np.argmin(c)) for c in seg.costs])
+    pairs = np.indices(sizes).reshape(npiv, int(np.prod(sizes)))
+    cur = np.repeat(seed[:, None], pairs.shape[1], axis=1)
+    cur[:npiv] = pairs
+    nbrs: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    for i, j, m in seg.edges:
+        nbrs[i].append((j, m))
+        nbrs[j].append((i, m.T))
+    cols = np.arange(cur.shape[1])
+    for _ in range(_ICM_SWEEPS):
+        changed = False
+        for i in range(npiv, n):
+            vec = np.repeat(np.asarray(seg.costs[i])[:, None], cur.shape[1], axis=1)
+            for j, m in nbrs[i]:
+                vec = vec + m[:, cur[j]]
+            b = np.argmin(vec, axis=0)
+            old, new = vec[cur[i], cols], vec[b, cols]
+            move = (new < old) & (~np.isfinite(old) | (old - new > 1e-12 * np.abs(old)))
+            if move.any():
+                cur[i] = np.where(move, b, cur[i])
+                changed = True
+        if not changed:
+            break
+    val = np.zeros(cur.shape[1])
+    for i in range(n):
+        val = val + np.asarray(seg.costs[i])[cur[i]]
+    for i, j, m in seg.edges:
+        val = val + m[cur[i], cur[j]]
+    return val.reshape(sizes)
 
 
 @dataclasses.dataclass(frozen=True)
