@@ -41,6 +41,14 @@ _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_c
 # (equation path, index, value) -> the value to use: applied to each output of a leaf
 # equation (out hook) or to each of its inputs before it runs (in hook).
 Hook = Callable[[tuple[int, ...], int, Any], Any]
+# (equation, inputs, bind params) -> outputs (a list): runs a leaf equation in place of
+# ``eqn.primitive.bind`` (e.g. on values kept in another physical shape).
+Binder = Callable[[Any, list, dict], list]
+
+
+def _bind(eqn, invals: list, params: dict) -> list:
+    outs = eqn.primitive.bind(*invals, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 class AnnotationError(RhinoError):
@@ -60,9 +68,11 @@ def _body(eqn) -> tuple[Any, Sequence[Any]] | None:
 
 
 def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | None = None,
-                path: tuple[int, ...] = (), in_hook: Hook | None = None) -> list[Any]:
+                path: tuple[int, ...] = (), in_hook: Hook | None = None,
+                binder: Binder | None = None) -> list[Any]:
     """Evaluate ``jaxpr`` with one named scope per equation, calling ``in_hook`` on the
-    inputs and ``hook`` on the outputs of every leaf equation."""
+    inputs and ``hook`` on the outputs of every leaf equation, which runs through
+    ``binder`` (default: ``bind``)."""
     env: dict = {}
 
     def read(v):
@@ -78,15 +88,13 @@ def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | 
         with jax.named_scope(f"eqn{i}"):
             body = _body(eqn)
             if body is not None:
-                outs = eval_scoped(body[0], body[1], invals, hook, p, in_hook)
+                outs = eval_scoped(body[0], body[1], invals, hook, p, in_hook, binder)
             else:
                 if in_hook is not None:
                     invals = [in_hook(p, j, x) for j, x in enumerate(invals)]
                 params = eqn.primitive.get_bind_params(eqn.params)
                 with eqn_context(eqn):
-                    outs = eqn.primitive.bind(*invals, **params)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
+                    outs = (binder or _bind)(eqn, invals, params)
                 if hook is not None:
                     outs = [hook(p, k, x) for k, x in enumerate(outs)]
         for v, x in zip(eqn.outvars, outs):
@@ -112,14 +120,18 @@ class ScopedFunction:
         self.out_tree = jax.tree_util.tree_structure(out_shape)
         self.hook = hook
         self.in_hook = in_hook
+        self.binder: Binder | None = None
+        self.finish: Callable[[Any], Any] | None = None
         functools.update_wrapper(self, fn)
 
-    def with_hook(self, hook: Hook | None, in_hook: Hook | None = None) -> "ScopedFunction":
-        """The same traced function with other hooks (no re-tracing)."""
+    def with_hook(self, hook: Hook | None, in_hook: Hook | None = None,
+                  binder: Binder | None = None,
+                  finish: Callable[[Any], Any] | None = None) -> "ScopedFunction":
+        """The same traced function with other hooks (no re-tracing); ``finish`` maps each
+        result before it is returned."""
         new = object.__new__(ScopedFunction)
         new.__dict__.update(self.__dict__)
-        new.hook = hook
-        new.in_hook = in_hook
+        new.hook, new.in_hook, new.binder, new.finish = hook, in_hook, binder, finish
         return new
 
     def __call__(self, *args: Any) -> Any:
@@ -128,7 +140,9 @@ class ScopedFunction:
             raise AnnotationError(f"arguments: expected the structure {self.in_tree}, found "
                                   f"{tree}")
         outs = eval_scoped(self.closed.jaxpr, self.closed.consts, flat, self.hook, (),
-                           self.in_hook)
+                           self.in_hook, self.binder)
+        if self.finish is not None:
+            outs = [self.finish(x) for x in outs]
         return jax.tree_util.tree_unflatten(self.out_tree, outs)
 
     def leaf_eqns(self) -> dict[tuple[int, ...], Any]:

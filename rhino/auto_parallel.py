@@ -39,6 +39,7 @@ from rhino.planner.mesh import AbstractMesh
 from rhino.planner.plan import ExecutionPlan
 from rhino.planner.spec import ShardingSpec
 from rhino.runtime import spmd
+from rhino.runtime.strided import StridedRealizer
 
 REPORT_ENV = "RHINO_REPORT"
 
@@ -217,10 +218,13 @@ class AutoParallel:
     def _mesh(self) -> tuple[AbstractMesh, list]:
         o = self.options
         devices = list(o.devices) if o.devices is not None else jax.devices()
+        # Strided values run split (runtime.strided); XLA moves them into and out of a
+        # strided layout by gathering, so the planner charges that.
         if o.mesh is not None:
-            return o.mesh, devices
+            return dataclasses.replace(o.mesh, strided_moves_all_to_all=False), devices
         shape = o.mesh_shape or (len(devices),)
-        return AbstractMesh.simulated_cpu(tuple(int(s) for s in shape)), devices
+        return AbstractMesh.simulated_cpu(tuple(int(s) for s in shape),
+                                          strided_moves_all_to_all=False), devices
 
     def _entry(self, args: tuple, flat: list | None = None, tree: Any = None) -> _Entry:
         """The compiled entry of ``args``' signature (``flat, tree``: their flattening)."""
@@ -256,7 +260,8 @@ class AutoParallel:
             else:
                 pins = _pins(graph, o.annotations, mesh)
                 options = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
-                                      build=BuildOptions(strided=False, pinned=pins,
+                                      build=BuildOptions(strided_interior_only=True,
+                                                         pinned=pins,
                                                          partial_passthrough=False))
 
                 def make(options: PlanOptions) -> _Entry:
@@ -385,7 +390,7 @@ def _compile_plan(fn: Callable, traced: ScopedFunction, graph: HloGraph, plan: E
             sliced = one is not None and not one.is_partial and reshard(
                 reduced, one, graph.ops[op_id].shape, plan.mesh).is_free
             spec = one if sliced else reduced
-        constraints[key] = _named(spec, jmesh, names)
+        constraints[key] = spec
 
     # Operands resharded for their consumer: constrain the operand as the consumer's
     # strategy needs it, so the partitioner has no other way to run the consumer. The
@@ -415,15 +420,11 @@ def _compile_plan(fn: Callable, traced: ScopedFunction, graph: HloGraph, plan: E
             need = next(iter(needs))
             if need is None or need.is_partial or need == plan.ops[h].out_spec:
                 continue
-            in_constraints[(path, j)] = _named(need, jmesh, names)
+            in_constraints[(path, j)] = need
 
-    def hook(path, k, x):
-        s = constraints.get((path, k))
-        return x if s is None else jax.lax.with_sharding_constraint(x, s)
-
-    def in_hook(path, j, x):
-        s = in_constraints.get((path, j))
-        return x if s is None else jax.lax.with_sharding_constraint(x, s)
+    # Blocked specs are sharding constraints; strided ones keep the value split so that a
+    # tiled sharding expresses them (runtime/strided.py).
+    hooks = StridedRealizer(jmesh, names).hooks(constraints, in_constraints)
 
     in_flat = [_named(plan.params[i].spec, jmesh, names) for i in range(len(graph.params))]
     carried = {o: p for o, p in carried_pairs(graph)}
@@ -446,7 +447,7 @@ def _compile_plan(fn: Callable, traced: ScopedFunction, graph: HloGraph, plan: E
                 picked.append(k)
             pos += n
         donate_argnums = tuple(picked)
-    jitted = jax.jit(traced.with_hook(hook, in_hook), in_shardings=in_shardings,
+    jitted = jax.jit(traced.with_hook(*hooks), in_shardings=in_shardings,
                      out_shardings=out_shardings, donate_argnums=donate_argnums)
     compiled = jitted.lower(*abstract).compile()
     got_in = jax.tree_util.tree_leaves(compiled.input_shardings[0])

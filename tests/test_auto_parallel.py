@@ -259,3 +259,58 @@ def test_ffn_layernorm_backward_reduces_once():
     out = fn(p, x)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def _heads_roundtrip(w, x):
+    """A fused [D, 3, heads, hd] projection flattened to [B, 3·heads·hd], elementwise work
+    on the flat value, and back to heads: with the heads split, the flat value is strided."""
+    b = x.shape[0]
+    qkv = jnp.einsum("bd,dthe->bthe", x, w)
+    flat = jnp.tanh(qkv.reshape(b, -1))
+    back = flat.reshape(qkv.shape)
+    return jnp.sum(back[:, 0] * back[:, 1] + back[:, 2])
+
+
+def test_strided_values_run_split_with_no_resharding_the_plan_lacks():
+    from rhino.runtime.strided import is_strided
+
+    # Batch 2 cannot split 8 ways, so the heads are split; the flat value between the two
+    # reshapes is then strided (S[x/s64]: 2 heads x 32 per shard, round-robin).
+    w = jax.random.normal(jax.random.PRNGKey(1), (64, 3, 16, 32))
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 64))
+    fn = jax.value_and_grad(_heads_roundtrip)
+    step = rhino.auto_parallel(fn, mesh_shape=(8,), opt_level="O3")
+    plan = step.plan_for(w, x)
+    strided = [o for o in plan.ops if is_strided(o.out_spec)]
+    assert strided, "expected the plan to keep the flat value strided"
+    assert not any(is_strided(p.spec) for p in plan.params)
+    # The compiled program runs exactly the plan's collectives (none here): the strided
+    # values are held split, so XLA never sees a layout it would have to gather.
+    got = summarize(count_collectives(step.compiled_text(w, x)))
+    assert got == plan.collective_summary() == {}
+    loss, grad = step(w, x)
+    ref_loss, ref_grad = jax.jit(fn)(w, x)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=1e-4, atol=1e-6)
+
+
+def test_strided_specs_stay_interior_in_auto_parallel():
+    from rhino.planner.build import BuildOptions, STRIDED_OPCODES, build_problem
+    from rhino.runtime.strided import is_strided
+
+    def fused(w, x):  # the fused weight is stored flat, [D, 3·heads·hd]
+        return _heads_roundtrip(w.reshape(64, 3, 16, 32), x)
+
+    w = jnp.ones((64, 3 * 16 * 32))
+    x = jnp.ones((2, 64))
+    g = rhino.ingest(jax.value_and_grad(fused), w, x)
+    mesh = rhino.AbstractMesh.simulated_cpu((8,))
+    free = build_problem(g, mesh, BuildOptions())
+    inner = build_problem(g, mesh, BuildOptions(strided_interior_only=True))
+    boundary = set(g.params) | set(g.outputs)
+    offered = {i for i, ss in enumerate(free.strategies) if any(is_strided(s.out_spec)
+                                                                 for s in ss)}
+    assert offered & boundary  # the unrestricted planner offers strided parameters ...
+    for i, ss in enumerate(inner.strategies):  # ... interior_only never does
+        if any(is_strided(s.out_spec) for s in ss):
+            assert i not in boundary and g.ops[i].opcode in STRIDED_OPCODES

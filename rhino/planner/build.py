@@ -69,6 +69,17 @@ class PlanningError(RhinoError, ValueError):
     """The planner's inputs are inconsistent (e.g. a pinned spec no strategy offers)."""
 
 
+# HLO opcodes whose values may be strided with ``strided_interior_only`` (elementwise ops,
+# reshapes and copies: what ``runtime.strided`` runs on split arrays).
+STRIDED_OPCODES = frozenset({
+    "add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum", "negate",
+    "exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic", "sine",
+    "cosine", "tan", "sqrt", "rsqrt", "cbrt", "power", "abs", "sign", "select", "convert",
+    "compare", "and", "or", "not", "xor", "erf", "clamp", "floor", "ceil", "round-nearest-even",
+    "round-nearest-afz", "is-finite", "atan2", "reshape", "bitcast", "copy",
+})
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
     """How ``build_problem`` builds the problem.
@@ -84,6 +95,11 @@ class BuildOptions:
         carry_outputs: pair updated-parameter outputs with their parameters (see module).
         carried: explicit ``(output op id, parameter op id)`` pairs; None = by pytree path.
         max_strides_per_dim: cap on extra stride candidates per tensor dim.
+        strided_interior_only: strided specs only for values of elementwise and reshape
+            ops (``STRIDED_OPCODES``) that are neither parameters nor results: a
+            ``jax.Array`` handed in or back cannot hold a strided layout (no tiled sharding
+            expresses it), and ``runtime.strided`` keeps strided values split through
+            elementwise and reshape equations. ``auto_parallel`` plans this way.
     """
 
     strided: bool = True
@@ -94,6 +110,7 @@ class BuildOptions:
     carry_outputs: bool = True
     carried: tuple[tuple[int, int], ...] | None = None
     max_strides_per_dim: int = 4
+    strided_interior_only: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "forced_sharded", frozenset(self.forced_sharded))
@@ -343,6 +360,16 @@ def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: Abs
             raise PlanningError(f"pinned: op {op.name} ({op.opcode}, {op.source}): expected one "
                                 f"of its output specs {have}, found {want.to_str(mesh)}")
         strategies[i] = kept
+    if options.strided_interior_only:
+        boundary = set(graph.params) | set(graph.outputs)
+        for op in graph.ops:
+            if op.id not in boundary and op.opcode in STRIDED_OPCODES:
+                continue
+            kept = tuple(s for s in strategies[op.id] if not (
+                isinstance(s.out_spec, ShardingSpec) and
+                any(d.stride is not None for d in s.out_spec.dims)))
+            if kept and len(kept) < len(strategies[op.id]):
+                strategies[op.id] = kept
     return tuple(unforceable)
 
 

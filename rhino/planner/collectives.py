@@ -30,7 +30,9 @@ Resharding (``reshard``) works axis by axis on the specs' axis roles (see ``spec
                                                where ``mesh.native_reduce_scatter`` is False)
     dim d                   dim d' (or stride) all-to-all (a permutation: 1/n stays); when
                                                several axes move at once, all-gather then
-                                               slice (XLA's fallback does exactly that)
+                                               slice (XLA's fallback does exactly that);
+                                               into or out of a strided spec on a mesh with
+                                               ``strided_moves_all_to_all`` False, the same
     partial                 none / other red.  all-reduce, one per mesh axis (as XLA does)
     dim                     none               all-gather
 
@@ -165,10 +167,20 @@ def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: Tensor
     shape = tensor.dims
     for spec in (src, dst):
         spec.check(shape, mesh)
-    return _plan(src.axis_roles(shape, mesh), dst.axis_roles(shape, mesh), tensor, mesh)
+    return _plan(src.axis_roles(shape, mesh), dst.axis_roles(shape, mesh), tensor, mesh,
+                 _gather_moves(src, dst, mesh))
 
 
-def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh) -> ReshardPlan:
+def _strided(spec: ShardingSpec) -> bool:
+    return any(d.stride is not None for d in spec.dims)
+
+
+def _gather_moves(src: ShardingSpec, dst: ShardingSpec, mesh: AbstractMesh) -> bool:
+    return not mesh.strided_moves_all_to_all and (_strided(src) or _strided(dst))
+
+
+def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh,
+          gather_moves: bool = False) -> ReshardPlan:
     """``reshard`` on axis roles (see the module docstring for the steps)."""
     if rs == rd:
         return _FREE
@@ -207,7 +219,7 @@ def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh) -> Resha
         out.append(Collective(kind, tuple(axes), b, red, collective_cost(kind, axes, b, mesh)))
         for a in axes:
             split[a] = True
-    if len(a2a) == 1:
+    if len(a2a) == 1 and not gather_moves:
         b = local()
         out.append(Collective(ALL_TO_ALL, tuple(a2a), b, None,
                               collective_cost(ALL_TO_ALL, a2a, b, mesh)))
@@ -268,7 +280,7 @@ class ReshardCostTable:
                 got = reshard(src, dst, tensor, self.mesh).cost
             else:
                 got = _plan(self._roles_of(src, tensor), self._roles_of(dst, tensor), tensor,
-                            self.mesh).cost
+                            self.mesh, _gather_moves(src, dst, self.mesh)).cost
             self._memo[key] = got
         return got
 

@@ -51,6 +51,11 @@ class AbstractMesh:
         native_reduce_scatter: the platform's SPMD partitioner emits reduce-scatter for a
             pending sum resharded to a split (XLA:GPU/TPU); False where it all-reduces and
             slices instead (XLA:CPU), so the planner charges what will run.
+        strided_moves_all_to_all: moving a split between strides (into or out of a strided
+            layout, on the same mesh axis) is one all-to-all (paper §4.1). False charges an
+            all-gather (then a free slice) instead: that is what XLA's partitioner runs for
+            a reshape between incompatible splits, which is how ``auto_parallel`` executes
+            strided values (``runtime.strided``), so it plans with False.
 
     Raises:
         ValueError: on empty or non-positive sizes, wrong-length per-axis tuples, repeated
@@ -64,6 +69,7 @@ class AbstractMesh:
     flops_per_s: float = CPU_FLOPS
     memory_bytes: int | None = None
     native_reduce_scatter: bool = True
+    strided_moves_all_to_all: bool = True
 
     def __post_init__(self):
         shape = tuple(int(s) for s in self.shape)
@@ -139,14 +145,16 @@ class AbstractMesh:
         return {"shape": list(self.shape), "axis_names": list(self.axis_names),
                 "alpha": list(self.alpha), "beta": list(self.beta),
                 "flops_per_s": self.flops_per_s, "memory_bytes": self.memory_bytes,
-                "native_reduce_scatter": self.native_reduce_scatter}
+                "native_reduce_scatter": self.native_reduce_scatter,
+                "strided_moves_all_to_all": self.strided_moves_all_to_all}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AbstractMesh":
         try:
             return cls(tuple(d["shape"]), tuple(d.get("axis_names", ())),
                        tuple(d["alpha"]), tuple(d["beta"]), float(d["flops_per_s"]),
-                       d.get("memory_bytes"), bool(d.get("native_reduce_scatter", True)))
+                       d.get("memory_bytes"), bool(d.get("native_reduce_scatter", True)),
+                       bool(d.get("strided_moves_all_to_all", True)))
         except KeyError as e:
             raise ValueError(f"mesh JSON: expected key {e.args[0]!r}, found keys "
                              f"{sorted(d)}") from None
