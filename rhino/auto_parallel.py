@@ -129,6 +129,7 @@ class _Entry:
     out_tree: Any
     constrained: int
     hlo_text: str | None = None
+    annotated: Any = None               # the step with the plan's constraints (jit-able)
     memory: dict | None = None          # compiled memory_analysis (spmd.compiled_memory)
     memory_budget: int | None = None
     pressure: float | None = None       # the memory pressure that met the budget
@@ -447,7 +448,8 @@ def _compile_plan(fn: Callable, traced: ScopedFunction, graph: HloGraph, plan: E
                 picked.append(k)
             pos += n
         donate_argnums = tuple(picked)
-    jitted = jax.jit(traced.with_hook(*hooks), in_shardings=in_shardings,
+    annotated = traced.with_hook(*hooks)
+    jitted = jax.jit(annotated, in_shardings=in_shardings,
                      out_shardings=out_shardings, donate_argnums=donate_argnums)
     compiled = jitted.lower(*abstract).compile()
     got_in = jax.tree_util.tree_leaves(compiled.input_shardings[0])
@@ -459,7 +461,8 @@ def _compile_plan(fn: Callable, traced: ScopedFunction, graph: HloGraph, plan: E
                 for o in graph.outputs]
     spmd.check_shardings("result", got_out, out_flat, ndim_out,
                          [i.path for i in graph.output_info])
-    return _Entry(plan, graph, compiled, in_flat, traced.out_tree, len(constraints))
+    return _Entry(plan, graph, compiled, in_flat, traced.out_tree, len(constraints),
+                  annotated=annotated)
 
 
 def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None,
