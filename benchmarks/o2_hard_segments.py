@@ -4,7 +4,9 @@ pair, 690 s and 58 s), plus the benchmark shapes of ``benchmarks/spmd_vs_peers.p
 (8,) and the small GPT of the tests on (2, 4), as a no-regression check.
 
 Each problem is built the way its user builds it: the ``spmd_vs_peers`` models as
-``rhino.auto_parallel`` does (``BuildOptions(strided=False, partial_passthrough=False)``), the
+``rhino.auto_parallel`` did when these figures were taken (``BuildOptions(strided=False,
+partial_passthrough=False)``; auto_parallel now offers interior strided specs, which these
+models' plans do not use), the
 test GPT as ``rhino.plan`` does (default ``BuildOptions``). Solves go through
 ``rhino.planner.api._solve`` with the default ``PlanOptions`` (time limit 600 s per solve,
 memory tie-break), so the objective is the true estimated step time of the plan.

@@ -2,8 +2,8 @@
 
 For each model (GPT with Table 1 shapes, MoE with Table 2 shapes scaled down, VGG19 with a
 large classifier, Wide-ResNet) and each strategy — rhino O2 and O3 on mesh (8,) (rhino O2 on
-mesh (2, 4) with ``--strategies ...,rhino_O2_2x4``: not in the default set, its O2 search took
-790 s on the --quick MoE), rhino O2 and O3 given the best peer's compiled peak as their
+mesh (2, 4) with ``--strategies ...,rhino_O2_2x4``; not in the default set, whose figures
+are for mesh (8,)), rhino O2 and O3 given the best peer's compiled peak as their
 ``memory_budget`` (``rhino_O2_mem``, ``rhino_O3_mem``: run after the peers; the best peer is
 the correct one with the fewest bytes), a single-device reference, and the peers of ``benchmarks/peers.py`` (pure data parallel, Megatron tensor
 parallel, ZeRO-3/FSDP, 2-D DP×TP on (2, 4), XLA propagation from batch-sharded inputs alone)
