@@ -166,6 +166,13 @@ class AutoParallel:
         """The plan used for these arguments (planning and compiling if needed)."""
         return self._entry(args).plan
 
+    def report_for(self, *args: Any) -> str:
+        """The plan report for these arguments, with the compiled program's memory."""
+        e = self._entry(args)
+        if e.memory is None:
+            e.memory = spmd.compiled_memory(e.compiled)
+        return e.report()
+
     def memory_for(self, *args: Any) -> dict | None:
         """The compiled program's memory per device for these arguments (bytes:
         ``argument``, ``output``, ``temp``, ``alias``, ``peak``), from XLA's

@@ -6,7 +6,8 @@
     rhino plan PATH_OR_MODEL --cluster 2x8 [--microbatches 8] [--epsilon 0.1]
                [--max-stages 4] [--alpha-intra S] [--beta-intra S/B] [--alpha-inter S]
                [--beta-inter S/B] [--memory-budget BYTES] [--json] [--output FILE]
-    rhino demo [--model SPEC] [--mesh 8] [--steps 10] [--cluster 2x4 --stages 2]
+    rhino demo [--model SPEC] [--mesh 8] [--steps 10] [--memory-budget 2MiB]
+               [--cluster 2x4 --stages 2]
 
 ``PATH_OR_MODEL`` is an ``.hlo`` / ``.mlir`` file, or a zoo model as ``NAME:key=value,...``
 (e.g. ``gpt:layers=72,hidden=512``); ``rhino inspect --models`` lists the zoo.
@@ -146,6 +147,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.cluster:
         from rhino.pipeline.api import make_cluster
         n = make_cluster(args.cluster).num_devices
+        if args.memory_budget is not None:
+            raise RhinoError("--memory-budget applies to SPMD runs; leave out --cluster")
     _ensure_cpu_devices(n)
     import jax
     import numpy as np
@@ -167,10 +170,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         step = rhino.auto_parallel(model.step, cluster=args.cluster, stages=args.stages,
                                    num_microbatches=args.microbatches, schedule=args.schedule,
                                    opt_level=args.opt_level)
+        print(step.plan_for(params, opt, batch).report())
     else:
-        step = rhino.auto_parallel(model.step, mesh_shape=mesh_shape, opt_level=args.opt_level)
-    plan = step.plan_for(params, opt, batch)
-    print(plan.report())
+        step = rhino.auto_parallel(model.step, mesh_shape=mesh_shape, opt_level=args.opt_level,
+                                   memory_budget=_memory(args.memory_budget))
+        print(step.report_for(params, opt, batch))
     ref = jax.jit(model.step)
     rp, ro = params, opt
     ap, ao = jax.tree.map(np.array, params), jax.tree.map(np.array, opt)
@@ -236,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "planner's choice)")
     pd.add_argument("--microbatches", type=int, default=4, help="with --cluster (default: 4)")
     pd.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "eager-1f1b"))
+    pd.add_argument("--memory-budget", help="bytes per device the compiled program may use, "
+                    "e.g. 2MiB (SPMD only; re-plans with more weight on memory until it fits)")
     pd.set_defaults(func=_cmd_demo)
     return p
 
