@@ -4,3 +4,21 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def segment_solver_stats(monkeypatch) -> list[dict]:
+    """The ``stats`` of every O2 ``_SegmentSolver`` created during the test."""
+    from rhino.planner import hierarchical
+
+    seen: list[dict] = []
+    init = hierarchical._SegmentSolver.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        seen.append(self.stats)
+    monkeypatch.setattr(hierarchical._SegmentSolver, "__init__", spy)
+    return seen

@@ -35,22 +35,10 @@ def _potts_case(rng, m=16, k=8, p=0.7, psize=8):
     return prob, Partition(tuple(range(len(sizes))), tuple(seg), (a, b))
 
 
-def _stats(monkeypatch) -> list[dict]:
-    seen = []
-    init = hierarchical._SegmentSolver.__init__
-
-    def spy(self, *a, **k):
-        init(self, *a, **k)
-        seen.append(self.stats)
-    monkeypatch.setattr(hierarchical._SegmentSolver, "__init__", spy)
-    return seen
-
-
-def test_dense_segment_gets_an_approximate_table_not_work_per_pair(monkeypatch):
+def test_dense_segment_gets_an_approximate_table_not_work_per_pair(segment_solver_stats):
     prob, part = _potts_case(np.random.default_rng(0))
-    stats = _stats(monkeypatch)
     o2 = solve_o2(prob, part, time_limit=60)
-    (st,) = stats
+    (st,) = segment_solver_stats
     # one exact attempt, abandoned at the work budget and remembered for the segment's
     # later cost variants; no decode per pivot pair (8 x 8 = 64 pairs): one per chain solve
     assert st["budget_exceeded"] == 1 and st["approx_tables"] >= 1

@@ -285,19 +285,7 @@ def _k4_chain(rng):
     return prob, Partition(tuple(range(n)), tuple(seg), tuple(pivots))
 
 
-def _solver_stats(monkeypatch) -> list[dict]:
-    """The ``stats`` of every ``_SegmentSolver`` that ``solve_o2`` creates from now on."""
-    seen = []
-    init = hierarchical._SegmentSolver.__init__
-
-    def spy(self, *a, **k):
-        init(self, *a, **k)
-        seen.append(self.stats)
-    monkeypatch.setattr(hierarchical._SegmentSolver, "__init__", spy)
-    return seen
-
-
-def test_o2_irreducible_segments(monkeypatch):
+def test_o2_irreducible_segments(monkeypatch, segment_solver_stats):
     rng = np.random.default_rng(8)
     prob, part = _k4_chain(rng)
     ref = solve_brute_force(prob).objective
@@ -307,11 +295,11 @@ def test_o2_irreducible_segments(monkeypatch):
     # pivots the chain DP picked), never once per pivot pair
     monkeypatch.setattr(hierarchical, "_EXACT_WORK", 0)
     monkeypatch.setattr(hierarchical, "_HARD_DECODE_WORK", 0)
-    stats = _solver_stats(monkeypatch)
+    before = len(segment_solver_stats)
     o2 = solve_o2(prob, part)
     assert o2.objective == prob.objective(o2.choice)
     assert o2.objective <= 1.05 * ref
-    (st,) = stats
+    (st,) = segment_solver_stats[before:]
     assert st["approx_tables"] >= 2 and st["budget_exceeded"] == 1  # remembered by shape
     assert st["decodes"] <= 4 and st["decode_ilps"] <= st["decodes"]
 
