@@ -1,4 +1,4 @@
-"""Hand-built HloGraphs for tests whose answers are known on paper."""
+"""Hand-built HloGraphs and small steps for tests whose answers are known on paper."""
 
 from __future__ import annotations
 
@@ -38,3 +38,21 @@ def make_graph(spec: list[tuple[str, str, list[str]]], outputs: list[str] | None
 
 def names(g: HloGraph, ids) -> list[str]:
     return [g.ops[i].name for i in ids]
+
+
+def ffn_layernorm_step(p, x):
+    """x0 = x @ w0; a pre-layernorm FFN with a residual, one SGD step: the backward of the
+    FFN's first matmul feeds the layernorm backward, which reads it three times (GPT's
+    pattern). ``p``: ``{"w0": [H, H], "w1": [H, F], "w2": [F, H]}``, ``x``: [T, H]."""
+    import jax
+    import jax.numpy as jnp
+
+    def ln(v):
+        m = jnp.mean(v, -1, keepdims=True)
+        return (v - m) * jax.lax.rsqrt(jnp.mean((v - m) ** 2, -1, keepdims=True) + 1e-5)
+
+    def loss(p):
+        x0 = x @ p["w0"]
+        return jnp.mean((x0 + jax.nn.relu(ln(x0) @ p["w1"]) @ p["w2"]) ** 2)
+    grads = jax.grad(loss)(p)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)

@@ -306,17 +306,8 @@ def test_pending_sum_read_as_pending_is_not_reduced():
 def ffn_graph(tokens=64, hidden=256, ffn=1024):
     """x0 = x @ w0; pre-layernorm FFN with a residual: the backward of the FFN's first
     matmul feeds the layernorm backward, which reads it three times (GPT's pattern)."""
-    def ln(v):
-        m = jnp.mean(v, -1, keepdims=True)
-        return (v - m) * jax.lax.rsqrt(jnp.mean((v - m) ** 2, -1, keepdims=True) + 1e-5)
+    from handmade import ffn_layernorm_step as step
 
-    def step(p, x):
-        def loss(p):
-            x0 = x @ p["w0"]
-            f = jax.nn.relu(ln(x0) @ p["w1"]) @ p["w2"]
-            return jnp.mean((x0 + f) ** 2)
-        grads = jax.grad(loss)(p)
-        return jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
     params = {"w0": sds(hidden, hidden), "w1": sds(hidden, ffn), "w2": sds(ffn, hidden)}
     return rhino.ingest(step, params, sds(tokens, hidden))
 
