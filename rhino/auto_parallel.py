@@ -168,19 +168,13 @@ class AutoParallel:
 
     def report_for(self, *args: Any) -> str:
         """The plan report for these arguments, with the compiled program's memory."""
-        e = self._entry(args)
-        if e.memory is None:
-            e.memory = spmd.compiled_memory(e.compiled)
-        return e.report()
+        return self._entry(args).report()
 
     def memory_for(self, *args: Any) -> dict | None:
         """The compiled program's memory per device for these arguments (bytes:
         ``argument``, ``output``, ``temp``, ``alias``, ``peak``), from XLA's
         ``memory_analysis()``; None where the backend gives none."""
-        e = self._entry(args)
-        if e.memory is None:
-            e.memory = spmd.compiled_memory(e.compiled)
-        return e.memory
+        return self._entry(args).memory
 
     def compiled_text(self, *args: Any) -> str:
         """The compiled, partitioned HLO for these arguments."""
@@ -260,11 +254,14 @@ class AutoParallel:
             progress("ingesting")
             graph = ingest(traced, *abstract)
             mesh, devices = self._mesh()
-            if o.plan is not None:
-                plan = o.plan  # runs on the plan's own mesh
-                _check_plan_matches(plan, graph)
+
+            def compile_plan(plan: ExecutionPlan) -> _Entry:
                 progress("compiling")
-                entry = _compile_plan(self.fn, traced, graph, plan, devices, abstract, o.donate)
+                return _compile_plan(self.fn, traced, graph, plan, devices, abstract, o.donate)
+
+            if o.plan is not None:
+                _check_plan_matches(o.plan, graph)
+                entry = compile_plan(o.plan)  # runs on the plan's own mesh
             else:
                 pins = _pins(graph, o.annotations, mesh)
                 options = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
@@ -272,21 +269,16 @@ class AutoParallel:
                                                          pinned=pins,
                                                          partial_passthrough=False))
 
-                def make(options: PlanOptions) -> _Entry:
-                    plan = plan_graph(graph, mesh, options, progress)
-                    progress("compiling")
-                    return _compile_plan(self.fn, traced, graph, plan, devices, abstract,
-                                         o.donate)
+                def make_plan(opts: PlanOptions) -> ExecutionPlan:
+                    return plan_graph(graph, mesh, opts, progress)
 
                 if o.memory_budget is None:
-                    entry = make(options)
-                    entry.memory = spmd.compiled_memory(entry.compiled)
+                    entry = compile_plan(make_plan(options))
                 else:
-                    entry = _fit_compiled_memory(
-                        lambda opts: plan_graph(graph, mesh, opts, progress),
-                        lambda plan: (progress("compiling"), _compile_plan(
-                            self.fn, traced, graph, plan, devices, abstract, o.donate))[1],
-                        options, o.memory_budget, progress)
+                    entry = _fit_compiled_memory(make_plan, compile_plan, options,
+                                                 o.memory_budget, progress)
+            if entry.memory is None:
+                entry.memory = spmd.compiled_memory(entry.compiled)
         finally:
             progress.close()
         report = o.report if o.report is not None else os.environ.get(REPORT_ENV, "") not in (
@@ -327,8 +319,7 @@ def _fit_compiled_memory(plan_fn: Callable[[PlanOptions], ExecutionPlan],
         key = (tuple(p.spec for p in plan.params),
                tuple((op.out_spec, op.in_specs) for op in plan.ops))
         if key in seen:
-            first, peak = seen[key]
-            tried.append(f"μ={mu:g}: the plan of μ={first:g}")
+            tried.append(f"μ={mu:g}: the plan of μ={seen[key][0]:g}")
             continue
         entry = compile_fn(plan)
         mem = spmd.compiled_memory(entry.compiled)
