@@ -44,6 +44,12 @@ from rhino.runtime.strided import StridedRealizer
 REPORT_ENV = "RHINO_REPORT"
 
 
+def report_wanted(flag: bool | None) -> bool:
+    """Print the plan report? ``flag`` if given, else whether ``$RHINO_REPORT`` is set
+    (to anything but ``0``)."""
+    return flag if flag is not None else os.environ.get(REPORT_ENV, "") not in ("", "0")
+
+
 @dataclasses.dataclass(frozen=True)
 class AutoParallelOptions:
     """Options of ``auto_parallel`` (see its docstring)."""
@@ -281,9 +287,7 @@ class AutoParallel:
                 entry.memory = spmd.compiled_memory(entry.compiled)
         finally:
             progress.close()
-        report = o.report if o.report is not None else os.environ.get(REPORT_ENV, "") not in (
-            "", "0")
-        if report:
+        if report_wanted(o.report):
             print(entry.report(), file=sys.stderr)
         return entry
 

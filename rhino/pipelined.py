@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -54,7 +53,6 @@ from rhino.runtime.stage_programs import (ACCUMULATE, FlatProgram, StepSplit,
 
 EXECUTORS = ("local", "ray")
 TRANSPORTS = ("device_put", "broadcast", "send_recv")
-REPORT_ENV = "RHINO_REPORT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +291,7 @@ class PipelinedStep:
         return entry
 
     def _build(self, args: tuple) -> _Entry:
-        from rhino.auto_parallel import _Progress
+        from rhino.auto_parallel import _Progress, report_wanted
 
         o = self.options
         name = getattr(self.fn, "__name__", "step")
@@ -312,9 +310,7 @@ class PipelinedStep:
             entry = self._split(traced, graph, plan, abstract)
         finally:
             progress.close()
-        report = o.report if o.report is not None else os.environ.get(REPORT_ENV, "") not in (
-            "", "0")
-        if report:
+        if report_wanted(o.report):
             print(plan.report(), file=sys.stderr)
         return entry
 
