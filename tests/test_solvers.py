@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import pytest
 
+from rhino.milp import SolverError
 from rhino.planner import hierarchical
 from rhino.planner.hierarchical import Partition, solve_o2, solve_o3
 from rhino.planner.problem import Edge, ShardingProblem
@@ -357,7 +358,7 @@ def test_time_limit_without_incumbent_raises(monkeypatch):
         warnings.simplefilter("ignore", SolverTimeLimitWarning)
         try:
             sol = solve_ilp(prob, time_limit=0.001, reduce=False)
-        except RuntimeError as err:
+        except SolverError as err:
             assert "time limit" in str(err)
         except InfeasibleProblemError:
             pass

@@ -59,6 +59,7 @@ from typing import Sequence
 import numpy as np
 
 from rhino.errors import RhinoError
+from rhino.milp import INF, MilpModel, SolverStatus, solve_milp
 
 
 class StageAssignmentError(RhinoError):
@@ -311,7 +312,7 @@ class StageSolution:
 
     Attributes:
         stage_of: stage of each unit.
-        status: ``optimal``, ``time-limit`` (best found) or ``brute-force``.
+        status: ``OPTIMAL``, ``TIME_LIMIT`` (best found) or ``BRUTE_FORCE``.
         objective: the objective (seconds) of ``stage_of``.
         cut_bytes: bytes crossing stages.
         loads: compute (FLOPs) of each stage.
@@ -323,7 +324,7 @@ class StageSolution:
     """
 
     stage_of: tuple[int, ...]
-    status: str
+    status: SolverStatus
     objective: float
     cut_bytes: int
     loads: tuple[float, ...]
@@ -356,9 +357,7 @@ class _Rows:
 def _solve_once(problem: StageProblem, options: StageOptions, epsilon: float
                 ) -> tuple[tuple[int, ...] | None, str, int, int, float]:
     """One HiGHS solve: (stage_of or None if infeasible, status, columns, choices, seconds)."""
-    import highspy
-
-    inf = highspy.kHighsInf
+    inf = INF
     n, d = problem.num_units, problem.num_stages
     lb, ub = problem.bounds(epsilon, options.tighten)
     total = float(sum(problem.compute))
@@ -439,47 +438,33 @@ def _solve_once(problem: StageProblem, options: StageOptions, epsilon: float
         rows.add(cols, vals, max(0.0, lo_load) if d > 1 else -inf, hi_load if d > 1 else inf)
         rows.add(cols + [tmax], vals + [-1.0], -inf, 0.0)
 
-    h = highspy.Highs()
-    h.silent()
-    h.setOptionValue("time_limit", float(options.time_limit))
-    h.setOptionValue("mip_rel_gap", float(options.mip_rel_gap))
-    h.setOptionValue("threads", 1)
-    ncol = len(cost)
-    h.addCols(ncol, np.asarray(cost), np.asarray(col_lo), np.asarray(col_hi), 0,
-              np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
-    h.changeColsIntegrality(ncol, np.arange(ncol, dtype=np.int32),
-                            np.asarray(integrality, dtype=np.uint8))
-    h.addRows(len(rows.lo), np.asarray(rows.lo), np.asarray(rows.hi), len(rows.idx),
-              np.asarray(rows.starts, dtype=np.int32), np.asarray(rows.idx, dtype=np.int32),
-              np.asarray(rows.val, dtype=np.float64))
+    start = None
     if options.warm_start:
-        start = _prefix_split(problem, lb, ub)
-        if start is not None:
-            vals = np.zeros(ncol)
-            for u, s in enumerate(start):
+        split = _prefix_split(problem, lb, ub)
+        if split is not None:
+            vals = np.zeros(len(cost))
+            for u, s in enumerate(split):
                 vals[b_col[u]] = s
                 vals[x_col[u][s]] = 1.0
             for (u, v), f in f_col.items():
-                vals[f] = 1.0 if start[v] != start[u] else 0.0
+                vals[f] = 1.0 if split[v] != split[u] else 0.0
             for z, t, s in z_cols:
-                vals[z] = 1.0 if (start[t.producer] != s and any(
-                    start[v] == s for v in t.consumers)) else 0.0
-            vals[tmax] = max(problem.loads(start)) / per_stage
-            h.setSolution(ncol, np.arange(ncol, dtype=np.int32), vals)
-    t0 = time.perf_counter()
-    h.run()
-    seconds = time.perf_counter() - t0
-    status = h.getModelStatus()
+                vals[z] = 1.0 if (split[t.producer] != s and any(
+                    split[v] == s for v in t.consumers)) else 0.0
+            vals[tmax] = max(problem.loads(split)) / per_stage
+            start = (np.arange(len(cost)), vals)
+    model = MilpModel(
+        costs=np.asarray(cost), lower=np.asarray(col_lo), upper=np.asarray(col_hi),
+        integer=np.asarray(integrality, bool), row_lower=np.asarray(rows.lo),
+        row_upper=np.asarray(rows.hi), row_starts=np.asarray(rows.starts),
+        row_index=np.asarray(rows.idx), row_value=np.asarray(rows.val), start=start,
+        time_limit=options.time_limit, mip_rel_gap=options.mip_rel_gap)
+    res = solve_milp(model)
     choices = sum(ub[u] - lb[u] + 1 for u in range(n))
-    if status == highspy.HighsModelStatus.kInfeasible:
-        return None, "infeasible", ncol, choices, seconds
-    info = h.getInfo()
-    if info.primal_solution_status < 2 and status != highspy.HighsModelStatus.kOptimal:
-        return None, f"no solution ({h.modelStatusToString(status)})", ncol, choices, seconds
-    sol = np.asarray(h.getSolution().col_value)
-    stage_of = tuple(int(round(sol[b_col[u]])) for u in range(n))
-    label = "optimal" if status == highspy.HighsModelStatus.kOptimal else "time-limit"
-    return stage_of, label, ncol, choices, seconds
+    if res.x is None:
+        return None, res.status, model.num_cols, choices, res.seconds
+    stage_of = tuple(int(round(res.x[b_col[u]])) for u in range(n))
+    return stage_of, res.status, model.num_cols, choices, res.seconds
 
 
 def _prefix_split(problem: StageProblem, lb: Sequence[int], ub: Sequence[int]
@@ -525,7 +510,9 @@ def solve_stage_problem(problem: StageProblem, options: StageOptions = StageOpti
         if not options.relax or eps >= options.max_epsilon:
             raise StageAssignmentError(
                 f"stage assignment: expected a split of {problem.num_units} units into {d} "
-                f"stages balanced within ε={eps:g}, found {status}")
+                f"stages balanced within ε={eps:g}, found "
+                + ("none exists" if status is SolverStatus.INFEASIBLE else
+                   f"none within the {options.time_limit:g} s time limit"))
         eps = min(options.max_epsilon, max(2 * eps, 0.05))
     return StageSolution(stage_of, status, problem.objective(stage_of, options),
                          problem.cut_bytes(stage_of), tuple(problem.loads(stage_of)), eps,
@@ -557,6 +544,6 @@ def solve_brute_force(problem: StageProblem, options: StageOptions = StageOption
     if best is None:
         raise StageAssignmentError(f"brute force: expected a feasible split into {d} stages "
                                    f"within ε={options.epsilon}, found none")
-    return StageSolution(tuple(best), "brute-force", best_obj, problem.cut_bytes(best),
+    return StageSolution(tuple(best), SolverStatus.BRUTE_FORCE, best_obj, problem.cut_bytes(best),
                          tuple(problem.loads(best)), options.epsilon, False, 0, d * n,
                          time.perf_counter() - t0, 1)

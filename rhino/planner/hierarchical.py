@@ -82,6 +82,7 @@ from typing import Sequence
 
 import numpy as np
 
+from rhino.milp import SolverStatus
 from rhino.planner.problem import Edge, ShardingProblem, Solution
 from rhino.planner.solvers import (
     InfeasibleProblemError, _back_substitute, _Graph, _reduce, improve_local, reduce_exact,
@@ -709,4 +710,4 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
     if not np.isfinite(obj):
         raise InfeasibleProblemError(f"O2 found no finite-cost assignment for "
                                      f"{problem.num_nodes} nodes (best costs {obj})")
-    return Solution(choice, obj, "heuristic", time.perf_counter() - t0, None)
+    return Solution(choice, obj, SolverStatus.HEURISTIC, time.perf_counter() - t0, None)

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
+from rhino.milp import SolverStatus
+
 
 @dataclasses.dataclass(frozen=True)
 class Edge:
@@ -106,13 +108,14 @@ class Solution:
     Attributes:
         choice: chosen choice index per node.
         objective: ``problem.objective(choice)``.
-        status: ``"optimal"``, ``"time_limit"`` (incumbent returned) or ``"heuristic"``.
+        status: ``OPTIMAL``, ``TIME_LIMIT`` (incumbent returned) or ``HEURISTIC``
+            (a ``rhino.milp.SolverStatus``).
         seconds: wall time of the solve.
         bound: best lower bound known (== objective when optimal), or None.
     """
 
     choice: tuple[int, ...]
     objective: float
-    status: str
+    status: SolverStatus
     seconds: float
     bound: float | None = None

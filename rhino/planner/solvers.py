@@ -45,6 +45,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from rhino.errors import RhinoError
+from rhino.milp import INF, MilpModel, SolverError, SolverStatus, solve_milp
 from rhino.planner.problem import Edge, ShardingProblem, Solution
 
 __all__ = [
@@ -260,7 +261,7 @@ def reduce_exact(problem: ShardingProblem, *, max_pair: int = 4096,
     return Reduced(core, tuple(core_nodes), offset, problem.num_nodes, tuple(log))
 
 
-def _finish(problem: ShardingProblem, choice: Sequence[int], status: str, t0: float,
+def _finish(problem: ShardingProblem, choice: Sequence[int], status: SolverStatus, t0: float,
             bound: float | None) -> Solution:
     choice = tuple(int(c) for c in choice)
     obj = problem.objective(choice)
@@ -268,7 +269,7 @@ def _finish(problem: ShardingProblem, choice: Sequence[int], status: str, t0: fl
         raise InfeasibleProblemError(
             f"no assignment of finite cost exists ({problem.num_nodes} nodes); the best found "
             f"costs {obj}")
-    if status == "optimal":
+    if status is SolverStatus.OPTIMAL:
         bound = obj if bound is None else min(bound, obj)
     return Solution(choice, obj, status, time.perf_counter() - t0, bound)
 
@@ -302,7 +303,7 @@ def solve_brute_force(problem: ShardingProblem) -> Solution:
         acc = acc + along(np.asarray(m, dtype=np.float64), (min(e.u, e.v), max(e.u, e.v)))
     flat = int(np.argmin(acc)) if n else 0
     choice = np.unravel_index(flat, sizes) if n else ()
-    return _finish(problem, [int(c) for c in choice], "optimal", t0, None)
+    return _finish(problem, [int(c) for c in choice], SolverStatus.OPTIMAL, t0, None)
 
 
 def solve_tree_dp(problem: ShardingProblem) -> Solution:
@@ -328,7 +329,7 @@ def solve_tree_dp(problem: ShardingProblem) -> Solution:
         parent[ru] = rv
     red = reduce_exact(problem, max_pair=0)
     assert red.core.num_nodes == 0, "leaf elimination must empty a forest"
-    return _finish(problem, red.expand(()), "optimal", t0, None)
+    return _finish(problem, red.expand(()), SolverStatus.OPTIMAL, t0, None)
 
 
 def improve_local(problem: ShardingProblem, choice: Sequence[int], *,
@@ -387,7 +388,7 @@ def solve_trw(problem: ShardingProblem, *, rho: float | None = 0.7, max_iters: i
     n = problem.num_nodes
     merged = _merged_edges(problem)
     if n == 0 or not merged:
-        return _finish(problem, [int(np.argmin(c)) for c in problem.costs], "heuristic", t0,
+        return _finish(problem, [int(np.argmin(c)) for c in problem.costs], SolverStatus.HEURISTIC, t0,
                        None)
     sizes = np.array([problem.num_choices(i) for i in range(n)])
     nmax = int(sizes.max())
@@ -446,7 +447,7 @@ def solve_trw(problem: ShardingProblem, *, rho: float | None = 0.7, max_iters: i
             muv += (1.0 - damping) * new_uv
             mvu *= damping
             mvu += (1.0 - damping) * new_vu
-    return _finish(problem, improve_local(problem, best), "heuristic", t0, None)
+    return _finish(problem, improve_local(problem, best), SolverStatus.HEURISTIC, t0, None)
 
 
 def _start_choice(problem: ShardingProblem, time_limit: float) -> tuple[int, ...]:
@@ -483,13 +484,12 @@ def _separable(m: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _milp(problem: ShardingProblem, time_limit: float, mip_rel_gap: float,
-          ) -> tuple[tuple[int, ...] | None, str, float | None, tuple[int, ...] | None]:
-    """Solve the marginal-form MILP with highspy.
+          ) -> tuple[tuple[int, ...] | None, SolverStatus, float | None,
+                     tuple[int, ...] | None]:
+    """Solve the marginal-form MILP with HiGHS (``rhino.milp``).
 
-    Returns ``(choice or None, "optimal" | "time_limit", bound or None, heuristic start)``.
+    Returns ``(choice or None, OPTIMAL | TIME_LIMIT, bound or None, heuristic start)``.
     """
-    import highspy
-
     t0 = time.perf_counter()
     n = problem.num_nodes
     costs = [np.array(c, dtype=np.float64) for c in problem.costs]
@@ -544,48 +544,38 @@ def _milp(problem: ShardingProblem, time_limit: float, mip_rel_gap: float,
     scale = float(np.max(np.abs(all_obj))) if all_obj.size else 0.0
     scale = scale / _OBJ_SCALE if scale > 0 else 1.0
 
-    h = highspy.Highs()
-    h.silent()
-    h.setOptionValue("mip_rel_gap", float(mip_rel_gap))
-    h.addBinaries(nx, obj=(x_obj / scale).tolist(), ub=x_ub.tolist())
-    if na:
-        h.addCols(na, a_obj_arr / scale, np.zeros(na), np.full(na, highspy.kHighsInf),
-                  0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
     ri, rj, rv = (np.concatenate(rows_i), np.concatenate(rows_j), np.concatenate(rows_v))
     order = np.lexsort((rj, ri))
     ri, rj, rv = ri[order], rj[order], rv[order]
-    starts = np.searchsorted(ri, np.arange(row)).astype(np.int32)
     rhs = np.concatenate([np.ones(n), np.zeros(row - n)])
-    h.addRows(row, rhs, rhs, len(ri), starts, rj.astype(np.int32), rv.astype(np.float64))
     start = _start_choice(problem, time_limit)
+    warm = None
     if np.isfinite(problem.objective(start)):
         idx = np.array([x_off[i] + c for i, c in enumerate(start)], dtype=np.int32)
-        h.setSolution(len(idx), idx, np.ones(len(idx)))
+        warm = (idx, np.ones(len(idx)))
     else:
         start = None
-    h.setOptionValue("time_limit", max(float(time_limit) - (time.perf_counter() - t0), 1e-3))
-    h.minimize()
-    status = h.getModelStatus()
-    info = h.getInfo()
-    has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    if status == highspy.HighsModelStatus.kInfeasible:
+    model = MilpModel(
+        costs=all_obj / scale,
+        lower=np.zeros(nx + na), upper=np.concatenate([x_ub, np.full(na, INF)]),
+        integer=np.arange(nx + na) < nx, row_lower=rhs, row_upper=rhs,
+        row_starts=np.searchsorted(ri, np.arange(row)), row_index=rj, row_value=rv,
+        start=warm, time_limit=max(float(time_limit) - (time.perf_counter() - t0), 1e-3),
+        mip_rel_gap=mip_rel_gap)
+    res = solve_milp(model)
+    if res.status is SolverStatus.INFEASIBLE:
         raise InfeasibleProblemError(f"the ILP over {n} nodes is infeasible: forbidden choices "
                                      f"and pairs leave no assignment")
     choice = None
-    if has_sol:
-        xv = np.asarray(h.getSolution().col_value[:nx])
+    if res.x is not None:
+        xv = res.x[:nx]
         choice = tuple(int(np.argmax(np.where(allowed[i], xv[x_off[i]:x_off[i + 1]], -1.0)))
                        for i in range(n))
-    bound = float(info.mip_dual_bound) * scale
-    bound = bound if np.isfinite(bound) else None
-    if status == highspy.HighsModelStatus.kOptimal and choice is not None:
-        return choice, "optimal", bound, start
-    if status in (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt,
-                  highspy.HighsModelStatus.kIterationLimit,
-                  highspy.HighsModelStatus.kSolutionLimit):
-        return choice, "time_limit", bound, start
-    raise RuntimeError(f"HiGHS ended with status {h.modelStatusToString(status)!r} on a "
-                       f"{n}-node problem ({nx} X and {na} A columns)")
+    bound = res.bound * scale if res.bound is not None else None
+    if res.status is SolverStatus.OPTIMAL and choice is None:
+        raise SolverError(f"HiGHS reported optimal without a solution on a {n}-node problem "
+                          f"({model.describe()})")
+    return choice, res.status, bound, start
 
 
 def solve_ilp(problem: ShardingProblem, *, time_limit: float = 60.0,
@@ -604,7 +594,7 @@ def solve_ilp(problem: ShardingProblem, *, time_limit: float = 60.0,
 
     Raises:
         InfeasibleProblemError: no finite-cost assignment exists.
-        RuntimeError: the time limit passed before any incumbent was found.
+        SolverError: the time limit passed before any incumbent was found.
     """
     t0 = time.perf_counter()
     if reduce:
@@ -613,13 +603,14 @@ def solve_ilp(problem: ShardingProblem, *, time_limit: float = 60.0,
     else:
         red, core, offset = None, problem, 0.0
     if core.num_nodes == 0:
-        return _finish(problem, red.expand(()) if red else (), "optimal", t0, None)
+        return _finish(problem, red.expand(()) if red else (), SolverStatus.OPTIMAL, t0,
+                       None)
     remaining = time_limit - (time.perf_counter() - t0)
     choice, status, bound, start = _milp(core, remaining, mip_rel_gap)
-    if status == "time_limit":
+    if status is SolverStatus.TIME_LIMIT:
         cands = [c for c in (choice, start) if c is not None]
         if not cands:
-            raise RuntimeError(
+            raise SolverError(
                 f"ILP time limit ({time_limit:.3g} s) reached before any feasible assignment "
                 f"was found ({core.num_nodes} core nodes of {problem.num_nodes}); raise "
                 f"time_limit or use the hierarchical solver")
@@ -628,7 +619,7 @@ def solve_ilp(problem: ShardingProblem, *, time_limit: float = 60.0,
     full = red.expand(choice) if red is not None else choice
     bound = None if bound is None else bound + offset
     sol = _finish(problem, full, status, t0, bound)
-    if status == "time_limit":
+    if status is SolverStatus.TIME_LIMIT:
         gap = (f"{(sol.objective - bound) / max(abs(sol.objective), 1e-300):.2%}"
                if bound is not None else "unknown")
         warnings.warn(SolverTimeLimitWarning(
