@@ -19,7 +19,7 @@ from rhino.planner.spec import ShardingSpec
 from rhino.pipeline import Cluster, PipelinePlan, grad, plan_pipeline
 from rhino.runtime.ray_executor import init
 
-__version__ = "0.1.0"
+from rhino._version import __version__
 
 __all__ = ["HloParseError", "InfeasiblePlanError", "IngestError", "RhinoError",
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
