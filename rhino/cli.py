@@ -1,16 +1,8 @@
-"""The ``rhino`` command line.
+"""The ``rhino`` command line (``rhino --help``; ``USAGE`` below is what it prints).
 
-    rhino inspect PATH_OR_MODEL [--json] [--dot FILE]
-    rhino plan PATH_OR_MODEL --mesh 2,4 [--alpha 1e-5,1e-5] [--beta 2e-10,2e-10]
-               [--opt-level O2|O3] [--memory-budget BYTES] [--json] [--output FILE]
-    rhino plan PATH_OR_MODEL --cluster 2x8 [--microbatches 8] [--epsilon 0.1]
-               [--max-stages 4] [--alpha-intra S] [--beta-intra S/B] [--alpha-inter S]
-               [--beta-inter S/B] [--memory-budget BYTES] [--json] [--output FILE]
-    rhino demo [--model SPEC] [--mesh 8] [--steps 10] [--memory-budget 2MiB]
-               [--cluster 2x4 --stages 2]
-
-``PATH_OR_MODEL`` is an ``.hlo`` / ``.mlir`` file, or a zoo model as ``NAME:key=value,...``
-(e.g. ``gpt:layers=72,hidden=512``); ``rhino inspect --models`` lists the zoo.
+Subcommands: ``inspect`` (the graph the planner sees), ``plan`` (an SPMD plan for a mesh, or
+SPMD / pipeline / hybrid for a cluster) and ``demo`` (plan and train a zoo model on
+simulated CPU devices beside single-device ``jax.jit``).
 """
 
 from __future__ import annotations
@@ -21,7 +13,28 @@ import os
 import sys
 from typing import Any, Sequence
 
+from rhino._version import __version__
 from rhino.errors import RhinoError
+
+DESCRIPTION = """\
+rhino: plan and run a one-device JAX training step over many devices.
+
+PATH_OR_MODEL is an .hlo (XLA's HLO text) or .mlir (StableHLO) file, or a zoo model
+written NAME or NAME:key=value,... (e.g. gpt:layers=4,hidden=256 or
+gpt:preset=GPT-Medium,layers=4); `rhino inspect --models` lists the models, their
+options and presets."""
+
+DEMO_MODEL = "gpt:layers=4,hidden=256,heads=8,seq=64"
+
+EXAMPLES = """\
+examples:
+  rhino inspect gpt:layers=4,hidden=256
+  rhino plan gpt:layers=4,hidden=256 --mesh 2,4
+  rhino plan gpt:layers=4,hidden=256 --cluster 2x4 --json > plan.json
+  rhino demo
+  rhino demo --cluster 2x4 --stages 2
+
+Each subcommand has its own help: rhino plan --help."""
 
 
 def resolve_source(spec: str) -> tuple[Any, tuple]:
@@ -45,8 +58,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from rhino.inspection import inspect_source
 
     if args.models:
-        from rhino.models import MODEL_NAMES
-        print("\n".join(MODEL_NAMES))
+        from rhino.models import describe_models
+        print(describe_models())
         return 0
     if not args.source:
         raise RhinoError("inspect needs PATH_OR_MODEL (a .hlo/.mlir file or NAME:key=value,...)")
@@ -159,7 +172,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise RhinoError(f"the demo needs {n} devices, found {len(jax.devices())}; start it "
                          f"with XLA_FLAGS=--xla_force_host_platform_device_count={n}")
     from rhino.models import parse_model_spec
-    model = parse_model_spec(args.model)
+    if args.model is None:
+        # A pipeline splits the batch into microbatches and each stage's mesh splits a
+        # microbatch again: give every device of the cluster whole sequences.
+        batch = args.microbatches * n if args.cluster else 8
+        args.model = f"{DEMO_MODEL},batch={batch}"
+    try:
+        model = parse_model_spec(args.model)
+    except ValueError as e:
+        raise RhinoError(f"--model: {e}") from None
     where = (f"cluster {args.cluster} as a pipeline ({args.microbatches} microbatches, "
              f"{args.schedule})" if args.cluster else f"mesh {mesh_shape}")
     print(f"rhino demo: {args.model} trained on {n} {jax.devices()[0].platform} devices "
@@ -196,16 +217,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rhino", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="rhino", description=DESCRIPTION, epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"rhino {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     pi = sub.add_parser("inspect", help="ingest and analyse a program; print its structure")
     pi.add_argument("source", nargs="?", help="a .hlo/.mlir file or a zoo model NAME:k=v,...")
     pi.add_argument("--json", action="store_true", help="print one JSON object")
     pi.add_argument("--dot", metavar="FILE", help="write the coarsened graph for Graphviz")
     pi.add_argument("--top", type=int, default=10, help="largest parameters to list")
-    pi.add_argument("--models", action="store_true", help="list the zoo models and exit")
+    pi.add_argument("--models", action="store_true", help="list the zoo models with their options and presets, and exit")
     pi.set_defaults(func=_cmd_inspect)
-    pp = sub.add_parser("plan", help="find an SPMD sharding plan and print its report")
+    pp = sub.add_parser("plan", help="find a plan (SPMD for --mesh; SPMD, pipeline or "
+                        "hybrid for --cluster) and print its report")
     pp.add_argument("source", help="a .hlo/.mlir file or a zoo model NAME:k=v,...")
     pp.add_argument("--mesh", default="8", help="mesh shape, e.g. 8 or 2,4 (default: 8)")
     pp.add_argument("--alpha", help="latency per mesh axis in seconds, e.g. 1e-5,1e-5")
@@ -229,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.set_defaults(func=_cmd_plan)
     pd = sub.add_parser("demo", help="the main job: plan and train a zoo model on simulated "
                                      "CPU devices beside single-device training")
-    pd.add_argument("--model", default="gpt:layers=4,hidden=256,heads=8,seq=64,batch=8",
-                    help="zoo model spec (default: %(default)s)")
+    pd.add_argument("--model", help=f"zoo model spec (default: {DEMO_MODEL},batch=8; with "
+                    "--cluster, batch = microbatches x devices)")
     pd.add_argument("--mesh", default="8", help="mesh shape (default: 8)")
     pd.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
     pd.add_argument("--opt-level", default="O2", choices=("O2", "O3"))

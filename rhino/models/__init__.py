@@ -65,6 +65,27 @@ def get_model(name: str, **config_overrides: Any) -> ZooModel:
     return build_model(_CONFIGS, name, config_overrides)
 
 
+def describe_models() -> str:
+    """Every zoo model with its options (defaults) and presets, as text.
+
+    Example:
+        >>> print(describe_models().splitlines()[0])   # doctest: +ELLIPSIS
+        mlp   options: learning_rate=0.001, ...
+    """
+    import dataclasses
+
+    lines = []
+    width = max(map(len, MODEL_NAMES))
+    for name, cls in _CONFIGS.items():
+        opts = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls)
+                         if f.default is not dataclasses.MISSING)
+        lines.append(f"{name:<{width}}  options: {opts}")
+        for preset, values in cls.PRESETS.items():
+            lines.append(f"{'':<{width}}  preset {preset}: "
+                         + ", ".join(f"{k}={v!r}" for k, v in values.items()))
+    return "\n".join(lines)
+
+
 def parse_model_spec(spec: str) -> ZooModel:
     """Builds a model from ``"name"`` or ``"name:key=value,key=value"``.
 
@@ -80,6 +101,7 @@ def parse_model_spec(spec: str) -> ZooModel:
 
 __all__ = [
     "MODEL_NAMES", "ZooModel", "ModelConfig", "get_model", "parse_model_spec",
+    "describe_models",
     "GPT_CONFIGS", "MOE_CONFIGS", "WIDE_RESNET_CONFIGS",
     "MlpConfig", "GptConfig", "MoeConfig", "Vgg19Config", "WideResnetConfig", "UnetConfig",
     "DnabertConfig",
