@@ -9,7 +9,6 @@ unique optima below.
 """
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
@@ -213,11 +212,7 @@ def test_zoo_builds_and_random_plans_validate(zoo_graphs, shape):
     mesh = AbstractMesh.simulated_cpu(shape)
     rng = np.random.default_rng(0)
     for name, g in zoo_graphs.items():
-        t0 = time.perf_counter()
-        built = build_problem(g, mesh)
-        seconds = time.perf_counter() - t0
-        if name == "gpt":
-            assert seconds < 5.0, f"gpt build took {seconds:.1f} s"
+        built = build_problem(g, mesh)   # its time is benchmarks/spmd_search.py's to record
         built.partition.check(built.problem)
         assert built.problem.num_nodes == len(g.ops)
         assert len(built.carried) >= len(g.params) // 2 - 1, name

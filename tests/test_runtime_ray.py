@@ -1,22 +1,18 @@
 """The Ray executor: one actor per stage, values through the object store.
 
 Needs ray (skipped otherwise). A local Ray cluster with 4 CPUs is started once for the
-module; the job-submission test starts its own head node (``ray start --head --block``) and
-stops it by its process group (never ``ray stop``, which stops every Ray on the machine).
+module. ``ray job submit`` of the example is run by the documentation test
+(``tests/test_docs.py``, the block of ``docs/ray.md``), on a head started by
+``rhino.runtime.local_ray`` and stopped by its process group (never ``ray stop``).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import socket
-import subprocess
-import tempfile
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -214,106 +210,6 @@ def test_killed_actor_raises_naming_the_stage(gpt_ray, gpt):
             ex.run(flat)
     finally:
         ex.close()
-
-
-# ------------------------------------------------------------------ ray job submit
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-@pytest.fixture
-def ray_head():
-    """A Ray head node with the dashboard (the Jobs API) on 127.0.0.1, in its own process
-    group, stopped by that group."""
-    gcs, dash, agent, agent_grpc, client, metrics, env_agent = _free_ports(7)
-    tmp = tempfile.mkdtemp(prefix="rr", dir="/tmp")  # short: Ray's socket paths
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    env.pop("RAY_ADDRESS", None)
-    cmd = ["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-           "--port", str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-           "--include-dashboard=true", "--dashboard-agent-listen-port", str(agent),
-           "--dashboard-agent-grpc-port", str(agent_grpc),
-           "--ray-client-server-port", str(client), "--metrics-export-port", str(metrics),
-           "--runtime-env-agent-port", str(env_agent), "--num-cpus", "4",
-           "--temp-dir", tmp, "--disable-usage-stats"]
-    log = open(os.path.join(tmp, "ray_start.log"), "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{dash}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/api/version", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.flush()
-                raise RuntimeError(f"ray start failed: {open(log.name).read()[-3000:]}")
-            time.sleep(1)
-        yield url, env
-    finally:
-        for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            end = time.monotonic() + wait
-            while time.monotonic() < end and _group_alive(proc.pid):
-                proc.poll()
-                time.sleep(0.5)
-            if not _group_alive(proc.pid):
-                break
-        proc.wait(timeout=10)
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def test_ray_job_submit_runs_the_example(ray_head, gpt):
-    url, env = ray_head
-    steps = 3
-    work = tempfile.mkdtemp(prefix="rhino-job-")
-    try:
-        os.makedirs(os.path.join(work, "examples"))
-        shutil.copy(os.path.join(REPO, "examples", "pipeline_ray.py"),
-                    os.path.join(work, "examples"))
-        cmd = ["ray", "job", "submit", "--address", url, "--working-dir", work, "--",
-               "python", "examples/pipeline_ray.py", "--steps", str(steps)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    logs = out.stdout + out.stderr
-    assert out.returncode == 0, logs[-4000:]
-    assert "succeeded" in logs and "OK: 3 steps match" in logs, logs[-4000:]
-    # The losses the job printed are the single-device ones, computed here again.
-    m, params, opt, batch = gpt
-    ref = jax.jit(m.step)
-    found = [tuple(map(float, x)) for x in re.findall(
-        r"step \d+: pipelined loss ([0-9.]+)  single-device loss ([0-9.]+)", logs)]
-    assert len(found) == steps, logs[-4000:]
-    p, o = params, opt
-    for pipelined, single in found:
-        p, o, loss = ref(p, o, batch)
-        assert abs(single - float(loss)) <= 2e-6 * abs(float(loss)) + 1e-6
-        assert abs(pipelined - float(loss)) <= 1e-4 * abs(float(loss))
 
 
 def test_actor_that_cannot_start_is_named(gpt_ray, gpt):
