@@ -15,7 +15,7 @@ Two parts, side by side per case:
   Every copy is a real copy (``may_alias=False``), also when two logical devices share a
   jax device.
 * **On Ray actors** (``--ray``): every host is a Ray actor holding its devices' tiles
-  (``rhino.runtime.ray_resharding``); jobs move through the object store in the plan's
+  (``benchmarks/ray_resharding.py``); jobs move through the object store in the plan's
   order from the balancer's senders: broadcast puts each slice once and every receiving
   host fetches that one object and copies it to its devices; send/recv puts one object per
   destination device. The tensor is scaled down 8× per dim to (128, 128, 64) float32
@@ -115,7 +115,7 @@ def execute_case(case: int, repeats: int) -> dict:
 
 def ray_case(case: int, repeats: int, hosts, topo: Topology) -> dict:
     """Send/recv (greedy, as the baselines) and broadcast (best) on host actors."""
-    from rhino.runtime.ray_resharding import check_tiles, execute_on_actors
+    from ray_resharding import check_tiles, execute_on_actors
 
     ss, ds, _, _ = CASES[case]
     a, b = meshes(case)
@@ -202,7 +202,7 @@ def ray_table(repeats: int, topo: Topology) -> None:
     import ray
 
     from rhino.runtime.ray_executor import init
-    from rhino.runtime.ray_resharding import HostActors
+    from ray_resharding import HostActors
 
     mib = 2.0 ** 20
     init(num_cpus=4, log_to_driver=False)

@@ -11,12 +11,12 @@ training step with the same argument and result shardings and the same donation:
   inside (so the program may differ from rhino's inside);
 * ``jit_same`` — ``jax.jit`` of the step *with rhino's shardings written in* (the plan's
   ``with_sharding_constraint``s at the same values, as an expert annotating by hand would;
-  ``step._entry(args).annotated``), with the same boundary shardings and donation: the same
-  program as rhino's, so ``rhino ÷ jit_same`` is the overhead the issue asks about
-  (target: at most 1.05);
+  ``step._entry(args).run.lowering.function``), with the same boundary shardings and
+  donation: the same program as rhino's, so ``rhino ÷ jit_same`` is the overhead the issue
+  asks about (target: at most 1.05);
 * ``exe``    — rhino's own compiled executable called directly (``step._entry(args)
-  .compiled``): the same program as ``rhino``, without the wrapper — their difference is the
-  wrapper's cost alone.
+  .run.compiled``): the same program as ``rhino``, without the wrapper — their difference is
+  the wrapper's cost alone.
 
 Calls are interleaved (rhino, jit, exe, rhino, ...) so that the shared machine's drift hits
 all three alike; each call feeds its outputs back (donated state), is blocked on, and is timed
@@ -63,22 +63,23 @@ def run(workload: str, n: int, out_path: str) -> dict:
     devices = jax.devices()[:n]
     ap = rhino.auto_parallel(model.step, devices=devices, mesh_shape=(n,))
     entry = ap._entry(example)
-    exe = entry.compiled
+    exe = entry.run.compiled
     in_tree = jax.tree_util.tree_structure(example)
-    in_sh = jax.tree_util.tree_unflatten(in_tree, entry.in_shardings)
+    in_sh = jax.tree_util.tree_unflatten(in_tree, entry.run.lowering.in_shardings)
     out_sh = exe.output_shardings
     # rhino donates the arguments it updates and returns: (params, opt_state) = (0, 1).
     jitted = jax.jit(model.step, in_shardings=in_sh, out_shardings=out_sh,
                      donate_argnums=(0, 1))
     jitted_exe = jitted.lower(*example).compile()
-    same = jax.jit(entry.annotated, in_shardings=in_sh, out_shardings=out_sh,
+    same = jax.jit(entry.run.lowering.function, in_shardings=in_sh, out_shardings=out_sh,
                    donate_argnums=(0, 1))
     same_exe = same.lower(*example).compile()
     assert summarize(count_collectives(same_exe.as_text())) == summarize(
         count_collectives(exe.as_text())), "jit of rhino's annotated step: another program"
 
     # Same boundary: the jit program's shardings are rhino's.
-    for a, b, nd in zip(jax.tree.leaves(jitted_exe.input_shardings[0]), entry.in_shardings,
+    ours = entry.run.lowering.in_shardings
+    for a, b, nd in zip(jax.tree.leaves(jitted_exe.input_shardings[0]), ours,
                         [len(x.shape) for x in jax.tree.leaves(example)]):
         assert a.is_equivalent_to(b, nd), (a, b)
 
@@ -88,7 +89,7 @@ def run(workload: str, n: int, out_path: str) -> dict:
 
     def fresh():
         return jax.tree_util.tree_unflatten(
-            tree, [jax.device_put(x, s) for x, s in zip(flat, entry.in_shardings)])
+            tree, [jax.device_put(x, s) for x, s in zip(flat, ours)])
 
     fns = {"rhino": ap, "jit_same": same, "jit": jitted, "exe": exe}
     states = {k: fresh() for k in fns}

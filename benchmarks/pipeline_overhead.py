@@ -33,7 +33,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 def critical_path_s(records, num_stages: int, num_microbatches: int, schedule) -> float:
     """Longest path through the step's task graph (with the schedule's order) under the
     measured task durations (transfers: 0)."""
-    from rhino.runtime.task_graph import build_task_graph
+    from task_graph import build_task_graph
 
     dur: dict[str, float] = {}
     for r in records:
@@ -65,7 +65,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jax
-    import numpy as np
 
     import rhino
     from rhino.models import get_model
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
           f"max {max(over) * 100:.2f} %")
     print(f"overhead  median {statistics.median([s - c for s, c in rows]) * 1e3:8.2f} ms")
     print(f"single-device jax.jit step median {statistics.median(ref_times) * 1e3:.2f} ms")
-    transport = getattr(step._entry((params, opt, batch)).executor, "transport", None)
+    transport = getattr(step._entry((params, opt, batch)).run.executor, "transport", None)
     if hasattr(transport, "moved_bytes"):
         n = 1 + args.warmup + args.steps
         print(f"transport {args.transport}: per step {transport.moved_bytes / n / 2**20:.2f} "

@@ -183,14 +183,14 @@ def run_model(name: str, overrides: dict, strategies: tuple[str, ...], runs: int
                 ap = rhino.auto_parallel(model.step, mesh_shape=mesh, opt_level=level,
                                          memory_budget=budget)
                 entry = ap._entry(example)
-                row["pressure"] = entry.pressure
-                compiled = entry.compiled
-                plan = entry.plan
+                row["pressure"] = entry.run.pressure
+                compiled = entry.run.compiled
+                plan = entry.plan.spmd
                 row.update(predicted_bytes=int(sum(c.bytes for c in plan.collectives)),
                            predicted={k: list(v) for k, v in plan.collective_summary().items()},
                            predicted_peak=plan.memory.peak, search_s=plan.search.total_s,
                            objective_ms=1e3 * plan.search.objective)
-                in_sh = entry.in_shardings
+                in_sh = entry.run.lowering.in_shardings
                 call = ap
                 hlo = ap.compiled_text(*example)
             else:

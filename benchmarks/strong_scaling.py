@@ -71,7 +71,8 @@ def run_size(n: int, runs: int, out_path: str, seq: int) -> dict:
     else:
         call = rhino.auto_parallel(model.step, devices=jax.devices()[:n], mesh_shape=(n,))
         entry = call._entry(example)
-        compiled, plan, in_sh = entry.compiled, entry.plan, entry.in_shardings
+        compiled, plan = entry.run.compiled, entry.plan.spmd
+        in_sh = entry.run.lowering.in_shardings
         hlo = call.compiled_text(*example)
         row.update(specs=summarize_specs(plan),
                    param_specs={p.path: p.spec.to_str(plan.mesh) for p in plan.params},

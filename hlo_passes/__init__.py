@@ -1,4 +1,5 @@
-"""HLO passes: ingestion, analyses and (later) rewrites, installed as ``rhino.hlo_passes``.
+"""HLO passes: ingestion, analyses and the rewrites that execute a plan, installed as
+``rhino.hlo_passes``.
 
 Pass order::
 
@@ -10,9 +11,20 @@ Pass order::
         ▼
     GraphAnalysis                 consumed by the planner (rhino.planner)
 
-    annotate.py                   for execution: a jaxpr interpreter naming every equation
-                                  (eqn<i> scopes in op_name), EqnMap from HLO ops to
-                                  equation outputs, hooks that apply sharding constraints
+    ... the planner (rhino.planner, rhino.pipeline) makes a rhino.Plan ...
+
+    Plan + the step
+        │ lower.check_plan         the plan is for this program (names every mismatch)
+        │ lower.lower_spmd         one stage: constraints at the equations that produce each
+        │                          value (annotate.py), strided values kept split
+        │                          (strided.py), argument/result shardings, donation
+        │ lower.lower_stages       several stages: the step cut into per-stage F/B/A programs
+        ▼                          (stage_programs.py), each stage's specs on its values
+    SpmdLowering | StageLowering  run by rhino.runtime
+
+    annotate.py                   a jaxpr interpreter naming every equation (eqn<i> scopes in
+                                  op_name), EqnMap from HLO ops to equation outputs, hooks
+                                  that apply sharding constraints
 
 Each pass takes the previous pass's product and checks its invariants (``HloGraph.check``).
 """

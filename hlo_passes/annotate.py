@@ -55,7 +55,7 @@ class AnnotationError(RhinoError):
     """A plan cannot be mapped onto the program's values."""
 
 
-def _body(eqn) -> tuple[Any, Sequence[Any]] | None:
+def call_body(eqn) -> tuple[Any, Sequence[Any]] | None:
     key = _INLINE.get(eqn.primitive.name)
     if key is None or key not in eqn.params:
         return None
@@ -86,7 +86,7 @@ def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | 
         p = path + (i,)
         invals = [read(v) for v in eqn.invars]
         with jax.named_scope(f"eqn{i}"):
-            body = _body(eqn)
+            body = call_body(eqn)
             if body is not None:
                 outs = eval_scoped(body[0], body[1], invals, hook, p, in_hook, binder)
             else:
@@ -151,7 +151,7 @@ class ScopedFunction:
 
         def walk(jaxpr, path):
             for i, eqn in enumerate(jaxpr.eqns):
-                body = _body(eqn)
+                body = call_body(eqn)
                 if body is not None:
                     walk(body[0], path + (i,))
                 else:
@@ -221,7 +221,7 @@ class EqnMap:
             for i, eqn in enumerate(jaxpr.eqns):
                 p = path + (i,)
                 invals = [read(v) for v in eqn.invars]
-                body = _body(eqn)
+                body = call_body(eqn)
                 if body is not None:
                     res = walk(body[0], p, invals)
                 else:

@@ -1,5 +1,21 @@
 """rhino: automatic parallelization of single-device JAX training steps at the HLO level.
 
+The public API: ``auto_parallel`` (run a step in parallel; one ``ParallelStep`` type),
+``plan`` (plan without running; one ``Plan`` type), ``ingest`` / ``analyze`` (the graph the
+planner sees), ``plan_pipeline`` (the cluster controller), ``init`` (join a Ray cluster).
+
+Layers, each importing only the ones above it::
+
+    errors · vocabulary · milp · progress
+    hlo_passes  (ingest, analyses, annotate, stage programs, strided values)
+    planner     (SPMD: spec, strategies, build, solvers, spmd_plan)
+    cluster · parallel_plan       (the one Plan type)
+    pipeline    (gradient boundary, stage ILP, search/controller)
+    planning    (rhino.plan)
+    hlo_passes.lower              (a Plan written into the program)
+    runtime     (executors, schedules, transports)
+    parallel_step                 (rhino.auto_parallel)
+
 Example:
     >>> import jax.numpy as jnp, rhino
     >>> g = rhino.ingest(lambda x, w: x @ w, jnp.ones((8, 4)), jnp.ones((4, 2)))
@@ -8,20 +24,23 @@ Example:
     1
 """
 
-from rhino.errors import (HloParseError, InfeasiblePlanError, IngestError, RhinoError,
-                          UnsupportedOpError)
+from rhino._version import __version__
+from rhino.cluster import Cluster
+from rhino.errors import (HloParseError, InfeasiblePlanError, IngestError, LoweringError,
+                          OptionsError, PlanMismatchError, RhinoError, UnsupportedOpError)
 from rhino.hlo_passes import GraphAnalysis, HloGraph, analyze, ingest
-from rhino.planner.api import PlanOptions, plan
-from rhino.auto_parallel import auto_parallel
+from rhino.parallel_step import ParallelStep, auto_parallel
+from rhino.pipeline import grad, plan_pipeline
+from rhino.parallel_plan import Plan
+from rhino.planner.api import PlanOptions
 from rhino.planner.mesh import AbstractMesh
-from rhino.planner.plan import ExecutionPlan
 from rhino.planner.spec import ShardingSpec
-from rhino.pipeline import Cluster, PipelinePlan, grad, plan_pipeline
+from rhino.planner.spmd_plan import SpmdPlan
+from rhino.planning import plan
 from rhino.runtime.ray_executor import init
 
-from rhino._version import __version__
-
-__all__ = ["HloParseError", "InfeasiblePlanError", "IngestError", "RhinoError",
+__all__ = ["__version__", "HloParseError", "InfeasiblePlanError", "IngestError",
+           "LoweringError", "OptionsError", "PlanMismatchError", "RhinoError",
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
-           "AbstractMesh", "auto_parallel", "ExecutionPlan", "PlanOptions", "ShardingSpec", "plan",
-           "Cluster", "PipelinePlan", "grad", "plan_pipeline", "init"]
+           "AbstractMesh", "auto_parallel", "ParallelStep", "Plan", "SpmdPlan", "PlanOptions",
+           "ShardingSpec", "plan", "Cluster", "grad", "plan_pipeline", "init"]

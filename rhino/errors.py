@@ -6,7 +6,12 @@ Hierarchy::
     ├── HloParseError        malformed HLO / StableHLO input (file, line, expected, found)
     ├── IngestError          a source rhino cannot turn into a graph (bad path, bad args)
     ├── UnsupportedOpError   an op a pass cannot handle (op, source line)
-    └── InfeasiblePlanError  no plan fits the memory budget (memory needed, budget)
+    ├── InfeasiblePlanError  no plan fits the memory budget (memory needed, budget)
+    ├── OptionsError         an option out of range or of the wrong kind (also a ValueError)
+    ├── PlanMismatchError    a plan made for another program, or naming a value it lacks
+    └── LoweringError        a plan's spec that cannot be written into the program
+
+Modules add their own below these (``SolverError``, ``ExecutorError``, ...).
 """
 
 from __future__ import annotations
@@ -65,6 +70,19 @@ class InfeasiblePlanError(RhinoError):
             f"no plan fits the memory budget: needs at least {format_bytes(needed_bytes)} "
             f"per device, budget is {format_bytes(budget_bytes)}"
             + (f" ({detail})" if detail else ""))
+
+
+class OptionsError(RhinoError, ValueError):
+    """An option out of range or of the wrong kind (raised when the options are built)."""
+
+
+class PlanMismatchError(RhinoError):
+    """A plan that does not fit the program it is applied to (another program, or a value
+    the program lacks); the message names the value and what the program has instead."""
+
+
+class LoweringError(RhinoError):
+    """A plan's spec that cannot be written into the program (names the value)."""
 
 
 def format_bytes(n: float) -> str:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import os
 import sys
 import threading
@@ -46,20 +45,7 @@ import time
 import numpy as np
 
 from rhino.errors import RhinoError
-
-
-class SolverStatus(str, enum.Enum):
-    """How a solve ended (a ``str``, so plans keep writing plain strings to JSON)."""
-
-    OPTIMAL = "optimal"            # proven optimal (within the relative gap)
-    TIME_LIMIT = "time_limit"      # stopped by a limit; the best incumbent, if any
-    INFEASIBLE = "infeasible"      # no assignment satisfies the constraints
-    HEURISTIC = "heuristic"        # a heuristic's answer, with no optimality proof
-    BRUTE_FORCE = "brute_force"    # exhaustive enumeration (tiny problems, tests)
-    GIVEN = "given"                # supplied by the user, not searched
-
-    def __str__(self) -> str:
-        return self.value
+from rhino.vocabulary import SolverStatus
 
 
 class SolverError(RhinoError):

@@ -37,8 +37,9 @@ import jax
 import numpy as np
 
 from rhino.errors import RhinoError
-from rhino.runtime.schedules import Schedule
-from rhino.runtime.stage_programs import StepSplit, finish_accumulated, task_function
+from rhino.runtime.schedules import Schedule, make_schedule
+from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_accumulated,
+                                             flatten, split_step, task_function)
 from rhino.runtime.timeline import TaskRecord
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -161,18 +162,49 @@ class LocalTransport:
 
 
 @dataclasses.dataclass(frozen=True)
-class StageShardings:
-    """The shardings a stage uses, as PartitionSpecs on its mesh (plain data).
+class WorkerSpec:
+    """Everything a process needs to build one ``StageWorker`` (picklable: a Ray actor
+    re-traces the step and re-splits it; the split is deterministic).
 
     Attributes:
-        values: ``(equation path, result index) -> PartitionSpec`` constraints inside the
-            stage's programs.
-        refs: ``ref -> PartitionSpec`` for values the stage receives or is given
-            (arguments, microbatch slices, values from other stages). Unlisted: replicated.
+        fn: the step; abstract_mb: its arguments with microbatch-sized batch leaves.
+        assignment: equation path -> (role, stage); batch_refs, num_stages,
+        num_microbatches, accumulate, schedule: as in ``split_step`` / ``make_schedule``.
+        stage: the stage; mesh_shape, axis_names: its mesh; shardings: its shardings.
+        measure: time every task (blocking on its results).
     """
 
-    values: Mapping[tuple[tuple[int, ...], int], Any] = dataclasses.field(default_factory=dict)
-    refs: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+    fn: Callable
+    abstract_mb: tuple
+    assignment: dict
+    batch_refs: tuple[int, ...]
+    num_stages: int
+    num_microbatches: int
+    accumulate: str
+    schedule: str
+    stage: int
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    shardings: StageShardings
+    measure: bool = True
+
+    def split(self) -> StepSplit:
+        flat = flatten(jax.make_jaxpr(self.fn)(*self.abstract_mb))
+        return split_step(flat, self.assignment, self.batch_refs, self.num_stages,
+                          self.num_microbatches, self.accumulate)
+
+    def build(self, devices: Sequence[Any], split: StepSplit | None = None) -> "StageWorker":
+        """The worker on ``devices`` (as many as the mesh has)."""
+        from rhino.runtime.spmd import device_mesh
+
+        need = int(np.prod(self.mesh_shape))
+        if len(devices) != need:
+            raise ExecutorError(f"stage {self.stage}: expected {need} devices for mesh "
+                                f"{self.mesh_shape}, found {len(devices)}")
+        mesh = device_mesh(self.mesh_shape, self.axis_names, list(devices))
+        schedule = make_schedule(self.schedule, self.num_stages, self.num_microbatches)
+        return StageWorker(split or self.split(), self.stage, mesh, self.shardings, schedule,
+                           self.measure)
 
 
 class StageWorker:

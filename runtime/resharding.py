@@ -160,16 +160,16 @@ class TileSpec:
         return tuple(box)
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
+def intersect_boxes(a: Box, b: Box) -> Box | None:
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def _volume(b: Box) -> int:
+def box_volume(b: Box) -> int:
     return math.prod(hi - lo for lo, hi in b)
 
 
-def _slices(b: Box, origin: Box | None = None) -> tuple[slice, ...]:
+def box_slices(b: Box, origin: Box | None = None) -> tuple[slice, ...]:
     if origin is None:
         return tuple(slice(lo, hi) for lo, hi in b)
     return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, origin))
@@ -218,12 +218,12 @@ def unit_tasks(shape: Sequence[int], itemsize: int, src_mesh: DeviceMesh, src_sp
     for i, d in enumerate(dst_mesh.devices):
         want = dst_spec.tile(shape, dst_mesh, i)
         for tile, devs in holders.items():
-            region = _intersect(tile, want)
+            region = intersect_boxes(tile, want)
             if region is not None:
                 needed.setdefault(region, (tuple(devs), []))[1].append(d)
     rank = {d: i for i, d in enumerate(dst_mesh.devices)}
     items = sorted(needed.items(), key=lambda kv: (rank[kv[1][1][0]], kv[0]))
-    return tuple(UnitTask(i, region, src, tuple(dst), _volume(region) * int(itemsize))
+    return tuple(UnitTask(i, region, src, tuple(dst), box_volume(region) * int(itemsize))
                  for i, (region, (src, dst)) in enumerate(items))
 
 
@@ -297,7 +297,7 @@ class ReshardingPlan:
                     out.append(Copy(j, src, devs[0], region, True))
                     out += [Copy(j, a, b, region, False) for a, b in zip(devs, devs[1:])]
                 else:
-                    parts = _split(region, len(devs))
+                    parts = split_box(region, len(devs))
                     out += [Copy(j, src, d, p, True) for d, p in zip(devs, parts)]
                     out += [Copy(j, a, b, p, False) for a, p in zip(devs, parts)
                             for b in devs if b != a]
@@ -305,14 +305,14 @@ class ReshardingPlan:
 
     @property
     def cross_host_bytes(self) -> int:
-        return sum(_volume(c.region) for c in self.copies() if c.cross_host) * self.itemsize
+        return sum(box_volume(c.region) for c in self.copies() if c.cross_host) * self.itemsize
 
     @property
     def intra_host_bytes(self) -> int:
-        return sum(_volume(c.region) for c in self.copies() if not c.cross_host) * self.itemsize
+        return sum(box_volume(c.region) for c in self.copies() if not c.cross_host) * self.itemsize
 
 
-def _split(region: Box, parts: int) -> list[Box]:
+def split_box(region: Box, parts: int) -> list[Box]:
     """Cut ``region`` in up to ``parts`` non-empty blocks along its longest dimension."""
     dim = max(range(len(region)), key=lambda i: region[i][1] - region[i][0])
     lo, hi = region[dim]
@@ -404,7 +404,7 @@ def distribute(data: np.ndarray, mesh: DeviceMesh, spec: TileSpec | str,
     import jax
     spec = TileSpec.parse(spec) if isinstance(spec, str) else spec
     spec.check(data.shape, mesh)
-    return {d: jax.device_put(data[_slices(spec.tile(data.shape, mesh, i))], device_of(d))
+    return {d: jax.device_put(data[box_slices(spec.tile(data.shape, mesh, i))], device_of(d))
             for i, d in enumerate(mesh.devices)}
 
 
@@ -412,7 +412,7 @@ def expected_tiles(data: np.ndarray, mesh: DeviceMesh, spec: TileSpec | str
                    ) -> dict[int, np.ndarray]:
     """What each device of ``mesh`` should hold under ``spec`` (for checks)."""
     spec = TileSpec.parse(spec) if isinstance(spec, str) else spec
-    return {d: data[_slices(spec.tile(data.shape, mesh, i))] for i, d in enumerate(mesh.devices)}
+    return {d: data[box_slices(spec.tile(data.shape, mesh, i))] for i, d in enumerate(mesh.devices)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,12 +466,12 @@ def execute(plan: ReshardingPlan, src_pieces: Mapping[int, Any],
     received: dict[int, list[tuple[Box, Any]]] = {d: [] for d in plan.dst_mesh.devices}
     for c in copies:
         box, arr = next(((b, a) for b, a in held.get(c.src_device, [])
-                         if _intersect(b, c.region) == c.region), (None, None))
+                         if intersect_boxes(b, c.region) == c.region), (None, None))
         if arr is None:
             raise ReshardingError(f"execute: copy for job {c.job}: expected device "
                                   f"{c.src_device} to hold region {c.region}, found "
                                   f"{[b for b, _ in held.get(c.src_device, [])]}")
-        part = arr if box == c.region else arr[_slices(c.region, box)]
+        part = arr if box == c.region else arr[box_slices(c.region, box)]
         moved = jax.device_put(part, device_of(c.dst_device), may_alias=False)  # a real copy
         held.setdefault(c.dst_device, []).append((c.region, moved))
         received[c.dst_device].append((c.region, moved))
@@ -479,8 +479,8 @@ def execute(plan: ReshardingPlan, src_pieces: Mapping[int, Any],
     for i, d in enumerate(plan.dst_mesh.devices):
         tile = plan.dst_spec.tile(shape, plan.dst_mesh, i)
         got = received[d]
-        if sum(_volume(b) for b, _ in got) != _volume(tile) or any(
-                _intersect(b, tile) != b for b, _ in got):
+        if sum(box_volume(b) for b, _ in got) != box_volume(tile) or any(
+                intersect_boxes(b, tile) != b for b, _ in got):
             raise ReshardingError(f"execute: destination device {d}: expected regions "
                                   f"covering {tile}, found {[b for b, _ in got]}")
         if len(got) == 1:
@@ -494,7 +494,7 @@ def execute(plan: ReshardingPlan, src_pieces: Mapping[int, Any],
         pieces[d] = buf
     jax.block_until_ready(list(pieces.values()))
     seconds = time.perf_counter() - t0
-    cross = sum(_volume(c.region) for c in copies if c.cross_host) * plan.itemsize
+    cross = sum(box_volume(c.region) for c in copies if c.cross_host) * plan.itemsize
     return Execution(pieces, seconds, cross, len(copies))
 
 

@@ -1,11 +1,11 @@
-"""SPMD execution of an ``ExecutionPlan`` on a local device mesh: specs → shardings, the
-annotated program compiled by XLA's SPMD partitioner, the compiled shardings checked against
-the plan before anything runs, and the collectives of the compiled program counted.
+"""SPMD execution facts: the device mesh, the compiled shardings checked against the plan
+before anything runs, the collectives of a compiled program counted, its memory read.
+(Writing a plan into the program is ``hlo_passes.lower``.)
 
 Example:
-    >>> from rhino.planner.spec import ShardingSpec
-    >>> partition_spec(ShardingSpec.parse("S[x]·R·S[y,z]"), ("x", "y", "z"))
-    PartitionSpec('x', None, ('y', 'z'))
+    >>> count_collectives("HloModule m\nENTRY e {\n  p = f32[8] parameter(0)\n"
+    ...                   "  ROOT r = f32[8] all-reduce(p), to_apply=add\n}\n")[0].kind
+    'all-reduce'
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import numpy as np
 
 from rhino.errors import RhinoError
 from rhino.hlo_passes import hlo_text as ht
-from rhino.hlo_passes.graph import TensorType, flatten_shape
-from rhino.planner.spec import ShardingSpec
+from rhino.hlo_passes.graph import flatten_shape
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                     "collective-permute")
@@ -27,30 +26,6 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
 
 class ShardingMismatchError(RhinoError):
     """The compiled program's shardings differ from the plan's (never run silently)."""
-
-
-class UnrealizableSpecError(RhinoError):
-    """A spec this executor cannot express as a device sharding."""
-
-
-def partition_spec(spec: ShardingSpec, axis_names: Sequence[str]):
-    """The ``PartitionSpec`` of a blocked (non-strided) spec; pending sums are not
-    expressible and must be left unconstrained by the caller."""
-    from jax.sharding import PartitionSpec
-
-    if spec.is_partial:
-        raise UnrealizableSpecError(f"spec {spec.to_str()}: a pending reduction has no "
-                                    f"PartitionSpec")
-    entries = []
-    for d in spec.dims:
-        if d.stride is not None:
-            raise UnrealizableSpecError(f"spec {spec.to_str()}: strided dims need the "
-                                        f"strided-dim rewrite")
-        names = tuple(axis_names[a] for a in d.axes)
-        entries.append(None if not names else names[0] if len(names) == 1 else names)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
 
 
 def device_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str], devices=None):

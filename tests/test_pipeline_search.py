@@ -1,4 +1,4 @@
-"""Cluster splits, the 1F1B cost model, the controller, PipelinePlan JSON and the CLI."""
+"""Cluster splits, the 1F1B cost model, the controller, Plan JSON and the CLI."""
 
 import dataclasses
 import doctest
@@ -10,12 +10,12 @@ import rhino
 from rhino.cli import main
 from rhino.errors import InfeasiblePlanError
 from rhino.models import get_model
-from rhino.pipeline import cluster as cluster_module
+from rhino import cluster as cluster_module
 from rhino.pipeline import cost as cost_module
-from rhino.pipeline import plan as plan_module
-from rhino.pipeline.cluster import Cluster, enumerate_splits
+from rhino import parallel_plan as plan_module
+from rhino.cluster import Cluster, enumerate_splits
 from rhino.pipeline.cost import in_flight, pipeline_step, transfer_seconds
-from rhino.pipeline.plan import PipelinePlan
+from rhino.parallel_plan import Plan
 from rhino.pipeline.search import PipelineOptions
 
 FAST = PipelineOptions(two_d=False, executor="thread")
@@ -122,7 +122,7 @@ def test_controller_fits_a_model_too_big_to_replicate():
 def test_plan_json_round_trip_and_report(gpt_graph):
     p = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=2e-8, options=FAST,
                             microbatches=4)
-    q = PipelinePlan.from_json(p.to_json())
+    q = Plan.from_json(p.to_json())
     assert q == p
     d = json.loads(p.to_json(include_spmd=False))
     assert all(s["spmd"] is None for s in d["stages"])
@@ -140,8 +140,8 @@ def test_plan_json_round_trip_and_report(gpt_graph):
     assert any(w.startswith("params['layers'][0]") for w in s0.weights)
     t = p.search
     assert t.total >= t.stage_ilp and t.spmd_plans >= 3 and t.candidates == len(p.candidates)
-    with pytest.raises(ValueError, match="format"):
-        PipelinePlan.from_dict(dict(json.loads(p.to_json()), format=99))
+    with pytest.raises(rhino.PlanMismatchError, match="format"):
+        Plan.from_dict(dict(json.loads(p.to_json()), format=99))
 
 
 def test_options_are_checked():
@@ -160,8 +160,8 @@ def test_cli_plan_with_cluster(tmp_path, capsys):
                "--beta-inter", "1e-9", "--quiet", "--output", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "rhino pipeline plan" in text and "candidates" in text
-    p = PipelinePlan.from_json(out.read_text())
+    assert "rhino plan" in text and "candidates" in text and "chosen" in text
+    p = Plan.from_json(out.read_text())
     assert p.cluster.hosts == 1 and p.num_microbatches in (1, 2)
     assert main(["plan", "mlp", "--cluster", "2by2", "--quiet"]) == 2
     assert "HOSTSxDEVICES" in capsys.readouterr().err

@@ -11,11 +11,12 @@ from rhino.models import get_model
 from rhino.pipeline import coarsen as coarsen_module
 from rhino.pipeline import stage_ilp as stage_ilp_module
 from rhino.pipeline import stages as stages_module
-from rhino.pipeline.coarsen import AG, BWD, FREE, FWD, classify_ops, coarsen, weight_group
+from rhino.pipeline.coarsen import classify_ops, coarsen, weight_group
 from rhino.pipeline.gradient import find_gradient_boundary
 from rhino.pipeline.stage_ilp import (CutTensor, StageAssignmentError, StageOptions,
                                       StageProblem, solve_brute_force, solve_stage_problem)
 from rhino.pipeline.stages import assign_stages, check_assignment
+from rhino.vocabulary import Role
 
 
 def test_doctests():
@@ -174,7 +175,7 @@ def test_gpt_layers_split_at_layer_boundaries(layers, stages):
         for o in op.operands:
             k = _layer_of(g, o)
             if k is not None:
-                assert role[op.id] in (FWD, BWD, AG)
+                assert role[op.id] in (Role.FORWARD, Role.BACKWARD, Role.APPLY)
                 assert stage_of_layer.setdefault(k, a.stage_of[op.id]) == a.stage_of[op.id], k
     assert sorted(stage_of_layer) == list(range(layers))
     assert sorted(set(stage_of_layer.values())) == list(range(stages))
@@ -201,16 +202,17 @@ def test_checker_catches_broken_assignments():
     g, b = _gpt(2)
     a = assign_stages(g, b, 2, StageOptions(epsilon=0.3))
     st = list(a.stage_of)
-    first = next(i for i, r in enumerate(a.roles.role) if r == FWD and st[i] == 0)
-    reader = next(j for j in g.users[first] if a.roles.role[j] == FWD)
-    last = max(i for i, r in enumerate(a.roles.role) if r == FWD)
+    first = next(i for i, r in enumerate(a.roles.role) if r == Role.FORWARD and st[i] == 0)
+    reader = next(j for j in g.users[first] if a.roles.role[j] == Role.FORWARD)
+    last = max(i for i, r in enumerate(a.roles.role) if r == Role.FORWARD)
     st[last] = 0
     st[first] = 1
     broken = dataclasses.replace(a, stage_of=tuple(st))
     errs = check_assignment(g, b, broken)
     assert any("forward edge" in e for e in errs) or st[reader] == 1
     assert any("crossings" in e for e in errs) and any("unit" in e for e in errs)
-    free = next(i for i, r in enumerate(a.roles.role) if r == FREE and g.ops[i].opcode != "parameter")
+    free = next(i for i, r in enumerate(a.roles.role)
+                if r == Role.FREE and g.ops[i].opcode != "parameter")
     st2 = list(a.stage_of)
     st2[free] = 0
     assert any("free op" in e for e in check_assignment(g, b, dataclasses.replace(
@@ -221,7 +223,7 @@ def test_roles_and_granularities():
     g, b = _gpt(2)
     roles = classify_ops(g, b)
     assert roles.method == "autodiff-names"
-    counts = {r: roles.role.count(r) for r in (FREE, FWD, BWD, AG)}
+    counts = {r: roles.role.count(r) for r in (Role.FREE, Role.FORWARD, Role.BACKWARD, Role.APPLY)}
     assert all(counts.values())
     seg = coarsen(g, roles, "segment", b.state_params)
     lay = coarsen(g, roles, "auto", b.state_params)
@@ -232,7 +234,7 @@ def test_roles_and_granularities():
     for c in (seg, lay, per_op):
         c.problem.topological_order()       # a DAG
         assert sorted(i for m in c.units for i in m) == sorted(
-            i for i, r in enumerate(roles.role) if r in (FWD, BWD))
+            i for i, r in enumerate(roles.role) if r in (Role.FORWARD, Role.BACKWARD))
     assert weight_group("params['layers'][3]['ln1']['scale']") == "params['layers'][3]"
     assert weight_group("params['ln_f']['bias']") == "params['ln_f']"
     assert weight_group("params['wte']") is None

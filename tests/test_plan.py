@@ -11,7 +11,7 @@ from rhino.errors import InfeasiblePlanError
 from rhino.models import get_model
 from rhino.planner.api import memory_of
 from rhino.planner.build import build_problem
-from rhino.planner.plan import ExecutionPlan
+from rhino.planner.spmd_plan import SpmdPlan
 
 
 def _small_gpt():
@@ -21,12 +21,16 @@ def _small_gpt():
 
 def test_plan_report_and_json_round_trip(tmp_path):
     m = get_model("mlp", batch=128, hidden=1024)
-    p = rhino.plan(m.step, *m.example_args(), mesh_shape=(4,), opt_level="O3")
+    whole = rhino.plan(m.step, *m.example_args(), mesh_shape=(4,), opt_level="O3")
+    assert whole.kind == "spmd" and whole.num_stages == 1
+    assert rhino.Plan.from_json(whole.to_json()) == whole
+    assert whole.report() == whole.spmd.report()
+    p = whole.spmd
     rep = p.report()
     for field in ("mesh", "search", "step time", "memory / device", "collectives",
                   "parameters", "params['layers'][0]['w']", "replicated for lack of a rule"):
         assert field in rep
-    q = ExecutionPlan.from_json(p.to_json())
+    q = SpmdPlan.from_json(p.to_json())
     assert q == p
     assert q.param_spec("params['layers'][0]['w']") == p.param_spec("params['layers'][0]['w']")
     assert p.search.status == "optimal" and p.search.nodes == len(p.ops)
@@ -35,26 +39,26 @@ def test_plan_report_and_json_round_trip(tmp_path):
     with pytest.raises(KeyError, match="no parameter"):
         p.param_spec("params['nope']")
     with pytest.raises(ValueError, match="format"):
-        ExecutionPlan.from_dict(dict(json.loads(p.to_json()), format=99))
+        SpmdPlan.from_dict(dict(json.loads(p.to_json()), format=99))
 
 
 def test_o2_and_o3_agree_on_mlp():
     m = get_model("mlp", batch=128, hidden=1024)
-    p2 = rhino.plan(m.step, *m.example_args(), mesh_shape=(4,), opt_level="O2")
-    p3 = rhino.plan(m.step, *m.example_args(), mesh_shape=(4,), opt_level="O3")
+    p2 = rhino.plan(m.step, *m.example_args(), mesh_shape=(4,), opt_level="O2").spmd
+    p3 = rhino.plan(m.step, *m.example_args(), mesh_shape=(4,), opt_level="O3").spmd
     assert p3.search.objective <= p2.search.objective <= 1.05 * p3.search.objective
 
 
 def test_memory_budget_shards_only_the_largest_parameters():
     m = _small_gpt()
-    free = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,))
+    free = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,)).spmd
     # The floor: what a plan needs with every parameter forced sharded.
     with pytest.raises(InfeasiblePlanError) as ei:
-        rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=1024)
+        rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=1024).spmd
     floor = ei.value.needed_bytes
     assert floor < free.memory.peak
     budget = int(floor + 0.3 * (free.memory.peak - floor))
-    p = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=budget)
+    p = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=budget).spmd
     assert p.memory.peak <= budget < free.memory.peak
     k = p.search.forced_sharded
     assert 0 < k < len(p.params)
@@ -74,7 +78,7 @@ def test_memory_budget_shards_only_the_largest_parameters():
 def test_impossible_budget_raises_with_minimum_and_budget():
     m = _small_gpt()
     with pytest.raises(InfeasiblePlanError) as ei:
-        rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=4096)
+        rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=4096).spmd
     assert ei.value.budget_bytes == 4096
     assert ei.value.needed_bytes > 4096
     assert "budget" in str(ei.value)
@@ -86,15 +90,15 @@ def test_plan_from_hlo_file(tmp_path):
     lowered = jax.jit(lambda x, w: jnp.sum(jnp.tanh(x @ w))).lower(jnp.ones((64, 32)),
                                                                     jnp.ones((32, 32)))
     f.write_text(lowered.as_text(dialect="hlo", debug_info=True))
-    p = rhino.plan(str(f), mesh_shape=(2, 2))
+    p = rhino.plan(str(f), mesh_shape=(2, 2)).spmd
     assert p.origin.startswith("hlo:") and p.mesh.shape == (2, 2)
 
 
 def test_bad_options():
     with pytest.raises(ValueError, match="opt_level"):
-        rhino.plan(lambda x: x * 2, jnp.ones(8), mesh_shape=(2,), opt_level="O9")
+        rhino.plan(lambda x: x * 2, jnp.ones(8), mesh_shape=(2,), opt_level="O9").spmd
     with pytest.raises(rhino.RhinoError, match="mesh"):
-        rhino.plan(lambda x: x * 2, jnp.ones(8), mesh_shape=(0,))
+        rhino.plan(lambda x: x * 2, jnp.ones(8), mesh_shape=(0,)).spmd
 
 
 def test_cli_plan(tmp_path, capsys):
@@ -103,11 +107,11 @@ def test_cli_plan(tmp_path, capsys):
                  "--output", str(out), "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "rhino plan" in text and "Mesh(x=2, y=2)" in text
-    assert ExecutionPlan.from_json(out.read_text()).mesh.shape == (2, 2)
+    assert rhino.Plan.from_json(out.read_text()).spmd.mesh.shape == (2, 2)
     assert main(["plan", "mlp", "--mesh", "4", "--json", "--quiet",
                  "--alpha", "1e-5", "--beta", "1e-9"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["mesh"]["beta"] == [1e-9]
+    assert d["stages"][0]["mesh"]["beta"] == [1e-9]
     assert main(["plan", "mlp", "--mesh", "4", "--memory-budget", "1KiB", "--quiet"]) == 2
     assert "no plan fits" in capsys.readouterr().err
     assert main(["plan", "mlp", "--mesh", "4", "--memory-budget", "lots", "--quiet"]) == 2
@@ -117,6 +121,6 @@ def test_cli_plan(tmp_path, capsys):
 def test_plan_with_cluster_uses_the_controller():
     m = get_model("gpt", layers=4, hidden=64, heads=4, seq=16, vocab=256, batch=8)
     p = rhino.plan(m.step, *m.example_args(), cluster="2x4", microbatches=4, max_stages=2)
-    from rhino.pipeline.plan import PipelinePlan
-    assert isinstance(p, PipelinePlan)
+    from rhino.parallel_plan import Plan
+    assert isinstance(p, Plan)
     assert "candidates" in p.report().lower() or "winner" in p.report().lower()

@@ -15,12 +15,12 @@ from rhino.hlo_passes.annotate import ScopedFunction
 from rhino.models import get_model
 from rhino.pipeline.coarsen import classify_ops
 from rhino.pipeline.gradient import find_gradient_boundary
-from rhino.pipeline.plan import PipelinePlan
+from rhino.parallel_plan import Plan
 from rhino.pipeline.stages import assign_stages
 from rhino.runtime.executor import (ExecutorError, LocalExecutor, LocalTransport,
                                     instructions)
 from rhino.runtime.schedules import SCHEDULE_NAMES, make_schedule
-from rhino.runtime.stage_programs import (StageSplitError, apply_order, assignment_from_ops,
+from rhino.hlo_passes.stage_programs import (StageSplitError, apply_order, assignment_from_ops,
                                           finish_accumulated, flatten, split_step,
                                           task_function)
 
@@ -203,9 +203,9 @@ def test_gpt_pipeline_matches_single_device(gpt_run):
 def test_other_schedules_give_the_same_losses(gpt_run, schedule):
     m = gpt_run["model"]
     params, opt, batch = gpt_run["params"]
-    saved = PipelinePlan.from_json(gpt_run["step"].plan_for(params, opt, batch).to_json())
+    saved = Plan.from_json(gpt_run["step"].plan_for(params, opt, batch).to_json())
     step = rhino.auto_parallel(m.step, cluster="2x4", num_microbatches=4, schedule=schedule,
-                               pipeline_plan=saved, timeout=120)
+                               plan=saved, timeout=120)
     p, o = params, opt
     for k in range(3):
         p, o, loss = step(p, o, batch)
@@ -229,7 +229,7 @@ def test_batch_not_divisible_by_microbatches_is_a_clear_error(gpt_run):
     m = gpt_run["model"]
     params, opt, batch = gpt_run["params"]
     saved = gpt_run["step"].plan_for(params, opt, batch)
-    step = rhino.auto_parallel(m.step, cluster="2x4", num_microbatches=3, pipeline_plan=saved)
+    step = rhino.auto_parallel(m.step, cluster="2x4", num_microbatches=3, plan=saved)
     with pytest.raises(RhinoError, match="divisible by num_microbatches=3"):
         step(params, opt, batch)
 
@@ -246,7 +246,7 @@ def test_a_lost_value_times_out_naming_stage_and_instruction(gpt_run):
     step = gpt_run["step"]
     params, opt, batch = gpt_run["params"]
     entry = step._entry((params, opt, batch))
-    ex = LocalExecutor(entry.executor.workers, timeout=2.0)
+    ex = LocalExecutor(entry.run.executor.workers, timeout=2.0)
     ex.transport = _Lossy(2)
     with pytest.raises(ExecutorError, match=r"stage 0, recv v\d+@0←1: timed out"):
         ex.run(jax.tree_util.tree_leaves((params, opt, batch)))
@@ -258,8 +258,13 @@ def test_executor_options_are_checked():
         rhino.auto_parallel(lambda x: x, cluster="2x4", schedule="zigzag")
     with pytest.raises(RhinoError, match="executor"):
         rhino.auto_parallel(lambda x: x, cluster="2x4", executor="mpi")
-    with pytest.raises(RhinoError, match="SPMD-only"):
+    with pytest.raises(rhino.OptionsError, match="a mesh .* or a cluster, found both"):
         rhino.auto_parallel(lambda x: x, cluster="2x4", mesh_shape=(8,))
+    with pytest.raises(rhino.OptionsError, match="num_microbatches: expected a positive "
+                                                 "integer or None, found 0"):
+        rhino.auto_parallel(lambda x: x, cluster="2x4", num_microbatches=0)
+    with pytest.raises(rhino.OptionsError, match="memory_budget .*found '2GB'"):
+        rhino.auto_parallel(lambda x: x, memory_budget="2GB")
 
 
 def test_unet_pipeline_matches_single_device():
@@ -289,7 +294,8 @@ def test_distributed_init_creates_state_on_the_stage_meshes(gpt_run):
     _close((p, o), (params, opt))  # equal to the single-device init with the same seed
     entry = step._entry((params, opt, batch))
     for k, leaf in enumerate(jax.tree_util.tree_leaves((p, o))):
-        first = next(w for w in entry.executor.workers if k in entry.split.stage_args(w.stage))
+        split = entry.run.lowering.split
+        first = next(w for w in entry.run.executor.workers if k in split.stage_args(w.stage))
         assert leaf.sharding.is_equivalent_to(first.sharding(k), leaf.ndim)
     p1, o1, loss = step(p, o, batch)
     assert float(loss) == pytest.approx(gpt_run["losses"][0][0], rel=RTOL)
@@ -306,10 +312,10 @@ def test_cross_mesh_broadcast_transport_matches_and_moves_fewer_cross_host_bytes
     cross = {}
     for strategy in ("broadcast", "send_recv"):
         step = rhino.auto_parallel(m.step, cluster="2x4", num_microbatches=4,
-                                   pipeline_plan=saved, transport=strategy, timeout=120)
+                                   plan=saved, transport=strategy, timeout=120)
         p, o, loss = step(params, opt, batch)
         assert float(loss) == pytest.approx(gpt_run["losses"][0][0], rel=RTOL)
-        t = step._entry((params, opt, batch)).executor.transport
+        t = step._entry((params, opt, batch)).run.executor.transport
         cross[strategy] = t.cross_host_bytes
         step.close()
     assert 0 < cross["broadcast"] < cross["send_recv"]

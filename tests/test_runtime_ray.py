@@ -110,7 +110,7 @@ def test_gpt_on_two_actors_matches_one_device(gpt_ray, gpt):
     for a, b in zip(jax.tree_util.tree_leaves((p1, o1)), jax.tree_util.tree_leaves((p2, o2))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=5e-5)
     assert isinstance(l1, jax.Array)
-    ex = gpt_ray._last.executor
+    ex = gpt_ray._last.run.executor
     assert isinstance(ex, RayExecutor) and len(ex.actors) == 2
     # 2 actors × 4 devices, in two processes.
     assert [d["devices"] for d in ex._describe] == [4, 4]
@@ -131,7 +131,7 @@ def test_gpt_on_two_actors_matches_one_device(gpt_ray, gpt):
 def _specs(step, args):
     step.plan_for(*args)
     entry = step._last or next(iter(step._cache.values()))
-    return entry.specs, entry.plan.cluster
+    return entry.run.specs, entry.plan.cluster
 
 
 def test_stalled_stage_times_out_naming_the_stages(gpt_ray, gpt):
@@ -246,7 +246,7 @@ def test_unet_on_two_actors_matches_one_device(ray_cluster):
         for a, b in zip(jax.tree_util.tree_leaves((p1, o1)),
                         jax.tree_util.tree_leaves((p2, o2))):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=5e-5)
-        ex = step._last.executor
+        ex = step._last.run.executor
         assert isinstance(ex, RayExecutor) and len(ex.actors) == 2
         assert step.plan_for(params, opt, batch).num_stages == 2
     finally:

@@ -1,4 +1,5 @@
-"""Cross-mesh resharding with every host a Ray actor (``rhino.runtime.ray_resharding``).
+"""Cross-mesh resharding with every host a Ray actor (``benchmarks/ray_resharding.py``, the
+Table 2 benchmark's executor).
 
 Needs ray (skipped otherwise). One local Ray cluster (4 CPUs) and one pool of host actors
 serve the module; tensors are tiny, the meshes are those of 004's Table 2.
@@ -6,6 +7,8 @@ serve the module; tensors are tiny, the meshes are those of 004's Table 2.
 
 from __future__ import annotations
 
+import pathlib
+import sys
 import time
 
 import numpy as np
@@ -14,8 +17,10 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from rhino.runtime.ray_executor import init  # noqa: E402
-from rhino.runtime.ray_resharding import (ActorExecution, HostActors,  # noqa: E402
-                                          check_tiles, execute_on_actors)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+from ray_resharding import (ActorExecution, HostActors, check_tiles,  # noqa: E402
+                            execute_on_actors)
 from rhino.runtime.resharding import (DeviceMesh, ReshardingError,  # noqa: E402
                                       expected_tiles, plan_resharding)
 

@@ -8,6 +8,10 @@ Example:
     ...                         beta_inter=1e-8)
     >>> p.kind in ("spmd", "pipeline", "hybrid"), len(p.candidates) > 3
     (True, True)
+    >>> opts = PipelineOptions(num_microbatches=4, epsilon=0.3, max_stages=2)
+    >>> q = rhino.plan_pipeline(m.step, *m.example_args(), cluster="1x2", options=opts)
+    >>> q.epsilon                      # the options are honoured
+    0.3
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ import dataclasses
 import time
 from typing import Any, Callable
 
-from rhino.errors import RhinoError
+from rhino.errors import OptionsError
 from rhino.hlo_passes import HloGraph, ingest
-from rhino.pipeline.cluster import Cluster
-from rhino.pipeline.plan import PipelinePlan
+from rhino.cluster import Cluster
+from rhino.parallel_plan import Plan
 from rhino.pipeline.search import PipelineOptions, plan_pipeline_graph
 
 
@@ -27,7 +31,7 @@ def make_cluster(cluster: str | Cluster, **links: float | int | None) -> Cluster
     """A ``Cluster`` from ``"HxD"`` (or one as is) with the given fields overriding.
 
     Raises:
-        RhinoError: malformed text or values.
+        OptionsError: malformed text or values.
     """
     fields = {k: v for k, v in links.items() if v is not None}
     try:
@@ -35,17 +39,18 @@ def make_cluster(cluster: str | Cluster, **links: float | int | None) -> Cluster
             return dataclasses.replace(cluster, **fields)
         return Cluster.parse(cluster, **fields)
     except (TypeError, ValueError) as e:
-        raise RhinoError(f"cluster: {e}") from None
+        raise OptionsError(f"cluster: {e}") from None
 
 
 def plan_pipeline(source: Any, *example_args: Any, cluster: str | Cluster = "1x8",
-                  microbatches: int = 8, epsilon: float = 0.1, max_stages: int | None = None,
+                  microbatches: int | None = None, epsilon: float | None = None,
+                  max_stages: int | None = None,
                   alpha_intra: float | None = None, beta_intra: float | None = None,
                   alpha_inter: float | None = None, beta_inter: float | None = None,
                   flops_per_s: float | None = None, memory_bytes: int | None = None,
                   batch_args: tuple[str, ...] | None = None,
                   options: PipelineOptions | None = None,
-                  progress: Callable[[str], None] | None = None) -> PipelinePlan:
+                  progress: Callable[[str], None] | None = None) -> Plan:
     """Plan a training step over a cluster: SPMD-only, pipeline-only or hybrid.
 
     Args:
@@ -53,19 +58,20 @@ def plan_pipeline(source: Any, *example_args: Any, cluster: str | Cluster = "1x8
             an ingested ``HloGraph``.
         *example_args: example arguments (arrays, ShapeDtypeStructs or pytrees of them).
         cluster: ``"HOSTSxDEVICES"`` such as ``"2x8"``, or a ``Cluster``.
-        microbatches: microbatches per step for 1F1B.
-        epsilon: stage imbalance tolerance of the stage ILP (§5.2).
-        max_stages: the most pipeline stages.
+        microbatches: microbatches per step for 1F1B (default: ``options``', else 8).
+        epsilon: stage imbalance tolerance of the stage ILP (§5.2; default: ``options``',
+            else 0.1).
+        max_stages: the most pipeline stages (default: ``options``', else every device).
         alpha_intra, beta_intra, alpha_inter, beta_inter: link latency (s) and seconds per
             byte within and across hosts (default: the simulated-CPU values).
         flops_per_s, memory_bytes: per device (override the cluster's).
         batch_args: argument names that carry the batch (default: the non-state ones).
-        options: all other search options (``microbatches``, ``epsilon``, ``max_stages``,
-            ``batch_args`` given here replace theirs).
+        options: all other search options; ``microbatches``, ``epsilon``, ``max_stages``
+            and ``batch_args`` given here (not None) replace theirs.
         progress: called with a line of text at each phase.
 
     Returns:
-        The ``PipelinePlan`` (``.report()``, ``.to_json()``).
+        The ``Plan`` (``.report()``, ``.to_json()``).
 
     Raises:
         GradientBoundaryError: the step's gradient boundary cannot be found (pipeline
@@ -75,15 +81,10 @@ def plan_pipeline(source: Any, *example_args: Any, cluster: str | Cluster = "1x8
     c = make_cluster(cluster, alpha_intra=alpha_intra, beta_intra=beta_intra,
                      alpha_inter=alpha_inter, beta_inter=beta_inter, flops_per_s=flops_per_s,
                      memory_bytes=memory_bytes)
-    base = options or PipelineOptions()
-    try:
-        opts = dataclasses.replace(base, num_microbatches=microbatches, epsilon=epsilon,
-                                   max_stages=max_stages if max_stages is not None
-                                   else base.max_stages,
-                                   batch_args=batch_args if batch_args is not None
-                                   else base.batch_args)
-    except ValueError as e:
-        raise RhinoError(str(e)) from None
+    given = {"num_microbatches": microbatches, "epsilon": epsilon, "max_stages": max_stages,
+             "batch_args": batch_args}
+    opts = dataclasses.replace(options or PipelineOptions(),
+                               **{k: v for k, v in given.items() if v is not None})
     t0 = time.perf_counter()
     graph = source if isinstance(source, HloGraph) else ingest(source, *example_args)
     t1 = time.perf_counter()

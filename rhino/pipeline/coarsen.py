@@ -65,8 +65,8 @@ from rhino.hlo_passes.graph import HloGraph
 from rhino.hlo_passes.subgraph import extract_subgraph
 from rhino.pipeline.gradient import GradientBoundary
 from rhino.pipeline.stage_ilp import CutTensor, StageAssignmentError, StageProblem
+from rhino.vocabulary import Role
 
-FREE, FWD, BWD, AG = "free", "fwd", "bwd", "ag"
 GRANULARITIES = ("auto", "layer", "segment", "op")
 _GROUP = re.compile(r"^(.*\[\d+\])")
 
@@ -95,10 +95,10 @@ def classify_ops(graph: HloGraph, boundary: GradientBoundary) -> OpRoles:
     dep = boundary.batch_dependent
     in_cg = boundary.in_compute()
     cg = [i for i in range(n) if in_cg[i] and dep[i] and graph.ops[i].opcode != "parameter"]
-    role = [FREE] * n
+    role = [Role.FREE] * n
     for i in range(n):
         if dep[i] and not in_cg[i] and graph.ops[i].opcode != "parameter":
-            role[i] = AG
+            role[i] = Role.APPLY
     seeds = [i for i in cg if any(c.startswith("transpose(")
                                   for c in graph.ops[i].op_name.split("/"))]
     bwd = [False] * n
@@ -123,7 +123,7 @@ def classify_ops(graph: HloGraph, boundary: GradientBoundary) -> OpRoles:
     else:
         method = "forward-only"
     for i in cg:
-        role[i] = BWD if bwd[i] else FWD
+        role[i] = Role.BACKWARD if bwd[i] else Role.FORWARD
     return OpRoles(tuple(role), method)
 
 
@@ -194,12 +194,12 @@ def _weight_readers(graph: HloGraph, role: Sequence[str], state_params: Sequence
     readers: dict[str, list[int]] = {}
     for op in graph.ops:
         i = op.id
-        if role[i] not in (FREE, FWD) or not op.operands:
+        if role[i] not in (Role.FREE, Role.FORWARD) or not op.operands:
             continue
         acc = frozenset().union(*(groups[o] for o in op.operands))
         if not acc:
             continue
-        if role[i] == FREE:
+        if role[i] == Role.FREE:
             groups[i] = groups[i] | acc
         else:
             for g in acc:
@@ -212,7 +212,7 @@ def _layer_keys(graph: HloGraph, role: Sequence[str], fwd: list[int],
                 ) -> tuple[list[int], list[str]]:
     n = len(graph.ops)
     users = graph.users
-    is_fwd = [r == FWD for r in role]
+    is_fwd = [r == Role.FORWARD for r in role]
     total = sum(graph.ops[i].flops for i in fwd) or 1.0
     uf = _UnionFind(n)
     grouped = [False] * n
@@ -268,14 +268,14 @@ def _layer_keys(graph: HloGraph, role: Sequence[str], fwd: list[int],
 
 def _segment_keys(graph: HloGraph, role: Sequence[str], fwd: list[int]) -> list[int]:
     n = len(graph.ops)
-    free = [i for i in range(n) if role[i] == FREE]
+    free = [i for i in range(n) if role[i] == Role.FREE]
     sub = extract_subgraph(graph, fwd, duplicate=free, name=f"{graph.name}.forward")
     an = analyze(sub.graph)
     crit_index = {c: k for k, c in enumerate(an.critical)}
     key = [-1] * n
     critical = [False] * n
     for j, src in enumerate(sub.origin):
-        if src in sub.inputs or role[src] != FWD:
+        if src in sub.inputs or role[src] != Role.FORWARD:
             continue
         key[src] = crit_index[j] if j in crit_index else an.segment_of[j]
         critical[src] = j in crit_index
@@ -286,12 +286,12 @@ def _segment_keys(graph: HloGraph, role: Sequence[str], fwd: list[int]) -> list[
         after[i] = critical[i] or any(after[o] for o in graph.ops[i].operands)
     for i in reversed(fwd):
         if not after[i]:
-            later = [key[j] for j in users[i] if role[j] == FWD]
+            later = [key[j] for j in users[i] if role[j] == Role.FORWARD]
             if later:
                 key[i] = max(key[i], min(later))
     for i in fwd:  # monotone: a reader never sits in an earlier unit than what it reads
         for o in graph.ops[i].operands:
-            if role[o] == FWD and key[o] > key[i]:
+            if role[o] == Role.FORWARD and key[o] > key[i]:
                 key[i] = key[o]
     return key
 
@@ -318,9 +318,9 @@ def _unit_problem(graph: HloGraph, role: Sequence[str], unit_of: list[int],
                 v = unit_of[j]
                 if v < 0 or v == u:
                     continue
-                if role[i] == FWD and role[j] == FWD:
+                if role[i] == Role.FORWARD and role[j] == Role.FORWARD:
                     dag.add_edge(u, v)
-                elif backward and role[i] == BWD and role[j] == BWD:
+                elif backward and role[i] == Role.BACKWARD and role[j] == Role.BACKWARD:
                     dag.add_edge(v, u)       # gradients flow to earlier stages
         cond = nx.condensation(dag)
         comp = cond.graph["mapping"]
@@ -353,16 +353,16 @@ def _unit_problem(graph: HloGraph, role: Sequence[str], unit_of: list[int],
             if v < 0 or v == u:
                 continue
             cons.add(v)
-            if role[i] == FWD and role[j] == FWD:
+            if role[i] == Role.FORWARD and role[j] == Role.FORWARD:
                 edges.add((u, v))
-            elif role[i] == BWD and role[j] == BWD:
+            elif role[i] == Role.BACKWARD and role[j] == Role.BACKWARD:
                 edges.add((v, u))
         if cons:
             tensors.append(CutTensor(u, tuple(sorted(cons)), int(graph.ops[i].out_bytes),
                                      graph.ops[i].name))
     names = []
     for m in members:
-        heavy = max(m, key=lambda i: (role[i] == FWD, graph.ops[i].flops, -i))
+        heavy = max(m, key=lambda i: (role[i] == Role.FORWARD, graph.ops[i].flops, -i))
         names.append(graph.ops[heavy].name)
     problem = StageProblem(tuple(names), tuple(compute), tuple(sorted(edges)), tuple(tensors), 1)
     return problem, members, unit_of
@@ -375,19 +375,19 @@ def _attach_backward(graph: HloGraph, role: Sequence[str], unit_of: list[int],
     users = graph.users
     avail: list[set[int]] = [set() for _ in range(n)]
     for i in range(n):
-        if role[i] == FWD:
+        if role[i] == Role.FORWARD:
             avail[i].add(unit_of[i])
-            avail[i].update(unit_of[j] for j in users[i] if role[j] == FWD)
+            avail[i].update(unit_of[j] for j in users[i] if role[j] == Role.FORWARD)
     # A weight (or a value computed from weights / the batch alone) is at home where forward
     # ops read it, through free ops: dy·Wᵀ joins the layer of W.
     from_param = [False] * n
     for op in graph.ops:
-        from_param[op.id] = role[op.id] == FREE and (
+        from_param[op.id] = role[op.id] == Role.FREE and (
             op.opcode == "parameter" or any(from_param[o] for o in op.operands))
     for i in range(n - 1, -1, -1):
         if from_param[i]:
             for j in users[i]:
-                if role[j] == FWD:
+                if role[j] == Role.FORWARD:
                     avail[i].add(unit_of[j])
                 elif from_param[j]:
                     avail[i] |= avail[j]
@@ -400,7 +400,8 @@ def _attach_backward(graph: HloGraph, role: Sequence[str], unit_of: list[int],
         while stack:
             i = stack.pop()
             for o in graph.ops[i].operands:
-                if role[o] == BWD and o not in chain and all(j in chain for j in users[o]):
+                if role[o] == Role.BACKWARD and o not in chain and \
+                        all(j in chain for j in users[o]):
                     chain.add(o)
                     owner.setdefault(o, ws)
                     stack.append(o)
@@ -408,12 +409,12 @@ def _attach_backward(graph: HloGraph, role: Sequence[str], unit_of: list[int],
     last = max(unit_of)
     for op in graph.ops:
         i = op.id
-        if role[i] != BWD:
+        if role[i] != Role.BACKWARD:
             continue
-        grads = [unit_of[o] for o in op.operands if role[o] == BWD and unit_of[o] >= 0]
+        grads = [unit_of[o] for o in op.operands if role[o] == Role.BACKWARD and unit_of[o] >= 0]
         resid: set[int] = set()
         for o in op.operands:
-            if role[o] == FWD or from_param[o]:
+            if role[o] == Role.FORWARD or from_param[o]:
                 resid |= avail[o]
         for w in owner.get(i, ()):   # a weight's gradient: at home with the weight
             resid |= avail[w]
@@ -426,7 +427,7 @@ def _attach_backward(graph: HloGraph, role: Sequence[str], unit_of: list[int],
         else:
             pending.append(i)
     for i in reversed(pending):  # no anchor: beside its backward readers (latest of them)
-        later = [unit_of[j] for j in users[i] if role[j] == BWD and unit_of[j] >= 0]
+        later = [unit_of[j] for j in users[i] if role[j] == Role.BACKWARD and unit_of[j] >= 0]
         unit_of[i] = max(later) if later else last
 
 
@@ -454,7 +455,7 @@ def coarsen(graph: HloGraph, roles: OpRoles, granularity: str = "auto",
         raise ValueError(f"granularity: expected one of {GRANULARITIES}, found "
                          f"{granularity!r}")
     role = roles.role
-    fwd = roles.ids(FWD)
+    fwd = roles.ids(Role.FORWARD)
     if not fwd:
         raise StageAssignmentError("stage assignment: expected forward ops that depend on the "
                                    "batch, found none")

@@ -46,7 +46,7 @@ from rhino.hlo_passes.graph import HloGraph, TensorType
 from rhino.hlo_passes.subgraph import CUT_PREFIX
 from rhino.planner.collectives import collective_cost
 from rhino.planner.mesh import AbstractMesh
-from rhino.planner.plan import ExecutionPlan
+from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planner.spec import ShardingSpec
 
 
@@ -103,7 +103,7 @@ class StageProfile:
                          for k, axes, b in self.micro_collectives))
 
 
-def profile_stage(sub_graph: HloGraph, plan: ExecutionPlan, apply_ops: set[str],
+def profile_stage(sub_graph: HloGraph, plan: SpmdPlan, apply_ops: set[str],
                   gradient_ops: set[str], state_args: Sequence[str]) -> StageProfile:
     """Split a stage's SPMD plan (see the module docstring).
 

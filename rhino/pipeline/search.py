@@ -32,24 +32,25 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-from rhino.errors import InfeasiblePlanError, RhinoError, format_bytes
+from rhino.errors import InfeasiblePlanError, OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes.graph import HloGraph, shape_str
 from rhino.hlo_passes.subgraph import CUT_PREFIX, Subgraph, extract_subgraph, structural_key
-from rhino.pipeline.cluster import Cluster, MeshSplit, enumerate_splits
-from rhino.pipeline.coarsen import AG, BWD, FREE, FWD, classify_ops, coarsen
+from rhino.cluster import Cluster, MeshSplit, enumerate_splits
+from rhino.pipeline.coarsen import classify_ops, coarsen
 from rhino.pipeline.cost import (StageProfile, gather_seconds, in_flight, pipeline_step,
                                  profile_stage, transfer_seconds)
 from rhino.pipeline.gradient import (BoundaryOptions, GradientBoundary, find_gradient_boundary,
                                      gradient_weights)
-from rhino.pipeline.plan import (Candidate, CrossTensor, PipelinePlan, SearchTimes,
-                                 StageEstimate, StageMemory, StagePlan)
+from rhino.parallel_plan import (Candidate, CrossTensor, Plan, SearchTimes, StageEstimate,
+                        StageMemory, StagePlan)
 from rhino.pipeline.stage_ilp import StageAssignmentError, StageOptions
 from rhino.pipeline.stages import StageAssignment, assign_given_stages, assign_stages
 from rhino.planner.api import PlanOptions, plan_graph
 from rhino.planner.build import BuildOptions, carried_pairs
 from rhino.planner.collectives import collective_cost
 from rhino.planner.mesh import AbstractMesh
-from rhino.planner.plan import ExecutionPlan
+from rhino.planner.spmd_plan import SpmdPlan
+from rhino.vocabulary import PlanKind, Role, ScheduleKind
 
 KINDS = ("spmd", "pipeline", "hybrid")
 EXECUTORS = ("auto", "thread", "process", "serial")
@@ -61,6 +62,7 @@ class PipelineOptions:
 
     Attributes:
         num_microbatches: ``m`` for 1F1B (the SPMD-only candidate runs the whole batch).
+        schedule: the schedule the plan records (the estimate is 1F1B's).
         epsilon: stage imbalance tolerance of the stage ILP (§5.2).
         max_stages: the most pipeline stages (default: every device).
         num_stages: only splits with exactly this many stages (e.g. to run a pipeline of
@@ -74,19 +76,21 @@ class PipelineOptions:
         stage: stage-ILP options; its ε is replaced by ``epsilon`` and its balance weight
             by the cluster's compute/transfer ratio (``balance_weight=None``).
         balance_weight: override of the ILP balance weight (None: from the cluster).
-        spmd: options of the per-stage SPMD planner (its memory budget is managed here).
+        spmd: options of the per-stage SPMD planner (its memory budget is managed here;
+            every stage plan passes the independent validator).
         two_d: also weigh 2-D stage meshes.
         memory_budget: bytes per device (default: the cluster's device memory).
         workers: parallel workers (0: one per CPU).
         executor: ``process`` (forked workers; true parallelism for the pure-Python SPMD
             planner), ``thread``, ``serial``, or ``auto``: processes where ``fork`` exists
             and the graph has over 3000 ops, else threads.
-        keep_spmd: keep each stage's ``ExecutionPlan`` in the result.
+        keep_spmd: keep each stage's ``SpmdPlan`` in the result.
         prune: skip the candidates of a stage count whose lower bound (perfectly scaled
             compute with the 1F1B bubble) exceeds the best step already found.
     """
 
     num_microbatches: int = 8
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     epsilon: float = 0.1
     max_stages: int | None = None
     num_stages: int | None = None
@@ -97,7 +101,7 @@ class PipelineOptions:
     granularity: str = "auto"
     stage: StageOptions = StageOptions()
     balance_weight: float | None = None
-    spmd: PlanOptions = PlanOptions(validate=False)
+    spmd: PlanOptions = PlanOptions()
     two_d: bool = True
     memory_budget: int | None = None
     workers: int = 0
@@ -107,37 +111,37 @@ class PipelineOptions:
 
     def __post_init__(self):
         if self.num_microbatches < 1:
-            raise ValueError(f"num_microbatches: expected >= 1, found {self.num_microbatches}")
+            raise OptionsError(f"num_microbatches: expected >= 1, found {self.num_microbatches}")
         if not self.epsilon >= 0:
-            raise ValueError(f"epsilon: expected >= 0, found {self.epsilon!r}")
+            raise OptionsError(f"epsilon: expected >= 0, found {self.epsilon!r}")
         if self.max_stages is not None and self.max_stages < 1:
-            raise ValueError(f"max_stages: expected >= 1, found {self.max_stages}")
+            raise OptionsError(f"max_stages: expected >= 1, found {self.max_stages}")
         if self.num_stages is not None and self.num_stages < 1:
-            raise ValueError(f"num_stages: expected >= 1, found {self.num_stages}")
+            raise OptionsError(f"num_stages: expected >= 1, found {self.num_stages}")
         if self.weight_stages is not None:
             if not self.weight_stages or not all(
                     isinstance(v, int) and v >= 0 for v in self.weight_stages.values()):
-                raise ValueError(f"weight_stages: expected {{path prefix: stage >= 0}}, found "
+                raise OptionsError(f"weight_stages: expected {{path prefix: stage >= 0}}, found "
                                  f"{self.weight_stages!r}")
             n = max(self.weight_stages.values()) + 1
             if self.num_stages not in (None, n):
-                raise ValueError(f"num_stages: expected {n} (from weight_stages), found "
+                raise OptionsError(f"num_stages: expected {n} (from weight_stages), found "
                                  f"{self.num_stages}")
             object.__setattr__(self, "weight_stages", dict(self.weight_stages))
             object.__setattr__(self, "num_stages", n)
         bad = [k for k in self.kinds if k not in KINDS]
         if bad or not self.kinds:
-            raise ValueError(f"kinds: expected a non-empty subset of {KINDS}, found "
+            raise OptionsError(f"kinds: expected a non-empty subset of {KINDS}, found "
                              f"{self.kinds!r}")
         if self.executor not in EXECUTORS:
-            raise ValueError(f"executor: expected one of {EXECUTORS}, found {self.executor!r}")
+            raise OptionsError(f"executor: expected one of {EXECUTORS}, found {self.executor!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ValueError(f"memory_budget: expected > 0 bytes, found {self.memory_budget}")
+            raise OptionsError(f"memory_budget: expected > 0 bytes, found {self.memory_budget}")
 
 
 # ------------------------------------------------------------------------------ SPMD pool
 def _plan_task(graph: HloGraph, mesh: AbstractMesh, options: PlanOptions
-               ) -> tuple[ExecutionPlan | None, str, float]:
+               ) -> tuple[SpmdPlan | None, str, float]:
     t0 = time.perf_counter()
     try:
         return plan_graph(graph, mesh, options), "", time.perf_counter() - t0
@@ -145,7 +149,7 @@ def _plan_task(graph: HloGraph, mesh: AbstractMesh, options: PlanOptions
         return None, str(e), time.perf_counter() - t0
 
 
-def _rename_plan(plan: ExecutionPlan, src: HloGraph, dst: HloGraph) -> ExecutionPlan:
+def _rename_plan(plan: SpmdPlan, src: HloGraph, dst: HloGraph) -> SpmdPlan:
     """A plan made for ``src`` applied to the structurally identical ``dst``."""
     names = {a.name: b.name for a, b in zip(src.ops, dst.ops)}
     paths = {}
@@ -174,7 +178,7 @@ def _picklable(options: PlanOptions) -> dict[str, Any]:
 
 
 def _plan_task_in_worker(graph: HloGraph, mesh: AbstractMesh, fields: dict[str, Any]
-                         ) -> tuple[ExecutionPlan | None, str, float]:
+                         ) -> tuple[SpmdPlan | None, str, float]:
     fields = dict(fields, build=BuildOptions(**fields["build"]))
     return _plan_task(graph, mesh, PlanOptions(**fields))
 
@@ -190,6 +194,7 @@ class _SpmdPool:
         self.lock = threading.Lock()
         self.futures: dict[tuple, tuple[cf.Future, HloGraph]] = {}
         self.seconds = 0.0
+        self.counted: set[int] = set()     # futures whose seconds are in ``seconds``
         self.made = 0
         self.processes = False
         if executor == "process" and workers > 1:
@@ -226,13 +231,13 @@ class _SpmdPool:
         return got
 
     def result(self, handle: tuple[cf.Future, HloGraph], graph: HloGraph
-               ) -> tuple[ExecutionPlan | None, str]:
+               ) -> tuple[SpmdPlan | None, str]:
         fut, src = handle
         plan, err, secs = fut.result()
         with self.lock:
-            if not getattr(fut, "_rhino_counted", False):
+            if id(fut) not in self.counted:
                 self.seconds += secs
-                fut._rhino_counted = True   # type: ignore[attr-defined]
+                self.counted.add(id(fut))
         if plan is not None and src is not graph:
             plan = _rename_plan(plan, src, graph)
         return plan, err
@@ -260,7 +265,7 @@ class _StageWork:
 def _stage_works(graph: HloGraph, boundary: GradientBoundary, a: StageAssignment,
                  carried: Sequence[tuple[int, int]]) -> list[_StageWork]:
     role = a.roles.role
-    free = [i for i, r in enumerate(role) if r == FREE]
+    free = [i for i, r in enumerate(role) if r == Role.FREE]
     # Program outputs nobody assigned computes (e.g. the optimizer's step count) go with
     # stage 0, which copies what they need.
     orphans = [o for o in dict.fromkeys(graph.outputs) if a.stage_of[o] < 0
@@ -276,15 +281,15 @@ def _stage_works(graph: HloGraph, boundary: GradientBoundary, a: StageAssignment
         cut = {index[i] for i in sub.inputs}
         pairs = tuple((index[o], index[p]) for o, p in carried
                       if o in index and p in index and index[o] not in cut)
-        counts = {"forward": sum(1 for i in ops if role[i] == FWD),
-                  "backward": sum(1 for i in ops if role[i] == BWD),
-                  "apply": sum(1 for i in ops if role[i] == AG),
+        counts = {"forward": sum(1 for i in ops if role[i] == Role.FORWARD),
+                  "backward": sum(1 for i in ops if role[i] == Role.BACKWARD),
+                  "apply": sum(1 for i in ops if role[i] == Role.APPLY),
                   "copied": len(sub.duplicated)}
         weights = tuple(graph.ops[i].arg.path for i in sub.duplicated
                         if graph.ops[i].opcode == "parameter" and i in state
                         and graph.ops[i].arg is not None)
         out.append(_StageWork(
-            s, sub, pairs, {graph.ops[i].name for i in ops if role[i] == AG},
+            s, sub, pairs, {graph.ops[i].name for i in ops if role[i] == Role.APPLY},
             {graph.ops[i].name for i in ops if i in grads},
             {op.name for op in sub.graph.ops if dep[sub.origin[op.id]]},
             counts, weights))
@@ -296,7 +301,7 @@ def _stage_works(graph: HloGraph, boundary: GradientBoundary, a: StageAssignment
 class _Costed:
     candidate: Candidate
     split: MeshSplit
-    plans: list[ExecutionPlan] | None = None
+    plans: list[SpmdPlan] | None = None
     profiles: list[StageProfile] | None = None
     estimates: list[StageEstimate] | None = None
     memories: list[StageMemory] | None = None
@@ -306,7 +311,7 @@ class _Costed:
 
 
 def _cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: StageAssignment,
-                   works: list[_StageWork], plans: list[ExecutionPlan],
+                   works: list[_StageWork], plans: list[SpmdPlan],
                    state_args: Sequence[str], m: int, budget: int | None,
                    lower_bound: float = 0.0) -> _Costed:
     p = split.num_stages
@@ -371,25 +376,29 @@ def _cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: Stage
             f"{format_bytes(budget)}" if over else "")
     if a.solution.rounds > 1:
         note = (note + "; " if note else "") + f"ε relaxed to {a.solution.epsilon:g}"
-    cand = Candidate(split.kind, p, split.stage_shape, not over,
-                     None if over else parts["step"], m * estimates[b].compute_s,
-                     m * estimates[b].communication_s, m * estimates[b].send_s, parts["fill"],
-                     parts["apply"], int(peak), note, lower_bound)
+    cand = Candidate(split.kind, p, split.stage_shape, feasible=not over,
+                     step_s=None if over else parts["step"],
+                     compute_s=m * estimates[b].compute_s,
+                     communication_s=m * estimates[b].communication_s,
+                     transfer_s=m * estimates[b].send_s, bubble_s=parts["fill"],
+                     apply_s=parts["apply"], memory=int(peak), note=note,
+                     lower_bound_s=lower_bound)
     return _Costed(cand, split, plans, profiles, estimates, memories, cross, a, works)
 
 
-def _cost_spmd(split: MeshSplit, plan: ExecutionPlan | None, err: str,
+def _cost_spmd(split: MeshSplit, plan: SpmdPlan | None, err: str,
                budget: int | None, lower_bound: float = 0.0) -> _Costed:
     if plan is None:
-        cand = Candidate("spmd", 1, split.stage_shape, False, None, 0.0, 0.0, 0.0, 0.0, 0.0, 0,
-                         err or "no plan", lower_bound)
+        cand = Candidate("spmd", 1, split.stage_shape, note=err or "no plan",
+                         lower_bound_s=lower_bound)
         return _Costed(cand, split)
     mem = plan.memory.peak
     feasible = budget is None or mem <= budget
     note = "" if feasible else f"needs {format_bytes(mem)} > budget {format_bytes(budget)}"
-    cand = Candidate("spmd", 1, split.stage_shape, feasible,
-                     plan.step_time_s if feasible else None, plan.compute_s,
-                     plan.communication_s, 0.0, 0.0, 0.0, int(mem), note, lower_bound)
+    cand = Candidate("spmd", 1, split.stage_shape, feasible=feasible,
+                     step_s=plan.step_time_s if feasible else None, compute_s=plan.compute_s,
+                     communication_s=plan.communication_s, memory=int(mem), note=note,
+                     lower_bound_s=lower_bound)
     return _Costed(cand, split, plans=[plan])
 
 
@@ -452,7 +461,7 @@ def _progress(progress: Callable[[str], None] | None) -> Callable[[str], None]:
 def plan_pipeline_graph(graph: HloGraph, cluster: Cluster,
                         options: PipelineOptions = PipelineOptions(),
                         progress: Callable[[str], None] | None = None,
-                        ingest_s: float = 0.0) -> PipelinePlan:
+                        ingest_s: float = 0.0) -> Plan:
     """Weigh SPMD-only, pipeline-only and hybrid plans of a training step on a cluster.
 
     Args:
@@ -463,206 +472,239 @@ def plan_pipeline_graph(graph: HloGraph, cluster: Cluster,
         ingest_s: seconds spent ingesting (reported).
 
     Returns:
-        The ``PipelinePlan`` of the fastest feasible candidate, listing all of them.
+        The ``Plan`` of the fastest feasible candidate, listing all of them.
 
     Raises:
         GradientBoundaryError: pipeline candidates were asked for and the training step's
             gradient boundary cannot be found.
         InfeasiblePlanError: no candidate fits in device memory.
     """
-    say = _progress(progress)
-    t_start = time.perf_counter()
-    m = options.num_microbatches
-    budget = options.memory_budget if options.memory_budget is not None else cluster.memory_bytes
-    most = options.max_stages if options.num_stages is None else options.num_stages
-    splits = [s for s in enumerate_splits(cluster, most, options.two_d)
-              if s.kind in options.kinds
-              and options.num_stages in (None, s.num_stages)]
-    if not splits:
-        count = (f"exactly {options.num_stages}" if options.num_stages is not None
-                 else f"at most {options.max_stages}")
-        raise RhinoError(f"pipeline search: expected some split of cluster {cluster} of kinds "
-                         f"{options.kinds} with {count} stages, found none")
-    stage_counts = sorted({s.num_stages for s in splits if s.num_stages > 1})
-    t0 = time.perf_counter()
-    boundary = roles = coarse = None
-    if stage_counts:
-        boundary = find_gradient_boundary(graph, BoundaryOptions(options.batch_args,
-                                                                 options.boundary_method))
-        say(f"gradient boundary ({boundary.method}): {len(boundary.compute)} compute-gradients"
-            f" ops, {len(boundary.apply)} apply-gradients ops, {len(boundary.gradients)} "
-            f"gradients")
-    t1 = time.perf_counter()
-    if boundary is not None:
-        roles = classify_ops(graph, boundary)
-        coarse = coarsen(graph, roles, options.granularity, boundary.state_params,
-                         gradient_weights=gradient_weights(graph, boundary))
-        say(f"coarsened the forward/backward graph into {coarse.problem.num_units} units "
-            f"({coarse.granularity})")
-    t2 = time.perf_counter()
-    workers = options.workers or os.cpu_count() or 1
-    executor = options.executor
-    if executor == "auto":
-        import multiprocessing as mp
-        executor = ("process" if len(graph.ops) > 3000 and "fork" in mp.get_all_start_methods()
-                    else "thread")
-    pool = _SpmdPool(workers, executor)
-    carried = carried_pairs(graph)
-    state_args = boundary.state_args if boundary is not None else tuple(
-        dict.fromkeys(a.path.split("[", 1)[0] for a in (graph.ops[q].arg for q in graph.params)
-                      if a is not None))
-    ilp_s = 0.0
-    assignments: dict[int, StageAssignment | str] = {}
-    try:
-        # Stage ILPs, one per stage count (threads: highspy releases the GIL).
-        def solve(p: int) -> tuple[int, StageAssignment | str, float]:
-            sp = next(s for s in splits if s.num_stages == p)
-            weight = options.balance_weight
-            if weight is None:
-                weight = _balance_weight(graph, coarse.problem.mean_tensor_bytes(), cluster, sp)
-            opts = dataclasses.replace(options.stage, epsilon=options.epsilon,
-                                       balance_weight=weight)
-            t = time.perf_counter()
-            try:
-                if options.weight_stages is not None:
-                    a = assign_given_stages(graph, boundary, options.weight_stages, opts,
-                                            coarsening=coarse)
-                else:
-                    a = assign_stages(graph, boundary, p, opts, coarsening=coarse)
-            except StageAssignmentError as e:
-                return p, str(e), time.perf_counter() - t
-            return p, a, time.perf_counter() - t
+    return _Search(graph, cluster, options, _progress(progress)).run(ingest_s)
 
-        if stage_counts:
-            say(f"stage ILPs for {stage_counts} stages (ε {options.epsilon:g})")
-            with cf.ThreadPoolExecutor(max(1, min(workers, len(stage_counts)))) as ex:
-                for p, a, secs in ex.map(solve, stage_counts):
-                    assignments[p] = a
-                    ilp_s += secs
-        works = {p: _stage_works(graph, boundary, a, carried)
-                 for p, a in assignments.items() if isinstance(a, StageAssignment)}
-        # SPMD plans, in waves of equal stage count by increasing lower bound; a wave
-        # whose lower bound exceeds the best step found is pruned without planning.
-        say(f"SPMD plans for {len(splits)} candidate splits ({executor}, {workers} workers)")
-        spmd_opts = dataclasses.replace(options.spmd, memory_budget=None)
-        cg_flops = (sum(graph.ops[i].flops for i in boundary.compute)
-                    if boundary is not None else graph.total_flops)
-        cost_s = 0.0
-        best_step = float("inf")
+
+class _Search:
+    """One run of the search (see the module docstring for its phases)."""
+
+    def __init__(self, graph: HloGraph, cluster: Cluster, options: PipelineOptions,
+                 say: Callable[[str], None]):
+        self.graph, self.cluster, self.options, self.say = graph, cluster, options, say
+        self.m = options.num_microbatches
+        self.budget = (options.memory_budget if options.memory_budget is not None
+                       else cluster.memory_bytes)
+        self.splits = self._splits()
+        self.boundary: GradientBoundary | None = None
+        self.coarse = None
+        self.assignments: dict[int, StageAssignment | str] = {}
+        self.works: dict[int, list[_StageWork]] = {}
+        self.ilp_s = self.cost_s = 0.0
+        self.best_step = float("inf")
+        self.spmd_opts = dataclasses.replace(options.spmd, memory_budget=None)
+
+    def _splits(self) -> list[MeshSplit]:
+        o = self.options
+        most = o.max_stages if o.num_stages is None else o.num_stages
+        splits = [s for s in enumerate_splits(self.cluster, most, o.two_d)
+                  if s.kind in o.kinds and o.num_stages in (None, s.num_stages)]
+        if not splits:
+            count = (f"exactly {o.num_stages}" if o.num_stages is not None
+                     else f"at most {o.max_stages}")
+            raise RhinoError(f"pipeline search: expected some split of cluster {self.cluster} "
+                             f"of kinds {o.kinds} with {count} stages, found none")
+        return splits
+
+    @property
+    def stage_counts(self) -> list[int]:
+        return sorted({s.num_stages for s in self.splits if s.num_stages > 1})
+
+    # ------------------------------------------------------------------ phases
+    def run(self, ingest_s: float) -> Plan:
+        t_start = time.perf_counter()
+        boundary_s, coarsen_s = self._boundary_and_units()
+        workers = self.options.workers or os.cpu_count() or 1
+        executor = self.options.executor
+        if executor == "auto":
+            import multiprocessing as mp
+            executor = ("process" if len(self.graph.ops) > 3000
+                        and "fork" in mp.get_all_start_methods() else "thread")
+        pool = _SpmdPool(workers, executor)
+        try:
+            self._stage_ilps(workers)
+            self.say(f"SPMD plans for {len(self.splits)} candidate splits ({executor}, "
+                     f"{workers} workers)")
+            costed = self._cost_all(pool)
+        finally:
+            pool.close()
+        feasible = [c for c in costed if c.candidate.feasible]
+        if not feasible:
+            need = min((c.candidate.memory for c in costed if c.candidate.memory > 0),
+                       default=0)
+            raise InfeasiblePlanError(need, self.budget or 0, f"none of {len(costed)} "
+                                      f"candidates on cluster {self.cluster} fits")
+        best = min(feasible, key=lambda c: (c.candidate.step_s, c.candidate.num_stages))
+        times = SearchTimes(ingest_s, boundary_s, coarsen_s, self.ilp_s, pool.seconds,
+                            self.cost_s, time.perf_counter() - t_start + ingest_s,
+                            len(costed), pool.made)
+        self.say(f"chose {best.candidate.label.strip()} (est. "
+                 f"{1e3 * best.candidate.step_s:.3f} ms)")
+        return _build_plan(self.graph, self.cluster, self.options, self.boundary, best,
+                           tuple(c.candidate for c in costed), times, self.budget)
+
+    def _boundary_and_units(self) -> tuple[float, float]:
+        """The gradient boundary and the stage ILP's units (when pipelines are weighed)."""
+        if not self.stage_counts:
+            return 0.0, 0.0
+        o, graph = self.options, self.graph
+        t0 = time.perf_counter()
+        self.boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args,
+                                                                      o.boundary_method))
+        b = self.boundary
+        self.say(f"gradient boundary ({b.method}): {len(b.compute)} compute-gradients ops, "
+                 f"{len(b.apply)} apply-gradients ops, {len(b.gradients)} gradients")
+        t1 = time.perf_counter()
+        roles = classify_ops(graph, b)
+        self.coarse = coarsen(graph, roles, o.granularity, b.state_params,
+                              gradient_weights=gradient_weights(graph, b))
+        self.say(f"coarsened the forward/backward graph into "
+                 f"{self.coarse.problem.num_units} units ({self.coarse.granularity})")
+        return t1 - t0, time.perf_counter() - t1
+
+    def _stage_ilps(self, workers: int) -> None:
+        """One stage assignment per stage count (threads: HiGHS releases the GIL)."""
+        counts = self.stage_counts
+        if not counts:
+            return
+        self.say(f"stage ILPs for {counts} stages (ε {self.options.epsilon:g})")
+        with cf.ThreadPoolExecutor(max(1, min(workers, len(counts)))) as ex:
+            for p, a, secs in ex.map(self._assign, counts):
+                self.assignments[p] = a
+                self.ilp_s += secs
+        carried = carried_pairs(self.graph)
+        self.works = {p: _stage_works(self.graph, self.boundary, a, carried)
+                      for p, a in self.assignments.items() if isinstance(a, StageAssignment)}
+
+    def _assign(self, p: int) -> tuple[int, StageAssignment | str, float]:
+        o, graph = self.options, self.graph
+        sp = next(s for s in self.splits if s.num_stages == p)
+        weight = o.balance_weight
+        if weight is None:
+            weight = _balance_weight(graph, self.coarse.problem.mean_tensor_bytes(),
+                                     self.cluster, sp)
+        opts = dataclasses.replace(o.stage, epsilon=o.epsilon, balance_weight=weight)
+        t = time.perf_counter()
+        try:
+            if o.weight_stages is not None:
+                a = assign_given_stages(graph, self.boundary, o.weight_stages, opts,
+                                        coarsening=self.coarse)
+            else:
+                a = assign_stages(graph, self.boundary, p, opts, coarsening=self.coarse)
+        except StageAssignmentError as e:
+            return p, str(e), time.perf_counter() - t
+        return p, a, time.perf_counter() - t
+
+    def _cost_all(self, pool: "_SpmdPool") -> list[_Costed]:
+        """SPMD plans and costs, in waves of equal stage count by increasing lower bound; a
+        wave whose lower bound exceeds the best step found is pruned without planning."""
+        graph, b = self.graph, self.boundary
+        cg_flops = (sum(graph.ops[i].flops for i in b.compute) if b is not None
+                    else graph.total_flops)
         by_k: dict[int, _Costed] = {}
-        for p in sorted({sp.num_stages for sp in splits}):
-            wave = [k for k, sp in enumerate(splits) if sp.num_stages == p]
+        for p in sorted({sp.num_stages for sp in self.splits}):
+            wave = [k for k, sp in enumerate(self.splits) if sp.num_stages == p]
             lb = _lower_bound(graph.total_flops if p == 1 else cg_flops, p,
-                              1 if p == 1 else m, cluster)
-            a = assignments.get(p)
+                              1 if p == 1 else self.m, self.cluster)
+            a = self.assignments.get(p)
             if p > 1 and not isinstance(a, StageAssignment):
-                for k in wave:
-                    sp = splits[k]
-                    by_k[k] = _Costed(Candidate(sp.kind, p, sp.stage_shape, False, None, 0, 0,
-                                                0, 0, 0, 0, str(a), lb), sp)
-                continue
-            if options.prune and lb > best_step:
-                for k in wave:
-                    sp = splits[k]
-                    by_k[k] = _Costed(Candidate(
-                        sp.kind, p, sp.stage_shape, False, None, 0, 0, 0, 0, 0, 0,
-                        f"pruned: at least {1e3 * lb:.3f} ms (compute over all devices with "
-                        f"the 1F1B bubble) > best {1e3 * best_step:.3f} ms", lb), sp)
-                say(f"pruned {len(wave)} candidates with {p} stages (lower bound "
-                    f"{1e3 * lb:.3f} ms > best {1e3 * best_step:.3f} ms)")
-                continue
-            handles: dict[int, dict[int, Any]] = {}
-            jobs = []
-            for k in wave:
-                sp = splits[k]
-                mesh = sp.stage_mesh(cluster)
-                if p == 1:
-                    opts = dataclasses.replace(options.spmd, memory_budget=budget)
-                    jobs.append((k, 0, graph, mesh, opts, ""))
-                else:
-                    for w in works[p]:
-                        jobs.append((k, w.index, w.sub.graph, mesh, dataclasses.replace(
-                            spmd_opts, build=dataclasses.replace(spmd_opts.build,
-                                                                 carried=w.carried)),
-                            repr(w.carried)))
-            # Largest first (ops × mesh axes), so the pool's last jobs are short ones.
-            for k, s_idx, g_, mesh, opts, extra in sorted(
-                    jobs, key=lambda j: -len(j[2].ops) * j[3].ndim):
-                handles.setdefault(k, {})[s_idx] = pool.submit(g_, mesh, opts, extra)
-            for k in wave:
-                sp = splits[k]
-                hs = [handles[k][i] for i in sorted(handles[k])]
-                if p == 1:
-                    plan, err = pool.result(hs[0], graph)
-                    tc = time.perf_counter()
-                    c = _cost_spmd(sp, plan, err, budget, lb)
-                    cost_s += time.perf_counter() - tc
-                else:
-                    ws = works[p]
-                    plans = [pool.result(h, w.sub.graph)[0] for h, w in zip(hs, ws)]
-                    tc = time.perf_counter()
-                    c = _cost_pipeline(graph, cluster, sp, a, ws, plans, state_args, m, budget,
-                                       lb)
-                    cost_s += time.perf_counter() - tc
-                    if not c.candidate.feasible and budget is not None:
-                        # Re-plan the stages over budget with the SPMD memory constraint.
-                        mesh = sp.stage_mesh(cluster)
-                        replanned = list(plans)
-                        for st, mem in enumerate(c.memories):
-                            if mem.total > budget:
-                                opts = dataclasses.replace(
-                                    spmd_opts, memory_budget=budget,
-                                    build=dataclasses.replace(spmd_opts.build,
-                                                              carried=ws[st].carried))
-                                got, _ = pool.result(pool.submit(
-                                    ws[st].sub.graph, mesh, opts, repr(ws[st].carried)),
-                                    ws[st].sub.graph)
-                                if got is not None:
-                                    replanned[st] = got
-                        tc = time.perf_counter()
-                        c = _cost_pipeline(graph, cluster, sp, a, ws, replanned, state_args, m,
-                                           budget, lb)
-                        cost_s += time.perf_counter() - tc
-                by_k[k] = c
-                if c.candidate.feasible:
-                    best_step = min(best_step, c.candidate.step_s)
-        costed = [by_k[k] for k in range(len(splits))]
-    finally:
-        pool.close()
-    feasible = [c for c in costed if c.candidate.feasible]
-    if not feasible:
-        need = min((c.candidate.memory for c in costed if c.candidate.memory > 0), default=0)
-        raise InfeasiblePlanError(need, budget or 0, f"none of {len(costed)} candidates on "
-                                  f"cluster {cluster} fits")
-    best = min(feasible, key=lambda c: (c.candidate.step_s, c.candidate.num_stages))
-    cands = tuple(c.candidate for c in costed)
-    t_end = time.perf_counter()
-    times = SearchTimes(ingest_s, t1 - t0, t2 - t1, ilp_s, pool.seconds, cost_s,
-                        t_end - t_start + ingest_s, len(costed), pool.made)
-    say(f"chose {best.candidate.label.strip()} (est. {1e3 * best.candidate.step_s:.3f} ms)")
-    return _build_plan(graph, cluster, options, boundary, best, cands, times, budget)
+                by_k.update({k: self._unplanned(k, str(a), lb) for k in wave})
+            elif self.options.prune and lb > self.best_step:
+                note = (f"pruned: at least {1e3 * lb:.3f} ms (compute over all devices with "
+                        f"the 1F1B bubble) > best {1e3 * self.best_step:.3f} ms")
+                by_k.update({k: self._unplanned(k, note, lb) for k in wave})
+                self.say(f"pruned {len(wave)} candidates with {p} stages (lower bound "
+                         f"{1e3 * lb:.3f} ms > best {1e3 * self.best_step:.3f} ms)")
+            else:
+                by_k.update(self._cost_wave(pool, p, wave, lb))
+        return [by_k[k] for k in range(len(self.splits))]
+
+    def _unplanned(self, k: int, note: str, lb: float) -> _Costed:
+        sp = self.splits[k]
+        return _Costed(Candidate(sp.kind, sp.num_stages, sp.stage_shape, note=note,
+                                 lower_bound_s=lb), sp)
+
+    def _cost_wave(self, pool: "_SpmdPool", p: int, wave: list[int], lb: float
+                   ) -> dict[int, _Costed]:
+        jobs = []
+        for k in wave:
+            mesh = self.splits[k].stage_mesh(self.cluster)
+            if p == 1:
+                opts = dataclasses.replace(self.options.spmd, memory_budget=self.budget)
+                jobs.append((k, 0, self.graph, mesh, opts, ""))
+            else:
+                jobs += [(k, w.index, w.sub.graph, mesh, self._stage_options(w), repr(w.carried))
+                         for w in self.works[p]]
+        # Largest first (ops × mesh axes), so the pool's last jobs are short ones.
+        handles: dict[int, dict[int, Any]] = {}
+        for k, s_idx, g_, mesh, opts, extra in sorted(
+                jobs, key=lambda j: -len(j[2].ops) * j[3].ndim):
+            handles.setdefault(k, {})[s_idx] = pool.submit(g_, mesh, opts, extra)
+        out = {}
+        for k in wave:
+            hs = [handles[k][i] for i in sorted(handles[k])]
+            c = self._cost_split(pool, k, p, hs, lb)
+            out[k] = c
+            if c.candidate.feasible:
+                self.best_step = min(self.best_step, c.candidate.step_s)
+        return out
+
+    def _stage_options(self, w: _StageWork, budget: int | None = None) -> PlanOptions:
+        return dataclasses.replace(self.spmd_opts, memory_budget=budget,
+                                   build=dataclasses.replace(self.spmd_opts.build,
+                                                             carried=w.carried))
+
+    def _cost_split(self, pool: "_SpmdPool", k: int, p: int, hs: list, lb: float
+                    ) -> _Costed:
+        sp = self.splits[k]
+        if p == 1:
+            plan, err = pool.result(hs[0], self.graph)
+            t = time.perf_counter()
+            c = _cost_spmd(sp, plan, err, self.budget, lb)
+            self.cost_s += time.perf_counter() - t
+            return c
+        ws = self.works[p]
+        plans = [pool.result(h, w.sub.graph)[0] for h, w in zip(hs, ws)]
+        c = self._cost_stages(sp, p, plans, lb)
+        if not c.candidate.feasible and self.budget is not None:
+            # Re-plan the stages over budget with the SPMD memory constraint.
+            mesh = sp.stage_mesh(self.cluster)
+            for st, mem in enumerate(c.memories):
+                if mem.total > self.budget:
+                    got, _ = pool.result(pool.submit(
+                        ws[st].sub.graph, mesh, self._stage_options(ws[st], self.budget),
+                        repr(ws[st].carried)), ws[st].sub.graph)
+                    if got is not None:
+                        plans[st] = got
+            c = self._cost_stages(sp, p, plans, lb)
+        return c
+
+    def _cost_stages(self, sp: MeshSplit, p: int, plans: list, lb: float) -> _Costed:
+        b = self.boundary
+        t = time.perf_counter()
+        c = _cost_pipeline(self.graph, self.cluster, sp, self.assignments[p], self.works[p],
+                           plans, b.state_args, self.m, self.budget, lb)
+        self.cost_s += time.perf_counter() - t
+        return c
 
 
 def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
                 boundary: GradientBoundary | None, best: _Costed, cands: tuple[Candidate, ...],
-                times: SearchTimes, budget: int | None) -> PipelinePlan:
+                times: SearchTimes, budget: int | None) -> Plan:
     sp = best.split
     summary = boundary.summary(graph) if boundary is not None else {}
+    decision = _decision(best.candidate, cands)
     if sp.num_stages == 1:
-        plan = best.plans[0]
-        c = best.candidate
-        mem = StageMemory(plan.memory.parameters, 0, plan.memory.peak - plan.memory.parameters,
-                          1, plan.memory.peak)
-        est = StageEstimate(plan.compute_s, plan.communication_s, 0.0, 0.0)
-        stage = StagePlan(0, sp.devices(cluster, 0), sp.hosts(cluster, 0), plan.mesh,
-                          tuple(op.name for op in graph.ops if op.opcode != "parameter"),
-                          {"forward": 0, "backward": 0, "apply": 0, "copied": 0},
-                          (graph.total_flops, 0.0, 0.0),
-                          tuple(p.path for p in plan.params), est, mem,
-                          plan if options.keep_spmd else None)
-        return PipelinePlan(graph.name, graph.origin, cluster, "spmd", 1, 1, options.epsilon,
-                            options.epsilon, summary, (stage,), (), (), c.step_s, budget, cands,
-                            _decision(c, cands), times)
+        plan = Plan.from_spmd(best.plans[0], graph.total_flops, cluster,
+                              sp.devices(cluster, 0), cands, decision, times, summary)
+        return dataclasses.replace(plan, step_s=best.candidate.step_s, memory_budget=budget,
+                                   epsilon=options.epsilon, epsilon_used=options.epsilon)
     a = best.assignment
     stages = []
     for w, pl, est, mem in zip(best.works, best.plans, best.estimates, best.memories):
@@ -673,7 +715,9 @@ def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
                                 w.weights, est, mem, pl if options.keep_spmd else None))
     shared = tuple((graph.ops[q].arg.path if graph.ops[q].arg else graph.ops[q].name, s)
                    for q, s in a.shared_weights)
-    return PipelinePlan(graph.name, graph.origin, cluster, best.candidate.kind, sp.num_stages,
-                        options.num_microbatches, options.epsilon, a.solution.epsilon, summary,
-                        tuple(stages), tuple(best.cross), shared, best.candidate.step_s, budget,
-                        cands, _decision(best.candidate, cands), times)
+    return Plan(graph.name, graph.origin, PlanKind(best.candidate.kind), cluster,
+                tuple(stages), num_microbatches=options.num_microbatches,
+                schedule=options.schedule, step_s=best.candidate.step_s, memory_budget=budget,
+                boundary=summary, crossings=tuple(best.cross), shared_weights=shared,
+                epsilon=options.epsilon, epsilon_used=a.solution.epsilon, candidates=cands,
+                decision=decision, search=times)

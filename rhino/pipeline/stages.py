@@ -32,15 +32,15 @@ import dataclasses
 from typing import Any, Sequence
 
 from rhino.hlo_passes.graph import HloGraph
-from rhino.pipeline.coarsen import (AG, BWD, FREE, FWD, Coarsening, OpRoles, classify_ops,
+from rhino.pipeline.coarsen import (Coarsening, OpRoles, classify_ops,
                                     coarsen)
 from rhino.pipeline.gradient import (GradientBoundary, find_gradient_boundary,
                                      gradient_weights)
 from rhino.pipeline.stage_ilp import StageOptions, StageSolution, solve_stage_problem
+from rhino.vocabulary import Role
 
 __all__ = ["Crossing", "StageAssignment", "assign_stages", "assign_given_stages",
-           "check_assignment",
-           "find_gradient_boundary", "StageOptions", "FREE", "FWD", "BWD", "AG"]
+           "check_assignment", "find_gradient_boundary", "StageOptions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ def _map_apply(graph: HloGraph, roles: OpRoles, stage_of: list[int]) -> None:
     """Apply-gradients ops follow the stage holding most of the bytes they read."""
     for op in graph.ops:
         i = op.id
-        if roles.role[i] != AG:
+        if roles.role[i] != Role.APPLY:
             continue
         weight: dict[int, int] = {}
         for o in op.operands:
@@ -142,10 +142,10 @@ def _crossings(graph: HloGraph, roles: OpRoles, stage_of: Sequence[int]) -> list
             if t < 0 or t == s:
                 continue
             a, b = role[i], role[j]
-            if b == AG:
-                kind = "apply" if a == AG else "weight-gradient"
-            elif a == FWD:
-                kind = "activation" if b == FWD else "residual"
+            if b == Role.APPLY:
+                kind = "apply" if a == Role.APPLY else "weight-gradient"
+            elif a == Role.FORWARD:
+                kind = "activation" if b == Role.FORWARD else "residual"
             else:
                 kind = "gradient"
             by_kind.setdefault(kind, set()).add(t)
@@ -192,7 +192,7 @@ def _weight_paths(graph: HloGraph, boundary: GradientBoundary, roles: OpRoles
         got = frozenset().union(*(via[o] for o in op.operands)) if op.operands else frozenset()
         if i in state:
             via[i] = frozenset((i,))
-        elif roles.role[i] == FREE:
+        elif roles.role[i] == Role.FREE:
             via[i] = got
     return via
 
@@ -241,7 +241,7 @@ def assign_given_stages(graph: HloGraph, boundary: GradientBoundary,
     first: dict[int, int] = {}
     for u, members in enumerate(coarsening.units):
         for i in members:
-            if roles.role[i] != FWD:
+            if roles.role[i] != Role.FORWARD:
                 continue
             for q in via[i] | frozenset(w for o in graph.ops[i].operands for w in via[o]):
                 first[q] = min(first.get(q, u), u)
@@ -296,7 +296,7 @@ def _assignment(graph: HloGraph, boundary: GradientBoundary, roles: OpRoles,
     via = _weight_paths(graph, boundary, roles)
     for op in graph.ops:
         i = op.id
-        if i not in state and roles.role[i] != FREE and stage_of[i] >= 0:
+        if i not in state and roles.role[i] != Role.FREE and stage_of[i] >= 0:
             for w in frozenset().union(*(via[o] for o in op.operands)):
                 readers.setdefault(w, set()).add(stage_of[i])
     # A weight updated on one stage (its owner) and read on others is sent after the update;
@@ -306,7 +306,7 @@ def _assignment(graph: HloGraph, boundary: GradientBoundary, roles: OpRoles,
     shared = tuple((p, (owner[p],) + tuple(sorted(s - {owner[p]})))
                    for p, s in sorted(readers.items()) if p in owner and s - {owner[p]})
     flops = [[0.0, 0.0, 0.0] for _ in range(num_stages)]
-    col = {FWD: 0, BWD: 1, AG: 2}
+    col = {Role.FORWARD: 0, Role.BACKWARD: 1, Role.APPLY: 2}
     for i, s in enumerate(stage_of):
         if s >= 0:
             flops[s][col[roles.role[i]]] += graph.ops[i].flops
@@ -341,10 +341,10 @@ def check_assignment(graph: HloGraph, boundary: GradientBoundary,
         for i in op.operands:
             if st[i] < 0 or st[j] < 0:
                 continue
-            if role[i] == FWD and role[j] == FWD and st[j] < st[i]:
+            if role[i] == Role.FORWARD and role[j] == Role.FORWARD and st[j] < st[i]:
                 errs.append(f"forward edge {graph.ops[i].name} -> {op.name}: stage {st[i]} -> "
                             f"{st[j]}")
-            if role[i] == BWD and role[j] == BWD and st[j] > st[i]:
+            if role[i] == Role.BACKWARD and role[j] == Role.BACKWARD and st[j] > st[i]:
                 errs.append(f"backward edge {graph.ops[i].name} -> {op.name}: stage {st[i]} "
                             f"-> {st[j]}")
     want = {(c.op, c.src, c.dsts) for c in _crossings(graph, assignment.roles, st)}

@@ -13,8 +13,8 @@ Modules (data flows top to bottom)::
     solvers.py       brute force, exact PBQP reductions, highspy ILP (tight pairwise form)
     hierarchical.py  O2: cone DP -> segment ILP -> segment-chain DP
     validate.py      independent validator of a plan
-    plan.py          ExecutionPlan: report(), to_json()/from_json()
-    api.py           rhino.plan: ingest -> build -> solve (O2/O3) -> memory (§4.4) -> validate
+    spmd_plan.py     SpmdPlan: report(), to_json()/from_json()
+    api.py           plan_graph: build -> solve (O2/O3) -> memory (§4.4) -> validate
 
 No module here touches devices or imports ray.
 """

@@ -1,5 +1,5 @@
-"""``rhino.plan``: ingest → analyse → build the sharding problem → solve (O2/O3) → fit memory
-→ validate → ``ExecutionPlan``.
+"""``plan_graph``: build the sharding problem → solve (O2/O3) → fit memory → validate →
+``SpmdPlan``, for an ingested graph on an abstract mesh (``rhino.plan`` is the front door).
 
 Memory (paper §4.4): if the best plan does not fit ``memory_budget`` bytes per device, the
 entry parameters are sorted by size, the replicated choices of the largest ``k`` are
@@ -9,8 +9,9 @@ one build, only the costs change between rounds). If no ``k`` fits,
 
 Example:
     >>> import jax.numpy as jnp, rhino
-    >>> p = rhino.plan(lambda x, w: jnp.sum(jnp.tanh(x @ w)), jnp.ones((256, 64)),
-    ...                jnp.ones((64, 64)), mesh_shape=(4,), opt_level="O3")
+    >>> g = rhino.ingest(lambda x, w: jnp.sum(jnp.tanh(x @ w)), jnp.ones((256, 64)),
+    ...                  jnp.ones((64, 64)))
+    >>> p = plan_graph(g, AbstractMesh.simulated_cpu((4,)), PlanOptions(opt_level="O3"))
     >>> p.param_spec("x").to_str(p.mesh)
     'S[x]·R'
 """
@@ -18,21 +19,20 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
-from rhino.errors import InfeasiblePlanError, RhinoError
-from rhino.hlo_passes import HloGraph, analyze, ingest
+from rhino.errors import InfeasiblePlanError, OptionsError
+from rhino.hlo_passes import HloGraph
 from rhino.hlo_passes.analyses import liveness
-from rhino.hlo_passes.graph import TensorType, flatten_shape, shape_str
-from rhino.planner.build import BuildOptions, BuiltProblem, build_problem
+from rhino.hlo_passes.graph import TensorType, shape_str
+from rhino.planner.build import BuildOptions, BuiltProblem, build_problem, local_bytes
 from rhino.planner.collectives import reshard
 from rhino.planner.hierarchical import solve_o2, solve_o3
 from rhino.planner.mesh import AbstractMesh
-from rhino.planner.plan import (ExecutionPlan, MemoryEstimate, OpPlan, ParamPlan,
+from rhino.planner.spmd_plan import (SpmdPlan, MemoryEstimate, OpPlan, ParamPlan,
                                 PlannedCollective, SearchStats, UnplannedOp)
 from rhino.planner.problem import ShardingProblem, Solution
 from rhino.planner.spec import ShardingSpec
@@ -76,15 +76,15 @@ class PlanOptions:
 
     def __post_init__(self):
         if self.opt_level not in OPT_LEVELS:
-            raise ValueError(f"opt_level: expected one of {OPT_LEVELS}, found {self.opt_level!r}")
+            raise OptionsError(f"opt_level: expected one of {OPT_LEVELS}, found {self.opt_level!r}")
         if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ValueError(f"memory_budget: expected a positive number of bytes, found "
+            raise OptionsError(f"memory_budget: expected a positive number of bytes, found "
                              f"{self.memory_budget!r}")
         if not self.time_limit > 0:
-            raise ValueError(f"time_limit: expected > 0 seconds, found {self.time_limit!r}")
+            raise OptionsError(f"time_limit: expected > 0 seconds, found {self.time_limit!r}")
         for name in ("memory_tiebreak", "activation_tiebreak"):
             if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}: expected a weight >= 0, found "
+                raise OptionsError(f"{name}: expected a weight >= 0, found "
                                  f"{getattr(self, name)!r}")
 
 
@@ -100,33 +100,13 @@ def _solve(built: BuiltProblem, problem: ShardingProblem, options: PlanOptions) 
     if options.activation_tiebreak > 0 and beta > 0:
         eps = options.activation_tiebreak * beta
         problem = dataclasses.replace(problem, costs=tuple(
-            c + eps * m for c, m in zip(problem.costs, _activation_bytes(built))))
+            c + eps * m for c, m in zip(problem.costs, built.activation_bytes)))
     if options.opt_level == "O3":
         sol = solve_o3(problem, time_limit=options.time_limit, mip_rel_gap=options.mip_rel_gap)
     else:
         sol = solve_o2(problem, built.partition, time_limit=options.time_limit,
                        mip_rel_gap=options.mip_rel_gap)
     return dataclasses.replace(sol, objective=built.problem.objective(sol.choice))
-
-
-def _activation_bytes(built: BuiltProblem) -> list[np.ndarray]:
-    """Per op, the local bytes of its value under each choice (0 for parameters, whose
-    memory is ``problem.memory``)."""
-    cached = built.__dict__.get("_activation_bytes")
-    if cached is None:
-        cached = [np.zeros(len(strats)) if op.opcode == "parameter" else
-                  np.array([local_bytes(op.shape, s.out_spec, built.mesh) for s in strats],
-                           dtype=float)
-                  for op, strats in zip(built.graph.ops, built.strategies)]
-        object.__setattr__(built, "_activation_bytes", cached)
-    return cached
-
-
-def local_bytes(shape: Any, spec: Any, mesh: AbstractMesh) -> int:
-    """Bytes per device of a value laid out as ``spec`` (tuples: replicated)."""
-    if isinstance(shape, TensorType) and isinstance(spec, ShardingSpec):
-        return shape.nbytes // spec.shard_count(mesh)
-    return sum(t.nbytes for t in flatten_shape(shape))
 
 
 def memory_of(graph: HloGraph, mesh: AbstractMesh, plan: Sequence[Strategy],
@@ -258,7 +238,7 @@ def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy],
 
 def plan_graph(graph: HloGraph, mesh: AbstractMesh, options: PlanOptions = PlanOptions(),
                progress: Callable[[str], None] | None = None,
-               timings: tuple[float, float] = (0.0, 0.0)) -> ExecutionPlan:
+               timings: tuple[float, float] = (0.0, 0.0)) -> SpmdPlan:
     """Plan an ingested graph on an abstract mesh (pure: no devices)."""
     progress = progress or (lambda msg: None)
     t0 = time.perf_counter()
@@ -287,7 +267,7 @@ def plan_graph(graph: HloGraph, mesh: AbstractMesh, options: PlanOptions = PlanO
                                 op.arg.path if op.arg else op.name, shape_str(op.shape), spec,
                                 op.out_bytes, local_bytes(op.shape, s.out_spec, mesh),
                                 bool(op.arg and op.arg.donated)))
-    return ExecutionPlan(
+    return SpmdPlan(
         program=graph.name, origin=graph.origin, mesh=mesh, ops=tuple(ops),
         params=tuple(params),
         collectives=predicted_collectives(built, strategies, built.resolved(sol.choice)),
@@ -298,69 +278,3 @@ def plan_graph(graph: HloGraph, mesh: AbstractMesh, options: PlanOptions = PlanO
                            int(st["choices"]), int(st["edges"])),
         unplanned=tuple(UnplannedOp(u.name, u.opcode, u.source, u.reason)
                         for u in built.unknown_ops))
-
-
-def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = None,
-         mesh: AbstractMesh | None = None, opt_level: str = "O2",
-         memory_budget: int | None = None, alpha: Sequence[float] | float | None = None,
-         beta: Sequence[float] | float | None = None, time_limit: float = 600.0,
-         build: BuildOptions | None = None, progress: Callable[[str], None] | None = None,
-         cluster: Any = None, microbatches: int = 8, epsilon: float = 0.1,
-         max_stages: int | None = None) -> Any:
-    """Plan how to run ``source`` over a device mesh with SPMD sharding, or — given a
-    ``cluster`` — over hosts × devices, weighing SPMD, pipeline and hybrid plans.
-
-    Args:
-        source: a JAX function (with ``example_args``) or a path to a ``.hlo``/``.mlir`` file.
-        *example_args: example arguments (arrays, ShapeDtypeStructs or pytrees of them).
-        mesh_shape: the mesh, e.g. ``(8,)`` or ``(2, 4)``; default: all local devices in one
-            axis. Ignored when ``mesh`` is given.
-        mesh: an explicit ``AbstractMesh`` (e.g. from ``rhino.calibrate.calibrate_mesh``).
-        opt_level: ``"O2"`` or ``"O3"``.
-        memory_budget: bytes per device; raises ``InfeasiblePlanError`` if nothing fits.
-        alpha, beta: per-axis latency (s) and inverse bandwidth (s/byte) overriding the
-            simulated-CPU defaults.
-        time_limit: seconds per solve.
-        build: options of the problem builder.
-        progress: called with a line of text at each phase.
-        cluster: ``"HOSTSxDEVICES"`` (e.g. ``"2x8"``) or a ``rhino.Cluster``: plan with the
-            controller of ``rhino.plan_pipeline`` (with ``microbatches``, ``epsilon``,
-            ``max_stages``; ``memory_budget`` is the per-device memory).
-
-    Returns:
-        The ``ExecutionPlan`` (``.report()``, ``.to_json()``); with ``cluster``, the
-        controller's ``PipelinePlan``, whose winner may be SPMD-only.
-
-    Example:
-        >>> import jax.numpy as jnp, rhino
-        >>> p = rhino.plan(lambda x, w: x @ w, jnp.ones((64, 32)), jnp.ones((32, 16)),
-        ...                mesh_shape=(2,))
-        >>> p.search.opt_level, p.mesh.shape
-        ('O2', (2,))
-    """
-    if cluster is not None:
-        from rhino.pipeline.api import plan_pipeline
-        return plan_pipeline(source, *example_args, cluster=cluster, microbatches=microbatches,
-                             epsilon=epsilon, max_stages=max_stages, memory_bytes=memory_budget,
-                             progress=progress)
-    if mesh is None:
-        if mesh_shape is None:
-            import jax
-            mesh_shape = (len(jax.devices()),)
-        overrides = {}
-        if alpha is not None:
-            overrides["alpha"] = alpha
-        if beta is not None:
-            overrides["beta"] = beta
-        try:
-            mesh = AbstractMesh.simulated_cpu(tuple(int(s) for s in mesh_shape), **overrides)
-        except (TypeError, ValueError) as e:
-            raise RhinoError(f"mesh: {e}") from None
-    options = PlanOptions(opt_level=opt_level, memory_budget=memory_budget,
-                          time_limit=time_limit, build=build or BuildOptions())
-    t0 = time.perf_counter()
-    graph = source if isinstance(source, HloGraph) else ingest(source, *example_args)
-    t1 = time.perf_counter()
-    analyze(graph)  # fail early on analyses; the builder recomputes what it needs
-    t2 = time.perf_counter()
-    return plan_graph(graph, mesh, options, progress, (t1 - t0, t2 - t1))

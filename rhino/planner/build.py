@@ -46,10 +46,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 import types
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -191,6 +192,15 @@ class BuiltProblem:
     seconds: float
     shared: tuple[SharedValue, ...] = ()
 
+    @functools.cached_property
+    def activation_bytes(self) -> list[np.ndarray]:
+        """Per op, the local bytes of its value under each choice (0 for parameters, whose
+        memory is ``problem.memory``); computed once."""
+        return [np.zeros(len(strats)) if op.opcode == "parameter" else
+                np.array([local_bytes(op.shape, s.out_spec, self.mesh) for s in strats],
+                         dtype=float)
+                for op, strats in zip(self.graph.ops, self.strategies)]
+
     def plan(self, choice: Sequence[int]) -> tuple[Strategy, ...]:
         """The chosen strategy of every op."""
         if len(choice) != len(self.strategies):
@@ -225,6 +235,13 @@ class BuiltProblem:
 # ------------------------------------------------------------------------------ carry pairs
 _HEAD = re.compile(r"^([A-Za-z_]\w*)(.*)$")
 _INDEX = re.compile(r"^\[(\d+)\](.*)$")
+
+
+def local_bytes(shape: Any, spec: Any, mesh: AbstractMesh) -> int:
+    """Bytes per device of a value laid out as ``spec`` (tuples: replicated)."""
+    if isinstance(shape, TensorType) and isinstance(spec, ShardingSpec):
+        return shape.nbytes // spec.shard_count(mesh)
+    return sum(t.nbytes for t in flatten_shape(shape))
 
 
 def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:

@@ -85,7 +85,8 @@ import numpy as np
 from rhino.milp import SolverStatus
 from rhino.planner.problem import Edge, ShardingProblem, Solution
 from rhino.planner.solvers import (
-    InfeasibleProblemError, _back_substitute, _Graph, _reduce, improve_local, reduce_exact,
+    InfeasibleProblemError, PairwiseGraph, back_substitute, improve_local, reduce_exact,
+    reduce_graph,
     solve_ilp, solve_trw)
 
 __all__ = ["Partition", "solve_o2", "solve_o3"]
@@ -160,7 +161,7 @@ class _Budget(Exception):
     pass
 
 
-def _pivot_table(g: _Graph, piv: tuple[int, ...], off: float) -> np.ndarray:
+def _pivot_table(g: PairwiseGraph, piv: tuple[int, ...], off: float) -> np.ndarray:
     if not piv:
         return np.array(off)
     if len(piv) == 1:
@@ -177,7 +178,7 @@ def _charge(budget: list[float], work: float) -> None:
         raise _Budget
 
 
-def _elimination_order(g: _Graph, alive: list[bool], keep: tuple[int, ...]
+def _elimination_order(g: PairwiseGraph, alive: list[bool], keep: tuple[int, ...]
                        ) -> tuple[list[int], float, float]:
     """Greedy min-size order of the alive nodes outside ``keep``, its largest factor and
     its work (the factors' total entries).
@@ -207,7 +208,7 @@ def _elimination_order(g: _Graph, alive: list[bool], keep: tuple[int, ...]
     return order, largest, work
 
 
-def _eliminate(g: _Graph, alive: list[bool], keep: tuple[int, ...], order: list[int],
+def _eliminate(g: PairwiseGraph, alive: list[bool], keep: tuple[int, ...], order: list[int],
                steps: list[tuple] | None = None) -> np.ndarray:
     """Exact min-sum variable elimination of ``order`` (from ``_elimination_order``).
 
@@ -267,7 +268,7 @@ def _eliminated_choice(steps: list[tuple], choice: np.ndarray) -> None:
         choice[v] = arg[tuple(int(choice[x]) for x in scope)]
 
 
-def _table(g: _Graph, alive: list[bool], piv: tuple[int, ...], off: float,
+def _table(g: PairwiseGraph, alive: list[bool], piv: tuple[int, ...], off: float,
            budget: list[float]) -> tuple[np.ndarray, tuple | None]:
     """Exact min-cost table over the protected pivots ``piv``: reductions, then variable
     elimination when its factors stay small, else conditioning on the highest-degree node
@@ -276,7 +277,7 @@ def _table(g: _Graph, alive: list[bool], piv: tuple[int, ...], off: float,
     Returns the table and a hint for ``_hinted_fixes``: the best choice of every non-pivot
     node conditioned on, per pivot choice (None when nothing was conditioned on).
     """
-    off += _reduce(g, alive, frozenset(piv), _SEGMENT_MAX_PAIR, [])
+    off += reduce_graph(g, alive, frozenset(piv), _SEGMENT_MAX_PAIR, [])
     core = [i for i, a in enumerate(alive) if a and i not in piv]
     if not core:
         return _pivot_table(g, piv, off), None
@@ -317,7 +318,7 @@ def _hinted_fixes(hint: tuple | None, fixed: dict[int, int]) -> dict[int, int]:
     return fixed
 
 
-def _condition(g: _Graph, alive: list[bool], budget: list[float]
+def _condition(g: PairwiseGraph, alive: list[bool], budget: list[float]
                ) -> tuple[float, np.ndarray]:
     """Exact minimum (and argmin over the alive nodes) of a small graph.
 
@@ -328,7 +329,7 @@ def _condition(g: _Graph, alive: list[bool], budget: list[float]
     """
     _charge(budget, _NODE_WORK)
     log: list[tuple] = []
-    off = _reduce(g, alive, frozenset(), _SEGMENT_MAX_PAIR, log)
+    off = reduce_graph(g, alive, frozenset(), _SEGMENT_MAX_PAIR, log)
     core = [i for i, a in enumerate(alive) if a]
     choice = np.zeros(len(alive), dtype=np.int64)
     order, largest, work = _elimination_order(g, alive, ()) if core else ([], 1.0, 0.0)
@@ -353,7 +354,7 @@ def _condition(g: _Graph, alive: list[bool], budget: list[float]
         if best is None:
             return np.inf, choice
         choice, off = best, off + best_val
-    _back_substitute(log, choice)
+    back_substitute(log, choice)
     return off, choice
 
 
@@ -415,7 +416,7 @@ class _SegmentSolver:
         self.stats["tables"] += 1
         t = None
         if seg.shape_key not in self.hard:
-            g = _Graph.from_parts(seg.costs, seg.edges)
+            g = PairwiseGraph.from_parts(seg.costs, seg.edges)
             try:
                 t, hint = _table(g, [True] * len(seg.costs), tuple(range(seg.npiv)), 0.0,
                                  [_EXACT_WORK])
@@ -443,7 +444,7 @@ class _SegmentSolver:
             return self.decoded[key]
         self.stats["decodes"] += 1
         n = len(seg.costs)
-        g = _Graph.from_parts(seg.costs, seg.edges)
+        g = PairwiseGraph.from_parts(seg.costs, seg.edges)
         alive = [True] * n
         val = 0.0
         choice = np.zeros(n, dtype=np.int64)
@@ -453,7 +454,7 @@ class _SegmentSolver:
             alive[v] = False
             choice[v] = c
         log: list[tuple] = []
-        val += _reduce(g, alive, frozenset(), _SEGMENT_MAX_PAIR, log)
+        val += reduce_graph(g, alive, frozenset(), _SEGMENT_MAX_PAIR, log)
         core = [i for i in range(n) if alive[i]]
         if core:
             budget = [_HARD_DECODE_WORK if seg.shape_key in self.hard else _EXACT_WORK]
@@ -482,7 +483,7 @@ class _SegmentSolver:
                 self.stats["decode_icm"] += 1
                 guess = improve_local(sub, [int(np.argmin(c)) for c in sub.costs])
                 choice[core], val = guess, val + sub.objective(guess)
-        _back_substitute(log, choice)
+        back_substitute(log, choice)
         self.decoded[key] = (val, choice)
         return val, choice
 

@@ -69,7 +69,7 @@ class SolverTimeLimitWarning(UserWarning):
 # ----------------------------------------------------------------------------------------
 # A mutable pairwise graph, the working state of the reductions.
 # ----------------------------------------------------------------------------------------
-class _Graph:
+class PairwiseGraph:
     """Unary cost vectors plus symmetric adjacency ``adj[i][j]`` = matrix oriented (i, j).
 
     ``adj[j][i]`` is always the transpose (a view) of ``adj[i][j]``; parallel edges are summed.
@@ -83,14 +83,14 @@ class _Graph:
 
     @classmethod
     def from_parts(cls, costs: Sequence[np.ndarray],
-                   edges: Iterable[tuple[int, int, np.ndarray]]) -> "_Graph":
+                   edges: Iterable[tuple[int, int, np.ndarray]]) -> "PairwiseGraph":
         g = cls([np.asarray(c, dtype=np.float64) for c in costs], [{} for _ in costs])
         for u, v, m in edges:
             g.add_edge(u, v, np.asarray(m, dtype=np.float64))
         return g
 
     @classmethod
-    def from_problem(cls, problem: ShardingProblem) -> "_Graph":
+    def from_problem(cls, problem: ShardingProblem) -> "PairwiseGraph":
         return cls.from_parts(problem.costs, ((e.u, e.v, e.cost) for e in problem.edges))
 
     def add_edge(self, u: int, v: int, m: np.ndarray) -> None:
@@ -100,8 +100,8 @@ class _Graph:
         self.adj[u][v] = m
         self.adj[v][u] = m.T
 
-    def copy(self) -> "_Graph":
-        return _Graph(list(self.costs), [dict(a) for a in self.adj])
+    def copy(self) -> "PairwiseGraph":
+        return PairwiseGraph(list(self.costs), [dict(a) for a in self.adj])
 
     def fix(self, v: int, c: int) -> float:
         """Condition node ``v`` on choice ``c``: fold its edges into neighbours, drop it.
@@ -124,8 +124,8 @@ class _Graph:
         return out
 
 
-def _reduce(g: _Graph, alive: list[bool], protected: frozenset[int], max_pair: float,
-            log: list[tuple]) -> float:
+def reduce_graph(g: PairwiseGraph, alive: list[bool], protected: frozenset[int],
+                 max_pair: float, log: list[tuple]) -> float:
     """Apply R0/R1/R2 to a fixed point; mutates ``g``/``alive``, appends to ``log``.
 
     Returns the constant (sum of R0 minima) removed from the problem.
@@ -175,7 +175,7 @@ def _reduce(g: _Graph, alive: list[bool], protected: frozenset[int], max_pair: f
     return offset
 
 
-def _back_substitute(log: Sequence[tuple], choice: np.ndarray) -> np.ndarray:
+def back_substitute(log: Sequence[tuple], choice: np.ndarray) -> np.ndarray:
     """Fill in reduced nodes of ``choice`` (shape ``(n,)`` or ``(n, batch)``), in place."""
     for entry in reversed(log):
         kind, v = entry[0], entry[1]
@@ -214,7 +214,7 @@ class Reduced:
                              f"{len(self.core_nodes)} nodes")
         full = np.zeros(self.num_nodes, dtype=np.int64)
         full[list(self.core_nodes)] = np.asarray(core_choice, dtype=np.int64)
-        return tuple(int(c) for c in _back_substitute(self.log, full))
+        return tuple(int(c) for c in back_substitute(self.log, full))
 
 
 def reduce_exact(problem: ShardingProblem, *, max_pair: int = 4096,
@@ -246,10 +246,10 @@ def reduce_exact(problem: ShardingProblem, *, max_pair: int = 4096,
         >>> r.core.num_nodes, r.offset, r.expand(())
         (0, 1.0, (0, 1, 1))
     """
-    g = _Graph.from_problem(problem)
+    g = PairwiseGraph.from_problem(problem)
     alive = [True] * problem.num_nodes
     log: list[tuple] = []
-    offset = _reduce(g, alive, frozenset(protected), max_pair, log)
+    offset = reduce_graph(g, alive, frozenset(protected), max_pair, log)
     core_nodes = [i for i in range(problem.num_nodes) if alive[i]]
     local = {i: k for k, i in enumerate(core_nodes)}
     core = ShardingProblem(
@@ -388,8 +388,8 @@ def solve_trw(problem: ShardingProblem, *, rho: float | None = 0.7, max_iters: i
     n = problem.num_nodes
     merged = _merged_edges(problem)
     if n == 0 or not merged:
-        return _finish(problem, [int(np.argmin(c)) for c in problem.costs], SolverStatus.HEURISTIC, t0,
-                       None)
+        return _finish(problem, [int(np.argmin(c)) for c in problem.costs],
+                       SolverStatus.HEURISTIC, t0, None)
     sizes = np.array([problem.num_choices(i) for i in range(n)])
     nmax = int(sizes.max())
     finite = [np.abs(c[np.isfinite(c)]).max(initial=0.0) for c in problem.costs]

@@ -134,7 +134,7 @@ class ShardingSpec:
         object.__setattr__(self, "_hash", hash(key))
 
     @classmethod
-    def _trusted(cls, dims: tuple[DimSharding, ...],
+    def unchecked(cls, dims: tuple[DimSharding, ...],
                  partial: tuple[tuple[int, str], ...] = ()) -> "ShardingSpec":
         """Construct without validation (callers guarantee canonical, valid fields)."""
         obj = object.__new__(cls)
@@ -394,7 +394,7 @@ class ShardingSpec:
         return cls.from_dict(json.loads(text))
 
 
-def _inner_sizes(shape: Sequence[int]) -> list[int]:
+def inner_sizes(shape: Sequence[int]) -> list[int]:
     """Product of the dims after each dim (row-major element strides)."""
     inner = [1] * len(shape)
     acc = 1
@@ -407,7 +407,7 @@ def _inner_sizes(shape: Sequence[int]) -> list[int]:
 def map_linear_axis(linear_stride: int, n: int, shape: Sequence[int]) -> tuple[int, int] | None:
     """The dim and axis stride of ``shape`` that puts row-major element ``L`` on
     coordinate ``(L // linear_stride) % n``, or None if no single dim does."""
-    inner = _inner_sizes(shape)
+    inner = inner_sizes(shape)
     for o, (size, inn) in enumerate(zip(shape, inner)):
         if size > 1 and linear_stride % inn == 0 and (inn * size) % (linear_stride * n) == 0:
             return o, linear_stride // inn
@@ -432,7 +432,7 @@ def map_reshape(spec: ShardingSpec, in_shape: Sequence[int], out_shape: Sequence
     if spec.rank != len(in_shape):
         raise InvalidSpecError(f"map_reshape: spec {spec} has rank {spec.rank}, input shape "
                                f"{tuple(in_shape)} has rank {len(in_shape)}")
-    inner = _inner_sizes(in_shape)
+    inner = inner_sizes(in_shape)
     roles = []
     for a, role in enumerate(spec.axis_roles(in_shape, mesh)):
         if role is None or role[0] == "partial":

@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Sequence
 
 from rhino.hlo_passes.graph import HloGraph, Op, TensorType, flatten_shape
 from rhino.planner.mesh import AbstractMesh
-from rhino.planner.spec import (DimSharding, ShardingSpec, _inner_sizes, map_linear_axis,
+from rhino.planner.spec import (DimSharding, ShardingSpec, inner_sizes, map_linear_axis,
                                 map_reshape)
 from rhino.planner.strategies_rules import FLOAT_TYPES, SUM, Loop, op_loops
 
@@ -171,7 +171,7 @@ def stride_hints(graph: HloGraph, mesh: AbstractMesh, loops_of: Sequence[list[Lo
     reshapes = [(op, p) for op in graph.ops if (p := _reshape_pair(graph, op)) is not None]
 
     def through(src: TensorType, dst: TensorType, d: int, n: int, s: int):
-        return map_linear_axis(_inner_sizes(src.dims)[d] * s, n, dst.dims)
+        return map_linear_axis(inner_sizes(src.dims)[d] * s, n, dst.dims)
 
     hot = _compute_linked(graph, mesh, loops_of, reshapes)
     for op, (x, y) in reshapes:                       # seeds: blocked on one side
@@ -255,7 +255,7 @@ def _compute_linked(graph: HloGraph, mesh: AbstractMesh,
                 heavy.append(linked[0])
     sizes = group_sizes(mesh)
     for op, (x, y) in reshapes:
-        inner = _inner_sizes(x.dims)
+        inner = inner_sizes(x.dims)
         for d, size in enumerate(x.dims):
             for n in sizes:
                 if size % n == 0 and size > 1:
@@ -346,7 +346,7 @@ def spec_of(rank: int, which: int, loops: Sequence[Loop], assignment: Assignment
         got = intern.get(key)
         if got is not None:
             return got
-    spec = ShardingSpec._trusted(
+    spec = ShardingSpec.unchecked(
         tuple(DimSharding(*d) if isinstance(d, tuple) else d for d in dims), tuple(partial))
     if intern is not None:
         intern[key] = spec

@@ -48,14 +48,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import threading
 import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.runtime.resharding import (Box, ReshardingError, ReshardingPlan, _intersect,
-                                      _slices, _split, _volume)
+from rhino.runtime.resharding import (Box, ReshardingError, ReshardingPlan, intersect_boxes,
+                                      box_slices, split_box, box_volume)
 
 DEFAULT_TIMEOUT_S = 60.0
 ACTOR_CONCURRENCY = 16
@@ -206,12 +207,12 @@ class HostActor:
             raise ReshardingError(f"{where}: expected source device {src} to hold a piece, "
                                   f"found pieces for devices {sorted(self.pieces)}")
         box = self.src_box[src]
-        if _intersect(box, region) != region or tuple(piece.shape) != tuple(
+        if intersect_boxes(box, region) != region or tuple(piece.shape) != tuple(
                 hi - lo for lo, hi in box):
             raise ReshardingError(f"{where}: expected source device {src} to hold {box} "
                                   f"covering the region, found a piece of shape "
                                   f"{tuple(piece.shape)}")
-        part = np.ascontiguousarray(piece[_slices(region, box)])
+        part = np.ascontiguousarray(piece[box_slices(region, box)])
         by_host: dict[int, list[int]] = {}
         for d in plan.job_receivers[j]:
             by_host.setdefault(plan.dst_mesh.host_of(d), []).append(d)
@@ -230,8 +231,8 @@ class HostActor:
                 boxes = [region] * len(devs)
                 refs = [self._put(ray, part) for _ in devs]
             else:
-                boxes = _split(region, len(devs))
-                refs = [self._put(ray, np.ascontiguousarray(part[_slices(b, region)]))
+                boxes = split_box(region, len(devs))
+                refs = [self._put(ray, np.ascontiguousarray(part[box_slices(b, region)]))
                         for b in boxes]
             acks.append((h, self.peers[h].deliver.remote(run, self.host, j, devs, boxes,
                                                          refs)))
@@ -307,15 +308,15 @@ class HostActor:
 
     def _assemble(self, d: int, tile: Box) -> np.ndarray:
         got = self.received[d]
-        if sum(_volume(b) for b, _ in got) != _volume(tile) or any(
-                _intersect(b, tile) != b for b, _ in got):
+        if sum(box_volume(b) for b, _ in got) != box_volume(tile) or any(
+                intersect_boxes(b, tile) != b for b, _ in got):
             raise ReshardingError(f"{self._where()}: destination device {d}: expected "
                                   f"regions covering {tile}, found {[b for b, _ in got]}")
         if len(got) == 1:
             return got[0][1]
         buf = np.empty(tuple(hi - lo for lo, hi in tile), got[0][1].dtype)
         for b, a in got:
-            buf[_slices(b, tile)] = a
+            buf[box_slices(b, tile)] = a
         return buf
 
     def _same_run(self, run: int, what: str) -> None:
@@ -358,6 +359,9 @@ class HostActors:
         self.timeout = timeout
         self._options = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY,
                          "max_restarts": 0, **(actor_options or {})}
+        # This module lives in benchmarks/, which Ray's workers cannot import: ship the
+        # actor class by value.
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         self._cls = ray.remote(HostActor)
         self.actors: list[Any] = []
         self._runs = itertools.count()

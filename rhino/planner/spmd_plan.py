@@ -1,4 +1,4 @@
-"""``ExecutionPlan``: the planner's answer as plain, JSON-serializable data, with a report.
+"""``SpmdPlan``: the planner's answer as plain, JSON-serializable data, with a report.
 
 A plan holds, for the program it was made for: the mesh, a spec per op (what the annotator
 writes into the program), a spec per entry parameter by pytree path, the collectives the plan
@@ -10,7 +10,7 @@ Example:
     >>> import jax.numpy as jnp, rhino
     >>> p = rhino.plan(lambda x, w: jnp.sum(x @ w), jnp.ones((64, 32)), jnp.ones((32, 32)),
     ...                mesh_shape=(4,))
-    >>> ExecutionPlan.from_json(p.to_json()) == p
+    >>> SpmdPlan.from_json(p.to_json()) == p
     True
 """
 
@@ -23,6 +23,7 @@ from typing import Any
 
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
+from rhino.vocabulary import SolverStatus
 
 FORMAT_VERSION = 1
 
@@ -101,7 +102,7 @@ class SearchStats:
     """How the plan was found. Times in seconds."""
 
     opt_level: str
-    status: str
+    status: SolverStatus
     objective: float
     ingest_s: float
     analyze_s: float
@@ -129,7 +130,7 @@ class UnplannedOp:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExecutionPlan:
+class SpmdPlan:
     """An SPMD plan for one program on one mesh (see the module docstring)."""
 
     program: str
@@ -188,7 +189,7 @@ class ExecutionPlan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ExecutionPlan":
+    def from_dict(cls, d: dict[str, Any]) -> "SpmdPlan":
         if d.get("format") != FORMAT_VERSION:
             raise ValueError(f"plan JSON: expected format {FORMAT_VERSION}, found "
                              f"{d.get('format')!r}")
@@ -205,11 +206,11 @@ class ExecutionPlan:
                               for c in d["collectives"]),
             memory=MemoryEstimate(**d["memory"]), memory_budget=d["memory_budget"],
             compute_s=d["compute_s"], communication_s=d["communication_s"],
-            search=SearchStats(**d["search"]),
+            search=SearchStats(**dict(d["search"], status=SolverStatus(d["search"]["status"]))),
             unplanned=tuple(UnplannedOp(**u) for u in d["unplanned"]))
 
     @classmethod
-    def from_json(cls, text: str) -> "ExecutionPlan":
+    def from_json(cls, text: str) -> "SpmdPlan":
         return cls.from_dict(json.loads(text))
 
     # ------------------------------------------------------------------ report

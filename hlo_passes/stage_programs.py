@@ -53,17 +53,28 @@ from jax.extend import core as jcore
 
 from rhino._jax_private import eqn_context
 from rhino.errors import RhinoError
-from rhino.hlo_passes.annotate import _body
+from rhino.hlo_passes.annotate import call_body
+from rhino.vocabulary import Accumulate, Role, TaskKind
 
-FREE, FWD, BWD, AG = "free", "fwd", "bwd", "ag"
-_RANK = {FWD: 0, BWD: 1, AG: 2}
-KINDS = ("F", "B", "A")
-_KIND_OF = {FWD: "F", BWD: "B", AG: "A"}
-ACCUMULATE = ("mean", "sum")
 
 
 class StageSplitError(RhinoError):
     """The step cannot be split into stage programs as asked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageShardings:
+    """The shardings a stage uses, as PartitionSpecs on its mesh (plain data).
+
+    Attributes:
+        values: ``(equation path, result index) -> PartitionSpec`` constraints inside the
+            stage's programs.
+        refs: ``ref -> PartitionSpec`` for values the stage receives or is given
+            (arguments, microbatch slices, values from other stages). Unlisted: replicated.
+    """
+
+    values: Mapping[tuple[tuple[int, ...], int], Any] = dataclasses.field(default_factory=dict)
+    refs: Mapping[int, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +142,7 @@ def flatten(closed: Any) -> FlatProgram:
         for i, eqn in enumerate(jaxpr.eqns):
             p = path + (i,)
             ins = [read(v) for v in eqn.invars]
-            body = _body(eqn)
+            body = call_body(eqn)
             if body is not None:
                 res = walk(body[0], body[1], ins, p)
             else:
@@ -237,7 +248,7 @@ class StepSplit:
 
     def stage_args(self, stage: int) -> tuple[int, ...]:
         """Flat arguments (state and batch) any task of ``stage`` reads."""
-        return tuple(sorted({i.ref for k in KINDS for i in self.tasks[(k, stage)].inputs
+        return tuple(sorted({i.ref for k in TaskKind for i in self.tasks[(k, stage)].inputs
                              if i.source in ("arg", "batch")}))
 
     def summary(self) -> dict[str, Any]:
@@ -247,7 +258,7 @@ class StepSplit:
 
 
 def _role_rank(role: str) -> int:
-    return _RANK.get(role, -1)
+    return Role(role).rank
 
 
 def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str, int]],
@@ -273,21 +284,24 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
     if num_stages < 1 or num_microbatches < 1:
         raise StageSplitError(f"expected num_stages >= 1 and num_microbatches >= 1, found "
                               f"{num_stages} and {num_microbatches}")
-    if accumulate not in ACCUMULATE:
-        raise StageSplitError(f"accumulate: expected one of {ACCUMULATE}, found {accumulate!r}")
+    try:
+        accumulate = Accumulate(accumulate)
+    except ValueError:
+        raise StageSplitError(f"accumulate: expected one of {[a.value for a in Accumulate]}, "
+                              f"found {accumulate!r}") from None
     bad = [b for b in batch_refs if not 0 <= b < flat.num_args]
     if bad or not batch_refs:
         raise StageSplitError(f"batch arguments: expected flat argument indices in "
                               f"[0, {flat.num_args}), found {list(batch_refs)}")
     for path, (role, stage) in assignment.items():
-        if role not in (FREE, FWD, BWD, AG) or not -1 <= stage < num_stages:
+        if role not in tuple(Role) or not -1 <= stage < num_stages:
             raise StageSplitError(f"assignment of equation {path}: expected a role in "
                                   f"free/fwd/bwd/ag and a stage in [-1, {num_stages}), found "
                                   f"({role!r}, {stage})")
     n = len(flat.eqns)
     dep: dict[int, bool] = {r: (r in set(batch_refs)) for r in range(flat.num_args)}
     prod: dict[int, int] = {}  # ref -> producing flat eqn
-    role = [FREE] * n
+    role = [Role.FREE] * n
     stage = [-1] * n
     for i, fe in enumerate(flat.eqns):
         refs = [x for x in fe.ins if isinstance(x, int)]
@@ -299,19 +313,19 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
         if not d:
             continue
         given = assignment.get(fe.path)
-        in_roles = [role[prod[r]] for r in refs if r in prod and role[prod[r]] != FREE]
+        in_roles = [role[prod[r]] for r in refs if r in prod and role[prod[r]] != Role.FREE]
         # The role: at least what the operands force (forward < backward < apply).
         ranks = [_role_rank(x) for x in in_roles]
-        want = given[0] if given is not None and given[0] != FREE else FWD
+        want = given[0] if given is not None and given[0] != Role.FREE else Role.FORWARD
         r_i = max([_role_rank(want)] + ranks)
-        role[i] = (FWD, BWD, AG)[r_i]
+        role[i] = (Role.FORWARD, Role.BACKWARD, Role.APPLY)[r_i]
         s = given[1] if given is not None and given[1] >= 0 else None
-        fwd_in = [stage[prod[r]] for r in refs if r in prod and role[prod[r]] == FWD]
-        bwd_in = [stage[prod[r]] for r in refs if r in prod and role[prod[r]] == BWD]
-        any_in = [stage[prod[r]] for r in refs if r in prod and role[prod[r]] != FREE]
-        if role[i] == FWD:
+        fwd_in = [stage[prod[r]] for r in refs if r in prod and role[prod[r]] == Role.FORWARD]
+        bwd_in = [stage[prod[r]] for r in refs if r in prod and role[prod[r]] == Role.BACKWARD]
+        any_in = [stage[prod[r]] for r in refs if r in prod and role[prod[r]] != Role.FREE]
+        if role[i] == Role.FORWARD:
             s = max([s if s is not None else 0] + fwd_in)
-        elif role[i] == BWD:
+        elif role[i] == Role.BACKWARD:
             if s is None:
                 s = min(bwd_in) if bwd_in else (max(any_in) if any_in else num_stages - 1)
             s = min([s] + bwd_in)
@@ -320,15 +334,15 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
         stage[i] = s
 
     # Values each equation reads, and the free equations each task recomputes.
-    task_eqns: dict[tuple[str, int], list[int]] = {(k, s): [] for k in KINDS
+    task_eqns: dict[tuple[str, int], list[int]] = {(k, s): [] for k in TaskKind
                                                    for s in range(num_stages)}
     for i in range(n):
-        if role[i] != FREE:
-            task_eqns[(_KIND_OF[role[i]], stage[i])].append(i)
+        if role[i] != Role.FREE:
+            task_eqns[(role[i].task, stage[i])].append(i)
     free_needed: dict[tuple[str, int], set[int]] = {k: set() for k in task_eqns}
 
     def need_free(key, refs):
-        stack = [r for r in refs if r in prod and role[prod[r]] == FREE]
+        stack = [r for r in refs if r in prod and role[prod[r]] == Role.FREE]
         seen = free_needed[key]
         while stack:
             e = prod[stack.pop()]
@@ -336,13 +350,13 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
                 continue
             seen.add(e)
             stack.extend(x for x in flat.eqns[e].ins if isinstance(x, int) and x in prod
-                         and role[prod[x]] == FREE)
+                         and role[prod[x]] == Role.FREE)
 
     for key, idx in task_eqns.items():
         need_free(key, [x for i in idx for x in flat.eqns[i].ins if isinstance(x, int)])
     # Free values among the step's results are computed by A0.
     out_free = [x for x in flat.outs if isinstance(x, int) and x in prod
-                and role[prod[x]] == FREE]
+                and role[prod[x]] == Role.FREE]
     need_free(("A", 0), out_free)
 
     owner: dict[int, tuple[str, int]] = {}

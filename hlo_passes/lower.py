@@ -1,0 +1,454 @@
+"""Lowering: a ``Plan`` written into the program it was made for.
+
+One pass for both kinds of plan, used by ``rhino.auto_parallel`` whatever runs the result::
+
+    Plan + the step traced once (ScopedFunction), its HloGraph, its abstract arguments
+      │ check_plan      the plan is for this program: every op, parameter and stage op it
+      │                 names exists, with the same opcode / type (else PlanMismatchError)
+      ▼
+      ├── one stage ─── lower_spmd: every planned value constrained where its equation
+      │                 produces it (a pending sum in its reduced form, or as its one
+      │                 consumer needs it when that is a free slice); operands resharded
+      │                 for their consumer constrained at the consumer; strided values kept
+      │                 split (``strided.py``); argument and result shardings; donation of
+      │                 the state the step updates. -> SpmdLowering (a jit-able function
+      │                 with its shardings; ``compile_spmd`` compiles it and checks the
+      │                 compiled shardings against the plan)
+      └── stages ────── lower_stages: the plan's op stages and roles mapped onto the
+                        step's equations; the step re-traced at microbatch shapes and cut
+                        into per-stage F/B/A programs (``stage_programs.split_step``);
+                        each stage's specs as PartitionSpecs on its programs' values.
+                        -> StageLowering
+
+Nothing is dropped silently: a spec that cannot be written (strided where the executor
+cannot hold it, a split a microbatch does not divide) or a planned value the program lacks
+is a ``LoweringError`` / ``PlanMismatchError`` naming the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from rhino.errors import LoweringError, PlanMismatchError
+from rhino.hlo_passes.annotate import EqnMap, ScopedFunction, eqn_path
+from rhino.hlo_passes.graph import HloGraph, TensorType, shape_str
+from rhino.hlo_passes.stage_programs import (FlatProgram, StageShardings, StepSplit,
+                                             assignment_from_ops, flatten, split_step)
+from rhino.hlo_passes.strided import StridedRealizer
+from rhino.parallel_plan import Plan
+from rhino.planner.build import carried_pairs
+from rhino.planner.collectives import reshard
+from rhino.planner.spec import ShardingSpec
+from rhino.planner.spmd_plan import SpmdPlan
+from rhino.vocabulary import Accumulate, PlanKind
+
+
+# ------------------------------------------------------------------------------ specs
+def partition_spec(spec: ShardingSpec, axis_names: Sequence[str], what: str = "value"):
+    """The ``PartitionSpec`` of a blocked spec (a pending sum is first reduced: callers
+    pass ``spec.without_partial()`` where that is meant).
+
+    Raises:
+        LoweringError: a strided or partial spec, naming ``what``.
+
+    Example:
+        >>> partition_spec(ShardingSpec.parse("S[x]·R·S[y,z]"), ("x", "y", "z"))
+        PartitionSpec('x', None, ('y', 'z'))
+    """
+    from jax.sharding import PartitionSpec
+
+    if spec.is_partial:
+        raise LoweringError(f"{what}: spec {spec.to_str()} is a pending reduction, which no "
+                            f"device sharding expresses; expected a reduced spec")
+    entries = []
+    for d in spec.dims:
+        if d.stride is not None:
+            raise LoweringError(f"{what}: spec {spec.to_str()} is strided; a strided value "
+                                f"is only held split inside an SPMD program "
+                                f"(hlo_passes.strided), not as this value")
+        names = tuple(axis_names[a] for a in d.axes)
+        entries.append(None if not names else names[0] if len(names) == 1 else names)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def named_sharding(spec: ShardingSpec | None, jmesh: Any, names: Sequence[str],
+                   what: str = "value"):
+    """``NamedSharding`` of ``spec`` (None: replicated; a pending sum: its reduced form)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if spec is None:
+        return NamedSharding(jmesh, PartitionSpec())
+    return NamedSharding(jmesh, partition_spec(spec.without_partial(), names, what))
+
+
+def _describe(graph: HloGraph, op_id: int) -> str:
+    op = graph.ops[op_id]
+    where = op.arg.path if op.arg is not None else op.name
+    return f"{where} ({shape_str(op.shape)}{', ' + op.source if op.source else ''})"
+
+
+# ------------------------------------------------------------------------------ checks
+def check_plan(plan: Plan, graph: HloGraph) -> None:
+    """The plan must be for this program.
+
+    One stage: its SPMD plan has this program's ops (same names and opcodes, in order) and
+    parameters (same paths and types). Several stages: every op a stage names exists, and
+    every stage has its SPMD plan.
+
+    Raises:
+        PlanMismatchError: naming the first value the program lacks or has otherwise.
+    """
+    if plan.num_stages == 1:
+        _check_spmd(plan.spmd, graph)
+        return
+    names = {op.name for op in graph.ops}
+    for st in plan.stages:
+        if st.spmd is None:
+            raise PlanMismatchError(f"plan: stage {st.index} has no SPMD plan (saved with "
+                                    f"include_spmd=False); re-plan, or save with it")
+        missing = [n for n in st.ops if n not in names]
+        if missing:
+            raise PlanMismatchError(
+                f"plan: stage {st.index} runs op {missing[0]!r}"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                + f", which this program ({len(graph.ops)} ops) lacks: the plan was made for "
+                  f"another program or other argument shapes; re-plan for this one")
+        paths = {graph.ops[p].arg.path for p in graph.params if graph.ops[p].arg}
+        lacking = [w for w in st.weights if w not in paths]
+        if lacking:
+            raise PlanMismatchError(f"plan: stage {st.index} reads weight {lacking[0]!r}, "
+                                    f"which this program's arguments lack (they are e.g. "
+                                    f"{sorted(paths)[:3]})")
+
+
+def _check_spmd(plan: SpmdPlan, graph: HloGraph) -> None:
+    if len(plan.ops) != len(graph.ops):
+        raise PlanMismatchError(f"plan: made for a program of {len(plan.ops)} ops, this one "
+                                f"has {len(graph.ops)}; re-plan for this function and these "
+                                f"argument shapes")
+    for p, op in zip(plan.ops, graph.ops):
+        if p.name != op.name or p.opcode != op.opcode:
+            raise PlanMismatchError(f"plan: names op {p.name!r} ({p.opcode}) where this "
+                                    f"program has {op.name!r} ({op.opcode}); re-plan for this "
+                                    f"function and these argument shapes")
+    if len(plan.params) != len(graph.params):
+        raise PlanMismatchError(f"plan: has {len(plan.params)} parameters, this program "
+                                f"{len(graph.params)}")
+    for p, q in zip(plan.params, graph.params):
+        op = graph.ops[q]
+        path = op.arg.path if op.arg is not None else op.name
+        if p.path != path or p.shape != shape_str(op.shape):
+            raise PlanMismatchError(f"plan: names parameter {p.path!r} {p.shape} where this "
+                                    f"program has {path!r} {shape_str(op.shape)}; re-plan "
+                                    f"for this function and these argument shapes")
+
+
+# ------------------------------------------------------------------------------ SPMD
+@dataclasses.dataclass(frozen=True)
+class SpmdLowering:
+    """A one-stage plan written into the step.
+
+    Attributes:
+        function: the step with the plan's constraints (jit-able; ``jax.jit(function,
+            in_shardings=..., out_shardings=..., donate_argnums=...)``).
+        in_shardings / out_shardings: per flat argument / result.
+        in_tree / out_tree: pytree structures.
+        donate_argnums: the arguments donated (state the step updates and returns).
+        constrained: values with a sharding constraint.
+        mesh: the ``jax.sharding.Mesh``.
+    """
+
+    function: Any
+    in_shardings: tuple
+    out_shardings: tuple
+    in_tree: Any
+    out_tree: Any
+    donate_argnums: tuple[int, ...]
+    constrained: int
+    mesh: Any
+
+    def jit(self):
+        return jax.jit(self.function,
+                       in_shardings=jax.tree_util.tree_unflatten(self.in_tree,
+                                                                 self.in_shardings),
+                       out_shardings=jax.tree_util.tree_unflatten(self.out_tree,
+                                                                  self.out_shardings),
+                       donate_argnums=self.donate_argnums)
+
+
+def _value_constraints(graph: HloGraph, plan: SpmdPlan, emap: EqnMap) -> dict:
+    """Equation output -> the spec it is constrained to."""
+    need_of: dict[int, set] = {}
+    for op, o in zip(graph.ops, plan.ops):
+        for q, u in enumerate(op.operands):
+            need_of.setdefault(u, set()).add(o.in_specs[q])
+    constraints = {}
+    for key, op_id in emap.producer.items():
+        spec = plan.ops[op_id].out_spec
+        if spec is None:
+            continue  # tuples stay as they are
+        if spec.is_partial:
+            # A pending sum has no sharding of its own: constrain it to its reduced form
+            # (the partitioner reduces right there), or to its one consumer's spec when
+            # that is a local slice of the reduced form (a reduce-scatter where it exists).
+            needs = need_of.get(op_id, set())
+            one = next(iter(needs)) if len(needs) == 1 else None
+            reduced = spec.without_partial()
+            sliced = one is not None and not one.is_partial and reshard(
+                reduced, one, graph.ops[op_id].shape, plan.mesh).is_free
+            spec = one if sliced else reduced
+        constraints[key] = spec
+    return constraints
+
+
+def _operand_constraints(graph: HloGraph, plan: SpmdPlan, emap: EqnMap) -> dict:
+    """Equation input -> the spec its consumer needs, where that differs from how the
+    value is produced (the consumer is whichever op of the equation reads it)."""
+    members: dict[tuple[int, ...], list[int]] = {}
+    for op in graph.ops:
+        if op.opcode != "parameter":
+            members.setdefault(eqn_path(op.op_name), []).append(op.id)
+    out = {}
+    for path, ids in emap.inputs.items():
+        main = emap.producer.get((path, 0))
+        if main is None:
+            continue
+        inside = members.get(path, [main])
+        for j, h in enumerate(ids):
+            if h is None:
+                continue
+            needs = {plan.ops[m].in_specs[q] for m in inside
+                     for q, x in enumerate(graph.ops[m].operands) if x == h}
+            if len(needs) != 1 and h in graph.ops[main].operands:
+                needs = {plan.ops[main].in_specs[graph.ops[main].operands.index(h)]}
+            if len(needs) != 1:
+                continue  # read in several layouts inside the equation: XLA chooses
+            need = next(iter(needs))
+            if need is None or need.is_partial or need == plan.ops[h].out_spec:
+                continue
+            out[(path, j)] = need
+    return out
+
+
+def _donated_args(graph: HloGraph, abstract: tuple) -> tuple[int, ...]:
+    """Arguments every leaf of which is updated and returned (carried)."""
+    carried = {p for _, p in carried_pairs(graph)}
+    picked, pos = [], 0
+    for k, arg in enumerate(abstract):
+        n = len(jax.tree_util.tree_leaves(arg))
+        ids = graph.params[pos:pos + n]
+        if n and all(i in carried for i in ids):
+            picked.append(k)
+        pos += n
+    return tuple(picked)
+
+
+def lower_spmd(traced: ScopedFunction, graph: HloGraph, plan: SpmdPlan, devices: Sequence,
+               abstract: tuple, donate: bool) -> SpmdLowering:
+    """The step with ``plan`` written in (see the module docstring).
+
+    Raises:
+        PlanMismatchError: the plan is for another program.
+        LoweringError: a parameter or result spec no device sharding expresses.
+    """
+    from rhino.runtime.spmd import device_mesh
+
+    _check_spmd(plan, graph)
+    names = plan.mesh.axis_names
+    jmesh = device_mesh(plan.mesh.shape, names, devices)
+    emap = EqnMap(traced, graph)
+    constraints = _value_constraints(graph, plan, emap)
+    hooks = StridedRealizer(jmesh, names).hooks(constraints,
+                                               _operand_constraints(graph, plan, emap))
+    in_flat = tuple(named_sharding(plan.params[i].spec, jmesh, names, _describe(graph, q))
+                    for i, q in enumerate(graph.params))
+    carried = dict(carried_pairs(graph))
+    out_flat = tuple(named_sharding(plan.ops[carried.get(o, o)].out_spec, jmesh, names,
+                                    f"result {info.path}")
+                     for o, info in zip(graph.outputs, graph.output_info))
+    return SpmdLowering(traced.with_hook(*hooks), in_flat, out_flat,
+                        jax.tree_util.tree_structure(abstract), traced.out_tree,
+                        _donated_args(graph, abstract) if donate else (), len(constraints),
+                        jmesh)
+
+
+def compile_spmd(lowered: SpmdLowering, graph: HloGraph, abstract: tuple) -> Any:
+    """Compile with XLA's SPMD partitioner and check the compiled argument and result
+    shardings against the plan (``ShardingMismatchError`` before anything runs)."""
+    from rhino.runtime.spmd import check_shardings
+
+    compiled = lowered.jit().lower(*abstract).compile()
+    got_in = jax.tree_util.tree_leaves(compiled.input_shardings[0])
+    got_out = jax.tree_util.tree_leaves(compiled.output_shardings)
+    ndim_in = [len(x.shape) for x in jax.tree_util.tree_leaves(abstract)]
+    check_shardings("argument", got_in, lowered.in_shardings, ndim_in,
+                    [graph.ops[p].arg.path for p in graph.params])
+    ndim_out = [len(graph.ops[o].shape.dims) if isinstance(graph.ops[o].shape, TensorType)
+                else 0 for o in graph.outputs]
+    check_shardings("result", got_out, lowered.out_shardings, ndim_out,
+                    [i.path for i in graph.output_info])
+    return compiled
+
+
+# ------------------------------------------------------------------------------ stages
+@dataclasses.dataclass(frozen=True)
+class StageLowering:
+    """A several-stage plan written into the step.
+
+    Attributes:
+        split: the per-stage F/B/A programs (``StepSplit``).
+        abstract_mb: the step's arguments with microbatch-sized batch leaves.
+        assignment: equation path -> (role, stage) (plain data: a Ray actor re-splits the
+            step from it).
+        batch_refs: flat argument indices of the batch leaves.
+        shardings: per stage its ``StageShardings``.
+    """
+
+    split: StepSplit
+    abstract_mb: tuple
+    assignment: dict
+    batch_refs: tuple[int, ...]
+    shardings: tuple[StageShardings, ...]
+
+
+def microbatch_args(abstract: tuple, batch_refs: Sequence[int], m: int,
+                    paths: Mapping[int, str]) -> tuple:
+    """``abstract`` with every batch leaf's leading dimension divided by ``m``.
+
+    Raises:
+        LoweringError: a batch leaf whose leading dimension ``m`` does not divide.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(abstract)
+    out = []
+    for k, x in enumerate(leaves):
+        if k in batch_refs:
+            if not x.shape or x.shape[0] % m:
+                raise LoweringError(f"batch argument {paths.get(k, k)}: expected a leading "
+                                    f"dimension divisible by num_microbatches={m}, found "
+                                    f"shape {tuple(x.shape)}")
+            x = jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]), x.dtype)
+        out.append(x)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
+                 abstract: tuple, roles: Sequence[str], batch_params: Sequence[int],
+                 accumulate: Accumulate) -> StageLowering:
+    """The step cut into the plan's stage programs (see the module docstring).
+
+    Args:
+        fn: the step; traced: it traced at the whole-batch ``abstract`` arguments.
+        graph: its HloGraph; roles: the role of every op (``pipeline.coarsen``).
+        batch_params: the graph's batch parameter ops (the gradient boundary's).
+
+    Raises:
+        PlanMismatchError: the plan is for another program.
+        LoweringError: a spec a microbatch cannot hold, or a step that traces differently
+            at microbatch shapes.
+    """
+    check_plan(plan, graph)
+    m = plan.num_microbatches
+    by_name = {op.name: op.id for op in graph.ops}
+    stage_of = [-1] * len(graph.ops)
+    if plan.kind is PlanKind.SPMD:
+        stage_of = [0] * len(graph.ops)
+    for st in plan.stages:
+        for nm in st.ops:
+            stage_of[by_name[nm]] = st.index
+    assignment = assignment_from_ops(traced, graph, stage_of, roles)
+    batch_refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params))
+    paths = {graph.ops[q].arg.index: graph.ops[q].arg.path for q in graph.params}
+    abstract_mb = microbatch_args(abstract, batch_refs, m, paths)
+    flat = flatten(jax.make_jaxpr(fn)(*abstract_mb))
+    _check_same_program(traced, flat)
+    split = split_step(flat, assignment, batch_refs, plan.num_stages, m, accumulate)
+    emap = EqnMap(traced, graph)
+    shardings = tuple(_stage_shardings(st.spmd, st.index, graph, emap, flat, split)
+                      for st in plan.stages)
+    return StageLowering(split, abstract_mb, assignment, batch_refs, shardings)
+
+
+def _check_same_program(traced: ScopedFunction, flat: FlatProgram) -> None:
+    """The microbatch-sized trace must have the same equations as the planned one."""
+    full = [(p, e.primitive.name) for p, e in traced.leaf_eqns().items()]
+    mine = [(fe.path, fe.eqn.primitive.name) for fe in flat.eqns]
+    if full != mine:
+        first = next((i for i, (a, b) in enumerate(zip(full, mine)) if a != b),
+                     min(len(full), len(mine)))
+        raise LoweringError(f"the step traced with microbatch-sized arguments differs from the "
+                            f"step traced with the whole batch (equation {first}: "
+                            f"{full[first] if first < len(full) else None} vs "
+                            f"{mine[first] if first < len(mine) else None}): a pipelined step "
+                            f"must trace to the same equations at every batch size")
+
+
+def _stage_shardings(plan: SpmdPlan, stage: int, graph: HloGraph, emap: EqnMap,
+                     flat: FlatProgram, split: StepSplit) -> StageShardings:
+    """A stage's SPMD plan as PartitionSpecs on the stage's programs (microbatch shapes)."""
+    names = plan.mesh.axis_names
+    sizes = dict(zip(names, plan.mesh.shape))
+    out_spec = {o.name: o.out_spec for o in plan.ops}
+    ref_of = {(fe.path, k): r for fe in flat.eqns for k, r in enumerate(fe.outs)
+              if r is not None}
+    bad: list[str] = []
+
+    def pspec(spec: ShardingSpec | None, ref: int, what: str):
+        if spec is None:
+            return None
+        ps = partition_spec(spec.without_partial(), names, f"stage {stage}: {what}")
+        shape = flat.avals[ref].shape
+        for d, entry in enumerate(ps):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            n = int(np.prod([sizes[a] for a in axes])) if axes else 1
+            if d >= len(shape) or shape[d] % n:
+                bad.append(f"{what} {tuple(shape)} split {spec.to_str(plan.mesh)}")
+                return None
+        return ps
+
+    mine = {i for k in ("F", "B", "A") for i in split.task(k, stage).eqns}
+    paths = {flat.eqns[i].path for i in mine}
+    values: dict = {}
+    refs: dict[int, Any] = {}
+    for (path, k), op in emap.producer.items():
+        if path not in paths or (path, k) not in ref_of:
+            continue
+        ps = pspec(out_spec.get(graph.ops[op].name), ref_of[(path, k)],
+                   _describe(graph, op))
+        if ps is not None:
+            values[(path, k)] = ps
+            refs[ref_of[(path, k)]] = ps
+    by_path = {graph.ops[q].arg.path: q for q in graph.params if graph.ops[q].arg}
+    producer_of = {v: key for key, v in emap.producer.items()}
+    op_id = {o.name: o.id for o in graph.ops}
+    for p in plan.params:
+        if p.path.startswith("cut:"):
+            op = op_id.get(p.path[4:])
+            if op is None:
+                raise PlanMismatchError(f"stage {stage}: the plan receives value {p.path[4:]!r}"
+                                        f" from another stage, which this program lacks")
+            key = producer_of.get(op)
+            if key is None or key not in ref_of:
+                continue  # an op inside an equation: the stage receives the equation's result
+            ref = ref_of[key]
+        else:
+            q = by_path.get(p.path)
+            if q is None:
+                raise PlanMismatchError(f"stage {stage}: the plan reads argument {p.path!r}, "
+                                        f"which this program lacks (its arguments are e.g. "
+                                        f"{sorted(by_path)[:3]})")
+            ref = graph.ops[q].arg.index
+        ps = pspec(p.spec, ref, p.path)
+        if ps is not None:
+            refs[ref] = ps
+    if bad:
+        raise LoweringError(f"stage {stage}: the plan splits dimensions that a microbatch does "
+                            f"not divide ({'; '.join(bad[:3])}{'...' if len(bad) > 3 else ''}); "
+                            f"use a batch divisible by num_microbatches × the stage's devices or "
+                            f"fewer microbatches")
+    return StageShardings(values, refs)

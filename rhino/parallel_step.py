@@ -1,0 +1,668 @@
+"""``rhino.auto_parallel``: one step type, ``ParallelStep``, for every parallel execution.
+
+First call per input signature::
+
+    step fn + arguments
+      │ trace + ingest        hlo_passes.annotate.ScopedFunction, hlo_passes.ingest
+      ▼
+    HloGraph ─► the Plan      given (plan=), or planned: SPMD on a mesh (rhino.planning:
+      │                       annotations, compiled-memory budget), or over a cluster (the
+      │                       pipeline controller: SPMD, pipeline or hybrid)
+      ▼
+    lowering                  hlo_passes.lower: the plan written into the step
+      ▼
+    the run, which follows from the plan and the options:
+      one stage, executor local ─► DirectRun: the compiled SPMD program, called directly
+      otherwise                 ─► StagedRun: per-stage F/B/A programs under the static
+                                    schedule; one thread per stage (local) or one Ray
+                                    actor per stage (ray)
+
+Later calls with the same signature only run. Results keep the plan's shardings, so feeding
+them back as the next step's arguments moves nothing; with ``donate=True`` (default) the
+training state that is updated and returned is donated and updated in place.
+
+Example:
+    >>> import jax.numpy as jnp, rhino
+    >>> @rhino.auto_parallel(mesh_shape=(2,))
+    ... def step(w, x):
+    ...     return w - 0.1 * (x.T @ (x @ w)), jnp.sum(x @ w)
+    >>> type(step).__name__
+    'ParallelStep'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from rhino.cluster import Cluster
+from rhino.errors import OptionsError, RhinoError, format_bytes
+from rhino.hlo_passes import HloGraph, ingest
+from rhino.hlo_passes.annotate import ScopedFunction
+from rhino.hlo_passes.lower import (SpmdLowering, StageLowering, compile_spmd, lower_spmd,
+                                    lower_stages)
+from rhino.pipeline.api import make_cluster
+from rhino.pipeline.coarsen import classify_ops
+from rhino.pipeline.gradient import BoundaryOptions, find_gradient_boundary
+from rhino.pipeline.search import PipelineOptions, plan_pipeline_graph
+from rhino.parallel_plan import Plan
+from rhino.planner.api import PlanOptions, plan_graph
+from rhino.planner.build import BuildOptions
+from rhino.planner.mesh import AbstractMesh
+from rhino.planner.spmd_plan import SpmdPlan
+from rhino.planning import annotation_pins, fit_compiled_memory, simulated_mesh
+from rhino.progress import Progress
+from rhino.runtime import spmd
+from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
+from rhino.vocabulary import Accumulate, ExecutorKind, ScheduleKind, TransportKind
+
+REPORT_ENV = "RHINO_REPORT"
+DEFAULT_MICROBATCHES = 4
+OPT_LEVELS = ("O2", "O3")
+
+
+def report_wanted(flag: bool | None) -> bool:
+    """Print the plan report? ``flag`` if given, else whether ``$RHINO_REPORT`` is set
+    (to anything but ``0``)."""
+    return flag if flag is not None else os.environ.get(REPORT_ENV, "") not in ("", "0")
+
+
+def _positive(name: str, value: Any, kind: type = float, allow_none: bool = False) -> Any:
+    if value is None and allow_none:
+        return None
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok or not np.isfinite(float(value)) or not value > 0:
+        want = "a positive integer" if kind is int else "a positive number"
+        raise OptionsError(f"{name}: expected {want}{' or None' if allow_none else ''}, "
+                           f"found {value!r}")
+    return kind(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Options of ``auto_parallel`` (see its docstring), checked when built.
+
+    Raises:
+        OptionsError: a value out of range or of the wrong kind, or options that exclude
+            each other (a mesh and a cluster; a plan and a stage count).
+    """
+
+    devices: tuple | None = None
+    mesh_shape: tuple[int, ...] | None = None
+    mesh: AbstractMesh | None = None
+    cluster: Cluster | None = None
+    opt_level: str = "O2"
+    memory_budget: int | None = None
+    annotations: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    plan: Plan | None = None
+    report: bool | None = None
+    donate: bool = True
+    time_limit: float = 600.0
+    num_microbatches: int | None = None
+    schedule: ScheduleKind | None = None
+    executor: ExecutorKind = ExecutorKind.LOCAL
+    stages: int | Mapping[str, int] | None = None
+    accumulate: Accumulate = Accumulate.MEAN
+    batch_args: tuple[str, ...] | None = None
+    timeout: float = DEFAULT_TIMEOUT_S
+    transport: TransportKind = TransportKind.DEVICE_PUT
+    ray_address: str | None = None
+    progress_after_s: float = 2.0
+
+    def __post_init__(self):
+        put = functools.partial(object.__setattr__, self)
+        if self.opt_level not in OPT_LEVELS:
+            raise OptionsError(f"opt_level: expected one of {OPT_LEVELS}, found "
+                               f"{self.opt_level!r}")
+        put("memory_budget", _positive("memory_budget (bytes per device)", self.memory_budget,
+                                       int, allow_none=True))
+        put("time_limit", _positive("time_limit (seconds)", self.time_limit))
+        put("timeout", _positive("timeout (seconds)", self.timeout))
+        put("num_microbatches", _positive("num_microbatches", self.num_microbatches, int,
+                                          allow_none=True))
+        if self.schedule is not None:
+            put("schedule", ScheduleKind.parse(self.schedule, "schedule"))
+        put("executor", ExecutorKind.parse(self.executor, "executor"))
+        put("accumulate", Accumulate.parse(self.accumulate, "accumulate"))
+        put("transport", TransportKind.parse(self.transport, "transport"))
+        if self.mesh_shape is not None:
+            put("mesh_shape", tuple(_positive("mesh_shape entries", s, int)
+                                    for s in self.mesh_shape))
+        if self.devices is not None:
+            put("devices", tuple(self.devices))
+        if self.cluster is not None:
+            put("cluster", make_cluster(self.cluster))
+        if isinstance(self.plan, SpmdPlan):
+            put("plan", Plan.from_spmd(self.plan, 0.0))
+        elif self.plan is not None and not isinstance(self.plan, Plan):
+            raise OptionsError(f"plan: expected a rhino.Plan (e.g. Plan.from_json(...)), "
+                               f"found {type(self.plan).__name__}")
+        put("annotations", dict(self.annotations or {}))
+        if self.batch_args is not None:
+            put("batch_args", tuple(self.batch_args))
+        self._check_stages()
+        self._check_exclusive()
+
+    def _check_stages(self) -> None:
+        s = self.stages
+        if isinstance(s, Mapping):
+            if not s or not all(isinstance(v, int) and v >= 0 for v in s.values()):
+                raise OptionsError(f"stages: expected {{weight path prefix: stage >= 0}}, "
+                                   f"found {dict(s)!r}")
+            object.__setattr__(self, "stages", dict(s))
+        elif s is not None:
+            object.__setattr__(self, "stages", _positive("stages", s, int))
+
+    def _check_exclusive(self) -> None:
+        if self.cluster is not None and (self.mesh is not None or self.mesh_shape is not None):
+            raise OptionsError("auto_parallel: expected a mesh (mesh_shape=/mesh=) or a "
+                               "cluster, found both; a cluster's stage meshes are searched")
+        if self.cluster is not None and (self.memory_budget is not None or self.annotations):
+            raise OptionsError("auto_parallel: memory_budget and annotations apply to SPMD "
+                               "plans of a mesh; with cluster=... they are not supported yet")
+        if self.plan is not None and self.stages is not None:
+            raise OptionsError("auto_parallel: a plan fixes its stages; pass plan= or "
+                               "stages=, not both")
+        if self.transport is not TransportKind.DEVICE_PUT and \
+                self.executor is not ExecutorKind.LOCAL:
+            raise OptionsError(f"transport {self.transport}: expected with the local "
+                               f"executor, found executor {self.executor}")
+
+
+# ------------------------------------------------------------------------------ runs
+class DirectRun:
+    """One stage in this process: the compiled SPMD program, called directly."""
+
+    def __init__(self, lowering: SpmdLowering, compiled: Any, memory: dict | None,
+                 budget: int | None = None, pressure: float | None = None):
+        self.lowering, self.compiled = lowering, compiled
+        self.memory, self.budget, self.pressure = memory, budget, pressure
+        self._accepted: list = [None] * len(lowering.in_shardings)
+        self._hlo_text: str | None = None
+
+    def __call__(self, args: tuple) -> Any:
+        # An input whose sharding object is the planned one, or one already found
+        # equivalent (e.g. last step's result, fed back), is passed as it is; anything
+        # else (host arrays, other shardings) is moved.
+        flat, tree = jax.tree_util.tree_flatten(args)
+        moved = None
+        for i, (x, s) in enumerate(zip(flat, self.lowering.in_shardings)):
+            sh = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+            if sh is not None and (sh is s or sh is self._accepted[i]):
+                continue
+            if sh is not None and sh.is_equivalent_to(s, x.ndim):
+                self._accepted[i] = sh
+                continue
+            if moved is None:
+                moved = list(flat)
+            moved[i] = jax.device_put(x, s)
+        if moved is not None:
+            args = jax.tree_util.tree_unflatten(tree, moved)
+        return self.compiled(*args)
+
+    def compiled_text(self) -> str:
+        if self._hlo_text is None:
+            self._hlo_text = self.compiled.as_text()
+        return self._hlo_text
+
+    def report_lines(self) -> list[str]:
+        m = self.memory
+        if m is None:
+            return []
+        line = (f"  compiled memory   peak {format_bytes(m['peak'])} per device (arguments "
+                f"{format_bytes(m['argument'])}, outputs {format_bytes(m['output'])}, "
+                f"temporaries {format_bytes(m['temp'])}, donated {format_bytes(m['alias'])})")
+        if self.budget is not None:
+            line += (f"; budget {format_bytes(self.budget)}, met at memory pressure "
+                     f"μ={self.pressure:g}")
+        return [line]
+
+    def shardings(self, leaves: int) -> list:
+        return list(self.lowering.in_shardings[:leaves])
+
+    def close(self) -> None:
+        pass
+
+
+class StagedRun:
+    """Stage programs under a static schedule, by a local or a Ray executor."""
+
+    def __init__(self, lowering: StageLowering, specs: list[WorkerSpec], executor: Any,
+                 schedule: ScheduleKind):
+        self.lowering, self.specs, self.executor, self.schedule = (lowering, specs, executor,
+                                                                   schedule)
+
+    def __call__(self, args: tuple) -> list:
+        flat = jax.tree_util.tree_leaves(args)
+        outs = self.executor.run(flat)
+        res = []
+        for o in self.lowering.split.outputs:
+            if o.source == "lit":
+                res.append(jax.numpy.asarray(o.value))
+            elif o.source == "arg":
+                res.append(flat[o.ref])
+            else:
+                res.append(outs[o.ref])
+        return res
+
+    def report_lines(self) -> list[str]:
+        return []
+
+    def shardings(self, leaves: int) -> list:
+        workers = getattr(self.executor, "workers", None)
+        if workers is None:
+            raise RhinoError(f"distributed_init: expected the local executor, found "
+                             f"{type(self.executor).__name__} (actors initialize their own "
+                             f"state)")
+        split = self.lowering.split
+        return [next((w for w in workers if k in split.stage_args(w.stage)), workers[0])
+                .sharding(k) for k in range(leaves)]
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+@dataclasses.dataclass
+class _Entry:
+    """A compiled signature: its plan, graph and run."""
+
+    plan: Plan
+    graph: HloGraph
+    out_tree: Any
+    run: DirectRun | StagedRun
+
+    def report(self) -> str:
+        return "\n".join([self.plan.report(), *self.run.report_lines()])
+
+
+# ------------------------------------------------------------------------------ the step
+class ParallelStep:
+    """A step wrapped by ``auto_parallel``; call it like the original (positional
+    arguments)."""
+
+    def __init__(self, fn: Callable, options: StepOptions):
+        self.fn = fn
+        self.options = options
+        self._cache: dict[Any, _Entry] = {}
+        self._last: _Entry | None = None
+        self._direct: Any = None      # the last signature's executable, when it is direct
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any) -> Any:
+        # Fastest path: the last signature's executable called as it is. It checks the
+        # arguments itself before running (nothing is donated when it refuses): another
+        # pytree or shape raises TypeError, a committed array laid out otherwise
+        # ValueError; host and uncommitted arrays it places with the planned shardings.
+        direct = self._direct
+        if direct is not None:
+            try:
+                return direct(*args)
+            except (TypeError, ValueError):
+                pass
+        entry = self._entry(args)
+        self._last = entry
+        if isinstance(entry.run, DirectRun):
+            self._direct = entry.run.compiled
+            return entry.run(args)
+        self._direct = None
+        return jax.tree_util.tree_unflatten(entry.out_tree, entry.run(args))
+
+    # ----------------------------------------------------------------- public helpers
+    def plan_for(self, *args: Any) -> Plan:
+        """The plan used for these arguments (planning and compiling if needed)."""
+        return self._entry(args).plan
+
+    def report_for(self, *args: Any) -> str:
+        """The plan report for these arguments (with the compiled program's memory for an
+        SPMD program run directly)."""
+        return self._entry(args).report()
+
+    def memory_for(self, *args: Any) -> dict | None:
+        """The compiled SPMD program's memory per device for these arguments (bytes:
+        ``argument``, ``output``, ``temp``, ``alias``, ``peak``) from XLA's
+        ``memory_analysis()``; None where the backend gives none or the step runs as
+        stage programs."""
+        run = self._entry(args).run
+        return run.memory if isinstance(run, DirectRun) else None
+
+    def compiled_text(self, *args: Any) -> str:
+        """The compiled, partitioned HLO of a directly run SPMD program."""
+        run = self._entry(args).run
+        if not isinstance(run, DirectRun):
+            raise RhinoError("compiled_text: expected a one-stage plan run directly, found "
+                             f"{self._entry(args).plan.num_stages} stage(s) run as stage "
+                             f"programs")
+        return run.compiled_text()
+
+    def split_for(self, *args: Any):
+        """The stage programs' split (``StepSplit``) for these arguments."""
+        run = self._entry(args).run
+        if not isinstance(run, StagedRun):
+            raise RhinoError("split_for: expected a step run as stage programs, found a "
+                             "one-stage SPMD program run directly")
+        return run.lowering.split
+
+    @property
+    def last_records(self) -> list:
+        """Measured task records of the last step (stage programs only)."""
+        run = None if self._last is None else self._last.run
+        return list(run.executor.last_records) if isinstance(run, StagedRun) else []
+
+    @property
+    def last_step_s(self) -> float:
+        """Wall-clock seconds of the last step (stage programs only)."""
+        run = None if self._last is None else self._last.run
+        return run.executor.last_step_s if isinstance(run, StagedRun) else 0.0
+
+    def timeline(self, path: str | None = None, title: str | None = None):
+        """The last step's measured schedule as an ``ExecutedTimeline``; with ``path``,
+        also drawn there as a per-stage Gantt chart (PNG)."""
+        from rhino.runtime.timeline import ExecutedTimeline
+
+        run = None if self._last is None else self._last.run
+        if not isinstance(run, StagedRun):
+            raise RhinoError("timeline: expected a step run as stage programs to have run, "
+                             "found " + ("none" if run is None else "a directly run SPMD "
+                                         "program"))
+        sp = run.lowering.split
+        tl = ExecutedTimeline(tuple(run.executor.last_records), str(run.schedule),
+                              sp.num_stages, sp.num_microbatches)
+        if path is not None:
+            tl.draw(path, title=title)
+        return tl
+
+    def distributed_init(self, init_fn: Callable, *init_args: Any, example_args: tuple):
+        """Create the training state directly on its devices (Rhino §6.3).
+
+        ``init_fn(*init_args)`` returns the step's leading arguments (e.g. ``(params,
+        opt_state)`` for ``step(params, opt_state, batch)``); each leaf is computed by a
+        program compiled for the devices that hold it, with the plan's sharding, so no
+        device materializes another stage's weights. The values equal
+        ``jax.jit(init_fn)(*init_args)`` (partitionable threefry).
+
+        Args:
+            init_fn, init_args: the initializer and its arguments (e.g. a PRNG key).
+            example_args: the step's arguments (arrays or ShapeDtypeStructs) the state is
+                for; plans the step if it has not been planned yet.
+
+        Raises:
+            RhinoError: the Ray executor (actors own their state), or ``init_fn``'s leaves do
+                not match the step's leading argument leaves in shape and dtype.
+        """
+        from rhino.runtime.sharded_init import distributed_init
+
+        entry = self._entry(tuple(example_args))
+        shapes = jax.eval_shape(init_fn, *init_args)
+        leaves, tree = jax.tree_util.tree_flatten(shapes)
+        ex = jax.tree_util.tree_leaves(example_args)
+        for k, x in enumerate(leaves):
+            if k >= len(ex) or tuple(x.shape) != tuple(np.shape(ex[k])) or \
+                    x.dtype != jax.numpy.result_type(ex[k]):
+                found = (f"{x.shape} {x.dtype}" if k < len(ex) else "no such argument")
+                want = (f"{tuple(np.shape(ex[k]))} {jax.numpy.result_type(ex[k])}"
+                        if k < len(ex) else "-")
+                raise RhinoError(f"distributed_init: leaf {k} of init_fn's result should be "
+                                 f"the step's argument leaf {k}: expected {want}, found {found}")
+        shardings = entry.run.shardings(len(leaves))
+        return distributed_init(init_fn, *init_args,
+                                shardings=jax.tree_util.tree_unflatten(tree, shardings))
+
+    def close(self) -> None:
+        """Stop the executors (threads, Ray actors)."""
+        for e in self._cache.values():
+            e.run.close()
+        self._cache.clear()
+        self._last, self._direct = None, None
+
+    # ----------------------------------------------------------------- build
+    def _entry(self, args: tuple) -> _Entry:
+        flat, tree = jax.tree_util.tree_flatten(args)
+        # Signature: tree + (shape, dtype) per leaf; jax arrays carry canonical dtypes,
+        # other leaves (numpy arrays, Python scalars) are canonicalised as jax would.
+        key = (tree, tuple((x.shape, x.dtype) if isinstance(x, jax.Array) else
+                           (jax.numpy.shape(x), jax.numpy.result_type(x)) for x in flat))
+        entry = self._cache.get(key)
+        if entry is None:
+            abstract = jax.tree_util.tree_unflatten(
+                tree, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in key[1]])
+            entry = self._build(abstract)
+            self._cache[key] = entry
+        return entry
+
+    def _build(self, abstract: tuple) -> _Entry:
+        o = self.options
+        name = getattr(self.fn, "__name__", "step")
+        progress = Progress(f"auto_parallel({name})", o.progress_after_s)
+        try:
+            progress("tracing")
+            traced = ScopedFunction(self.fn, *abstract)
+            progress("ingesting")
+            graph = ingest(traced, *abstract)
+            builder = _Builder(self.fn, o, traced, graph, abstract, progress)
+            entry = builder.build()
+        finally:
+            progress.close()
+        if report_wanted(o.report):
+            print(entry.report(), file=sys.stderr)
+        return entry
+
+
+class _Builder:
+    """Plans (unless a plan is given), lowers and starts the run of one signature."""
+
+    def __init__(self, fn: Callable, options: StepOptions, traced: ScopedFunction,
+                 graph: HloGraph, abstract: tuple, progress: Progress):
+        self.fn, self.o, self.traced, self.graph = fn, options, traced, graph
+        self.abstract, self.progress = abstract, progress
+        self.devices = list(options.devices) if options.devices is not None else jax.devices()
+
+    def build(self) -> _Entry:
+        o = self.o
+        if o.plan is not None:
+            plan = o.plan
+            # Run options given explicitly replace the saved plan's.
+            if o.num_microbatches is not None and plan.num_stages > 1:
+                plan = dataclasses.replace(plan, num_microbatches=o.num_microbatches)
+            if o.schedule is not None:
+                plan = dataclasses.replace(plan, schedule=o.schedule)
+        elif o.cluster is None:
+            return self._spmd_on_mesh()
+        else:
+            plan = self._pipeline_plan()
+        if plan.num_stages == 1 and o.executor is ExecutorKind.LOCAL:
+            return self._entry(plan, self._direct(plan))
+        return self._entry(plan, self._staged(plan))
+
+    def _entry(self, plan: Plan, run: DirectRun | StagedRun) -> _Entry:
+        return _Entry(plan, self.graph, self.traced.out_tree, run)
+
+    # -------------------------------------------------------------- planning
+    def _mesh(self) -> AbstractMesh:
+        o = self.o
+        # Strided values run split (hlo_passes.strided); XLA moves them into and out of a
+        # strided layout by gathering, so the planner charges that.
+        if o.mesh is not None:
+            return dataclasses.replace(o.mesh, strided_moves_all_to_all=False)
+        shape = o.mesh_shape or (len(self.devices),)
+        return simulated_mesh(shape, strided_moves_all_to_all=False)
+
+    def _spmd_on_mesh(self) -> _Entry:
+        o, graph = self.o, self.graph
+        mesh = self._mesh()
+        options = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
+                              build=BuildOptions(strided_interior_only=True,
+                                                 pinned=annotation_pins(graph, o.annotations,
+                                                                        mesh),
+                                                 partial_passthrough=False))
+
+        def make_plan(opts: PlanOptions) -> Plan:
+            return Plan.from_spmd(plan_graph(graph, mesh, opts, self.progress),
+                                  graph.total_flops)
+
+        if o.executor is not ExecutorKind.LOCAL:
+            if o.memory_budget is not None:
+                raise OptionsError("memory_budget: checked on the compiled SPMD program, "
+                                   "which the local executor runs; found executor "
+                                   f"{o.executor}")
+            plan = make_plan(options)
+            return self._entry(plan, self._staged(plan))
+        if o.memory_budget is None:
+            plan = make_plan(options)
+            return self._entry(plan, self._direct(plan))
+        fit = fit_compiled_memory(lambda opts: make_plan(opts).spmd,
+                                  lambda sp: (sp, self._direct(Plan.from_spmd(
+                                      sp, graph.total_flops))),
+                                  lambda got: got[1].memory, options, o.memory_budget,
+                                  self.progress)
+        spmd_plan, run = fit.compiled
+        run.budget, run.pressure = fit.budget, fit.pressure
+        return self._entry(Plan.from_spmd(spmd_plan, graph.total_flops), run)
+
+    def _pipeline_plan(self) -> Plan:
+        o = self.o
+        self.progress("planning the pipeline")
+        spmd_opts = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
+                                build=BuildOptions(strided=False))
+        given = dict(o.stages) if isinstance(o.stages, dict) else None
+        count = max(given.values()) + 1 if given else o.stages
+        kinds = ("spmd",) if count == 1 else ("pipeline", "hybrid") if count is not None \
+            else ("spmd", "pipeline", "hybrid")
+        opts = PipelineOptions(num_microbatches=o.num_microbatches or DEFAULT_MICROBATCHES,
+                               num_stages=count,
+                               weight_stages=given if given and count > 1 else None,
+                               kinds=kinds, batch_args=o.batch_args, spmd=spmd_opts,
+                               schedule=o.schedule or ScheduleKind.ONE_F_ONE_B, two_d=False,
+                               workers=1,
+                               executor="serial")
+        return plan_pipeline_graph(self.graph, o.cluster, opts, self.progress)
+
+    # -------------------------------------------------------------- runs
+    def _direct(self, plan: Plan) -> DirectRun:
+        self.progress("compiling")
+        st = plan.stages[0]
+        devices = self._stage_devices(plan, st.devices)
+        lowered = lower_spmd(self.traced, self.graph, plan.spmd, devices, self.abstract,
+                             self.o.donate)
+        compiled = compile_spmd(lowered, self.graph, self.abstract)
+        return DirectRun(lowered, compiled, spmd.compiled_memory(compiled))
+
+    def _stage_devices(self, plan: Plan, ids: Sequence[int]) -> list:
+        need = max(ids) + 1
+        if len(self.devices) < need:
+            raise RhinoError(f"plan for {plan.cluster} ({plan.cluster.num_devices} devices): "
+                             f"expected {need} local devices, found {len(self.devices)}; on "
+                             f"CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
+                             f"{need} before importing jax")
+        return [self.devices[d] for d in ids]
+
+    def _staged(self, plan: Plan) -> StagedRun:
+        o, graph = self.o, self.graph
+        self.progress("splitting the step into stage programs")
+        boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
+        roles = classify_ops(graph, boundary).role
+        lowering = lower_stages(self.fn, self.traced, graph, plan, self.abstract, roles,
+                                boundary.batch_params, o.accumulate)
+        specs = [WorkerSpec(self.fn, lowering.abstract_mb, lowering.assignment,
+                            lowering.batch_refs, plan.num_stages, plan.num_microbatches,
+                            o.accumulate.value, plan.schedule.value, st.index,
+                            tuple(st.mesh.shape), tuple(st.mesh.axis_names),
+                            lowering.shardings[st.index])
+                 for st in plan.stages]
+        if o.executor is ExecutorKind.RAY:
+            from rhino.runtime.ray_executor import RayExecutor
+
+            executor = RayExecutor(specs, plan.cluster, timeout=o.timeout,
+                                   address=o.ray_address)
+        else:
+            workers = [spec.build(self._stage_devices(plan, st.devices), lowering.split)
+                       for spec, st in zip(specs, plan.stages)]
+            transport = None
+            if o.transport is not TransportKind.DEVICE_PUT:
+                from rhino.runtime.cross_mesh import CrossMeshTransport
+
+                transport = CrossMeshTransport(lambda dst, ref: workers[dst].sharding(ref),
+                                               len(workers), plan.cluster.devices_per_host,
+                                               strategy=o.transport.value)
+            executor = LocalExecutor(workers, o.timeout, transport)
+        return StagedRun(lowering, specs, executor, plan.schedule)
+
+
+def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None,
+                  mesh_shape: Sequence[int] | None = None, mesh: AbstractMesh | None = None,
+                  cluster: str | Cluster | None = None, opt_level: str = "O2",
+                  memory_budget: int | None = None,
+                  annotations: Mapping[str, Any] | None = None, plan: Plan | None = None,
+                  report: bool | None = None, donate: bool = True, time_limit: float = 600.0,
+                  num_microbatches: int | None = None, schedule: str | None = None,
+                  executor: str = "local",
+                  stages: int | Mapping[str, int] | None = None, accumulate: str = "mean",
+                  batch_args: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                  transport: str = "device_put", ray_address: str | None = None):
+    """Run a one-device training step over many devices, automatically.
+
+    Usable bare (``@rhino.auto_parallel``) or with options; the options are checked here,
+    before anything is traced. Returns a ``ParallelStep`` whatever the options.
+
+    Args:
+        fn: the step function (pure; pytrees of arrays in and out).
+        devices: the devices to use (default: all local devices).
+        mesh_shape: an SPMD mesh over the devices, e.g. ``(8,)`` or ``(2, 4)`` (default:
+            one axis over all devices).
+        mesh: an explicit ``AbstractMesh`` (e.g. calibrated); overrides ``mesh_shape``.
+        cluster: plan over ``"HOSTSxDEVICES"`` (or a ``Cluster``) instead: the controller
+            weighs SPMD, pipeline and hybrid plans; a pipeline is cut into per-stage
+            programs and run with a static schedule.
+        opt_level: ``"O2"`` (fast) or ``"O3"`` (whole-graph ILP).
+        memory_budget: bytes per device the *compiled* SPMD program may use (XLA's
+            ``memory_analysis()``: arguments + outputs + temporaries − donated). Plans are
+            made with rising weight on memory until one fits
+            (``rhino.planning.MEMORY_PRESSURE``); ``InfeasiblePlanError`` if none does.
+        annotations: ``{pytree path or named_scope name: spec}``, e.g.
+            ``{"params['wte']": "S[x]·R"}``; the planner plans around them.
+        plan: a saved ``Plan`` to run instead of planning (its stages, microbatches and
+            schedule; a hand-edited stage assignment goes here).
+        report: print the plan report on the first call (default: env ``RHINO_REPORT``).
+        donate: donate the training state that the step updates and returns.
+        time_limit: seconds per solve.
+        num_microbatches: microbatches per step of a pipeline (default: a given plan's,
+            else 4).
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"eager-1f1b"`` (default: a given plan's,
+            else ``"1f1b"``).
+        executor: ``"local"`` (this process: the SPMD program called directly, or one
+            thread per stage over disjoint local devices) or ``"ray"`` (one actor per stage;
+            see ``rhino.init``).
+        stages: the number of pipeline stages (default: the planner's choice), or a
+            hand-given split ``{weight pytree path prefix: stage}``.
+        accumulate: ``"mean"`` (default) or ``"sum"``: how batch-dependent values (loss,
+            gradients) combine over microbatches.
+        batch_args: names of the arguments carrying the batch (default: non-state ones).
+        timeout: seconds any wait of a pipeline executor may take.
+        transport: between stage meshes of the local executor: ``"device_put"`` or 004's
+            cross-mesh resharding, ``"broadcast"`` / ``"send_recv"``.
+        ray_address: the Ray cluster for ``executor="ray"`` (default: ``rhino.init``'s,
+            ``$RAY_ADDRESS``, or a new local one).
+
+    Returns:
+        A ``ParallelStep`` (``.plan_for(*args)``, ``.report_for(*args)``, ``.timeline()``).
+
+    Raises:
+        OptionsError: an option out of range, or options that exclude each other.
+    """
+    options = StepOptions(
+        devices=devices, mesh_shape=tuple(mesh_shape) if mesh_shape is not None else None,
+        mesh=mesh, cluster=cluster, opt_level=opt_level, memory_budget=memory_budget,
+        annotations=annotations or {}, plan=plan, report=report, donate=donate,
+        time_limit=time_limit, num_microbatches=num_microbatches, schedule=schedule,
+        executor=executor, stages=stages, accumulate=accumulate, batch_args=batch_args,
+        timeout=timeout, transport=transport, ray_address=ray_address)
+    if fn is None:
+        return lambda f: ParallelStep(f, options)
+    return ParallelStep(fn, options)

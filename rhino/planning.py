@@ -1,0 +1,202 @@
+"""``rhino.plan``: the planning front door — a program in, one ``Plan`` out.
+
+Pass order::
+
+    source (fn + example args | .hlo | .mlir | HloGraph)
+        │ ingest                       hlo_passes.ingest
+        ▼
+    HloGraph ── mesh given ──► planner.plan_graph ──► SpmdPlan ──► Plan (one stage)
+            └─ cluster given ─► pipeline.plan_pipeline_graph: SPMD, pipeline and hybrid
+                                candidates weighed ──► Plan (one or more stages)
+
+Also here, for ``auto_parallel``: the abstract mesh of a step (``step_mesh``), user
+annotations as planner pins (``annotation_pins``) and the compiled-memory fit
+(``fit_compiled_memory``).
+
+Example:
+    >>> import jax.numpy as jnp, rhino
+    >>> p = rhino.plan(lambda x, w: x @ w, jnp.ones((64, 32)), jnp.ones((32, 16)),
+    ...                mesh_shape=(2,))
+    >>> p.kind.value, p.spmd.search.opt_level, p.spmd.mesh.shape
+    ('spmd', 'O2', (2,))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from rhino.cluster import Cluster
+from rhino.errors import InfeasiblePlanError, OptionsError, RhinoError, format_bytes
+from rhino.hlo_passes import HloGraph, analyze, ingest
+from rhino.pipeline.api import plan_pipeline
+from rhino.parallel_plan import Plan
+from rhino.planner.api import PlanOptions, plan_graph
+from rhino.planner.build import BuildOptions
+from rhino.planner.mesh import AbstractMesh
+from rhino.planner.spec import ShardingSpec
+
+
+def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = None,
+         mesh: AbstractMesh | None = None, opt_level: str = "O2",
+         memory_budget: int | None = None, alpha: Sequence[float] | float | None = None,
+         beta: Sequence[float] | float | None = None, time_limit: float = 600.0,
+         build: BuildOptions | None = None, progress: Callable[[str], None] | None = None,
+         cluster: str | Cluster | None = None, microbatches: int = 8, epsilon: float = 0.1,
+         max_stages: int | None = None) -> Plan:
+    """Plan how to run ``source`` over a device mesh with SPMD sharding, or — given a
+    ``cluster`` — over hosts × devices, weighing SPMD, pipeline and hybrid plans.
+
+    Args:
+        source: a JAX function (with ``example_args``), a path to a ``.hlo``/``.mlir``
+            file, or an ingested ``HloGraph``.
+        *example_args: example arguments (arrays, ShapeDtypeStructs or pytrees of them).
+        mesh_shape: the mesh, e.g. ``(8,)`` or ``(2, 4)``; default: all local devices in one
+            axis. Ignored when ``mesh`` is given.
+        mesh: an explicit ``AbstractMesh`` (e.g. from ``rhino.calibrate.calibrate_mesh``).
+        opt_level: ``"O2"`` or ``"O3"``.
+        memory_budget: bytes per device; raises ``InfeasiblePlanError`` if nothing fits.
+        alpha, beta: per-axis latency (s) and inverse bandwidth (s/byte) overriding the
+            simulated-CPU defaults.
+        time_limit: seconds per solve.
+        build: options of the problem builder.
+        progress: called with a line of text at each phase.
+        cluster: ``"HOSTSxDEVICES"`` (e.g. ``"2x8"``) or a ``rhino.Cluster``: plan with the
+            controller of ``rhino.plan_pipeline`` (with ``microbatches``, ``epsilon``,
+            ``max_stages``; ``memory_budget`` is the per-device memory).
+
+    Returns:
+        The ``Plan`` (``.report()``, ``.to_json()``): one stage for a mesh; with
+        ``cluster`` the controller's choice, which may be SPMD-only (one stage) too.
+
+    Raises:
+        OptionsError: both a mesh and a cluster, or malformed mesh figures.
+    """
+    if cluster is not None:
+        if mesh is not None or mesh_shape is not None:
+            raise OptionsError("plan: expected a mesh (mesh_shape=/mesh=) or a cluster, found "
+                               "both; a cluster's stage meshes are searched")
+        return plan_pipeline(source, *example_args, cluster=cluster, microbatches=microbatches,
+                             epsilon=epsilon, max_stages=max_stages, memory_bytes=memory_budget,
+                             progress=progress)
+    mesh = mesh if mesh is not None else simulated_mesh(mesh_shape, alpha=alpha, beta=beta)
+    options = PlanOptions(opt_level=opt_level, memory_budget=memory_budget,
+                          time_limit=time_limit, build=build or BuildOptions())
+    t0 = time.perf_counter()
+    graph = source if isinstance(source, HloGraph) else ingest(source, *example_args)
+    t1 = time.perf_counter()
+    analyze(graph)  # fail early on analyses; the builder recomputes what it needs
+    t2 = time.perf_counter()
+    spmd = plan_graph(graph, mesh, options, progress, (t1 - t0, t2 - t1))
+    return Plan.from_spmd(spmd, graph.total_flops)
+
+
+def simulated_mesh(mesh_shape: Sequence[int] | None, **overrides: Any) -> AbstractMesh:
+    """An ``AbstractMesh`` of simulated CPU devices (default shape: every local device in
+    one axis); ``None`` overrides are left out.
+
+    Raises:
+        OptionsError: a shape or figure the mesh does not accept.
+    """
+    if mesh_shape is None:
+        import jax
+        mesh_shape = (len(jax.devices()),)
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return AbstractMesh.simulated_cpu(tuple(int(s) for s in mesh_shape), **fields)
+    except (TypeError, ValueError) as e:
+        raise OptionsError(f"mesh: {e}") from None
+
+
+def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: AbstractMesh
+                    ) -> dict[int, ShardingSpec]:
+    """Annotations (pytree path or ``jax.named_scope`` name -> spec) as op id -> spec.
+
+    Raises:
+        PlanMismatchError-like ``RhinoError``: a key naming neither a parameter nor a scope.
+    """
+    pins: dict[int, ShardingSpec] = {}
+    by_path = {graph.ops[p].arg.path: p for p in graph.params if graph.ops[p].arg}
+    users = graph.users
+    for key, value in annotations.items():
+        spec = value if isinstance(value, ShardingSpec) else ShardingSpec.parse(str(value), mesh)
+        if key in by_path:
+            pins[by_path[key]] = spec
+            continue
+        scoped = [op.id for op in graph.ops if f"/{key}/" in f"/{op.op_name}/"]
+        members = set(scoped)
+        exported = [i for i in scoped if i in graph.outputs
+                    or any(u not in members for u in users[i])]
+        if not exported:
+            raise RhinoError(f"annotation {key!r}: expected a parameter pytree path (e.g. "
+                             f"{next(iter(by_path), 'params[...]')!r}) or a jax.named_scope "
+                             f"name used in the step; found neither")
+        for i in exported:
+            pins[i] = spec
+    return pins
+
+
+# Memory pressure steps of ``memory_budget`` (see ``fit_compiled_memory``): each step μ
+# plans with a Lagrangian weight μ on activation bytes and max(1e-3, 30 μ) on parameter
+# and optimizer-state bytes, both in units of the mesh's cheapest β (seconds per byte).
+MEMORY_PRESSURE = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFit:
+    """The outcome of ``fit_compiled_memory``: the compiled result that fits, its memory
+    (``runtime.spmd.compiled_memory``), the budget and the pressure that met it."""
+
+    compiled: Any
+    memory: dict
+    budget: int
+    pressure: float
+
+
+def fit_compiled_memory(plan_fn: Callable[[PlanOptions], Any],
+                        compile_fn: Callable[[Any], Any],
+                        memory_fn: Callable[[Any], dict | None], options: PlanOptions,
+                        budget: int, progress: Callable[[str], None]) -> MemoryFit:
+    """The first plan, in order of rising memory pressure, whose *compiled* program fits.
+
+    The planner's liveness estimate follows the program order, not XLA's schedule and
+    buffer assignment, so it can be 10-20% off the compiled peak either way. A budget is
+    therefore checked on ``memory_analysis()`` of the compiled program (argument + output
+    + temp − alias bytes per device): plan, compile, measure; if it does not fit, plan again
+    with more weight on memory (``MEMORY_PRESSURE``). Less pressure keeps more of the
+    time-optimal plan, so the first fit is taken. A plan equal to an earlier one is not
+    compiled again. Nothing fits: ``InfeasiblePlanError`` with every attempt's peak.
+
+    Args:
+        plan_fn: options -> an SPMD plan; compile_fn: plan -> compiled result;
+        memory_fn: compiled result -> its memory (None: the backend gives none).
+    """
+    tried: list[str] = []
+    seen: dict[tuple, tuple[float, int]] = {}
+    for mu in MEMORY_PRESSURE:
+        opts = dataclasses.replace(options, activation_tiebreak=mu,
+                                   memory_tiebreak=max(options.memory_tiebreak, 30 * mu))
+        spmd = plan_fn(opts)
+        key = (tuple(p.spec for p in spmd.params),
+               tuple((op.out_spec, op.in_specs) for op in spmd.ops))
+        if key in seen:
+            tried.append(f"μ={mu:g}: the plan of μ={seen[key][0]:g}")
+            continue
+        compiled = compile_fn(spmd)
+        mem = memory_fn(compiled)
+        if mem is None:
+            raise RhinoError("auto_parallel: memory_budget is checked on the compiled "
+                             "program's memory_analysis(), which this backend does not give; "
+                             "use rhino.plan(..., memory_budget=...) (the planner's "
+                             "estimate) instead")
+        peak = mem["peak"]
+        seen[key] = (mu, peak)
+        tried.append(f"μ={mu:g}: {format_bytes(peak)}")
+        progress(f"memory: pressure μ={mu:g} -> compiled peak {format_bytes(peak)} "
+                 f"(budget {format_bytes(budget)})")
+        if peak <= budget:
+            return MemoryFit(compiled, mem, budget, mu)
+    raise InfeasiblePlanError(min(p for _, p in seen.values()), budget,
+                              "compiled peak per device at each memory pressure: " +
+                              ", ".join(tried))

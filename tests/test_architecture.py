@@ -1,0 +1,134 @@
+"""The house rules, checked on the source: no import cycle, one HiGHS adapter, one vocabulary.
+
+Imports are read with ``ast`` from every module of ``rhino/``, ``hlo_passes/`` (installed as
+``rhino.hlo_passes``) and ``runtime/`` (``rhino.runtime``), counting imports inside functions
+too: a cycle hidden in a function is still a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import networkx as nx
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ROOTS = {"rhino": "rhino", "hlo_passes": "rhino.hlo_passes", "runtime": "rhino.runtime"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for folder, package in ROOTS.items():
+        for f in (REPO / folder).rglob("*.py"):
+            rel = f.relative_to(REPO / folder).with_suffix("").parts
+            parts = rel[:-1] if rel[-1] == "__init__" else rel
+            out[".".join((package, *parts))] = f
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: pathlib.Path) -> set[str]:
+    """The rhino modules ``name`` imports, anywhere in its body."""
+    is_package = path.name == "__init__.py"
+    here = name if is_package else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.rsplit(".", node.level - 1)[0] if node.level > 1 else here
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            # `from pkg import sub` imports the submodule when there is one.
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:       # `import rhino.x.y` as far as it is ours
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def import_graph() -> nx.DiGraph:
+    g = nx.DiGraph()
+    for name, path in MODULES.items():
+        g.add_node(name)
+        for t in _imports(name, path):
+            g.add_edge(name, t)
+    return g
+
+
+def test_the_walk_sees_the_package():
+    g = import_graph()
+    assert {"rhino.parallel_step", "rhino.hlo_passes.lower", "rhino.runtime.executor",
+            "rhino.planner.api", "rhino.pipeline.search", "rhino.parallel_plan"} <= set(g)
+    assert g.has_edge("rhino.parallel_step", "rhino.hlo_passes.lower")
+    # an import inside a function counts
+    assert g.has_edge("rhino.parallel_step", "rhino.runtime.ray_executor")
+
+
+def test_no_import_cycle():
+    """Cycles between package ``__init__`` modules and the modules they re-export are the
+    package's own business; any other cycle fails."""
+    g = import_graph()
+    for a, b in list(g.edges):
+        if a.startswith(b + ".") or b.startswith(a + "."):   # a package and its own module
+            g.remove_edge(a, b)
+    cycles = [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_one_module_builds_highs_models():
+    users = [n for n, p in MODULES.items() if "highspy.Highs(" in p.read_text(encoding="utf-8")]
+    assert users == ["rhino.milp"]
+
+
+@pytest.mark.parametrize("name", ["SolverStatus", "Role", "TaskKind", "PlanKind",
+                                  "ScheduleKind", "ExecutorKind", "TransportKind",
+                                  "Accumulate"])
+def test_the_vocabulary_is_enums(name):
+    import enum
+
+    from rhino import vocabulary
+
+    cls = getattr(vocabulary, name)
+    assert issubclass(cls, enum.Enum) and issubclass(cls, str)
+
+
+def test_statuses_and_roles_come_from_the_vocabulary():
+    import rhino
+    from rhino.pipeline.coarsen import classify_ops
+    from rhino.pipeline.gradient import find_gradient_boundary
+    from rhino.models import get_model
+    from rhino.vocabulary import PlanKind, Role, SolverStatus
+
+    m = get_model("mlp", batch=16, hidden=16)
+    p = rhino.plan(m.step, *m.example_args(), mesh_shape=(2,))
+    assert isinstance(p.kind, PlanKind) and isinstance(p.spmd.search.status, SolverStatus)
+    again = rhino.Plan.from_json(p.to_json())
+    assert isinstance(again.spmd.search.status, SolverStatus)
+    g = rhino.ingest(m.step, *m.example_args())
+    roles = classify_ops(g, find_gradient_boundary(g)).role
+    assert {type(r) for r in roles} == {Role}
+
+
+def test_no_private_name_is_imported_across_modules():
+    bad = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    ("rhino", ".")) or isinstance(node, ast.ImportFrom) and node.level:
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__") \
+                            and node.module != "rhino._jax_private" \
+                            and node.module != "rhino._version":
+                        bad.append(f"{name}: from {node.module} import {a.name}")
+    assert not bad, bad

@@ -1,0 +1,151 @@
+"""One step type, one plan type, lowering that refuses what it cannot place.
+
+``auto_parallel`` returns a ``ParallelStep`` for an SPMD mesh and for a cluster alike; both
+give a ``rhino.Plan`` that round-trips through JSON and re-runs to the same losses; a plan
+naming a value the program lacks is refused with the value's name, on both paths.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import rhino
+from rhino.models import get_model
+
+GPT = dict(layers=2, hidden=64, heads=2, seq=16, vocab=256, batch=16)
+
+
+def _copy(tree):
+    return jax.tree.map(np.array, tree)
+
+
+def _losses(step, params, opt, batch, n):
+    p, o, out = _copy(params), _copy(opt), []
+    for _ in range(n):
+        p, o, loss = step(p, o, batch)
+        out.append(float(loss))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    m = get_model("gpt", **GPT)
+    params, opt = m.init(jax.random.PRNGKey(0))
+    return m, params, opt, m.make_batch(jax.random.PRNGKey(1))
+
+
+@pytest.fixture(scope="module")
+def runs(gpt):
+    """The SPMD and the pipelined step, each run 3 steps."""
+    m, params, opt, batch = gpt
+    spmd = rhino.auto_parallel(m.step, mesh_shape=(2, 4))
+    piped = rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
+                                timeout=120)
+    out = {"spmd": (spmd, _losses(spmd, params, opt, batch, 3)),
+           "pipeline": (piped, _losses(piped, params, opt, batch, 3))}
+    yield out
+    piped.close()
+
+
+def test_one_step_type_for_both_paths(runs, gpt):
+    spmd, piped = runs["spmd"][0], runs["pipeline"][0]
+    assert type(spmd) is type(piped) is rhino.ParallelStep
+    ref = jax.jit(gpt[0].step)
+    want = _losses(ref, *gpt[1:], 3)
+    for name in ("spmd", "pipeline"):
+        np.testing.assert_allclose(runs[name][1], want, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["spmd", "pipeline"])
+def test_one_plan_class_round_trips_and_reruns(runs, gpt, path):
+    m, params, opt, batch = gpt
+    step, losses = runs[path]
+    plan = step.plan_for(params, opt, batch)
+    assert isinstance(plan, rhino.Plan)
+    assert plan.num_stages == (1 if path == "spmd" else 2)
+    again = rhino.Plan.from_json(plan.to_json())
+    assert again == plan
+    rerun = rhino.auto_parallel(m.step, plan=again, timeout=120)
+    try:
+        assert rerun.plan_for(params, opt, batch) == plan
+        assert _losses(rerun, params, opt, batch, 3) == losses
+    finally:
+        rerun.close()
+
+
+def _renamed(plan: rhino.Plan, edit) -> rhino.Plan:
+    d = json.loads(plan.to_json())
+    edit(d)
+    return rhino.Plan.from_dict(d)
+
+
+def test_spmd_plan_naming_a_missing_parameter_is_refused(runs, gpt):
+    m, params, opt, batch = gpt
+    plan = runs["spmd"][0].plan_for(params, opt, batch)
+
+    def edit(d):
+        d["stages"][0]["spmd"]["params"][3]["path"] = "params['not_here']"
+    bad = rhino.auto_parallel(m.step, plan=_renamed(plan, edit))
+    with pytest.raises(rhino.PlanMismatchError, match=r"params\['not_here'\]"):
+        bad(params, opt, batch)
+
+
+def test_pipeline_plan_naming_a_missing_op_is_refused(runs, gpt):
+    m, params, opt, batch = gpt
+    plan = runs["pipeline"][0].plan_for(params, opt, batch)
+
+    def edit(d):
+        d["stages"][1]["ops"][0] = "no_such_op.123"
+    bad = rhino.auto_parallel(m.step, plan=_renamed(plan, edit), timeout=120)
+    with pytest.raises(rhino.PlanMismatchError, match=r"stage 1 runs op 'no_such_op.123'"):
+        bad(params, opt, batch)
+
+    def edit_weight(d):
+        d["stages"][0]["spmd"]["params"][0]["path"] = "params['gone']"
+    bad = rhino.auto_parallel(m.step, plan=_renamed(plan, edit_weight), timeout=120)
+    with pytest.raises(rhino.PlanMismatchError, match=r"params\['gone'\]"):
+        bad(params, opt, batch)
+
+
+def test_a_spec_no_sharding_expresses_is_a_lowering_error_naming_the_value(runs, gpt):
+    m, params, opt, batch = gpt
+    plan = runs["spmd"][0].plan_for(params, opt, batch)
+    target = next(p for p in plan.spmd.params if p.path == "params['wte']")
+
+    def edit(d):
+        for p in d["stages"][0]["spmd"]["params"]:
+            if p["path"] == target.path:     # dim 0 dealt round-robin in chunks of 2
+                p["spec"] = rhino.ShardingSpec.parse("S[x/s2]·R").to_dict()
+    bad = rhino.auto_parallel(m.step, plan=_renamed(plan, edit))
+    with pytest.raises(rhino.LoweringError, match=r"params\['wte'\].*strided"):
+        bad(params, opt, batch)
+
+
+def test_options_are_checked_when_the_step_is_built():
+    f = lambda x: x  # noqa: E731
+    with pytest.raises(rhino.OptionsError, match="opt_level"):
+        rhino.auto_parallel(f, opt_level="O7")
+    with pytest.raises(rhino.OptionsError, match="timeout"):
+        rhino.auto_parallel(f, cluster="2x4", timeout=-1)
+    with pytest.raises(rhino.OptionsError, match="transport"):
+        rhino.auto_parallel(f, cluster="2x4", transport="pigeon")
+    with pytest.raises(rhino.OptionsError, match="cluster"):
+        rhino.auto_parallel(f, cluster="2by4")
+    with pytest.raises(rhino.OptionsError, match="stages"):
+        rhino.auto_parallel(f, cluster="2x4", stages=0)
+    with pytest.raises(rhino.OptionsError, match="plan"):
+        rhino.auto_parallel(f, plan="plan.json")
+
+
+def test_plan_pipeline_honours_its_options(gpt):
+    from rhino.pipeline import PipelineOptions
+
+    m = gpt[0]
+    opts = PipelineOptions(num_microbatches=4, epsilon=0.3, max_stages=2, kinds=("hybrid",),
+                           two_d=False, executor="serial")
+    p = rhino.plan_pipeline(m.step, *m.example_args(), cluster="2x4", options=opts)
+    assert p.num_microbatches == 4 and p.epsilon == 0.3 and p.num_stages == 2
