@@ -32,7 +32,8 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-from rhino.errors import InfeasiblePlanError, OptionsError, RhinoError, format_bytes
+from rhino.errors import (InfeasiblePlanError, OptionsError, PlanningError, RhinoError,
+                          format_bytes)
 from rhino.hlo_passes.graph import HloGraph, shape_str
 from rhino.hlo_passes.subgraph import CUT_PREFIX, Subgraph, extract_subgraph, structural_key
 from rhino.cluster import Cluster, MeshSplit, enumerate_splits
@@ -433,6 +434,20 @@ def _decision(winner: Candidate, cands: Sequence[Candidate]) -> str:
     return "; ".join(parts)
 
 
+def _no_plan(costed: Sequence[_Costed], cluster: Cluster, budget: int | None) -> RhinoError:
+    """The error for a search with no feasible candidate, carrying the real reasons: memory
+    (``InfeasiblePlanError``) when some candidate was planned and was only too big,
+    otherwise why each could not be planned (``PlanningError``)."""
+    sized = [c.candidate for c in costed if c.candidate.memory > 0]
+    notes = "; ".join(f"{c.candidate.label.strip()}: {c.candidate.note}" for c in costed)
+    if sized and budget is not None:
+        return InfeasiblePlanError(min(c.memory for c in sized), budget,
+                                   f"none of {len(costed)} candidates on cluster {cluster} "
+                                   f"fits: {notes}")
+    return PlanningError(f"pipeline search: expected a candidate that can be planned on "
+                         f"cluster {cluster}, found none of {len(costed)}: {notes}")
+
+
 def _lower_bound(flops: float, num_stages: int, num_microbatches: int,
                  cluster: Cluster) -> float:
     """No plan of ``p`` stages beats perfectly scaled compute with the 1F1B bubble:
@@ -536,10 +551,7 @@ class _Search:
             pool.close()
         feasible = [c for c in costed if c.candidate.feasible]
         if not feasible:
-            need = min((c.candidate.memory for c in costed if c.candidate.memory > 0),
-                       default=0)
-            raise InfeasiblePlanError(need, self.budget or 0, f"none of {len(costed)} "
-                                      f"candidates on cluster {self.cluster} fits")
+            raise _no_plan(costed, self.cluster, self.budget)
         best = min(feasible, key=lambda c: (c.candidate.step_s, c.candidate.num_stages))
         times = SearchTimes(ingest_s, boundary_s, coarsen_s, self.ilp_s, pool.seconds,
                             self.cost_s, time.perf_counter() - t_start + ingest_s,
