@@ -59,7 +59,7 @@ _ARITY = {**{o: 1 for o in _UNARY}, **{o: 2 for o in _BINARY}, **{o: 3 for o in 
           "reverse": 1, "copy": 1, "pad": 2, "while": 1, "parameter": 0, "constant": 0,
           "iota": 0, "convolution": 2, "gather": 2, "select-and-scatter": 3, "dot": 2}
 _MIN_ARITY = {"concatenate": 1, "reduce": 2, "reduce-window": 2, "scatter": 3,
-              "dynamic-slice": 1, "dynamic-update-slice": 2}
+              "dynamic-slice": 1, "dynamic-update-slice": 2, "sort": 1, "all-reduce": 1}
 _REQUIRED = {"broadcast": ("dimensions",), "transpose": ("dimensions",),
              "reduce": ("dimensions", "to_apply"), "concatenate": ("dimensions",),
              "get-tuple-element": ("index",), "slice": ("slice",), "call": ("to_apply",),
@@ -68,6 +68,7 @@ _REQUIRED = {"broadcast": ("dimensions",), "transpose": ("dimensions",),
              "dynamic-slice": ("dynamic_slice_sizes",)}
 
 _INLINED = frozenset({"call", "fusion"})
+_RESULT_IS_OPERANDS = frozenset({"copy", "sort", "all-reduce", "scatter", "select-and-scatter"})
 _ARRAYS_ONLY = _UNARY | _BINARY | _TERNARY | frozenset({
     "dot", "reshape", "transpose", "broadcast", "concatenate", "slice", "reverse", "pad", "iota",
     "convolution"})
@@ -313,9 +314,14 @@ def _check_instr(module: RawModule, ins: RawInstr, ops: list[Shape], dynamic: bo
         if _array(src) is not None or not 0 <= k < len(src) or src[k] != res:
             fail(f"a tuple operand whose element index={k} has the result's shape "
                  f"{shape_str(res)}", shape_str(src))
-    elif op == "copy":
-        if ops[0] != res:
-            fail(f"an operand of the result's shape {shape_str(res)}", shape_str(ops[0]))
+    elif op in _RESULT_IS_OPERANDS:
+        # copy, sort, all-reduce: each operand; scatter: the operands before indices and
+        # updates; select-and-scatter: the first. One operand: its shape, else a tuple.
+        k = {"scatter": (n - 1) // 2, "select-and-scatter": 1}.get(op, n)
+        want = ops[0] if k == 1 else tuple(ops[:k])
+        if (op == "scatter" and n % 2 == 0) or res != want:
+            fail(f"a result of the shape of the {k} operand(s) it updates: {shape_str(want)}",
+                 shape_str(res))
     elif op == "constant":
         if r is not None and (r.rank == 0) == (ins.literal or "").lstrip().startswith("{"):
             fail(f"a literal of rank {r.rank} (braces for arrays)", ins.literal or "")

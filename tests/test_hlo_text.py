@@ -197,6 +197,11 @@ F = "HloModule m\nf {\n  x = f32[2]{0} parameter(0)\n  ROOT y = f32[2]{0} negate
      "concatenate: operands matching f32[2,6] except along dimension 0", ""),
     (_module("  a = f32[] parameter(0)\n  c = f32[3]{0} constant(1)"), 4, "constant: a literal "
      "of rank 1", "1"),
+    (_module(P2 + "  i = s32[1,1]{1,0} parameter(2)\n  u = f32[1]{0} parameter(3)\n"
+             "  c = f32[2,4]{1,0} scatter(a, i, u), update_window_dims={}, "
+             "inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, "
+             "to_apply=f", F), 11, "scatter: a result of the shape of the 1 operand(s) it updates: "
+     "f32[2,3]", "f32[2,4]"),
     # Calls: the callee exists, takes the operands' shapes, and the call graph has no cycle.
     (_module("  a = f32[3]{0} parameter(0)\n  ROOT c = f32[2]{0} call(a), to_apply=f", F), 8,
      "call: operands of the shapes 'f' takes: (f32[2])", "(f32[3])"),
