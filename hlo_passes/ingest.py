@@ -652,6 +652,24 @@ def _mlir_error(path: str, e: ValueError) -> HloParseError:
                          "a StableHLO/MLIR module jaxlib can convert to HLO", msg.strip())
 
 
+# A convolution's dim_numbers, e.g. [b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f].
+_CONV_DIMS_RE = re.compile(r"\[([\w\s,]*)\]\s*x\s*\[([\w\s,]*)\]\s*->\s*\[([\w\s,]*)\]")
+
+
+def _check_conv_dim_numbers(text: str, path: str) -> None:
+    """Reject a spatial dimension number beyond its tensor's rank in a convolution's
+    dim_numbers before jaxlib sees it: jaxlib 0.10's MLIR parser builds a list as long as
+    that number (2**28 takes 10 s and 2 GiB; larger ones exhaust memory)."""
+    for m in _CONV_DIMS_RE.finditer(text):
+        for group in m.groups():
+            items = [x.strip() for x in group.split(",")]
+            for x in items:
+                if x.isdigit() and x.isascii() and int(x) >= len(items):
+                    raise HloParseError(path, text.count("\n", 0, m.start()) + 1,
+                                        "convolution dim_numbers whose spatial dimensions are "
+                                        f"numbered below the rank ({len(items)})", x)
+
+
 def graph_from_mlir_text(text: str, path: str = "<string>") -> HloGraph:
     """Build an ``HloGraph`` from a StableHLO/MHLO module's text, through jaxlib's MLIR
     parser and HLO converter.
@@ -662,6 +680,7 @@ def graph_from_mlir_text(text: str, path: str = "<string>") -> HloGraph:
             given in ``expected``).
     """
     from rhino._jax_private import stablehlo_text_to_hlo_text
+    _check_conv_dim_numbers(text, path)
     try:
         hlo = stablehlo_text_to_hlo_text(text)
     except ValueError as e:

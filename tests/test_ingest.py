@@ -281,3 +281,21 @@ def test_mlir_errors_carry_the_mlir_line(tmp_path, monkeypatch):
         rhino.ingest(str(f))
     assert ei.value.line is None and ei.value.path == str(f)
     assert "line 4 of the HLO jaxlib converted it to" in ei.value.expected
+
+
+def test_huge_convolution_dim_number_is_rejected_before_jaxlib(tmp_path):
+    """jaxlib's MLIR parser allocates a list as long as a convolution's spatial dimension
+    number: such a number is rejected first, fast, at its line."""
+    def f(x, k):
+        return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    lines = jax.jit(f).lower(jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4))).as_text().split("\n")
+    k = next(i for i, ln in enumerate(lines) if "->[b, 0, 1, f]" in ln)
+    lines[k] = lines[k].replace("->[b, 0, 1, f]", "->[b, 4294967296, 1, f]")
+    path = tmp_path / "conv.mlir"
+    path.write_text("\n".join(lines))
+    with pytest.raises(HloParseError) as ei:
+        rhino.ingest(str(path))
+    assert ei.value.line == k + 1 and ei.value.found == "4294967296"
+    assert "numbered below the rank (4)" in ei.value.expected
