@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Iterator
 
@@ -76,22 +77,23 @@ _MAX_TUPLE_DEPTH = 64
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
 _DIM_RE = re.compile(r"(<=)?([0-9]+)")
 _INT_RE = re.compile(r"-?[0-9]+")
-NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")
+NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")  # an instruction or computation name
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_DELIM_RE = re.compile(r'[{}()\[\]",\\]')
+_DELIM_RE = re.compile(r'"(?:[^"\\]|\\.)*"|["{}()\[\],]')  # a whole string, or one delimiter
 _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->\s*.*)?\{$", re.ASCII)
 _META_RE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 _LITERAL_OPS = frozenset({"parameter", "constant"})
 _CLOSERS = {")": "(", "]": "[", "}": "{"}
+# Python errors a parser gap could raise; ``unexpected_error`` turns them into HloParseErrors.
 DECODE_ERRORS = (ValueError, IndexError, KeyError, TypeError, AttributeError, OverflowError,
-                  RecursionError, ZeroDivisionError)
+                 RecursionError, ZeroDivisionError)
 
 
 @dataclasses.dataclass(slots=True)
 class RawInstr:
     """One instruction line, decoded (``typed``: attributes as Python values, filled in by
-    ``validate_module``) but not yet linked."""
+    ``ingest.validate_module``) but not yet linked."""
 
     name: str
     shape: Shape
@@ -106,8 +108,9 @@ class RawInstr:
 
 @dataclasses.dataclass
 class RawComputation:
-    """A computation; ``params[k]`` is its ``parameter(k)`` (set by ``validate_module``) and
-    ``signature`` the ``(params) -> result`` shapes its header declares, if it does."""
+    """A computation; ``params[k]`` is its ``parameter(k)`` (set by
+    ``ingest.validate_module``) and ``signature`` the ``(params) -> result`` shapes its header
+    declares, if it does."""
 
     name: str
     instrs: list[RawInstr]
@@ -156,32 +159,24 @@ class RawModule:
 # --- brackets, lists and shapes ------------------------------------------------------------
 
 def _scan(s: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
-    """Yield ``(index, char, depth)`` for brackets and commas outside quotes (depth after an
-    opener, before a closer); raise ValueError on a mismatched bracket or open quote."""
+    """Yield ``(index, char, depth)`` for brackets and commas outside quoted strings (depth
+    after an opener, before a closer); raise ValueError on a mismatched bracket or an
+    unterminated string."""
     stack: list[str] = []
-    in_str = False
-    escaped = -2
     for m in _DELIM_RE.finditer(s, start):
         c, i = m.group(), m.start()
-        if in_str:
-            if c == "\\" and escaped != i - 1:
-                escaped = i
-            elif c == '"' and escaped != i - 1:
-                in_str = False
-            continue
-        if c == '"':
-            in_str = True
+        if c[0] == '"':
+            if len(c) == 1:  # a quote the string pattern could not close
+                raise ValueError("an unterminated string")
         elif c in "{([":
             stack.append(c)
             yield i, c, len(stack)
-        elif c in _CLOSERS:
+        elif c == ",":
+            yield i, c, len(stack)
+        else:
             if not stack or stack.pop() != _CLOSERS[c]:
                 raise ValueError(f"an unmatched {c!r} at column {i + 1}")
             yield i, c, len(stack) + 1
-        elif c == ",":
-            yield i, c, len(stack)
-    if in_str:
-        raise ValueError("an unterminated string")
     if stack:
         raise ValueError(f"an unclosed {stack[-1]!r}")
 
@@ -228,49 +223,64 @@ def _split_checked(s: str, path: str, lineno: int, what: str) -> list[str]:
                             f"{e} in {s!r}") from None
 
 
-def parse_shape(text: str, path: str = "<string>", lineno: int | None = None,
-                _depth: int = 0) -> Shape:
+def parse_shape(text: str, path: str = "<string>", lineno: int | None = None) -> Shape:
     """Parse ``f32[8,4]{1,0}`` or a (nested) tuple ``(f32[2], (s32[], pred[]))``.
 
     Dimensions must be non-negative integers below 2**63 (``<=N`` for a bounded dynamic
     one), the element type one XLA knows, and a layout's minor-to-major list (if given) a
     permutation of the dimensions.
+
+    Raises:
+        HloParseError: at ``path``:``lineno``, saying which of these the text breaks.
     """
-    text = text.strip()
+    try:
+        return _shape(text.strip())
+    except _BadShape as e:
+        raise HloParseError(path, lineno, e.args[0], e.args[1]) from None
+
+
+class _BadShape(Exception):
+    """(expected, found) for a shape text; ``parse_shape`` adds the file and line."""
+
+
+@functools.lru_cache(maxsize=4096)  # a module repeats few distinct shapes many times
+def _shape(text: str, depth: int = 0) -> Shape:
     if text.startswith("("):
-        if _depth >= _MAX_TUPLE_DEPTH:
-            raise HloParseError(path, lineno, f"tuple shapes nested at most {_MAX_TUPLE_DEPTH} "
-                                "deep", text[:80])
+        if depth >= _MAX_TUPLE_DEPTH:
+            raise _BadShape(f"tuple shapes nested at most {_MAX_TUPLE_DEPTH} deep", text[:80])
         if not text.endswith(")"):
-            raise HloParseError(path, lineno, "a tuple shape closed by ')'", text)
+            raise _BadShape("a tuple shape closed by ')'", text)
         inner = text[1:-1].strip()
         if not inner:
             return ()
-        parts = _split_checked(inner, path, lineno, "a tuple shape")
-        return tuple(parse_shape(p, path, lineno, _depth + 1) for p in parts)
+        try:
+            parts = _split(inner)
+        except ValueError as e:
+            raise _BadShape("a tuple shape with balanced brackets and quotes",
+                            f"{e} in {inner!r}") from None
+        return tuple(_shape(p, depth + 1) for p in parts)
     m = _ARRAY_RE.fullmatch(text)
     if m is None or m.group(1) not in ELEMENT_TYPES:
-        raise HloParseError(path, lineno, "a shape such as f32[8,4]{1,0} or a tuple of shapes",
-                            text)
+        raise _BadShape("a shape such as f32[8,4]{1,0} or a tuple of shapes", text)
     dims = []
     if m.group(2).strip():
         for d in m.group(2).split(","):
             dm = _DIM_RE.fullmatch(d.strip())
             if dm is None or int(dm.group(2)) > _INT64_MAX:
-                raise HloParseError(path, lineno, "dimensions that are integers in [0, 2**63)"
-                                    " (or <=N for a bounded dynamic one)", f"[{m.group(2)}]")
+                raise _BadShape("dimensions that are integers in [0, 2**63) (or <=N for a "
+                                "bounded dynamic one)", f"[{m.group(2)}]")
             dims.append(int(dm.group(2)))
     t = TensorType(m.group(1), tuple(dims))
     if t.numel > _INT64_MAX or t.nbytes > _INT64_MAX:
-        raise HloParseError(path, lineno, "a shape of fewer than 2**63 bytes", text)
+        raise _BadShape("a shape of fewer than 2**63 bytes", text)
     if m.group(3):
         minor_to_major = m.group(3)[1:-1].split(":")[0].strip()
         if minor_to_major:
             order = minor_to_major.split(",")
             if (not all(_INT_RE.fullmatch(x.strip()) for x in order)
                     or sorted(int(x) for x in order) != list(range(len(dims)))):
-                raise HloParseError(path, lineno, f"a layout listing each of the {len(dims)} "
-                                    "dimensions once", m.group(3))
+                raise _BadShape(f"a layout listing each of the {len(dims)} dimensions once",
+                                m.group(3))
     return t
 
 

@@ -76,6 +76,7 @@ _ARRAYS_ONLY = _UNARY | _BINARY | _TERNARY | frozenset({
 MAX_INLINED_OPS = 10_000_000
 # Attributes the builder reads as one computation's name.
 _SINGLE_REGION_KEYS = ("to_apply", "calls", "body", "condition")
+_STACK_FRAME_RE = re.compile(r"\bstack_frame_id=([^\s}]*)")
 
 
 # --- validation: what XLA would reject beyond the syntax --------------------------------
@@ -191,9 +192,9 @@ def _validate_computation(module: RawModule, comp: RawComputation) -> None:
                     raise HloParseError(path, ins.line, "a parameter number not used before "
                                         f"(line {params[int(lit)].line})", f"parameter({lit})")
                 params[int(lit)] = ins
-            sf = ht.parse_metadata(ins.attrs.get("metadata", "")).get("stack_frame_id")
-            if sf is not None and not (sf.isdigit() and sf.isascii()):
-                raise HloParseError(path, ins.line, "an integer stack_frame_id", sf)
+            sf = _STACK_FRAME_RE.search(ins.attrs.get("metadata", ""))
+            if sf is not None and not (sf.group(1).isdigit() and sf.group(1).isascii()):
+                raise HloParseError(path, ins.line, "an integer stack_frame_id", sf.group(1))
             _check_instr(module, ins, [shapes[o] for o in ins.operands],
                          any(dynamic[o] for o in ins.operands) or ins.dynamic)
         except ht.DECODE_ERRORS as e:

@@ -146,7 +146,8 @@ F = "HloModule m\nf {\n  x = f32[2]{0} parameter(0)\n  ROOT y = f32[2]{0} negate
     (_module("  a = f32[2]{0} parameter(-1)"), 3, "a parameter number", "-1"),
     # The header's entry_computation_layout and old-style signatures against the body.
     (_module(P2 + "  ROOT c = f32[2,3]{1,0} add(a, b)",
-             "HloModule m, entry_computation_layout={(f32[2,3]{1,0}, f32[2,4]{1,0})->f32[2,3]{1,0}}"),
+             "HloModule m, entry_computation_layout="
+             "{(f32[2,3]{1,0}, f32[2,4]{1,0})->f32[2,3]{1,0}}"),
      4, "parameter 1 of shape f32[2,4], as the header's entry_computation_layout (line 1)",
      "f32[2,3]"),
     (_module(P2 + "  ROOT c = f32[2,3]{1,0} add(a, b)",
