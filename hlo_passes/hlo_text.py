@@ -5,10 +5,10 @@ syntax), into raw computations that ``hlo_passes.ingest`` validates and inlines 
 ``parse_hlo_text`` decodes the lines in one pass, no backtracking (time is linear in the text
 size): module header (with its ``entry_computation_layout``), computations (with old-style
 signatures), instructions, debug-info tables. Tokens are checked as they are read: known
-opcodes and element types, dimensions that are integers in [0, 2**63), layouts that permute
-the dimensions, balanced brackets and quotes, names defined once, one ROOT and one ENTRY.
-What XLA would reject beyond the syntax (parameter numbering, operand shapes, calls) is
-``ingest.validate_module``'s job.
+element types, dimensions that are integers in [0, 2**63), layouts that permute the
+dimensions, balanced brackets and quotes, names defined once, one ROOT and one ENTRY.
+What XLA would reject beyond the syntax (unknown opcodes, parameter numbering, operand
+shapes, calls) is ``ingest.validate_module``'s job.
 
 Every failure is an ``HloParseError`` naming the file, the 1-based line, what was expected and
 what was found; nothing else escapes (an unexpected Python error while decoding a line is
@@ -41,6 +41,8 @@ ELEMENT_TYPES = frozenset(DTYPE_BYTES) | frozenset({
     "f8e8m0fnu", "f4e2m1fn", "f6e2m3fn", "f6e3m2fn"})
 
 # HLO opcodes as XLA prints them (xla/hlo/ir/hlo_opcode.h), checked against jaxlib 0.10.2.
+# Ingestion rejects others; the parser alone (also used on compiled HLO from other XLA
+# versions, e.g. by runtime.spmd) accepts any opcode-like token.
 OPCODES = frozenset("""
 abs add add-dependency after-all all-gather all-gather-done all-gather-start all-reduce
 all-reduce-done all-reduce-start all-to-all and async-done async-start async-update atan2
@@ -79,6 +81,7 @@ _DIM_RE = re.compile(r"(<=)?([0-9]+)")
 _INT_RE = re.compile(r"-?[0-9]+")
 NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")  # an instruction or computation name
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_OPCODE_RE = re.compile(r"[a-z][a-z0-9\-]*")
 _DELIM_RE = re.compile(r'"(?:[^"\\]|\\.)*"|["{}()\[\],]')  # a whole string, or one delimiter
 _HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->\s*.*)?\{$", re.ASCII)
 _META_RE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
@@ -445,7 +448,7 @@ def parse_instruction(line: str, path: str, lineno: int) -> tuple[RawInstr, bool
     if paren <= 0:
         raise HloParseError(path, lineno, "an opcode followed by '(operands)'", line)
     opcode = rest[:paren].strip()
-    if opcode not in OPCODES:
+    if not _OPCODE_RE.fullmatch(opcode):  # known opcodes: ingest.validate_module
         raise HloParseError(path, lineno, "an HLO opcode such as add or dot", opcode)
     close = _matching(rest, paren, path, lineno)
     operands, literal = _parse_operands(opcode, rest[paren + 1:close - 1], path, lineno)

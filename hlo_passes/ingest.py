@@ -123,11 +123,12 @@ def _call_order(module: RawModule) -> list[RawComputation]:
 
 
 def validate_module(module: RawModule) -> None:
-    """Check a parsed module as XLA would: parameters numbered 0..n-1 in every computation,
-    operands defined before use, called computations that exist and do not recurse, operand
-    and result shapes against the opcode's rule where it is simple and certain (elementwise
-    ops, dot, reshape, transpose, broadcast, slice, concatenate, pad, reduce, tuples, calls,
-    while), and the ``entry_computation_layout`` / old-style signatures against the bodies.
+    """Check a parsed module as XLA would: known opcodes, parameters numbered 0..n-1 in every
+    computation, operands defined before use, called computations that exist and do not
+    recurse, operand and result shapes against the opcode's rule where it is simple and
+    certain (elementwise ops, dot, reshape, transpose, broadcast, slice, concatenate, pad,
+    reduce, scatter, tuples, calls, while), and the ``entry_computation_layout`` / old-style
+    signatures against the bodies.
     Fills in ``RawComputation.params`` and ``RawInstr.typed``.
 
     Raises:
@@ -223,6 +224,8 @@ def _check_instr(module: RawModule, ins: RawInstr, ops: list[Shape], dynamic: bo
     def fail(expected: str, found: str) -> NoReturn:
         raise HloParseError(module.path, ins.line, f"{op}: {expected}", found)
 
+    if op not in ht.OPCODES:
+        raise HloParseError(module.path, ins.line, "an HLO opcode such as add or dot", op)
     n = len(ops)
     if op in _ARITY and n != _ARITY[op] and not (op == "dot" and "sparsity" in t):  # + meta
         fail(f"{_ARITY[op]} operand(s)", str(n))
