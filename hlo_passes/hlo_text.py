@@ -83,7 +83,8 @@ NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")  # an instruction or comput
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _OPCODE_RE = re.compile(r"[a-z][a-z0-9\-]*")
 _DELIM_RE = re.compile(r'"(?:[^"\\]|\\.)*"|["{}()\[\],]')  # a whole string, or one delimiter
-_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->\s*.*)?\{$", re.ASCII)
+# name {  /  name (a: f32[]) -> f32[] {  /  name, execution_thread="x" {  (optionally ENTRY)
+_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->\s*.*|,.*)?\{$", re.ASCII)
 _META_RE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 _LITERAL_OPS = frozenset({"parameter", "constant"})
@@ -486,7 +487,11 @@ def _parse_signature(sig: str, path: str, lineno: int,
             if not colon or not NAME_RE.fullmatch(pname.strip()):
                 raise HloParseError(path, lineno, "a parameter 'name: shape'", pname + colon + p)
         params.append(parse_shape(p, path, lineno))
-    return params, parse_shape(rest[2:], path, lineno)
+    result, *attrs = _split_checked(rest[2:], path, lineno, "a result shape")
+    for a in attrs:  # e.g. execution_thread="host" on a computation header
+        if not _KEY_RE.fullmatch(a.partition("=")[0].strip()) or "=" not in a:
+            raise HloParseError(path, lineno, "attributes 'key=value' after the result", a)
+    return params, parse_shape(result, path, lineno)
 
 
 _SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
@@ -548,7 +553,13 @@ class _Reader:
             if name in self.comps:
                 raise HloParseError(path, lineno, "a computation name not used before "
                                     f"(line {self.comps[name].line})", name)
-            sig = _parse_signature(m.group(3), path, lineno, True) if m.group(3) else None
+            sig = None
+            if m.group(3) and m.group(3).startswith(","):
+                for a in _split_checked(m.group(3)[1:], path, lineno, "header attributes"):
+                    if "=" not in a or not _KEY_RE.fullmatch(a.partition("=")[0].strip()):
+                        raise HloParseError(path, lineno, "a header attribute 'key=value'", a)
+            elif m.group(3):
+                sig = _parse_signature(m.group(3), path, lineno, True)
             self.cur = RawComputation(name, [], "", bool(m.group(1)), lineno, signature=sig)
             self.names = set()
             if self.cur.is_entry:

@@ -276,3 +276,26 @@ ENTRY e {
     g = graph_from_hlo_text(text, "w.hlo")
     assert g.ops[1].attrs["trip_count"] is None
     g.check()
+
+
+def test_computation_headers_with_attributes():
+    """Headers as XLA prints them for other execution threads, with or without a signature."""
+    text = """HloModule m
+%async_comp (p: f32[2]) -> f32[2], execution_thread="parallel" {
+  %p = f32[2]{0} parameter(0)
+  ROOT %n = f32[2]{0} negate(%p)
+}
+%other, execution_thread="host" {
+  %q = f32[2]{0} parameter(0)
+  ROOT %n = f32[2]{0} negate(%q)
+}
+ENTRY %e (x: f32[2]) -> f32[2] {
+  %x = f32[2]{0} parameter(0)
+  ROOT %c = f32[2]{0} call(%x), to_apply=%async_comp
+}
+"""
+    g = graph_from_hlo_text(text, "threads.hlo")
+    assert [op.opcode for op in g.ops] == ["parameter", "negate"]
+    with pytest.raises(HloParseError) as ei:
+        graph_from_hlo_text(text.replace('execution_thread="host"', "junk"), "threads.hlo")
+    assert ei.value.line == 6 and "a header attribute" in ei.value.expected
