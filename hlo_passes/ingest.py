@@ -310,6 +310,14 @@ def _check_instr(module: RawModule, ins: RawInstr, ops: list[Shape], dynamic: bo
     elif op == "convolution":
         if not arrays[0].rank == arrays[1].rank == r.rank:
             fail("input, kernel and result of one rank", ", ".join(map(str, arrays + [r])))
+        labels = t.get("dim_labels")
+        if labels is not None and r.rank <= 11:
+            digits = "".join(str(k) for k in range(r.rank - 2))
+            want = [sorted("bf" + digits), sorted("io" + digits), sorted("bf" + digits)]
+            parts = labels.replace("->", "_").split("_")
+            if [sorted(x) for x in parts] != want:
+                fail(f"dim_labels= like b01f_01io->b01f: b, f (i, o for the kernel) and "
+                     f"{digits or 'no digits'} once each per operand", labels)
     elif op == "tuple":
         if res != tuple(ops):
             fail(f"a result shape {shape_str(tuple(ops))} (the operands' shapes)", shape_str(res))

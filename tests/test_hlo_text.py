@@ -203,6 +203,10 @@ F = "HloModule m\nf {\n  x = f32[2]{0} parameter(0)\n  ROOT y = f32[2]{0} negate
              "inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, "
              "to_apply=f", F), 11, "scatter: a result of the shape of the 1 operand(s) it updates: "
      "f32[2,3]", "f32[2,4]"),
+    (_module("  x = f32[1,4,4,2]{3,2,1,0} parameter(0)\n  k = f32[3,3,2,5]{3,2,1,0} "
+             "parameter(1)\n  c = f32[1,4,4,5]{3,2,1,0} convolution(x, k), window={size=3x3 "
+             "pad=1_1x1_1}, dim_labels=b01f_01io->b0ff"), 5, "convolution: dim_labels= like "
+     "b01f_01io->b01f", "b01f_01io->b0ff"),
     # Calls: the callee exists, takes the operands' shapes, and the call graph has no cycle.
     (_module("  a = f32[3]{0} parameter(0)\n  ROOT c = f32[2]{0} call(a), to_apply=f", F), 8,
      "call: operands of the shapes 'f' takes: (f32[2])", "(f32[3])"),
