@@ -390,6 +390,41 @@ def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
                          dict(split.rng_shapes))
 
 
+def microbatch_divisors(fn: Any, traced: ScopedFunction, graph: HloGraph, abstract: tuple,
+                        batch_params: Sequence[int], m: int) -> dict[int, dict[int, int]]:
+    """Op id -> {dim: m} for every planned value whose dimension carries the batch: the
+    dimensions that shrink by ``m`` when the step is traced at microbatch shapes (values
+    the lowering constrains: equation results and arguments). The pipeline planner then
+    splits them only into shards a microbatch divides.
+
+    Raises:
+        LoweringError: a batch leaf ``m`` does not divide, or a step that traces to other
+            equations at microbatch shapes.
+    """
+    keys = key_args(traced)
+    batch_refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params
+                              if graph.ops[q].arg.index not in keys))
+    paths = {graph.ops[q].arg.index: graph.ops[q].arg.path for q in graph.params}
+    abstract_mb = microbatch_args(abstract, batch_refs, m, paths)
+    flat = flatten(jax.make_jaxpr(fn)(*abstract_mb))
+    _check_same_program(traced, flat)
+    ref_of = {(fe.path, k): r for fe in flat.eqns for k, r in enumerate(fe.outs)
+              if r is not None}
+    out: dict[int, dict[int, int]] = {}
+    pairs = [(op, ref_of[key]) for key, op in EqnMap(traced, graph).producer.items()
+             if key in ref_of]
+    pairs += [(q, graph.ops[q].arg.index) for q in graph.params]
+    for op, ref in pairs:
+        shape = graph.ops[op].shape
+        small = flat.avals[ref].shape
+        if not isinstance(shape, TensorType) or len(shape.dims) != len(small):
+            continue
+        dims = {d: m for d, (a, b) in enumerate(zip(shape.dims, small)) if a == m * b and a != b}
+        if dims:
+            out[op] = dims
+    return out
+
+
 def _refuse_batch_coupling(graph: HloGraph, flat: FlatProgram, split: StepSplit, m: int
                            ) -> None:
     carried_outs = {o for o, _ in carried_pairs(graph)}

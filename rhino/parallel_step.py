@@ -46,7 +46,7 @@ from rhino.errors import OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, ingest
 from rhino.hlo_passes.annotate import ScopedFunction
 from rhino.hlo_passes.lower import (SpmdLowering, StageLowering, compile_spmd, lower_spmd,
-                                    lower_stages)
+                                    lower_stages, microbatch_divisors)
 from rhino.pipeline.api import make_cluster
 from rhino.pipeline.coarsen import classify_ops
 from rhino.pipeline.gradient import BoundaryOptions, find_gradient_boundary
@@ -536,7 +536,13 @@ class _Builder:
         count = max(given.values()) + 1 if given else o.stages
         kinds = ("spmd",) if count == 1 else ("pipeline", "hybrid") if count is not None \
             else ("spmd", "pipeline", "hybrid")
-        opts = PipelineOptions(num_microbatches=o.num_microbatches or DEFAULT_MICROBATCHES,
+        m = o.num_microbatches or DEFAULT_MICROBATCHES
+        divisors = None
+        if count != 1:
+            boundary = find_gradient_boundary(self.graph, BoundaryOptions(o.batch_args))
+            divisors = microbatch_divisors(self.fn, self.traced, self.graph, self.abstract,
+                                           boundary.batch_params, m)
+        opts = PipelineOptions(num_microbatches=m, microbatch_divisors=divisors,
                                num_stages=count,
                                weight_stages=given if given and count > 1 else None,
                                kinds=kinds, batch_args=o.batch_args, spmd=spmd_opts,

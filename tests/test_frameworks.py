@@ -394,3 +394,27 @@ def test_a_saved_plan_for_another_model_is_refused_by_name():
     other = rhino.auto_parallel(m.step, plan=plan, timeout=300)
     with pytest.raises(rhino.PlanMismatchError, match="another program|lacks"):
         other(*m.example_args())
+
+
+def test_stage_plans_split_only_what_a_microbatch_divides():
+    """Batch 8 in 4 microbatches on stage meshes of 4 devices: a microbatch of 2 cannot be
+    split 4 ways, so no stage plan may split the batch dimension 4 ways (the runtime used
+    to reject the plan: 'splits dimensions that a microbatch does not divide')."""
+    from rhino.models import get_model
+
+    m = get_model("gpt", layers=2, hidden=64, heads=2, seq=16, vocab=256, batch=8)
+    params, opt = m.init(jax.random.PRNGKey(0))
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    step = rhino.auto_parallel(m.step, **PIPE)
+    try:
+        got = step(*_host((params, opt)), batch)
+        plan = step.plan_for(params, opt, batch)
+    finally:
+        step.close()
+    want = jax.jit(m.step)(params, opt, batch)
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=RTOL)
+    for st in plan.stages:
+        for p in st.spmd.params:
+            if p.path.startswith("batch"):
+                d0 = p.spec.dims[0]
+                assert not d0.axes or 2 % st.spmd.mesh.group_size(d0.axes) == 0, p

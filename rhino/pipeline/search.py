@@ -88,6 +88,9 @@ class PipelineOptions:
         keep_spmd: keep each stage's ``SpmdPlan`` in the result.
         prune: skip the candidates of a stage count whose lower bound (perfectly scaled
             compute with the 1F1B bubble) exceeds the best step already found.
+        microbatch_divisors: op id -> {dim: m} for the dimensions that carry the batch
+            (``auto_parallel`` finds them by tracing the step at microbatch shapes): stage
+            plans only split them into shards a microbatch divides (``BuildOptions.divisors``).
     """
 
     num_microbatches: int = 8
@@ -109,6 +112,7 @@ class PipelineOptions:
     executor: str = "auto"
     keep_spmd: bool = True
     prune: bool = True
+    microbatch_divisors: Any = None
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -173,6 +177,7 @@ def _picklable(options: PlanOptions) -> dict[str, Any]:
     pickle) for worker processes."""
     build = {f.name: getattr(options.build, f.name) for f in dataclasses.fields(BuildOptions)}
     build["pinned"] = dict(build["pinned"])
+    build["divisors"] = {k: dict(v) for k, v in build["divisors"].items()}
     fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(PlanOptions)}
     fields["build"] = build
     return fields
@@ -668,9 +673,12 @@ class _Search:
         return out
 
     def _stage_options(self, w: _StageWork, budget: int | None = None) -> PlanOptions:
+        div = self.options.microbatch_divisors or {}
+        sub_div = {k: div[src] for k, src in enumerate(w.sub.origin) if src in div}
         return dataclasses.replace(self.spmd_opts, memory_budget=budget,
                                    build=dataclasses.replace(self.spmd_opts.build,
-                                                             carried=w.carried))
+                                                             carried=w.carried,
+                                                             divisors=sub_div))
 
     def _cost_split(self, pool: "_SpmdPool", k: int, p: int, hs: list, lb: float
                     ) -> _Costed:
