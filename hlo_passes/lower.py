@@ -371,13 +371,8 @@ def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
         for nm in st.ops:
             stage_of[by_name[nm]] = st.index
     assignment = assignment_from_ops(traced, graph, stage_of, roles)
-    keys = key_args(traced)
-    batch_refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params
-                              if graph.ops[q].arg.index not in keys))
-    paths = {graph.ops[q].arg.index: graph.ops[q].arg.path for q in graph.params}
-    abstract_mb = microbatch_args(abstract, batch_refs, m, paths)
-    flat = flatten(jax.make_jaxpr(fn)(*abstract_mb))
-    _check_same_program(traced, flat)
+    batch_refs, abstract_mb, flat = _microbatch_trace(fn, traced, graph, abstract,
+                                                      batch_params, m)
     rng = {path: tuple(e.params["shape"]) for path, e in traced.leaf_eqns().items()
            if e.primitive.name in RNG_SHAPED}
     split = split_step(flat, assignment, batch_refs, plan.num_stages, m, accumulate, rng)
@@ -388,6 +383,21 @@ def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
                       for st in plan.stages)
     return StageLowering(split, abstract_mb, assignment, batch_refs, shardings,
                          dict(split.rng_shapes))
+
+
+def _microbatch_trace(fn: Any, traced: ScopedFunction, graph: HloGraph, abstract: tuple,
+                      batch_params: Sequence[int], m: int
+                      ) -> tuple[tuple[int, ...], tuple, FlatProgram]:
+    """(the batch leaves' flat indices (PRNG keys left out), the microbatch-sized
+    arguments, the step flattened at them), checked to trace to the same equations."""
+    keys = key_args(traced)
+    batch_refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params
+                              if graph.ops[q].arg.index not in keys))
+    paths = {graph.ops[q].arg.index: graph.ops[q].arg.path for q in graph.params}
+    abstract_mb = microbatch_args(abstract, batch_refs, m, paths)
+    flat = flatten(jax.make_jaxpr(fn)(*abstract_mb))
+    _check_same_program(traced, flat)
+    return batch_refs, abstract_mb, flat
 
 
 def microbatch_divisors(fn: Any, traced: ScopedFunction, graph: HloGraph, abstract: tuple,
@@ -401,13 +411,7 @@ def microbatch_divisors(fn: Any, traced: ScopedFunction, graph: HloGraph, abstra
         LoweringError: a batch leaf ``m`` does not divide, or a step that traces to other
             equations at microbatch shapes.
     """
-    keys = key_args(traced)
-    batch_refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params
-                              if graph.ops[q].arg.index not in keys))
-    paths = {graph.ops[q].arg.index: graph.ops[q].arg.path for q in graph.params}
-    abstract_mb = microbatch_args(abstract, batch_refs, m, paths)
-    flat = flatten(jax.make_jaxpr(fn)(*abstract_mb))
-    _check_same_program(traced, flat)
+    _, _, flat = _microbatch_trace(fn, traced, graph, abstract, batch_params, m)
     ref_of = {(fe.path, k): r for fe in flat.eqns for k, r in enumerate(fe.outs)
               if r is not None}
     out: dict[int, dict[int, int]] = {}
