@@ -66,18 +66,35 @@ def _rate(value: Any, where: str) -> float:
 
 
 def _per_axis(value: Any, field: str) -> tuple[float, ...]:
-    if isinstance(value, (int, float)) or not isinstance(value, Sequence) or not value:
+    try:
+        items = None if isinstance(value, (str, bytes)) else list(value)
+    except TypeError:
+        items = None
+    if not items:
         raise OptionsError(f"cost model {field}: expected one value per mesh axis (a "
                            f"non-empty sequence; CostModel.uniform(ndim, ...) broadcasts "
                            f"one), found {value!r}")
     try:
-        vals = tuple(float(x) for x in value)
+        vals = tuple(float(x) for x in items)
     except (TypeError, ValueError):
         vals = ()
-    if len(vals) != len(value) or any(not math.isfinite(x) or x < 0 for x in vals):
+    if len(vals) != len(items) or any(not math.isfinite(x) or x < 0 for x in vals):
         raise OptionsError(f"cost model {field}: expected finite values >= 0, one per mesh "
                            f"axis, found {value!r}")
     return vals
+
+
+def _memory(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        ok = not isinstance(value, bool) and float(value) > 0 and float(value).is_integer()
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise OptionsError(f"cost model memory_bytes: expected a positive number of bytes or "
+                           f"None, found {value!r}")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +148,7 @@ class CostModel:
             raise OptionsError(f"cost model dtype_flops_per_s: expected a mapping dtype -> "
                                f"FLOP/s, found {rates!r}") from None
         put(self, "dtype_flops_per_s", tuple(sorted(table.items())))
-        if self.memory_bytes is not None:
-            if isinstance(self.memory_bytes, bool) or not float(self.memory_bytes) > 0 \
-                    or not float(self.memory_bytes).is_integer():
-                raise OptionsError(f"cost model memory_bytes: expected a positive number of "
-                                   f"bytes or None, found {self.memory_bytes!r}")
-            put(self, "memory_bytes", int(self.memory_bytes))
+        put(self, "memory_bytes", _memory(self.memory_bytes))
         put(self, "native_reduce_scatter", bool(self.native_reduce_scatter))
         put(self, "strided_moves_all_to_all", bool(self.strided_moves_all_to_all))
         if not isinstance(self.backend, str) or not self.backend:
