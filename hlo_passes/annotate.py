@@ -88,7 +88,11 @@ def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | 
         with jax.named_scope(f"eqn{i}"):
             body = call_body(eqn)
             if body is not None:
-                outs = eval_scoped(body[0], body[1], invals, hook, p, in_hook, binder)
+                # The call's own name stack (e.g. ``transpose(jvp(...))`` around a nested
+                # jit) goes on for its inlined equations: without it a weight gradient
+                # computed in a nested jit would not look like one.
+                with eqn_context(eqn):
+                    outs = eval_scoped(body[0], body[1], invals, hook, p, in_hook, binder)
             else:
                 if in_hook is not None:
                     invals = [in_hook(p, j, x) for j, x in enumerate(invals)]

@@ -26,8 +26,9 @@ Example:
 
 from rhino._version import __version__
 from rhino.cluster import Cluster
-from rhino.errors import (HloParseError, InfeasiblePlanError, IngestError, LoweringError,
-                          OptionsError, PlanMismatchError, RhinoError, UnsupportedOpError)
+from rhino.errors import (BatchCouplingError, HloParseError, InfeasiblePlanError, IngestError, LoweringError,
+                          OptionsError, PlanMismatchError, PlanningError, RhinoError,
+                          UnsupportedOpError)
 from rhino.hlo_passes import GraphAnalysis, HloGraph, analyze, ingest
 from rhino.parallel_step import ParallelStep, auto_parallel
 from rhino.pipeline import grad, plan_pipeline
@@ -40,8 +41,8 @@ from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planning import plan
 from rhino.runtime.ray_executor import init
 
-__all__ = ["__version__", "HloParseError", "InfeasiblePlanError", "IngestError",
-           "LoweringError", "OptionsError", "PlanMismatchError", "RhinoError",
+__all__ = ["__version__", "BatchCouplingError", "HloParseError", "InfeasiblePlanError", "IngestError",
+           "LoweringError", "OptionsError", "PlanMismatchError", "PlanningError", "RhinoError",
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
            "AbstractMesh", "CostModel", "auto_parallel", "ParallelStep", "Plan", "SpmdPlan", "PlanOptions",
            "ShardingSpec", "plan", "Cluster", "grad", "plan_pipeline", "init"]

@@ -50,7 +50,7 @@ from rhino.errors import OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, ingest
 from rhino.hlo_passes.annotate import ScopedFunction
 from rhino.hlo_passes.lower import (SpmdLowering, StageLowering, compile_spmd, lower_spmd,
-                                    lower_stages)
+                                    lower_stages, microbatch_divisors)
 from rhino.pipeline.api import make_cluster
 from rhino.pipeline.coarsen import classify_ops
 from rhino.pipeline.gradient import BoundaryOptions, find_gradient_boundary
@@ -121,6 +121,7 @@ class StepOptions:
     timeout: float = DEFAULT_TIMEOUT_S
     transport: TransportKind = TransportKind.DEVICE_PUT
     ray_address: str | None = None
+    per_microbatch_statistics: bool = False
     progress_after_s: float = 2.0
 
     def __post_init__(self):
@@ -584,7 +585,13 @@ class _Builder:
         count = max(given.values()) + 1 if given else o.stages
         kinds = ("spmd",) if count == 1 else ("pipeline", "hybrid") if count is not None \
             else ("spmd", "pipeline", "hybrid")
-        opts = PipelineOptions(num_microbatches=o.num_microbatches or DEFAULT_MICROBATCHES,
+        m = o.num_microbatches or DEFAULT_MICROBATCHES
+        divisors = None
+        if count != 1:
+            boundary = find_gradient_boundary(self.graph, BoundaryOptions(o.batch_args))
+            divisors = microbatch_divisors(self.fn, self.traced, self.graph, self.abstract,
+                                           boundary.batch_params, m)
+        opts = PipelineOptions(num_microbatches=m, microbatch_divisors=divisors,
                                num_stages=count,
                                weight_stages=given if given and count > 1 else None,
                                kinds=kinds, batch_args=o.batch_args, spmd=spmd_opts,
@@ -618,12 +625,13 @@ class _Builder:
         boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
         roles = classify_ops(graph, boundary).role
         lowering = lower_stages(self.fn, self.traced, graph, plan, self.abstract, roles,
-                                boundary.batch_params, o.accumulate)
+                                boundary.batch_params, o.accumulate,
+                                o.per_microbatch_statistics)
         specs = [WorkerSpec(self.fn, lowering.abstract_mb, lowering.assignment,
                             lowering.batch_refs, plan.num_stages, plan.num_microbatches,
                             o.accumulate.value, plan.schedule.value, st.index,
                             tuple(st.mesh.shape), tuple(st.mesh.axis_names),
-                            lowering.shardings[st.index])
+                            lowering.shardings[st.index], rng_shapes=lowering.rng_shapes)
                  for st in plan.stages]
         if o.executor is ExecutorKind.RAY:
             from rhino.runtime.ray_executor import RayExecutor
@@ -655,7 +663,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   executor: str = "local",
                   stages: int | Mapping[str, int] | None = None, accumulate: str = "mean",
                   batch_args: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                  transport: str = "device_put", ray_address: str | None = None):
+                  transport: str = "device_put", ray_address: str | None = None,
+                  per_microbatch_statistics: bool = False):
     """Run a one-device training step over many devices, automatically.
 
     Usable bare (``@rhino.auto_parallel``) or with options; the options are checked here,
@@ -699,12 +708,18 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             hand-given split ``{weight pytree path prefix: stage}``.
         accumulate: ``"mean"`` (default) or ``"sum"``: how batch-dependent values (loss,
             gradients) combine over microbatches.
-        batch_args: names of the arguments carrying the batch (default: non-state ones).
+        batch_args: what carries the batch: argument names, or pytree paths inside them
+            (e.g. ``("batch['tokens']", "batch['labels']")``); default: non-state arguments.
+            PRNG keys are never split into microbatches.
         timeout: seconds any wait of a pipeline executor may take.
         transport: between stage meshes of the local executor: ``"device_put"`` or 004's
             cross-mesh resharding, ``"broadcast"`` / ``"send_recv"``.
         ray_address: the Ray cluster for ``executor="ray"`` (default: ``rhino.init``'s,
             ``$RAY_ADDRESS``, or a new local one).
+        per_microbatch_statistics: a pipelined step that reads statistics of the whole
+            batch (BatchNorm, a branch on a batch-dependent value, running statistics) is
+            refused (``BatchCouplingError``) unless this accepts that each microbatch
+            computes its own.
 
     Returns:
         A ``ParallelStep`` (``.plan_for(*args)``, ``.report_for(*args)``, ``.timeline()``).
@@ -719,7 +734,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         annotations=annotations or {}, plan=plan, report=report, donate=donate,
         time_limit=time_limit, num_microbatches=num_microbatches, schedule=schedule,
         executor=executor, stages=stages, accumulate=accumulate, batch_args=batch_args,
-        timeout=timeout, transport=transport, ray_address=ray_address)
+        timeout=timeout, transport=transport, ray_address=ray_address,
+        per_microbatch_statistics=per_microbatch_statistics)
     if fn is None:
         return lambda f: ParallelStep(f, options)
     return ParallelStep(fn, options)

@@ -33,7 +33,8 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-from rhino.errors import InfeasiblePlanError, OptionsError, RhinoError, format_bytes
+from rhino.errors import (InfeasiblePlanError, OptionsError, PlanningError, RhinoError,
+                          format_bytes)
 from rhino.hlo_passes.graph import HloGraph, shape_str
 from rhino.hlo_passes.subgraph import CUT_PREFIX, Subgraph, extract_subgraph, structural_key
 from rhino.cluster import Cluster, MeshSplit, enumerate_splits
@@ -89,6 +90,9 @@ class PipelineOptions:
         keep_spmd: keep each stage's ``SpmdPlan`` in the result.
         prune: skip the candidates of a stage count whose lower bound (perfectly scaled
             compute with the 1F1B bubble) exceeds the best step already found.
+        microbatch_divisors: op id -> {dim: m} for the dimensions that carry the batch
+            (``auto_parallel`` finds them by tracing the step at microbatch shapes): stage
+            plans only split them into shards a microbatch divides (``BuildOptions.divisors``).
     """
 
     num_microbatches: int = 8
@@ -110,6 +114,7 @@ class PipelineOptions:
     executor: str = "auto"
     keep_spmd: bool = True
     prune: bool = True
+    microbatch_divisors: Any = None
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -174,6 +179,7 @@ def _picklable(options: PlanOptions) -> dict[str, Any]:
     pickle) for worker processes."""
     build = {f.name: getattr(options.build, f.name) for f in dataclasses.fields(BuildOptions)}
     build["pinned"] = dict(build["pinned"])
+    build["divisors"] = {k: dict(v) for k, v in build["divisors"].items()}
     fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(PlanOptions)}
     fields["build"] = build
     return fields
@@ -435,6 +441,20 @@ def _decision(winner: Candidate, cands: Sequence[Candidate]) -> str:
     return "; ".join(parts)
 
 
+def _no_plan(costed: Sequence[_Costed], cluster: Cluster, budget: int | None) -> RhinoError:
+    """The error for a search with no feasible candidate, carrying the real reasons: memory
+    (``InfeasiblePlanError``) when some candidate was planned and was only too big,
+    otherwise why each could not be planned (``PlanningError``)."""
+    sized = [c.candidate for c in costed if c.candidate.memory > 0]
+    notes = "; ".join(f"{c.candidate.label.strip()}: {c.candidate.note}" for c in costed)
+    if sized and budget is not None:
+        return InfeasiblePlanError(min(c.memory for c in sized), budget,
+                                   f"none of {len(costed)} candidates on cluster {cluster} "
+                                   f"fits: {notes}")
+    return PlanningError(f"pipeline search: expected a candidate that can be planned on "
+                         f"cluster {cluster}, found none of {len(costed)}: {notes}")
+
+
 def _device_cost(cluster: Cluster) -> CostModel:
     """The cluster's FLOP/s per dtype, as a cost model of one device."""
     return cluster.figures().cost_model((1,))
@@ -545,10 +565,7 @@ class _Search:
             pool.close()
         feasible = [c for c in costed if c.candidate.feasible]
         if not feasible:
-            need = min((c.candidate.memory for c in costed if c.candidate.memory > 0),
-                       default=0)
-            raise InfeasiblePlanError(need, self.budget or 0, f"none of {len(costed)} "
-                                      f"candidates on cluster {self.cluster} fits")
+            raise _no_plan(costed, self.cluster, self.budget)
         best = min(feasible, key=lambda c: (c.candidate.step_s, c.candidate.num_stages))
         times = SearchTimes(ingest_s, boundary_s, coarsen_s, self.ilp_s, pool.seconds,
                             self.cost_s, time.perf_counter() - t_start + ingest_s,
@@ -665,9 +682,12 @@ class _Search:
         return out
 
     def _stage_options(self, w: _StageWork, budget: int | None = None) -> PlanOptions:
+        div = self.options.microbatch_divisors or {}
+        sub_div = {k: div[src] for k, src in enumerate(w.sub.origin) if src in div}
         return dataclasses.replace(self.spmd_opts, memory_budget=budget,
                                    build=dataclasses.replace(self.spmd_opts.build,
-                                                             carried=w.carried))
+                                                             carried=w.carried,
+                                                             divisors=sub_div))
 
     def _cost_split(self, pool: "_SpmdPool", k: int, p: int, hs: list, lb: float
                     ) -> _Costed:

@@ -56,7 +56,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.errors import RhinoError
+from rhino.errors import PlanningError, RhinoError
 from rhino.hlo_passes.analyses import analyze
 from rhino.hlo_passes.graph import HloGraph, TensorType, flatten_shape
 from rhino.planner.collectives import ReshardCostTable
@@ -67,10 +67,6 @@ from rhino.planner.problem import Edge, ShardingProblem
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.strategies import (Strategy, StrategyOptions, UnknownOp,
                                       generate_strategies)
-
-
-class PlanningError(RhinoError, ValueError):
-    """The planner's inputs are inconsistent (e.g. a pinned spec no strategy offers)."""
 
 
 # HLO opcodes whose values may be strided with ``strided_interior_only`` (elementwise ops,
@@ -93,6 +89,9 @@ class BuildOptions:
         partial_passthrough: let linear ops take and produce pending sums.
         forced_sharded: op ids of parameters whose replicated choices are removed.
         pinned: op id -> the only output spec allowed for that op.
+        divisors: op id -> {dim: k}: a split of that dimension must also divide its size
+            over k (a pipeline plans whole-batch shapes but runs microbatches: k = m on
+            the batch dimension, so no stage plan splits what a microbatch cannot hold).
         optimizer_state_multiplier: extra per-parameter memory, as a multiple of its local
             bytes, for optimizer state the graph does not hold as parameters (0 when the
             step takes the optimizer state as arguments, as the zoo's steps do).
@@ -110,6 +109,7 @@ class BuildOptions:
     partial_passthrough: bool = True
     forced_sharded: frozenset[int] = frozenset()
     pinned: Mapping[int, ShardingSpec] = dataclasses.field(default_factory=dict)
+    divisors: Mapping[int, Mapping[int, int]] = dataclasses.field(default_factory=dict)
     optimizer_state_multiplier: float = 0.0
     carry_outputs: bool = True
     carried: tuple[tuple[int, int], ...] | None = None
@@ -119,6 +119,8 @@ class BuildOptions:
     def __post_init__(self):
         object.__setattr__(self, "forced_sharded", frozenset(self.forced_sharded))
         object.__setattr__(self, "pinned", types.MappingProxyType(dict(self.pinned)))
+        object.__setattr__(self, "divisors", types.MappingProxyType(
+            {int(k): types.MappingProxyType(dict(v)) for k, v in self.divisors.items()}))
         if self.optimizer_state_multiplier < 0:
             raise ValueError(f"optimizer_state_multiplier: expected >= 0, found "
                              f"{self.optimizer_state_multiplier}")
@@ -382,6 +384,11 @@ def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: Abs
             raise PlanningError(f"pinned: op {op.name} ({op.opcode}, {op.source}): expected one "
                                 f"of its output specs {have}, found {want.to_str(mesh)}")
         strategies[i] = kept
+    for i, dims in options.divisors.items():
+        kept = tuple(s for s in strategies[i] if _divides(s.out_spec, graph.ops[i].shape, dims,
+                                                           mesh))
+        if kept:
+            strategies[i] = kept
     if options.strided_interior_only:
         boundary = set(graph.params) | set(graph.outputs)
         for op in graph.ops:
@@ -393,6 +400,19 @@ def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: Abs
             if kept and len(kept) < len(strategies[op.id]):
                 strategies[op.id] = kept
     return tuple(unforceable)
+
+
+def _divides(spec: object, shape: object, dims: Mapping[int, int], mesh: AbstractMesh) -> bool:
+    """Whether ``spec`` splits each dimension of ``dims`` into shards that divide its size
+    over the dimension's divisor (tuples and unsplit dims always do)."""
+    if not isinstance(spec, ShardingSpec) or not isinstance(shape, TensorType):
+        return True
+    for d, k in dims.items():
+        if d < len(spec.dims) and spec.dims[d].axes:
+            n = mesh.group_size(spec.dims[d].axes)
+            if (shape.dims[d] // k) % n:
+                return False
+    return True
 
 
 def _finish_outputs(graph: HloGraph, strategies: list[tuple[Strategy, ...]],
