@@ -203,7 +203,7 @@ def _value_constraints(graph: HloGraph, plan: SpmdPlan, emap: EqnMap) -> dict:
             one = next(iter(needs)) if len(needs) == 1 else None
             reduced = spec.without_partial()
             sliced = one is not None and not one.is_partial and reshard(
-                reduced, one, graph.ops[op_id].shape, plan.mesh).is_free
+                reduced, one, graph.ops[op_id].shape, plan.mesh, plan.cost).is_free
             spec = one if sliced else reduced
         constraints[key] = spec
     return constraints

@@ -5,9 +5,11 @@ First call per input signature::
     step fn + arguments
       │ trace + ingest        hlo_passes.annotate.ScopedFunction, hlo_passes.ingest
       ▼
-    HloGraph ─► the Plan      given (plan=), or planned: SPMD on a mesh (rhino.planning:
-      │                       annotations, compiled-memory budget), or over a cluster (the
-      │                       pipeline controller: SPMD, pipeline or hybrid)
+    HloGraph ─► the Plan      given (plan=), or planned: SPMD on a mesh priced by the
+      │                       cost model of the devices it runs on (rhino.backends; or
+      │                       cost=), with annotations and a compiled-memory budget
+      │                       (rhino.planning), or over a cluster (the pipeline controller:
+      │                       SPMD, pipeline or hybrid)
       ▼
     lowering                  hlo_passes.lower: the plan written into the step
       ▼
@@ -41,6 +43,8 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from rhino.backends import (backend_figures, cost_model_for_devices, devices_per_host,
+                            figures_for_devices)
 from rhino.cluster import Cluster
 from rhino.errors import OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, ingest
@@ -54,9 +58,10 @@ from rhino.pipeline.search import PipelineOptions, plan_pipeline_graph
 from rhino.parallel_plan import Plan
 from rhino.planner.api import PlanOptions, plan_graph
 from rhino.planner.build import BuildOptions
+from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.planning import annotation_pins, fit_compiled_memory, simulated_mesh
+from rhino.planning import annotation_pins, fit_compiled_memory
 from rhino.progress import Progress
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
@@ -98,7 +103,8 @@ class StepOptions:
     devices: tuple | None = None
     mesh_shape: tuple[int, ...] | None = None
     mesh: AbstractMesh | None = None
-    cluster: Cluster | None = None
+    cost: CostModel | str | None = None
+    cluster: Cluster | str | None = None
     opt_level: str = "O2"
     memory_budget: int | None = None
     annotations: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -139,8 +145,11 @@ class StepOptions:
                                     for s in self.mesh_shape))
         if self.devices is not None:
             put("devices", tuple(self.devices))
-        if self.cluster is not None:
+        if isinstance(self.cluster, str):
+            make_cluster(self.cluster)      # checked now; its figures come with the devices
+        elif self.cluster is not None:
             put("cluster", make_cluster(self.cluster))
+        self._check_cost()
         if isinstance(self.plan, SpmdPlan):
             put("plan", Plan.from_spmd(self.plan, 0.0))
         elif self.plan is not None and not isinstance(self.plan, Plan):
@@ -161,6 +170,28 @@ class StepOptions:
             object.__setattr__(self, "stages", dict(s))
         elif s is not None:
             object.__setattr__(self, "stages", _positive("stages", s, int))
+
+    def _check_cost(self) -> None:
+        c = self.cost
+        if isinstance(c, str):
+            backend_figures(c)
+        elif isinstance(c, CostModel):
+            if self.cluster is not None:
+                raise OptionsError("auto_parallel: a cost model prices one mesh; a cluster's "
+                                   "stage meshes take the cluster's figures (cost='h100' "
+                                   "names built-in ones, or pass a rhino.Cluster)")
+            if isinstance(self.mesh, AbstractMesh):
+                c.check(self.mesh, "auto_parallel")
+            elif self.mesh_shape is not None and c.ndim != len(self.mesh_shape):
+                raise OptionsError(f"auto_parallel: expected a cost model for the "
+                                   f"{len(self.mesh_shape)} axes of mesh_shape "
+                                   f"{self.mesh_shape}, found one for {c.ndim} axes")
+        elif c is not None:
+            raise OptionsError(f"cost: expected a rhino.CostModel or a backend name such as "
+                               f"'h100', found {type(c).__name__}")
+        if isinstance(self.cluster, Cluster) and isinstance(c, str):
+            raise OptionsError("auto_parallel: a rhino.Cluster carries its figures; found "
+                               f"cost={c!r} too")
 
     def _check_exclusive(self) -> None:
         if self.cluster is not None and (self.mesh is not None or self.mesh_shape is not None):
@@ -486,18 +517,36 @@ class _Builder:
         return _Entry(plan, self.graph, self.traced.out_tree, run)
 
     # -------------------------------------------------------------- planning
-    def _mesh(self) -> AbstractMesh:
+    def _mesh(self) -> tuple[AbstractMesh, CostModel]:
+        """The mesh and its cost model: ``cost=``'s, or the figures of the devices the mesh
+        runs on (its first ``N`` devices)."""
         o = self.o
+        mesh = o.mesh if o.mesh is not None else AbstractMesh(
+            o.mesh_shape or (len(self.devices),))
+        on = self.devices[:mesh.num_devices]
+        if isinstance(o.cost, CostModel):
+            cost = o.cost
+        elif isinstance(o.cost, str):
+            cost = backend_figures(o.cost).cost_model(mesh, devices_per_host(on))
+        else:
+            cost = cost_model_for_devices(on, mesh)
+        cost.check(mesh, "auto_parallel")
         # Strided values run split (hlo_passes.strided); XLA moves them into and out of a
         # strided layout by gathering, so the planner charges that.
-        if o.mesh is not None:
-            return dataclasses.replace(o.mesh, strided_moves_all_to_all=False)
-        shape = o.mesh_shape or (len(self.devices),)
-        return simulated_mesh(shape, strided_moves_all_to_all=False)
+        return mesh, dataclasses.replace(cost, strided_moves_all_to_all=False)
+
+    def _cluster(self) -> Cluster:
+        """The cluster: as given, or parsed with ``cost=``'s figures or the devices'."""
+        o = self.o
+        if isinstance(o.cluster, Cluster):
+            return o.cluster
+        figures = (backend_figures(o.cost) if isinstance(o.cost, str)
+                   else figures_for_devices(self.devices))
+        return make_cluster(o.cluster, figures)
 
     def _spmd_on_mesh(self) -> _Entry:
         o, graph = self.o, self.graph
-        mesh = self._mesh()
+        mesh, cost = self._mesh()
         options = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
                               build=BuildOptions(strided_interior_only=True,
                                                  pinned=annotation_pins(graph, o.annotations,
@@ -505,7 +554,7 @@ class _Builder:
                                                  partial_passthrough=False))
 
         def make_plan(opts: PlanOptions) -> Plan:
-            return Plan.from_spmd(plan_graph(graph, mesh, opts, self.progress),
+            return Plan.from_spmd(plan_graph(graph, mesh, cost, opts, self.progress),
                                   graph.total_flops)
 
         if o.executor is not ExecutorKind.LOCAL:
@@ -549,7 +598,7 @@ class _Builder:
                                schedule=o.schedule or ScheduleKind.ONE_F_ONE_B, two_d=False,
                                workers=1,
                                executor="serial")
-        return plan_pipeline_graph(self.graph, o.cluster, opts, self.progress)
+        return plan_pipeline_graph(self.graph, self._cluster(), opts, self.progress)
 
     # -------------------------------------------------------------- runs
     def _direct(self, plan: Plan) -> DirectRun:
@@ -605,6 +654,7 @@ class _Builder:
 
 def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None,
                   mesh_shape: Sequence[int] | None = None, mesh: AbstractMesh | None = None,
+                  cost: CostModel | str | None = None,
                   cluster: str | Cluster | None = None, opt_level: str = "O2",
                   memory_budget: int | None = None,
                   annotations: Mapping[str, Any] | None = None, plan: Plan | None = None,
@@ -625,10 +675,16 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         devices: the devices to use (default: all local devices).
         mesh_shape: an SPMD mesh over the devices, e.g. ``(8,)`` or ``(2, 4)`` (default:
             one axis over all devices).
-        mesh: an explicit ``AbstractMesh`` (e.g. calibrated); overrides ``mesh_shape``.
+        mesh: an explicit ``AbstractMesh`` (axis names and sizes); overrides
+            ``mesh_shape``.
+        cost: what the mesh's collectives and compute cost: a ``CostModel`` (e.g.
+            ``rhino.calibrate.calibrate_cost_model``) or the name of built-in figures
+            (``"h100"``, ``"tpu-v5e"``, ... ``rhino.backends``). Default: the figures of
+            the devices it runs on (platform and device kind; simulated CPU on CPU).
         cluster: plan over ``"HOSTSxDEVICES"`` (or a ``Cluster``) instead: the controller
             weighs SPMD, pipeline and hybrid plans; a pipeline is cut into per-stage
-            programs and run with a static schedule.
+            programs and run with a static schedule. Text gets the figures of ``cost``'s
+            name or of the devices.
         opt_level: ``"O2"`` (fast) or ``"O3"`` (whole-graph ILP).
         memory_budget: bytes per device the *compiled* SPMD program may use (XLA's
             ``memory_analysis()``: arguments + outputs + temporaries − donated). Plans are
@@ -673,7 +729,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
     """
     options = StepOptions(
         devices=devices, mesh_shape=tuple(mesh_shape) if mesh_shape is not None else None,
-        mesh=mesh, cluster=cluster, opt_level=opt_level, memory_budget=memory_budget,
+        mesh=mesh, cost=cost, cluster=cluster, opt_level=opt_level,
+        memory_budget=memory_budget,
         annotations=annotations or {}, plan=plan, report=report, donate=donate,
         time_limit=time_limit, num_microbatches=num_microbatches, schedule=schedule,
         executor=executor, stages=stages, accumulate=accumulate, batch_args=batch_args,

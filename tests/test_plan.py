@@ -68,7 +68,7 @@ def test_memory_budget_shards_only_the_largest_parameters():
     assert "forced sharded" in p.report()
     # ... and k is the smallest count that fits: k-1 forced does not.
     g = rhino.ingest(m.step, *m.example_args())
-    built = build_problem(g, p.mesh)
+    built = build_problem(g, p.mesh, p.cost)
     from rhino.planner.api import PlanOptions, _forbid_replicated, _solve
     order = sorted(g.params, key=lambda i: -g.ops[i].out_bytes)
     sol = _solve(built, _forbid_replicated(built, order[:k - 1]), PlanOptions())
@@ -111,7 +111,8 @@ def test_cli_plan(tmp_path, capsys):
     assert main(["plan", "mlp", "--mesh", "4", "--json", "--quiet",
                  "--alpha", "1e-5", "--beta", "1e-9"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["stages"][0]["mesh"]["beta"] == [1e-9]
+    assert d["stages"][0]["cost"]["beta"] == [1e-9]
+    assert d["stages"][0]["mesh"] == {"shape": [4], "axis_names": ["x"]}
     assert main(["plan", "mlp", "--mesh", "4", "--memory-budget", "1KiB", "--quiet"]) == 2
     assert "no plan fits" in capsys.readouterr().err
     assert main(["plan", "mlp", "--mesh", "4", "--memory-budget", "lots", "--quiet"]) == 2

@@ -1,6 +1,7 @@
-"""HloGraph + AbstractMesh -> ShardingProblem: one node per op, one choice per strategy.
+"""HloGraph + AbstractMesh + CostModel -> ShardingProblem: one node per op, one choice per
+strategy.
 
-Costs (seconds):
+Costs (seconds, priced by the ``CostModel``):
 
 * unary, per node and choice: the strategy's compute cost (``op.flops`` over the devices
   sharing the work) plus its communication inside the op. A program output that is not
@@ -36,9 +37,10 @@ segments and the critical nodes (pivots) map directly.
 
 Example:
     >>> import jax.numpy as jnp, rhino
+    >>> from rhino.planner.cost_model import CostModel
     >>> from rhino.planner.mesh import AbstractMesh
     >>> g = rhino.ingest(lambda x, w: jnp.tanh(x @ w), jnp.ones((8, 4)), jnp.ones((4, 4)))
-    >>> built = build_problem(g, AbstractMesh((2,)))
+    >>> built = build_problem(g, AbstractMesh((2,)), CostModel.simulated_cpu(1))
     >>> built.problem.num_nodes, [len(c) for c in built.problem.costs]
     (4, [3, 3, 4, 3])
 """
@@ -58,6 +60,7 @@ from rhino.errors import PlanningError, RhinoError
 from rhino.hlo_passes.analyses import analyze
 from rhino.hlo_passes.graph import HloGraph, TensorType, flatten_shape
 from rhino.planner.collectives import ReshardCostTable
+from rhino.planner.cost_model import CostModel
 from rhino.planner.hierarchical import Partition
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.problem import Edge, ShardingProblem
@@ -170,6 +173,7 @@ class BuiltProblem:
     Attributes:
         graph: the graph planned.
         mesh: the mesh planned for.
+        cost: the cost model the problem's costs come from.
         options: the build options.
         problem: the problem; node ``i`` is op ``i``; choice ``j`` is ``strategies[i][j]``.
         strategies: per node, its strategies (after forcing/pinning; a shared value's
@@ -184,6 +188,7 @@ class BuiltProblem:
 
     graph: HloGraph
     mesh: AbstractMesh
+    cost: CostModel
     options: BuildOptions
     problem: ShardingProblem
     strategies: tuple[tuple[Strategy, ...], ...]
@@ -445,13 +450,14 @@ class _EdgeBuilder:
         return small[np.ix_(si, di)]
 
 
-def build_problem(graph: HloGraph, mesh: AbstractMesh,
+def build_problem(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
                   options: BuildOptions = BuildOptions()) -> BuiltProblem:
     """Build the sharding problem of ``graph`` on ``mesh`` (see the module docstring).
 
     Args:
         graph: the ingested graph.
         mesh: the abstract mesh.
+        cost: its cost model.
         options: build options.
 
     Returns:
@@ -460,12 +466,13 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh,
 
     Raises:
         PlanningError: a bad ``forced_sharded`` / ``pinned`` entry.
+        OptionsError: the cost model is for another number of mesh axes.
     """
     t0 = time.perf_counter()
-    sset = generate_strategies(graph, mesh, options.strategy_options())
+    sset = generate_strategies(graph, mesh, cost, options.strategy_options())
     strategies = list(sset.strategies)
     unforceable = _restrict(graph, strategies, mesh, options)
-    table = ReshardCostTable(mesh)
+    table = ReshardCostTable(mesh, cost)
     if not options.carry_outputs:
         carried: tuple[tuple[int, int], ...] = ()
     elif options.carried is not None:
@@ -539,7 +546,7 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh,
     problem = ShardingProblem(tuple(op.name for op in graph.ops), tuple(labels), tuple(costs),
                               edges, tuple(memory))
     partition = _partition(graph)
-    return BuiltProblem(graph, mesh, options, problem, tuple(strategies), partition,
+    return BuiltProblem(graph, mesh, cost, options, problem, tuple(strategies), partition,
                         sset.unknown_ops, carried, unforceable, time.perf_counter() - t0,
                         shared)
 
