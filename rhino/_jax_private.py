@@ -51,9 +51,23 @@ def eqn_context(eqn: Any):
     return stack
 
 
+_INSTALLED = ("site-packages", "dist-packages")
+
+
 def eqn_source(eqn: Any) -> str | None:
-    """``file:line`` of the user code that made a jaxpr equation (None if unknown)."""
+    """``file:line`` of the user code that made a jaxpr equation (None if unknown).
+
+    The innermost frame outside JAX, the standard library and installed packages: the
+    line of the user's own step (``nn.BatchNorm(...)(x)``), not the library's inside,
+    wherever the library is installed. (JAX's own ``user_frame`` keeps a library frame in
+    a virtualenv but skips it when site-packages sits under the interpreter's stdlib
+    directory.) Falls back to JAX's choice when every frame is a library's."""
     from jax._src import source_info_util
 
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
-    return None if frame is None else f"{frame.file_name}:{frame.start_line}"
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+    if not frames:
+        return None
+    own = [f for f in frames
+           if not any(part in _INSTALLED for part in f.file_name.replace("\\", "/").split("/"))]
+    frame = (own or frames)[0]
+    return f"{frame.file_name}:{frame.start_line}"

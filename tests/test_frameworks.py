@@ -257,7 +257,7 @@ def _cond_step():
     return step, per_microbatch, (params, tx.init(params)), _xy()
 
 
-@pytest.mark.parametrize("case,source", [(_batchnorm_step, "normalization.py"),
+@pytest.mark.parametrize("case,source", [(_batchnorm_step, "test_frameworks.py"),
                                          (_cond_step, "test_frameworks.py")])
 def test_batch_statistics_are_refused_then_exact_per_microbatch(case, source):
     step, reference, state, batch = case()
