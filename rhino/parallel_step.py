@@ -286,7 +286,12 @@ class _Entry:
 # ------------------------------------------------------------------------------ the step
 class ParallelStep:
     """A step wrapped by ``auto_parallel``; call it like the original (positional
-    arguments)."""
+    arguments). A context manager: leaving the ``with`` block calls ``close()``, which
+    stops the executors (stage threads, Ray actors)::
+
+        with rhino.auto_parallel(m.step, cluster="2x4", stages=2) as step:
+            params, opt, loss = step(params, opt, batch)
+    """
 
     def __init__(self, fn: Callable, options: StepOptions):
         self.fn = fn
@@ -415,8 +420,16 @@ class ParallelStep:
         return distributed_init(init_fn, *init_args,
                                 shardings=jax.tree_util.tree_unflatten(tree, shardings))
 
+    def __enter__(self) -> "ParallelStep":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Stop the executors (threads, Ray actors)."""
+        """Stop the executors (threads, Ray actors); bounded: a stage stuck in a program is
+        left behind on a daemon thread and holds nothing up. The step can be called again
+        afterwards (it builds its executors anew)."""
         for e in self._cache.values():
             e.run.close()
         self._cache.clear()
