@@ -114,14 +114,21 @@ def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: Abstr
     """Annotations (pytree path or ``jax.named_scope`` name -> spec) as op id -> spec.
 
     Raises:
-        PlanMismatchError-like ``RhinoError``: a key naming neither a parameter nor a scope.
+        RhinoError: a key naming neither a parameter nor a scope.
+        OptionsError: a spec that does not fit the value's shape on the mesh (rank, or a
+            dimension its shards do not divide).
     """
     pins: dict[int, ShardingSpec] = {}
     by_path = {graph.ops[p].arg.path: p for p in graph.params if graph.ops[p].arg}
     users = graph.users
     for key, value in annotations.items():
-        spec = value if isinstance(value, ShardingSpec) else ShardingSpec.parse(str(value), mesh)
+        try:
+            spec = value if isinstance(value, ShardingSpec) else \
+                ShardingSpec.parse(str(value), mesh)
+        except ValueError as e:
+            raise OptionsError(f"annotation {key!r}: {e}") from None
         if key in by_path:
+            _check_fits(key, spec, graph.ops[by_path[key]], mesh)
             pins[by_path[key]] = spec
             continue
         scoped = [op.id for op in graph.ops if f"/{key}/" in f"/{op.op_name}/"]
@@ -133,8 +140,20 @@ def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: Abstr
                              f"{next(iter(by_path), 'params[...]')!r}) or a jax.named_scope "
                              f"name used in the step; found neither")
         for i in exported:
+            _check_fits(key, spec, graph.ops[i], mesh)
             pins[i] = spec
     return pins
+
+
+def _check_fits(key: str, spec: ShardingSpec, op: Any, mesh: AbstractMesh) -> None:
+    dims = getattr(op.shape, "dims", None)
+    if dims is None:
+        return  # a tuple value: the planner says it stays replicated
+    problems = spec.problems(dims, mesh)
+    if problems:
+        what = op.arg.path if op.arg is not None else f"{op.name} ({op.opcode})"
+        raise OptionsError(f"annotation {key!r}: {spec.to_str(mesh)} does not fit {what} of "
+                           f"shape {tuple(dims)} on mesh {mesh}: " + "; ".join(problems))
 
 
 # Memory pressure steps of ``memory_budget`` (see ``fit_compiled_memory``): each step μ

@@ -370,6 +370,11 @@ def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: Abs
         op = graph.ops[i]
         if not isinstance(op.shape, TensorType):
             raise PlanningError(f"pinned: op {op.name} has a tuple shape and stays replicated")
+        problems = spec.problems(op.shape.dims, mesh)
+        if problems:
+            raise PlanningError(f"pinned: op {op.name} ({op.opcode}, {op.source}) of shape "
+                                f"{tuple(op.shape.dims)}: {spec.to_str(mesh)} does not fit "
+                                f"mesh {mesh}: " + "; ".join(problems))
         want = spec.normalized(op.shape.dims, mesh)
         kept = tuple(s for s in strategies[i] if s.out_spec == want)
         if not kept:
