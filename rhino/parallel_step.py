@@ -56,7 +56,8 @@ from rhino.planner.api import PlanOptions, plan_graph
 from rhino.planner.build import BuildOptions
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.planning import annotation_pins, fit_compiled_memory, simulated_mesh
+from rhino.planning import (annotation_pins, argument_lower_bound, fit_compiled_memory,
+                            simulated_mesh)
 from rhino.progress import Progress
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
@@ -534,7 +535,7 @@ class _Builder:
                                   lambda sp: (sp, self._direct(Plan.from_spmd(
                                       sp, graph.total_flops))),
                                   lambda got: got[1].memory, options, o.memory_budget,
-                                  self.progress)
+                                  self.progress, argument_lower_bound(graph, mesh))
         spmd_plan, run = fit.compiled
         run.budget, run.pressure = fit.budget, fit.pressure
         return self._entry(Plan.from_spmd(spmd_plan, graph.total_flops), run)

@@ -24,12 +24,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 from rhino.cluster import Cluster
 from rhino.errors import InfeasiblePlanError, OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, analyze, ingest
+from rhino.hlo_passes.graph import dtype_bytes, flatten_shape
 from rhino.pipeline.api import plan_pipeline
 from rhino.parallel_plan import Plan
 from rhino.planner.api import PlanOptions, plan_graph
@@ -173,10 +175,36 @@ class MemoryFit:
     pressure: float
 
 
+def argument_lower_bound(graph: HloGraph, mesh: AbstractMesh) -> int:
+    """Per-device bytes of the compiled program's arguments under *any* plan: each entry
+    parameter the program reads, split over every device of the mesh (a shard holds at
+    least one element). ``memory_analysis()``'s peak (arguments + outputs + temporaries −
+    donated, and donated ≤ outputs) is never below it, whatever the memory pressure.
+
+    Example:
+        >>> import jax.numpy as jnp, rhino
+        >>> g = rhino.ingest(lambda w, x: x @ w, jnp.ones((64, 32)), jnp.ones((8, 64)))
+        >>> argument_lower_bound(g, simulated_mesh((4,)))    # (64·32 + 8·64) · 4 B / 4
+        2560
+    """
+    n = mesh.num_devices
+    users = graph.users
+    outputs = set(graph.outputs)
+    total = 0
+    for p in graph.params:
+        if not users[p] and p not in outputs:
+            continue  # jax drops an unused argument from the compiled program
+        for t in flatten_shape(graph.ops[p].shape):
+            item = dtype_bytes(t.dtype)
+            total += max(item, math.ceil(t.nbytes / n))
+    return total
+
+
 def fit_compiled_memory(plan_fn: Callable[[PlanOptions], Any],
                         compile_fn: Callable[[Any], Any],
                         memory_fn: Callable[[Any], dict | None], options: PlanOptions,
-                        budget: int, progress: Callable[[str], None]) -> MemoryFit:
+                        budget: int, progress: Callable[[str], None],
+                        lower_bound: int = 0) -> MemoryFit:
     """The first plan, in order of rising memory pressure, whose *compiled* program fits.
 
     The planner's liveness estimate follows the program order, not XLA's schedule and
@@ -187,10 +215,22 @@ def fit_compiled_memory(plan_fn: Callable[[PlanOptions], Any],
     time-optimal plan, so the first fit is taken. A plan equal to an earlier one is not
     compiled again. Nothing fits: ``InfeasiblePlanError`` with every attempt's peak.
 
+    A budget below ``lower_bound`` (bytes no plan can go below, e.g.
+    ``argument_lower_bound``: more pressure cannot move it) is infeasible at once, before
+    any plan is compiled.
+
     Args:
         plan_fn: options -> an SPMD plan; compile_fn: plan -> compiled result;
         memory_fn: compiled result -> its memory (None: the backend gives none).
+        lower_bound: per-device bytes every plan needs.
+
+    Raises:
+        InfeasiblePlanError: below the lower bound, or no pressure gave a plan that fits.
     """
+    if lower_bound > budget:
+        raise InfeasiblePlanError(lower_bound, budget, "a lower bound, checked before "
+                                  "planning: the program's arguments alone, each split over "
+                                  "every device, and no memory pressure can shrink them")
     tried: list[str] = []
     seen: dict[tuple, tuple[float, int]] = {}
     for mu in MEMORY_PRESSURE:
