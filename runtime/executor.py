@@ -432,8 +432,8 @@ class StageWorker:
                                      ins.microbatch, "recv")
                     # When the value is ready on this mesh (the copy may still run): the
                     # task reading it cannot start before.
-                    records.append(_Pending(rec, self._watch.submit(_ready_at, x))
-                                   if self.measure else rec)
+                    records.append(_Pending(rec, self._watch.submit(_ready_at, x),
+                                            ins.peer) if self.measure else rec)
                 elif ins.op == "send":
                     t0 = time.perf_counter()
                     x = accs[ins.ref] if ins.acc else values[(ins.ref, ins.microbatch)]
@@ -445,7 +445,7 @@ class StageWorker:
                     records.append(TaskRecord(self.stage, ins.label(), t0, time.perf_counter(),
                                               ins.microbatch, "send"))
                 else:
-                    records.append(self._run(ins, state, batch, values, left, accs))
+                    records.append(self._run(ins, state, batch, values, left, accs, timeout))
             except ExecutorError as e:
                 if e.stage is not None:  # already says where (a peer's failed value)
                     raise
@@ -464,10 +464,8 @@ class StageWorker:
                 outs[o.ref] = values[(o.ref, None)]
         try:
             return outs, self._timed(records, timeout)
-        except (TimeoutError, cf.TimeoutError) as e:
-            raise ExecutorError(f"stage {self.stage}: a task's results were not ready within "
-                                f"{timeout:.0f} s", stage=self.stage,
-                                failure=Failure.STALLED) from e
+        except ExecutorError:
+            raise
         except Exception as e:  # a program failed while running asynchronously
             raise ExecutorError(f"stage {self.stage}: {type(e).__name__}: {e}",
                                 stage=self.stage, failure=Failure.PROGRAM) from e
@@ -484,7 +482,9 @@ class StageWorker:
             return jax.device_put(x, self.sharding(ins.ref))
         except Exception as e:
             try:
-                jax.block_until_ready(x)
+                _ready_at(x, timeout=CLOSE_GRACE_S)
+            except TimeoutError:
+                raise e from None
             except Exception as failed:
                 what = "acc" if ins.acc else ("" if ins.microbatch is None else ins.microbatch)
                 raise ExecutorError(
@@ -493,7 +493,8 @@ class StageWorker:
                     f"{ins.label()})", stage=ins.peer, failure=Failure.PROGRAM) from failed
             raise e
 
-    def _run(self, ins: Instr, state, batch, values, left, accs) -> TaskRecord:
+    def _run(self, ins: Instr, state, batch, values, left, accs,
+             timeout: float = DEFAULT_TIMEOUT_S) -> TaskRecord:
         task = self.split.task(ins.kind, self.stage)
         mb = ins.microbatch
         inputs = []
@@ -521,7 +522,7 @@ class StageWorker:
         if self.measure and outs:
             done = self._watch.submit(_ready_at, outs)
         elif self.measure:
-            jax.block_until_ready(new)
+            _ready_at(new, timeout=timeout)
             done = _done_now()
         key_mb = None if ins.kind == "A" else mb
         for r, x in zip(task.outputs, outs):
@@ -541,15 +542,30 @@ class StageWorker:
         one program at a time) and the arrival of the values it received."""
         out: list[TaskRecord] = []
         prev_end = inputs_ready = float("-inf")
+        deadline = time.monotonic() + timeout
         for r in records:
-            if isinstance(r, _Pending) and r.record.kind == "recv":
-                inputs_ready = max(inputs_ready, r.done.result(timeout=timeout))
+            if not isinstance(r, _Pending):
+                out.append(r)
+                continue
+            try:
+                ready = r.done.result(timeout=max(0.0, deadline - time.monotonic())) \
+                    if r.done is not None else r.record.end
+            except (TimeoutError, cf.TimeoutError) as e:
+                if r.peer is not None:  # the sender's program never finished
+                    raise ExecutorError(f"stage {self.stage}, {r.record.label}: the value "
+                                        f"from stage {r.peer} was not ready within "
+                                        f"{timeout:g} s", stage=self.stage,
+                                        failure=Failure.TIMEOUT) from e
+                raise ExecutorError(f"stage {self.stage}, {r.record.label}: its results were "
+                                    f"not ready within {timeout:g} s", stage=self.stage,
+                                    failure=Failure.STALLED) from e
+            if r.record.kind == "recv":
+                inputs_ready = max(inputs_ready, ready)
                 r = r.record
-            elif isinstance(r, _Pending):
-                end = r.done.result(timeout=timeout) if r.done is not None else r.record.end
+            else:
                 start = max(r.record.start, prev_end, inputs_ready)
-                prev_end, inputs_ready = end, float("-inf")
-                r = dataclasses.replace(r.record, start=start, end=max(end, start))
+                prev_end, inputs_ready = ready, float("-inf")
+                r = dataclasses.replace(r.record, start=start, end=max(ready, start))
             out.append(r)
         return out
 
@@ -564,10 +580,12 @@ class StageWorker:
 
 @dataclasses.dataclass(frozen=True)
 class _Pending:
-    """A dispatched task whose end time a watcher thread will report."""
+    """A dispatched task (or a received value: ``peer`` sent it) whose end time a watcher
+    thread will report."""
 
     record: TaskRecord
     done: Any
+    peer: int | None = None
 
 
 def _done_now() -> cf.Future:
@@ -576,8 +594,30 @@ def _done_now() -> cf.Future:
     return f
 
 
-def _ready_at(tree: Any) -> float:
-    jax.block_until_ready(tree)
+POLL_S = (2e-5, 5e-4, 0.05)
+"""Polling of ``_ready_at``: first pause, longest pause in the first second, and after."""
+
+
+def _ready_at(tree: Any, timeout: float | None = None) -> float:
+    """When every array of ``tree`` is ready (``time.perf_counter()``); a failed program's
+    error is raised. Polls ``is_ready()`` instead of blocking inside XLA: a daemon thread
+    blocked in a C++ wait that returns while the interpreter shuts down is torn down
+    through C++ frames and aborts the process; one sleeping in Python ends cleanly.
+
+    Raises:
+        TimeoutError: not ready within ``timeout`` seconds (None: wait as long as it takes).
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "is_ready")]
+    start = time.monotonic()
+    pause = POLL_S[0]
+    for x in leaves:
+        while not x.is_ready():
+            waited = time.monotonic() - start
+            if timeout is not None and waited > timeout:
+                raise TimeoutError(f"not ready within {timeout:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1] if waited < 1.0 else POLL_S[2])
+    jax.block_until_ready(leaves)  # ready: returns at once, or raises a program's error
     return time.perf_counter()
 
 
@@ -663,7 +703,12 @@ class LocalExecutor:
         try:
             outs, records = worker.run_step(args, StepTransport(self.transport, step),
                                             self.timeout)
-            jax.block_until_ready(outs)
+            try:
+                _ready_at(outs, timeout=self.timeout)
+            except TimeoutError as e:
+                raise ExecutorError(f"stage {worker.stage}: its results were not ready within "
+                                    f"{self.timeout:g} s", stage=worker.stage,
+                                    failure=Failure.STALLED) from e
             return outs, records
         except BaseException as e:
             self.transport.abort(step, str(e))
