@@ -376,7 +376,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status: 0 done, 1 the demo's results differ
     or rhino failed unexpectedly, 2 a mistake in the command or its input (one line on
     stderr; ``--debug`` prints the traceback instead), 130 interrupted."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a usage error (2), or --help / --version (0)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     try:
         return args.func(args)
     except KeyboardInterrupt:
