@@ -370,17 +370,15 @@ def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: Abs
         op = graph.ops[i]
         if not isinstance(op.shape, TensorType):
             raise PlanningError(f"pinned: op {op.name} has a tuple shape and stays replicated")
-        problems = spec.problems(op.shape.dims, mesh)
-        if problems:
-            raise PlanningError(f"pinned: op {op.name} ({op.opcode}, {op.source}) of shape "
-                                f"{tuple(op.shape.dims)}: {spec.to_str(mesh)} does not fit "
-                                f"mesh {mesh}: " + "; ".join(problems))
         want = spec.normalized(op.shape.dims, mesh)
         kept = tuple(s for s in strategies[i] if s.out_spec == want)
         if not kept:
             have = sorted({s.out_spec.to_str(mesh) for s in strategies[i]})
-            raise PlanningError(f"pinned: op {op.name} ({op.opcode}, {op.source}): expected one "
-                                f"of its output specs {have}, found {want.to_str(mesh)}")
+            why = "; ".join(spec.problems(op.shape.dims, mesh))
+            raise PlanningError(f"pinned: op {op.name} ({op.opcode}, {op.source}) of shape "
+                                f"{tuple(op.shape.dims)}: expected one of its output specs "
+                                f"{have}, found {want.to_str(mesh)}"
+                                + (f" ({why})" if why else ""))
         strategies[i] = kept
     if options.strided_interior_only:
         boundary = set(graph.params) | set(graph.outputs)
