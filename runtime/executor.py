@@ -569,6 +569,11 @@ class StageWorker:
             out.append(r)
         return out
 
+    def idle(self, timeout: float) -> bool:
+        """Whether every program this stage dispatched has finished (its timer thread has
+        seen them all end), waiting up to ``timeout`` seconds."""
+        return self._watch.wait_idle(timeout)
+
     def close(self) -> None:
         """Stop the timer thread (after the calls already queued; never waits)."""
         self._watch.shutdown()
@@ -754,11 +759,16 @@ class LocalExecutor:
         running afterwards is stuck: the executor is marked broken."""
         if self._broken:
             return  # known to be stuck: waiting again would change nothing
+        deadline = time.monotonic() + bound
         left = threads.wait_all(self._running, bound)
-        if left:
-            stuck = sorted(self._running[f] for f in left)
-            self._broken = (f"stage(s) {stuck} still running step {self._step} (stuck in a "
-                            f"program or a wait)")
+        stuck = {self._running[f] for f in left}
+        # A program still running keeps its stage's devices busy: the next step would queue
+        # behind it (its timer thread waits for it).
+        stuck |= {w.stage for w in self.workers if w.stage not in stuck and
+                  not w.idle(max(0.0, deadline - time.monotonic()))}
+        if stuck:
+            self._broken = (f"stage(s) {sorted(stuck)} still running step {self._step} "
+                            f"(stuck in a program or a wait)")
 
     def close(self) -> None:
         """Abort a step in flight, wait at most ``CLOSE_GRACE_S`` for its stage threads

@@ -64,9 +64,10 @@ class SerialWorker:
 
     def __init__(self, name: str):
         self.name = name
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
+        self._pending = 0
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
         """Queue ``fn(*args)``; its result as a future."""
@@ -77,16 +78,32 @@ class SerialWorker:
                 self._thread = threading.Thread(target=self._loop, args=(self._queue,),
                                                 name=self.name, daemon=True)
                 self._thread.start()
+            self._pending += 1
             self._queue.put((future, fn, args))
         return future
 
-    @staticmethod
-    def _loop(calls: queue.SimpleQueue) -> None:
+    def _loop(self, calls: queue.SimpleQueue) -> None:
         while True:
             item = calls.get()
             if item is None:
                 return
-            _run_into(*item)
+            try:
+                _run_into(*item)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    self._lock.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether every call submitted so far has ended, waiting up to ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, WAIT_SLICE_S))
+        return True
 
     def shutdown(self) -> None:
         """Let the thread end after the calls already queued; never waits (a stuck call
