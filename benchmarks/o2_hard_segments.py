@@ -55,6 +55,7 @@ def build(case: str):
     from rhino.hlo_passes.annotate import ScopedFunction
     from rhino.models import get_model
     from rhino.planner.build import BuildOptions, build_problem
+    from rhino.planner.cost_model import CostModel
     from rhino.planner.mesh import AbstractMesh
     from spmd_vs_peers import MODELS, QUICK
 
@@ -69,23 +70,24 @@ def build(case: str):
     else:
         graph = rhino.ingest(model.step, *abstract)
         opts = BuildOptions()
-    return build_problem(graph, AbstractMesh.simulated_cpu(mesh), opts)
+    return build_problem(graph, AbstractMesh(mesh), CostModel.simulated_cpu(len(mesh)), opts)
 
 
 def built_problem(case: str, cache: str | None):
-    """What ``_solve`` reads of a ``BuiltProblem`` (problem, partition, mesh β), cached."""
+    """What ``_solve`` reads of a ``BuiltProblem`` (problem, partition, the cost model's β),
+    cached."""
     from types import SimpleNamespace
     if cache:
-        f = os.path.join(cache, f"{case}.pkl")
+        f = os.path.join(cache, f"{case}.v2.pkl")
         if os.path.exists(f):
             with open(f, "rb") as fh:
                 return pickle.load(fh)
     full = build(case)
     b = SimpleNamespace(problem=full.problem, partition=full.partition,
-                        mesh=SimpleNamespace(beta=tuple(full.mesh.beta)))
+                        cost=SimpleNamespace(beta=tuple(full.cost.beta)))
     if cache:
         os.makedirs(cache, exist_ok=True)
-        with open(os.path.join(cache, f"{case}.pkl"), "wb") as fh:
+        with open(os.path.join(cache, f"{case}.v2.pkl"), "wb") as fh:
             pickle.dump(b, fh)
     return b
 

@@ -316,11 +316,13 @@ def make_gpt_step(n_layers: int, *, mesh: str = "1d") -> tuple[ShardingProblem, 
     from rhino.hlo_passes import ingest
     from rhino.models import get_model
     from rhino.planner.build import build_problem
+    from rhino.planner.cost_model import CostModel
     from rhino.planner.mesh import AbstractMesh
 
     model = get_model("gpt", layers=n_layers)
     graph = ingest(jax.jit(model.step), *model.example_args())
-    built = build_problem(graph, AbstractMesh.simulated_cpu((8,) if mesh == "1d" else (2, 4)))
+    shape = (8,) if mesh == "1d" else (2, 4)
+    built = build_problem(graph, AbstractMesh(shape), CostModel.simulated_cpu(len(shape)))
     return built.problem, built.partition
 
 

@@ -28,6 +28,7 @@ def one(layers: int, mesh: str, time_limit: float, levels: tuple[str, ...]) -> d
     from rhino.models import get_model
     from rhino.planner.api import PlanOptions, _solve
     from rhino.planner.build import build_problem
+    from rhino.planner.cost_model import CostModel
     from rhino.planner.mesh import AbstractMesh
 
     shape = tuple(int(x) for x in mesh.split(","))
@@ -35,7 +36,7 @@ def one(layers: int, mesh: str, time_limit: float, levels: tuple[str, ...]) -> d
     t0 = time.perf_counter()
     graph = rhino.ingest(model.step, *model.example_args())
     t1 = time.perf_counter()
-    built = build_problem(graph, AbstractMesh.simulated_cpu(shape))
+    built = build_problem(graph, AbstractMesh(shape), CostModel.simulated_cpu(len(shape)))
     t2 = time.perf_counter()
     row = {"layers": layers, "mesh": mesh, "ops": len(graph.ops), "ingest_s": t1 - t0,
            "build_s": t2 - t1, **{k: v for k, v in built.stats().items() if k != "seconds"}}

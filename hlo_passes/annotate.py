@@ -32,7 +32,7 @@ from rhino.errors import RhinoError
 
 from .graph import HloGraph, TensorType
 
-_EQN_RE = re.compile(r"(?:^|/)eqn(\d+)(?=/|$)")
+_EQN_RE = re.compile(r"(?:^|[/(])eqn(\d+)(?=[/)]|$)")
 # Call-like primitives whose body is evaluated inline (param holding the body).
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
@@ -88,7 +88,11 @@ def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | 
         with jax.named_scope(f"eqn{i}"):
             body = call_body(eqn)
             if body is not None:
-                outs = eval_scoped(body[0], body[1], invals, hook, p, in_hook, binder)
+                # The call's own name stack (e.g. ``transpose(jvp(...))`` around a nested
+                # jit) goes on for its inlined equations: without it a weight gradient
+                # computed in a nested jit would not look like one.
+                with eqn_context(eqn):
+                    outs = eval_scoped(body[0], body[1], invals, hook, p, in_hook, binder)
             else:
                 if in_hook is not None:
                     invals = [in_hook(p, j, x) for j, x in enumerate(invals)]
@@ -161,7 +165,13 @@ class ScopedFunction:
 
 
 def eqn_path(op_name: str) -> tuple[int, ...]:
-    """``'jit(f)/eqn3/eqn0/dot_general'`` -> ``(3, 0)``."""
+    """``'jit(f)/eqn3/eqn0/dot_general'`` -> ``(3, 0)``; a scope inside a transformation
+    counts too (``'jit(f)/eqn227/transpose(jvp(eqn1))/scatter-add'`` -> ``(227, 1)``).
+
+    Example:
+        >>> eqn_path("jit(step)/eqn227/transpose(jvp(eqn1))/scatter-add")
+        (227, 1)
+    """
     return tuple(int(x) for x in _EQN_RE.findall(op_name))
 
 

@@ -213,17 +213,42 @@ class HloGraph:
         return sum(self.ops[p].out_bytes for p in self.params)
 
     def check(self) -> None:
-        """Validate the structural invariants (ids, topological order, param/output ids).
+        """Validate the graph's invariants: ``ops[i].id == i``; every operand id exists and
+        precedes its user; array dimensions are non-negative integers; FLOPs are finite and
+        non-negative, bytes non-negative integers; ``params`` are the parameter ops, numbered
+        ``0..n-1`` in order; outputs and opaque ids exist. Raised even under ``python -O``.
 
         Raises:
             AssertionError: naming the first broken invariant.
         """
+        def require(ok: bool, msg: str) -> None:
+            if not ok:
+                raise AssertionError(f"graph {self.name!r}: {msg}")
+
+        n = len(self.ops)
         for i, op in enumerate(self.ops):
-            assert op.id == i, f"op {op.name} has id {op.id} at position {i}"
+            require(op.id == i, f"op {op.name} has id {op.id} at position {i}")
             for o in op.operands:
-                assert 0 <= o < i, f"op {op.name} (#{i}) reads #{o}, not before it"
-        for p in self.params:
-            assert self.ops[p].opcode == "parameter", f"param #{p} is {self.ops[p].opcode}"
+                require(isinstance(o, int) and 0 <= o < i,
+                        f"op {op.name} (#{i}) reads #{o}, not before it")
+            for t in flatten_shape(op.shape):
+                require(all(isinstance(d, int) and d >= 0 for d in t.dims),
+                        f"op {op.name} has dimensions {t.dims}")
+            require(isinstance(op.flops, (int, float)) and 0 <= op.flops < math.inf,
+                    f"op {op.name} has {op.flops} FLOPs")
+            require(isinstance(op.out_bytes, int) and op.out_bytes >= 0,
+                    f"op {op.name} has {op.out_bytes} output bytes")
+        for k, p in enumerate(self.params):
+            require(0 <= p < n and self.ops[p].opcode == "parameter",
+                    f"param {k} is #{p}, not a parameter op")
+            num = self.ops[p].attrs.get("parameter_number", k)
+            require(num == k, f"param {k} ({self.ops[p].name}) is numbered {num}")
+        n_param_ops = sum(op.opcode == "parameter" for op in self.ops)
+        require(len(set(self.params)) == len(self.params) == n_param_ops,
+                f"params {self.params} are not the graph's {n_param_ops} parameter ops")
         for o in self.outputs:
-            assert 0 <= o < len(self.ops), f"output #{o} out of range"
-        assert len(self.output_info) == len(self.outputs)
+            require(0 <= o < n, f"output #{o} out of range")
+        for o in self.opaque:
+            require(0 <= o < n, f"opaque #{o} out of range")
+        require(len(self.output_info) == len(self.outputs),
+                f"{len(self.output_info)} output infos for {len(self.outputs)} outputs")

@@ -1,9 +1,18 @@
 """Parser for HLO text as XLA prints and dumps it (both the current and the older ``%``-style
-syntax), into raw computations that ``hlo_passes.ingest`` inlines into an ``HloGraph``.
+syntax), into raw computations that ``hlo_passes.ingest`` validates and inlines into an
+``HloGraph``.
 
-Only the structure the planner needs is decoded; attribute values stay strings until
-``parse_attr_value`` / the typed helpers read them. One pass over the lines, no backtracking:
-time is linear in the text size.
+``parse_hlo_text`` decodes the lines in one pass, no backtracking (time is linear in the text
+size): module header (with its ``entry_computation_layout``), computations (with old-style
+signatures), instructions, debug-info tables. Tokens are checked as they are read: known
+element types, dimensions that are integers in [0, 2**63), layouts that permute the
+dimensions, balanced brackets and quotes, names defined once, one ROOT and one ENTRY.
+What XLA would reject beyond the syntax (unknown opcodes, parameter numbering, operand
+shapes, calls) is ``ingest.validate_module``'s job.
+
+Every failure is an ``HloParseError`` naming the file, the 1-based line, what was expected and
+what was found; nothing else escapes (an unexpected Python error while decoding a line is
+re-raised as an ``HloParseError`` for that line by ``unexpected_error``).
 
 Example:
     >>> m = parse_hlo_text('''HloModule m
@@ -18,24 +27,77 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from rhino.errors import HloParseError
 
-from .graph import Shape, TensorType, DTYPE_BYTES
+from .graph import DTYPE_BYTES, Shape, TensorType
+
+# Element types XLA prints (``s1``/``u1`` are left out: rhino has no byte size for them).
+ELEMENT_TYPES = frozenset(DTYPE_BYTES) | frozenset({
+    "f8e3m4", "f8e4m3", "f8e4m3b11fnuz", "f8e4m3fn", "f8e4m3fnuz", "f8e5m2", "f8e5m2fnuz",
+    "f8e8m0fnu", "f4e2m1fn", "f6e2m3fn", "f6e3m2fn"})
+
+# HLO opcodes as XLA prints them (xla/hlo/ir/hlo_opcode.h), checked against jaxlib 0.10.2.
+# Ingestion rejects others; the parser alone (also used on compiled HLO from other XLA
+# versions, e.g. by runtime.spmd) accepts any opcode-like token.
+OPCODES = frozenset("""
+abs add add-dependency after-all all-gather all-gather-done all-gather-start all-reduce
+all-reduce-done all-reduce-start all-to-all and async-done async-start async-update atan2
+batch-norm-grad batch-norm-inference batch-norm-training bitcast bitcast-convert broadcast
+call cbrt ceil cholesky clamp clz collective-broadcast collective-permute
+collective-permute-done collective-permute-start compare complex concatenate conditional
+constant convert convolution copy copy-done copy-start cosine custom-call divide domain dot
+dynamic-reshape dynamic-slice dynamic-update-slice erf exponential exponential-minus-one fft
+floor fusion gather get-dimension-size get-tuple-element imag infeed iota is-finite log
+log-plus-one logistic map maximum minimum multiply negate not opt-barrier or outfeed pad
+parameter partition-id popcnt power ragged-all-to-all ragged-dot real recv recv-done reduce
+reduce-precision reduce-scatter reduce-window remainder replica-id reshape reverse rng
+rng-bit-generator rng-get-and-update-state round-nearest-afz round-nearest-even rsqrt
+scaled-dot scatter select select-and-scatter send send-done set-dimension-size shift-left
+shift-right-arithmetic shift-right-logical sign sine slice sort sqrt stochastic-convert
+subtract tan tanh topk transpose triangular-solve tuple while xor
+""".split())
+
+# Attributes decoded into Python values (others stay strings; metadata is dropped).
+INT_LIST_KEYS = frozenset({
+    "dimensions", "lhs_batch_dims", "lhs_contracting_dims", "rhs_batch_dims",
+    "rhs_contracting_dims", "offset_dims", "collapsed_slice_dims", "start_index_map",
+    "slice_sizes", "update_window_dims", "inserted_window_dims",
+    "scatter_dims_to_operand_dims", "operand_batching_dims", "start_indices_batching_dims",
+    "input_batching_dims", "scatter_indices_batching_dims", "dynamic_slice_sizes",
+})
+INT_KEYS = frozenset({"index", "iota_dimension", "index_vector_dim", "feature_group_count",
+                      "batch_group_count"})
+REGION_KEYS = ("to_apply", "calls", "body", "condition", "true_computation",
+               "false_computation", "branch_computations", "called_computations")
+_INT64_MAX = (1 << 63) - 1
+_MAX_TUPLE_DEPTH = 64
 
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
-_DELIM_RE = re.compile(r'[{}()\[\]",\\]')
-_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->\s*.*)?\{$")
+_DIM_RE = re.compile(r"(<=)?([0-9]+)")
+_INT_RE = re.compile(r"-?[0-9]+")
+NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")  # an instruction or computation name
+_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_OPCODE_RE = re.compile(r"[a-z][a-z0-9\-]*")
+_DELIM_RE = re.compile(r'"(?:[^"\\]|\\.)*"|["{}()\[\],]')  # a whole string, or one delimiter
+# name {  /  name (a: f32[]) -> f32[] {  /  name, execution_thread="x" {  (optionally ENTRY)
+_HEADER_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->\s*.*|,.*)?\{$", re.ASCII)
 _META_RE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 _COMMENT_RE = re.compile(r"/\*.*?\*/")
 _LITERAL_OPS = frozenset({"parameter", "constant"})
+_CLOSERS = {")": "(", "]": "[", "}": "{"}
+# Python errors a parser gap could raise; ``unexpected_error`` turns them into HloParseErrors.
+DECODE_ERRORS = (ValueError, IndexError, KeyError, TypeError, AttributeError, OverflowError,
+                 RecursionError, ZeroDivisionError)
 
 
 @dataclasses.dataclass(slots=True)
 class RawInstr:
-    """One instruction line, decoded but not yet linked."""
+    """One instruction line, decoded (``typed``: attributes as Python values, filled in by
+    ``ingest.validate_module``) but not yet linked."""
 
     name: str
     shape: Shape
@@ -44,15 +106,23 @@ class RawInstr:
     literal: str | None
     attrs: dict[str, str]
     line: int
+    dynamic: bool = False
+    typed: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class RawComputation:
+    """A computation; ``params[k]`` is its ``parameter(k)`` (set by
+    ``ingest.validate_module``) and ``signature`` the ``(params) -> result`` shapes its header
+    declares, if it does."""
+
     name: str
     instrs: list[RawInstr]
     root: str
     is_entry: bool
     line: int
+    params: list[RawInstr] = dataclasses.field(default_factory=list)
+    signature: tuple[list[Shape], Shape] | None = None
 
     def by_name(self) -> dict[str, RawInstr]:
         return {i.name: i for i in self.instrs}
@@ -68,6 +138,9 @@ class RawModule:
     file_names: dict[int, str]
     file_locations: dict[int, tuple[int, int]]   # id -> (file_name_id, line)
     stack_frames: dict[int, int]                 # id -> file_location_id
+    # The header's entry_computation_layout as (parameter shapes, result shape), if given.
+    entry_layout: tuple[list[Shape], Shape] | None = None
+    header_line: int = 1
 
     @property
     def entry(self) -> RawComputation:
@@ -76,7 +149,7 @@ class RawModule:
     def source_of(self, metadata: dict[str, str]) -> str | None:
         """``file:line`` from an instruction's metadata, or None."""
         sf = metadata.get("stack_frame_id")
-        if sf is not None:
+        if sf is not None and sf.isdigit():
             loc = self.file_locations.get(self.stack_frames.get(int(sf), -1))
             if loc is not None:
                 fname = self.file_names.get(loc[0], "?")
@@ -87,75 +160,141 @@ class RawModule:
         return None
 
 
+# --- brackets, lists and shapes ------------------------------------------------------------
+
+def _scan(s: str, start: int = 0) -> Iterator[tuple[int, str, int]]:
+    """Yield ``(index, char, depth)`` for brackets and commas outside quoted strings (depth
+    after an opener, before a closer); raise ValueError on a mismatched bracket or an
+    unterminated string."""
+    stack: list[str] = []
+    for m in _DELIM_RE.finditer(s, start):
+        c, i = m.group(), m.start()
+        if c[0] == '"':
+            if len(c) == 1:  # a quote the string pattern could not close
+                raise ValueError("an unterminated string")
+        elif c in "{([":
+            stack.append(c)
+            yield i, c, len(stack)
+        elif c == ",":
+            yield i, c, len(stack)
+        else:
+            if not stack or stack.pop() != _CLOSERS[c]:
+                raise ValueError(f"an unmatched {c!r} at column {i + 1}")
+            yield i, c, len(stack) + 1
+    if stack:
+        raise ValueError(f"an unclosed {stack[-1]!r}")
+
+
 def _matching(s: str, start: int, path: str, lineno: int) -> int:
     """Index just past the bracket matching ``s[start]``, honouring quotes and nesting."""
-    depth = 0
-    in_str = False
-    for m in _DELIM_RE.finditer(s, start):
-        c = m.group()
-        if in_str:
-            if c == '"':
-                in_str = False
-            continue
-        if c == '"':
-            in_str = True
-        elif c in "{([":
-            depth += 1
-        elif c in "})]":
-            depth -= 1
-            if depth == 0:
-                return m.end()
+    try:
+        for i, c, depth in _scan(s, start):
+            if c in _CLOSERS and depth == 1:
+                return i + 1
+    except ValueError:
+        pass  # reported below with the text that is left open
     raise HloParseError(path, lineno, f"a closing bracket for {s[start]!r}", s[start:])
 
 
-def split_top(s: str, sep: str = ",") -> list[str]:
-    """Split ``s`` on ``sep`` outside brackets and quotes; pieces are stripped."""
+def _split(s: str) -> list[str]:
+    """Split on commas outside brackets and quotes (ValueError if unbalanced)."""
     out: list[str] = []
-    depth = 0
-    in_str = False
     last = 0
-    escaped_pos = -2
-    for m in _DELIM_RE.finditer(s):
-        c = m.group()
-        if in_str:
-            if c == "\\":
-                escaped_pos = m.start()
-            elif c == '"' and escaped_pos != m.start() - 1:
-                in_str = False
-            continue
-        if c == '"':
-            in_str = True
-        elif c in "{([":
-            depth += 1
-        elif c in "})]":
-            depth -= 1
-        elif c == sep and depth == 0:
-            out.append(s[last:m.start()].strip())
-            last = m.end()
+    for i, c, depth in _scan(s):
+        if c == "," and depth == 0:
+            out.append(s[last:i].strip())
+            last = i + 1
     tail = s[last:].strip()
     if tail or out:
         out.append(tail)
     return out
 
 
+def split_top(s: str) -> list[str]:
+    """Split ``s`` on commas outside brackets and quotes; pieces are stripped.
+
+    Raises:
+        ValueError: on unbalanced brackets or an unterminated string.
+    """
+    return _split(s)
+
+
+def _split_checked(s: str, path: str, lineno: int, what: str) -> list[str]:
+    try:
+        return _split(s)
+    except ValueError as e:
+        raise HloParseError(path, lineno, f"{what} with balanced brackets and quotes",
+                            f"{e} in {s!r}") from None
+
+
 def parse_shape(text: str, path: str = "<string>", lineno: int | None = None) -> Shape:
-    """Parse ``f32[8,4]{1,0}`` or a (nested) tuple ``(f32[2], (s32[], pred[]))``."""
-    text = text.strip()
+    """Parse ``f32[8,4]{1,0}`` or a (nested) tuple ``(f32[2], (s32[], pred[]))``.
+
+    Dimensions must be non-negative integers below 2**63 (``<=N`` for a bounded dynamic
+    one), the element type one XLA knows, and a layout's minor-to-major list (if given) a
+    permutation of the dimensions.
+
+    Raises:
+        HloParseError: at ``path``:``lineno``, saying which of these the text breaks.
+    """
+    try:
+        return _shape(text.strip())
+    except _BadShape as e:
+        raise HloParseError(path, lineno, e.args[0], e.args[1]) from None
+
+
+class _BadShape(Exception):
+    """(expected, found) for a shape text; ``parse_shape`` adds the file and line."""
+
+
+@functools.lru_cache(maxsize=4096)  # a module repeats few distinct shapes many times
+def _shape(text: str, depth: int = 0) -> Shape:
     if text.startswith("("):
+        if depth >= _MAX_TUPLE_DEPTH:
+            raise _BadShape(f"tuple shapes nested at most {_MAX_TUPLE_DEPTH} deep", text[:80])
+        if not text.endswith(")"):
+            raise _BadShape("a tuple shape closed by ')'", text)
         inner = text[1:-1].strip()
         if not inner:
             return ()
-        return tuple(parse_shape(p, path, lineno) for p in split_top(inner))
+        try:
+            parts = _split(inner)
+        except ValueError as e:
+            raise _BadShape("a tuple shape with balanced brackets and quotes",
+                            f"{e} in {inner!r}") from None
+        return tuple(_shape(p, depth + 1) for p in parts)
     m = _ARRAY_RE.fullmatch(text)
-    if m is None or (m.group(1) not in DTYPE_BYTES and not m.group(1).startswith("f")):
-        raise HloParseError(path, lineno, "a shape such as f32[8,4]{1,0} or a tuple of shapes",
-                            text)
-    dims_txt = m.group(2).strip()
-    try:
-        dims = tuple(int(d.strip().lstrip("<=")) for d in dims_txt.split(",")) if dims_txt else ()
-    except ValueError:
-        raise HloParseError(path, lineno, "integer dimensions", dims_txt) from None
-    return TensorType(m.group(1), dims)
+    if m is None or m.group(1) not in ELEMENT_TYPES:
+        raise _BadShape("a shape such as f32[8,4]{1,0} or a tuple of shapes", text)
+    dims = []
+    if m.group(2).strip():
+        for d in m.group(2).split(","):
+            dm = _DIM_RE.fullmatch(d.strip())
+            if dm is None or int(dm.group(2)) > _INT64_MAX:
+                raise _BadShape("dimensions that are integers in [0, 2**63) (or <=N for a "
+                                "bounded dynamic one)", f"[{m.group(2)}]")
+            dims.append(int(dm.group(2)))
+    t = TensorType(m.group(1), tuple(dims))
+    if t.numel > _INT64_MAX or t.nbytes > _INT64_MAX:
+        raise _BadShape("a shape of fewer than 2**63 bytes", text)
+    if m.group(3):
+        minor_to_major = m.group(3)[1:-1].split(":")[0].strip()
+        if minor_to_major:
+            order = minor_to_major.split(",")
+            if (not all(_INT_RE.fullmatch(x.strip()) for x in order)
+                    or sorted(int(x) for x in order) != list(range(len(dims)))):
+                raise _BadShape(f"a layout listing each of the {len(dims)} dimensions once",
+                                m.group(3))
+    return t
+
+
+# --- attributes ---------------------------------------------------------------------------
+
+def _ints(body: str, sep: str) -> list[int]:
+    parts = body.split(sep)
+    if not all(_INT_RE.fullmatch(p.strip()) for p in parts):
+        raise ValueError(f"integers separated by {sep!r}")
+    return [int(p) for p in parts]
 
 
 def parse_metadata(value: str) -> dict[str, str]:
@@ -172,18 +311,28 @@ def parse_metadata(value: str) -> dict[str, str]:
 
 
 def parse_int_list(value: str) -> tuple[int, ...]:
-    """``{1,0}`` -> (1, 0); ``{}`` -> ()."""
-    body = value.strip().strip("{}").strip()
-    if not body:
-        return ()
-    return tuple(int(x) for x in body.split(","))
+    """``{1,0}`` -> (1, 0); ``{}`` -> (). Raises ValueError on anything else."""
+    body = value.strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        raise ValueError("a list such as {1,0}")
+    body = body[1:-1].strip()
+    return tuple(_ints(body, ",")) if body else ()
 
 
 def parse_slice(value: str) -> tuple[tuple[int, int, int], ...]:
-    """``{[0:2], [1:4:2]}`` -> ((0, 2, 1), (1, 4, 2))."""
+    """``{[0:2], [1:4:2]}`` -> ((0, 2, 1), (1, 4, 2)). Raises ValueError on anything else."""
+    body = value.strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        raise ValueError("a list of [start:limit(:stride)] ranges in braces")
     out = []
-    for part in re.findall(r"\[([^\]]*)\]", value):
-        nums = [int(x) for x in part.split(":")]
+    for part in (p.strip() for p in body[1:-1].split(",")):
+        if not part:
+            continue
+        if not (part.startswith("[") and part.endswith("]")):
+            raise ValueError("a [start:limit(:stride)] range")
+        nums = _ints(part[1:-1], ":")
+        if len(nums) not in (2, 3):
+            raise ValueError("a [start:limit(:stride)] range")
         out.append((nums[0], nums[1], nums[2] if len(nums) > 2 else 1))
     return tuple(out)
 
@@ -192,31 +341,81 @@ def parse_padding(value: str) -> tuple[tuple[int, int, int], ...]:
     """``0_0x1_2_1`` -> ((0, 0, 0), (1, 2, 1)): (low, high, interior) per dim."""
     out = []
     for part in value.strip().split("x"):
-        nums = [int(x) for x in part.split("_")]
+        nums = _ints(part, "_")
+        if len(nums) not in (2, 3) or (len(nums) == 3 and nums[2] < 0):
+            raise ValueError("low_high(_interior) per dimension, interior >= 0")
         out.append((nums[0], nums[1], nums[2] if len(nums) > 2 else 0))
     return tuple(out)
 
 
 def parse_window(value: str) -> dict[str, Any]:
-    """``{size=3x3 stride=2x2 pad=1_1x1_1}`` -> {'size': (3, 3), 'stride': (2, 2), 'pad': ...}."""
+    """``{size=3x3 stride=2x2 pad=1_1x1_1}`` -> {'size': (3, 3), 'stride': (2, 2), 'pad': ...}.
+
+    Sizes, strides and dilations must be positive (XLA rejects others)."""
     out: dict[str, Any] = {}
-    for k, v in re.findall(r"(\w+)=(\S+)", value.strip().strip("{}")):
+    body = value.strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        raise ValueError("a window such as {size=3x3 stride=2x2}")
+    for item in body[1:-1].split():
+        k, sep, v = item.partition("=")
+        if not sep or not _KEY_RE.fullmatch(k):
+            raise ValueError("key=value items")
         if k == "pad":
-            out[k] = tuple(tuple(int(x) for x in p.split("_")) for p in v.split("x"))
+            out[k] = tuple(tuple(_ints(p, "_")) for p in v.split("x"))
         else:
-            out[k] = tuple(int(x) for x in v.split("x"))
+            out[k] = tuple(_ints(v, "x"))
+            if k != "rhs_reversal" and any(x < 1 for x in out[k]):
+                raise ValueError(f"positive {k} values")
     return out
 
 
-def _parse_operands(opcode: str, body: str) -> tuple[tuple[str, ...], str | None]:
+def decode_attrs(raw: dict[str, str], path: str = "<string>",
+                 lineno: int | None = None) -> dict[str, Any]:
+    """Decode the attributes a planner reads; others stay strings (metadata is dropped).
+
+    Raises:
+        HloParseError: an attribute that does not have its documented form.
+    """
+    out: dict[str, Any] = {}
+    for k, v in raw.items():
+        try:
+            if k == "metadata":
+                continue
+            if k in INT_LIST_KEYS:
+                out[k] = parse_int_list(v)
+            elif k in INT_KEYS:
+                if not _INT_RE.fullmatch(v):
+                    raise ValueError("an integer")
+                out[k] = int(v)
+            elif k == "slice":
+                out[k] = parse_slice(v)
+            elif k == "padding":
+                out[k] = parse_padding(v)
+            elif k == "window":
+                out[k] = parse_window(v)
+            elif v.startswith('"') and v.endswith('"') and len(v) >= 2:
+                out[k] = v[1:-1]
+            else:
+                out[k] = v.lstrip("%") if k in REGION_KEYS else v
+        except ValueError as e:
+            raise HloParseError(path, lineno, f"{k}= as {e}", v) from None
+    return out
+
+
+# --- lines ------------------------------------------------------------------------------
+
+def _parse_operands(opcode: str, body: str, path: str,
+                    lineno: int) -> tuple[tuple[str, ...], str | None]:
     if opcode in _LITERAL_OPS:
         return (), body
     if not body.strip():
         return (), None
     names = []
-    for tok in split_top(body):
+    for tok in _split_checked(body, path, lineno, "operands"):
         # Older syntax prints the operand's shape first: "f32[2]{0} %x".
         name = tok.rsplit(" ", 1)[-1] if " " in tok else tok
+        if not NAME_RE.fullmatch(name):
+            raise HloParseError(path, lineno, "an operand name such as %x or add.3", tok)
         names.append(name.lstrip("%"))
     return tuple(names), None
 
@@ -232,7 +431,10 @@ def parse_instruction(line: str, path: str, lineno: int) -> tuple[RawInstr, bool
     eq = s.find(" = ")
     if eq <= 0:
         raise HloParseError(path, lineno, "an instruction 'name = shape opcode(operands)'", line)
-    name = s[:eq].strip().lstrip("%")
+    name = s[:eq].strip()
+    if not NAME_RE.fullmatch(name):
+        raise HloParseError(path, lineno, "an instruction name such as %x or add.3", name)
+    name = name.lstrip("%")
     rest = s[eq + 3:].lstrip()
     if rest.startswith("("):
         end = _matching(rest, 0, path, lineno)
@@ -240,105 +442,220 @@ def parse_instruction(line: str, path: str, lineno: int) -> tuple[RawInstr, bool
         end = rest.find(" ")
         if end < 0:
             raise HloParseError(path, lineno, "a shape followed by an opcode", line)
-    shape = parse_shape(rest[:end], path, lineno)
+    shape_text = rest[:end]
+    shape = parse_shape(shape_text, path, lineno)
     rest = rest[end:].lstrip()
     paren = rest.find("(")
     if paren <= 0:
         raise HloParseError(path, lineno, "an opcode followed by '(operands)'", line)
     opcode = rest[:paren].strip()
+    if not _OPCODE_RE.fullmatch(opcode):  # known opcodes: ingest.validate_module
+        raise HloParseError(path, lineno, "an HLO opcode such as add or dot", opcode)
     close = _matching(rest, paren, path, lineno)
-    operands, literal = _parse_operands(opcode, rest[paren + 1:close - 1])
+    operands, literal = _parse_operands(opcode, rest[paren + 1:close - 1], path, lineno)
     attrs: dict[str, str] = {}
     tail = rest[close:].strip()
     if tail:
         if not tail.startswith(","):
             raise HloParseError(path, lineno, "',' and attributes after the operands", tail)
-        for part in split_top(tail[1:]):
+        for part in _split_checked(tail[1:], path, lineno, "attributes"):
             k, sep, v = part.partition("=")
-            if not sep:
+            k, v = k.strip(), v.strip()
+            if not sep or not _KEY_RE.fullmatch(k) or not v:
                 raise HloParseError(path, lineno, "an attribute 'key=value'", part)
-            attrs[k.strip()] = v.strip()
-    return RawInstr(name, shape, opcode, operands, literal, attrs, lineno), is_root
+            if k in attrs:
+                raise HloParseError(path, lineno, f"attribute {k} given once", part)
+            attrs[k] = v
+    return (RawInstr(name, shape, opcode, operands, literal, attrs, lineno,
+                     dynamic="<=" in shape_text), is_root)
+
+
+def _parse_signature(sig: str, path: str, lineno: int,
+                     named: bool) -> tuple[list[Shape], Shape]:
+    """``(a: f32[2], b: s32[]) -> f32[2]`` (named) or ``(f32[2], s32[])->f32[2]``."""
+    sig = _COMMENT_RE.sub("", sig).strip()
+    if not sig.startswith("("):
+        raise HloParseError(path, lineno, "a signature '(parameters) -> result'", sig)
+    end = _matching(sig, 0, path, lineno)
+    rest = sig[end:].strip()
+    if not rest.startswith("->"):
+        raise HloParseError(path, lineno, "'->' and a result shape after the parameters", rest)
+    params = []
+    for p in _split_checked(sig[1:end - 1], path, lineno, "parameters"):
+        if named:
+            pname, colon, p = p.partition(":")
+            if not colon or not NAME_RE.fullmatch(pname.strip()):
+                raise HloParseError(path, lineno, "a parameter 'name: shape'", pname + colon + p)
+        params.append(parse_shape(p, path, lineno))
+    result, *attrs = _split_checked(rest[2:], path, lineno, "a result shape")
+    for a in attrs:  # e.g. execution_thread="host" on a computation header
+        if not _KEY_RE.fullmatch(a.partition("=")[0].strip()) or "=" not in a:
+            raise HloParseError(path, lineno, "attributes 'key=value' after the result", a)
+    return params, parse_shape(result, path, lineno)
 
 
 _SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
 
-def parse_hlo_text(text: str, path: str = "<string>") -> RawModule:
-    """Parse a whole HLO module.
+class _Reader:
+    """Line-by-line state of ``parse_hlo_text``."""
 
-    Raises:
-        HloParseError: naming the file, line and what was expected, on malformed input.
-    """
-    lines = text.splitlines()
-    module_name = None
-    comps: dict[str, RawComputation] = {}
-    entry_name = None
-    cur: RawComputation | None = None
-    section = None
-    file_names: dict[int, str] = {}
-    file_locs: dict[int, tuple[int, int]] = {}
-    frames: dict[int, int] = {}
-    for lineno, raw in enumerate(lines, start=1):
-        s = raw.strip()
+    def __init__(self, path: str):
+        self.path = path
+        self.module_name: str | None = None
+        self.entry_layout: tuple[list[Shape], Shape] | None = None
+        self.header_line = 1
+        self.comps: dict[str, RawComputation] = {}
+        self.entry_name: str | None = None
+        self.cur: RawComputation | None = None
+        self.names: set[str] = set()
+        self.section: str | None = None
+        self.file_names: dict[int, str] = {}
+        self.file_locs: dict[int, tuple[int, int]] = {}
+        self.frames: dict[int, int] = {}
+
+    def line(self, lineno: int, raw: str) -> None:
+        path, s, cur = self.path, raw.strip(), self.cur
         if not s or s.startswith("//") or s.startswith("#"):
-            continue
+            return
         if cur is not None:
             if s == "}":
                 if not cur.root:
                     if not cur.instrs:
                         raise HloParseError(path, lineno, "at least one instruction", "}")
                     cur.root = cur.instrs[-1].name
-                comps[cur.name] = cur
-                cur = None
-                continue
+                self.comps[cur.name] = cur
+                self.cur = None
+                return
             instr, is_root = parse_instruction(raw, path, lineno)
+            if instr.name in self.names:
+                raise HloParseError(path, lineno, f"a name not used before in {cur.name!r}",
+                                    instr.name)
+            if is_root and cur.root:
+                raise HloParseError(path, lineno, f"one ROOT in {cur.name!r} (already "
+                                    f"{cur.root!r})", "a second ROOT")
+            self.names.add(instr.name)
             cur.instrs.append(instr)
             if is_root:
                 cur.root = instr.name
-            continue
-        if module_name is None:
-            if not s.startswith("HloModule "):
-                raise HloParseError(path, lineno, "an 'HloModule <name>' header", s)
-            module_name = s[len("HloModule "):].split(",")[0].strip()
-            continue
+            return
+        if self.module_name is None:
+            self._module_header(s, lineno)
+            return
         if s in _SECTIONS:
-            section = s
-            continue
+            self.section = s
+            return
         if s.endswith("{") and " = " not in s:
             m = _HEADER_RE.match(s)
             if m is None:
                 raise HloParseError(path, lineno, "a computation header 'name {'", s)
-            cur = RawComputation(m.group(2), [], "", bool(m.group(1)), lineno)
-            if cur.is_entry:
-                entry_name = cur.name
-            section = None
-            continue
-        if section is not None:
-            _parse_section_line(section, s, path, lineno, file_names, file_locs, frames)
-            continue
+            name = m.group(2)
+            if name in self.comps:
+                raise HloParseError(path, lineno, "a computation name not used before "
+                                    f"(line {self.comps[name].line})", name)
+            sig = None
+            if m.group(3) and m.group(3).startswith(","):
+                for a in _split_checked(m.group(3)[1:], path, lineno, "header attributes"):
+                    if "=" not in a or not _KEY_RE.fullmatch(a.partition("=")[0].strip()):
+                        raise HloParseError(path, lineno, "a header attribute 'key=value'", a)
+            elif m.group(3):
+                sig = _parse_signature(m.group(3), path, lineno, True)
+            self.cur = RawComputation(name, [], "", bool(m.group(1)), lineno, signature=sig)
+            self.names = set()
+            if self.cur.is_entry:
+                if self.entry_name is not None:
+                    raise HloParseError(path, lineno, "one ENTRY computation (already "
+                                        f"{self.entry_name!r})", s)
+                self.entry_name = name
+            self.section = None
+            return
+        if self.section is not None:
+            self._section_line(s, lineno)
+            return
         raise HloParseError(path, lineno, "a computation header, a debug-info table or '}'", s)
-    if cur is not None:
-        raise HloParseError(path, len(lines), f"'}}' closing computation {cur.name!r}",
-                            "end of file")
-    if module_name is None:
-        raise HloParseError(path, None, "an 'HloModule <name>' header", "an empty file")
-    if entry_name is None:
-        raise HloParseError(path, None, "an 'ENTRY' computation", "none")
-    return RawModule(module_name, comps, entry_name, path, file_names, file_locs, frames)
 
+    def _module_header(self, s: str, lineno: int) -> None:
+        if not s.startswith("HloModule "):
+            raise HloParseError(self.path, lineno, "an 'HloModule <name>' header", s)
+        parts = _split_checked(s[len("HloModule "):], self.path, lineno, "a module header")
+        if not parts or not NAME_RE.fullmatch(parts[0]):
+            raise HloParseError(self.path, lineno, "a module name after 'HloModule'", s)
+        self.module_name, self.header_line = parts[0], lineno
+        for part in parts[1:]:
+            k, sep, v = part.partition("=")
+            if not sep or not _KEY_RE.fullmatch(k.strip()):
+                raise HloParseError(self.path, lineno, "a module attribute 'key=value'", part)
+            if k.strip() == "entry_computation_layout":
+                v = v.strip()
+                if not (v.startswith("{") and v.endswith("}")):
+                    raise HloParseError(self.path, lineno, "entry_computation_layout={(...)->...}",
+                                        v)
+                self.entry_layout = _parse_signature(v[1:-1], self.path, lineno, False)
 
-def _parse_section_line(section, s, path, lineno, file_names, file_locs, frames) -> None:
-    num, _, rest = s.partition(" ")
-    try:
+    def _section_line(self, s: str, lineno: int) -> None:
+        num, _, rest = s.partition(" ")
+        if not num.isdigit() or not num.isascii():
+            raise HloParseError(self.path, lineno, f"a numbered {self.section} entry", s)
         key = int(num)
-    except ValueError:
-        raise HloParseError(path, lineno, f"a numbered {section} entry", s) from None
-    if section == "FileNames":
-        file_names[key] = rest.strip().strip('"')
-    elif section == "FileLocations":
-        md = parse_metadata(rest)
-        file_locs[key] = (int(md.get("file_name_id", -1)), int(md.get("line", 0)))
-    elif section == "StackFrames":
-        md = parse_metadata(rest)
-        frames[key] = int(md.get("file_location_id", -1))
+        if self.section == "FileNames":
+            self.file_names[key] = rest.strip().strip('"')
+        elif self.section in ("FileLocations", "StackFrames"):
+            md = parse_metadata(rest)
+            fields = (("file_name_id", "line") if self.section == "FileLocations"
+                      else ("file_location_id",))
+            vals = [md.get(f, "-1") for f in fields]
+            if not all(_INT_RE.fullmatch(v) for v in vals):
+                raise HloParseError(self.path, lineno, f"integer {', '.join(fields)} in a "
+                                    f"{self.section} entry", s)
+            if self.section == "FileLocations":
+                self.file_locs[key] = (int(vals[0]), int(vals[1]))
+            else:
+                self.frames[key] = int(vals[0])
+
+    def finish(self, nlines: int) -> RawModule:
+        path = self.path
+        if self.cur is not None:
+            raise HloParseError(path, nlines, f"'}}' closing computation {self.cur.name!r}",
+                                "end of file")
+        if self.module_name is None:
+            raise HloParseError(path, None, "an 'HloModule <name>' header", "an empty file")
+        if self.entry_name is None:
+            raise HloParseError(path, None, "an 'ENTRY' computation", "none")
+        return RawModule(self.module_name, self.comps, self.entry_name, path, self.file_names,
+                         self.file_locs, self.frames, self.entry_layout, self.header_line)
+
+
+def parse_hlo_text(text: str, path: str = "<string>") -> RawModule:
+    """Parse a whole HLO module (its syntax and tokens; ``ingest.validate_module`` checks
+    what XLA would reject on top).
+
+    Lines are numbered as editors do: only ``\\n`` ends a line.
+
+    Raises:
+        HloParseError: naming the file, line and what was expected, on malformed input.
+    """
+    reader = _Reader(path)
+    lines = text.split("\n")
+    for lineno, raw in enumerate(lines, start=1):
+        try:
+            reader.line(lineno, raw)
+        except DECODE_ERRORS as e:
+            raise unexpected_error(path, lineno, raw, e) from e
+    return reader.finish(len(lines) - (lines[-1] == ""))  # a final newline ends, not starts
+
+
+def unexpected_error(path: str, lineno: int | None, text: str, e: BaseException) -> HloParseError:
+    """An HloParseError for a Python error met while decoding ``text`` (a parser gap)."""
+    return HloParseError(path, lineno, "a line rhino can decode (unexpected "
+                         f"{type(e).__name__}: {e})", text.strip()[:120])
+
+
+def region_refs(ins: RawInstr) -> list[str]:
+    """Names of the computations an instruction calls (``to_apply``, ``body``, ...)."""
+    keys = REGION_KEYS + (("select", "scatter") if ins.opcode == "select-and-scatter" else ())
+    out = []
+    for k in keys:
+        v = ins.attrs.get(k)
+        if v is not None:
+            out.extend(x.strip().lstrip("%") for x in v.strip("{}").split(",") if x.strip())
+    return out

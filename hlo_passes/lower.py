@@ -33,11 +33,13 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from rhino.errors import LoweringError, PlanMismatchError
+from rhino.errors import BatchCouplingError, LoweringError, PlanMismatchError
 from rhino.hlo_passes.annotate import EqnMap, ScopedFunction, eqn_path
+from rhino.hlo_passes.batch_coupling import find_batch_coupling
 from rhino.hlo_passes.graph import HloGraph, TensorType, shape_str
-from rhino.hlo_passes.stage_programs import (FlatProgram, StageShardings, StepSplit,
-                                             assignment_from_ops, flatten, split_step)
+from rhino.hlo_passes.stage_programs import (RNG_SHAPED, FlatProgram, StageShardings,
+                                             StepSplit, assignment_from_ops, flatten,
+                                             split_step)
 from rhino.hlo_passes.strided import StridedRealizer
 from rhino.parallel_plan import Plan
 from rhino.planner.build import carried_pairs
@@ -201,7 +203,7 @@ def _value_constraints(graph: HloGraph, plan: SpmdPlan, emap: EqnMap) -> dict:
             one = next(iter(needs)) if len(needs) == 1 else None
             reduced = spec.without_partial()
             sliced = one is not None and not one.is_partial and reshard(
-                reduced, one, graph.ops[op_id].shape, plan.mesh).is_free
+                reduced, one, graph.ops[op_id].shape, plan.mesh, plan.cost).is_free
             spec = one if sliced else reduced
         constraints[key] = spec
     return constraints
@@ -308,6 +310,7 @@ class StageLowering:
             step from it).
         batch_refs: flat argument indices of the batch leaves.
         shardings: per stage its ``StageShardings``.
+        rng_shapes: ``StepSplit.rng_shapes`` (plain data, for actors re-splitting).
     """
 
     split: StepSplit
@@ -315,6 +318,7 @@ class StageLowering:
     assignment: dict
     batch_refs: tuple[int, ...]
     shardings: tuple[StageShardings, ...]
+    rng_shapes: dict = dataclasses.field(default_factory=dict)
 
 
 def microbatch_args(abstract: tuple, batch_refs: Sequence[int], m: int,
@@ -339,16 +343,21 @@ def microbatch_args(abstract: tuple, batch_refs: Sequence[int], m: int,
 
 def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
                  abstract: tuple, roles: Sequence[str], batch_params: Sequence[int],
-                 accumulate: Accumulate) -> StageLowering:
+                 accumulate: Accumulate, per_microbatch_statistics: bool = False
+                 ) -> StageLowering:
     """The step cut into the plan's stage programs (see the module docstring).
 
     Args:
         fn: the step; traced: it traced at the whole-batch ``abstract`` arguments.
         graph: its HloGraph; roles: the role of every op (``pipeline.coarsen``).
         batch_params: the graph's batch parameter ops (the gradient boundary's).
+        per_microbatch_statistics: accept batch statistics computed per microbatch
+            (``batch_coupling``) instead of refusing the step.
 
     Raises:
         PlanMismatchError: the plan is for another program.
+        BatchCouplingError: the step reads statistics of the whole batch (named, with the
+            source line), unless ``per_microbatch_statistics``.
         LoweringError: a spec a microbatch cannot hold, or a step that traces differently
             at microbatch shapes.
     """
@@ -362,16 +371,91 @@ def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
         for nm in st.ops:
             stage_of[by_name[nm]] = st.index
     assignment = assignment_from_ops(traced, graph, stage_of, roles)
-    batch_refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params))
+    batch_refs, abstract_mb, flat = _microbatch_trace(fn, traced, graph, abstract,
+                                                      batch_params, m)
+    rng = {path: tuple(e.params["shape"]) for path, e in traced.leaf_eqns().items()
+           if e.primitive.name in RNG_SHAPED}
+    split = split_step(flat, assignment, batch_refs, plan.num_stages, m, accumulate, rng)
+    if not per_microbatch_statistics:
+        _refuse_batch_coupling(graph, flat, split, m)
+    emap = EqnMap(traced, graph)
+    shardings = tuple(_stage_shardings(st.spmd, st.index, graph, emap, flat, split)
+                      for st in plan.stages)
+    return StageLowering(split, abstract_mb, assignment, batch_refs, shardings,
+                         dict(split.rng_shapes))
+
+
+def _microbatch_trace(fn: Any, traced: ScopedFunction, graph: HloGraph, abstract: tuple,
+                      batch_params: Sequence[int], m: int
+                      ) -> tuple[tuple[int, ...], tuple, FlatProgram]:
+    """(the batch leaves' flat indices (PRNG keys left out), the microbatch-sized
+    arguments, the step flattened at them), checked to trace to the same equations."""
+    keys = key_args(traced)
+    batch_refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params
+                              if graph.ops[q].arg.index not in keys))
     paths = {graph.ops[q].arg.index: graph.ops[q].arg.path for q in graph.params}
     abstract_mb = microbatch_args(abstract, batch_refs, m, paths)
     flat = flatten(jax.make_jaxpr(fn)(*abstract_mb))
     _check_same_program(traced, flat)
-    split = split_step(flat, assignment, batch_refs, plan.num_stages, m, accumulate)
-    emap = EqnMap(traced, graph)
-    shardings = tuple(_stage_shardings(st.spmd, st.index, graph, emap, flat, split)
-                      for st in plan.stages)
-    return StageLowering(split, abstract_mb, assignment, batch_refs, shardings)
+    return batch_refs, abstract_mb, flat
+
+
+def microbatch_divisors(fn: Any, traced: ScopedFunction, graph: HloGraph, abstract: tuple,
+                        batch_params: Sequence[int], m: int) -> dict[int, dict[int, int]]:
+    """Op id -> {dim: m} for every planned value whose dimension carries the batch: the
+    dimensions that shrink by ``m`` when the step is traced at microbatch shapes (values
+    the lowering constrains: equation results and arguments). The pipeline planner then
+    splits them only into shards a microbatch divides.
+
+    Raises:
+        LoweringError: a batch leaf ``m`` does not divide, or a step that traces to other
+            equations at microbatch shapes.
+    """
+    _, _, flat = _microbatch_trace(fn, traced, graph, abstract, batch_params, m)
+    ref_of = {(fe.path, k): r for fe in flat.eqns for k, r in enumerate(fe.outs)
+              if r is not None}
+    out: dict[int, dict[int, int]] = {}
+    pairs = [(op, ref_of[key]) for key, op in EqnMap(traced, graph).producer.items()
+             if key in ref_of]
+    pairs += [(q, graph.ops[q].arg.index) for q in graph.params]
+    for op, ref in pairs:
+        shape = graph.ops[op].shape
+        small = flat.avals[ref].shape
+        if not isinstance(shape, TensorType) or len(shape.dims) != len(small):
+            continue
+        dims = {d: m for d, (a, b) in enumerate(zip(shape.dims, small)) if a == m * b and a != b}
+        if dims:
+            out[op] = dims
+    return out
+
+
+def _refuse_batch_coupling(graph: HloGraph, flat: FlatProgram, split: StepSplit, m: int
+                           ) -> None:
+    carried_outs = {o for o, _ in carried_pairs(graph)}
+    carried = [r for k, r in enumerate(flat.outs)
+               if isinstance(r, int) and graph.outputs[k] in carried_outs]
+    found = find_batch_coupling(flat, split.batch_refs, split.role, carried)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise BatchCouplingError(
+            f"the step reads statistics of the whole batch, which {m} microbatches would "
+            f"each compute on their own: {found[0].describe()}{more}. Pass "
+            f"per_microbatch_statistics=True to accept per-microbatch statistics (as "
+            f"gradient accumulation does), or run the step as one SPMD stage "
+            f"(mesh_shape=..., or stages=1)")
+
+
+def key_args(traced: ScopedFunction) -> frozenset[int]:
+    """Flat arguments that are PRNG keys: a key dtype, or raw key data the step wraps
+    (``random_wrap``). A key is the same for every microbatch, never split."""
+    jaxpr = traced.closed.jaxpr
+    out = {k for k, v in enumerate(jaxpr.invars)
+           if jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.prng_key)}
+    index = {v: k for k, v in enumerate(jaxpr.invars)}
+    for eqn in traced.leaf_eqns().values():
+        if eqn.primitive.name == "random_wrap":
+            out |= {index[v] for v in eqn.invars if v in index}
+    return frozenset(out)
 
 
 def _check_same_program(traced: ScopedFunction, flat: FlatProgram) -> None:

@@ -51,7 +51,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 from jax.extend import core as jcore
 
-from rhino._jax_private import eqn_context
+from rhino._jax_private import eqn_context, eqn_source
 from rhino.errors import RhinoError
 from rhino.hlo_passes.annotate import call_body
 from rhino.vocabulary import Accumulate, Role, TaskKind
@@ -230,6 +230,11 @@ class StepSplit:
         role, stage: per flat equation, its role and stage (-1 for free equations).
         batch_refs: the flat arguments carrying the batch (split along axis 0).
         consumers: ``ref -> {(kind, stage) of tasks reading it}``.
+        rng_shapes: equation path -> the whole batch's shape, for every random equation
+            (``random_bits``, ``random_split``) whose shape follows the batch: its
+            microbatch program draws the whole batch's values and keeps its microbatch's
+            slice, so random masks (dropout) and per-example keys equal the whole-batch
+            step's (``task_function``).
     """
 
     flat: FlatProgram
@@ -242,6 +247,8 @@ class StepSplit:
     stage: tuple[int, ...]
     batch_refs: tuple[int, ...]
     consumers: Mapping[int, frozenset]
+    rng_shapes: Mapping[tuple[int, ...], tuple[int, ...]] = dataclasses.field(
+        default_factory=dict)
 
     def task(self, kind: str, stage: int) -> TaskSpec:
         return self.tasks[(kind, stage)]
@@ -263,7 +270,9 @@ def _role_rank(role: str) -> int:
 
 def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str, int]],
                batch_refs: Sequence[int], num_stages: int, num_microbatches: int,
-               accumulate: str = "mean") -> StepSplit:
+               accumulate: str = "mean",
+               rng_shapes: Mapping[tuple[int, ...], tuple[int, ...]] | None = None
+               ) -> StepSplit:
     """Cut a flattened step into F/B/A programs per stage.
 
     Args:
@@ -273,6 +282,8 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
         batch_refs: flat argument refs that carry the batch.
         num_stages, num_microbatches: ``p`` and ``m``.
         accumulate: ``mean`` or ``sum`` over microbatches.
+        rng_shapes: equation path -> shape in the whole-batch trace, for ``random_bits``
+            equations (see ``StepSplit.rng_shapes``).
 
     Returns:
         The ``StepSplit``.
@@ -429,7 +440,50 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
                               tuple(sorted(acc_refs[key])))
     return StepSplit(flat, num_stages, num_microbatches, accumulate, tasks, tuple(outputs),
                      tuple(role), tuple(stage), tuple(sorted(batch)),
-                     {r: frozenset(c) for r, c in consumers.items()})
+                     {r: frozenset(c) for r, c in consumers.items()},
+                     _batch_rng(flat, role, rng_shapes or {}, num_microbatches))
+
+
+# Random primitives whose ``shape`` parameter sets how many values they draw.
+RNG_SHAPED = frozenset({"random_bits", "random_split"})
+
+
+def _batch_rng(flat: FlatProgram, role: Sequence[Role],
+               whole: Mapping[tuple[int, ...], tuple[int, ...]], m: int
+               ) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """The random equations (``RNG_SHAPED``: bits, and key splits such as one key per
+    example) whose shape follows the batch (``StepSplit.rng_shapes``).
+
+    Raises:
+        StageSplitError: such an equation whose shape differs from the whole batch's other
+            than by ``m`` in its leading dimension, or that is not per microbatch.
+    """
+    out = {}
+    for i, fe in enumerate(flat.eqns):
+        if fe.eqn.primitive.name not in RNG_SHAPED or fe.path not in whole:
+            continue
+        mine, full = tuple(fe.eqn.params["shape"]), tuple(whole[fe.path])
+        if mine == full:
+            continue
+        where = _source(fe.eqn)
+        if not (mine and len(mine) == len(full) and full[0] == m * mine[0]
+                and mine[1:] == full[1:]):
+            raise StageSplitError(
+                f"random values of shape {full} at {where}: expected the batch as the leading "
+                f"dimension ({m} microbatches of {full[0] // m if full else '?'}), found "
+                f"{mine} per microbatch; a pipelined step draws each microbatch's slice of "
+                f"the whole batch's bits, which needs the batch dimension first")
+        if role[i] is Role.APPLY:
+            raise StageSplitError(f"random values of shape {full} at {where}: expected them "
+                                  f"per microbatch (forward or backward), found them in "
+                                  f"apply-gradients")
+        out[fe.path] = full
+    return out
+
+
+def _source(eqn: Any) -> str:
+    """``file:line`` of the user code that made ``eqn`` (or its primitive's name)."""
+    return eqn_source(eqn) or eqn.primitive.name
 
 
 def _check_direction(dst: tuple[str, int], src: tuple[str, int], path) -> None:
@@ -484,33 +538,37 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
                   ) -> Callable:
     """The Python function of a stage program (to ``jax.jit``).
 
-    Signature: ``fn(inputs, accs) -> (outputs, new_accs)``; ``inputs`` in ``task.inputs``
-    order (``acc`` inputs are the raw sums over microbatches: the program divides them
-    by m for ``mean``), ``accs`` in
-    ``task.accumulate`` order (ignored unless ``with_acc``), ``outputs`` in
-    ``task.outputs`` order, ``new_accs`` = ``accs + value`` (or the value on the first
-    microbatch). ``constrain(path, k, x)`` may apply sharding constraints to results.
+    Signature: ``fn(inputs, accs, mb) -> (outputs, new_accs)``; ``inputs`` in
+    ``task.inputs`` order (``acc`` inputs are the raw sums over microbatches: the program
+    divides them by m for ``mean`` and returns them to their own dtype), ``accs`` in
+    ``task.accumulate`` order (ignored unless ``with_acc``), ``mb`` the microbatch index (an
+    int32 scalar; 0 for apply tasks), ``outputs`` in ``task.outputs`` order, ``new_accs`` =
+    ``accs + value`` (or the value on the first microbatch), summed in float32 for
+    lower-precision floats. ``constrain(path, k, x)`` may apply sharding constraints to
+    results. A ``random_bits`` equation of ``split.rng_shapes`` draws the whole batch's bits
+    and keeps microbatch ``mb``'s slice.
     """
     flat = split.flat
     eqns = [flat.eqns[i] for i in task.eqns]
     consts = {x: flat.consts[x] for fe in eqns for x in fe.ins
               if isinstance(x, int) and x in flat.consts}
 
-    scale = None
-    if split.accumulate == "mean" and split.num_microbatches > 1:
-        scale = 1.0 / split.num_microbatches
-
-    def fn(inputs, accs):
+    def fn(inputs, accs, mb):
         env: dict[int, Any] = dict(consts)
         for spec, x in zip(task.inputs, inputs):
-            # An accumulated sum becomes the step's mean here, inside the program.
-            env[spec.ref] = x * jax.numpy.asarray(scale, x.dtype) if (
-                spec.source == "acc" and scale is not None) else x
+            # An accumulated sum becomes the step's value here, inside the program.
+            env[spec.ref] = finish_sum(split, spec.ref, x) if spec.source == "acc" else x
         for fe in eqns:
             invals = [x.value if isinstance(x, Lit) else env[x] for x in fe.ins]
             params = fe.eqn.primitive.get_bind_params(fe.eqn.params)
+            full = split.rng_shapes.get(fe.path)
+            if full is not None:
+                params = dict(params, shape=tuple(full))
             with eqn_context(fe.eqn):
                 outs = fe.eqn.primitive.bind(*invals, **params)
+            if full is not None:
+                size = full[0] // split.num_microbatches
+                outs = jax.lax.dynamic_slice_in_dim(outs, mb * size, size, axis=0)
             if not fe.eqn.primitive.multiple_results:
                 outs = [outs]
             for k, (r, x) in enumerate(zip(fe.outs, outs)):
@@ -518,19 +576,28 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
                     env[r] = constrain(fe.path, k, x) if constrain is not None else x
         outs = [env[r] for r in task.outputs]
         if with_acc:
-            new = [a + env[r] for r, a in zip(task.accumulate, accs)]
+            new = [a + _wide(env[r]) for r, a in zip(task.accumulate, accs)]
         else:
-            new = [env[r] for r in task.accumulate]
+            new = [_wide(env[r]) for r in task.accumulate]
         return outs, new
 
     return fn
 
 
-def finish_accumulated(split: StepSplit, x: Any) -> Any:
-    """An accumulated sum as the step's value (``mean``: divided by m)."""
-    if split.accumulate == "sum" or split.num_microbatches == 1:
-        return x
-    return x * jax.numpy.asarray(1.0 / split.num_microbatches, dtype=x.dtype)
+def _wide(x: Any) -> Any:
+    """The accumulator's type of ``x``: float32 for lower-precision floats."""
+    dt = jax.numpy.result_type(x)
+    if jax.numpy.issubdtype(dt, jax.numpy.floating) and jax.numpy.finfo(dt).bits < 32:
+        return x.astype(jax.numpy.float32)
+    return x
+
+
+def finish_sum(split: StepSplit, ref: int, x: Any) -> Any:
+    """An accumulated sum of value ``ref`` as the step's value: divided by m for ``mean``,
+    in the accumulator's precision, then returned to the value's own dtype."""
+    if split.accumulate == "mean" and split.num_microbatches > 1:
+        x = x * jax.numpy.asarray(1.0 / split.num_microbatches, dtype=x.dtype)
+    return x.astype(split.flat.avals[ref].dtype)
 
 
 # ------------------------------------------------------------------------------ assignment

@@ -8,8 +8,8 @@ Layers, each importing only the ones above it::
 
     errors · vocabulary · milp · progress
     hlo_passes  (ingest, analyses, annotate, stage programs, strided values)
-    planner     (SPMD: spec, strategies, build, solvers, spmd_plan)
-    cluster · parallel_plan       (the one Plan type)
+    planner     (SPMD: mesh, cost model, spec, strategies, build, solvers, spmd_plan)
+    backends · cluster · parallel_plan   (figures per backend; the one Plan type)
     pipeline    (gradient boundary, stage ILP, search/controller)
     planning    (rhino.plan)
     hlo_passes.lower              (a Plan written into the program)
@@ -26,21 +26,23 @@ Example:
 
 from rhino._version import __version__
 from rhino.cluster import Cluster
-from rhino.errors import (HloParseError, InfeasiblePlanError, IngestError, LoweringError,
-                          OptionsError, PlanMismatchError, RhinoError, UnsupportedOpError)
+from rhino.errors import (BatchCouplingError, HloParseError, InfeasiblePlanError, IngestError, LoweringError,
+                          OptionsError, PlanMismatchError, PlanningError, RhinoError,
+                          UnsupportedOpError)
 from rhino.hlo_passes import GraphAnalysis, HloGraph, analyze, ingest
 from rhino.parallel_step import ParallelStep, auto_parallel
 from rhino.pipeline import grad, plan_pipeline
 from rhino.parallel_plan import Plan
 from rhino.planner.api import PlanOptions
+from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planning import plan
 from rhino.runtime.ray_executor import init
 
-__all__ = ["__version__", "HloParseError", "InfeasiblePlanError", "IngestError",
-           "LoweringError", "OptionsError", "PlanMismatchError", "RhinoError",
+__all__ = ["__version__", "BatchCouplingError", "HloParseError", "InfeasiblePlanError", "IngestError",
+           "LoweringError", "OptionsError", "PlanMismatchError", "PlanningError", "RhinoError",
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
-           "AbstractMesh", "auto_parallel", "ParallelStep", "Plan", "SpmdPlan", "PlanOptions",
+           "AbstractMesh", "CostModel", "auto_parallel", "ParallelStep", "Plan", "SpmdPlan", "PlanOptions",
            "ShardingSpec", "plan", "Cluster", "grad", "plan_pipeline", "init"]

@@ -49,3 +49,11 @@ def eqn_context(eqn: Any):
     if ctx is not None and getattr(ctx, "manager", None) is not None:
         stack.enter_context(ctx.manager)
     return stack
+
+
+def eqn_source(eqn: Any) -> str | None:
+    """``file:line`` of the user code that made a jaxpr equation (None if unknown)."""
+    from jax._src import source_info_util
+
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    return None if frame is None else f"{frame.file_name}:{frame.start_line}"

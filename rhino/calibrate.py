@@ -1,14 +1,15 @@
-"""Measure a mesh's cost parameters (α, β per axis, FLOP/s, memory) on the devices at hand.
+"""Measure a mesh's cost model (α, β per axis, FLOP/s, memory) on the devices at hand.
 
-The planner is pure and takes an ``AbstractMesh``; this module is the bridge from real
-devices to it. For each mesh axis it times all-reduces of several sizes over that axis and
-fits the planner's own all-reduce model ``t = α + 2 (n-1)/n · B · β`` by least squares;
-FLOP/s comes from a timed matmul on one device.
+The planner is pure and takes an ``AbstractMesh`` and a ``CostModel``; this module is the
+bridge from real devices to the latter (``rhino.backends`` has published figures instead).
+For each mesh axis it times all-reduces of several sizes over that axis and fits the
+planner's own all-reduce model ``t = α + 2 (n-1)/n · B · β`` by least squares; FLOP/s
+comes from timed float32 and bfloat16 matmuls on one device.
 
 Example:
-    >>> from rhino.calibrate import calibrate_mesh
-    >>> mesh = calibrate_mesh((2, 4))          # doctest: +SKIP
-    >>> mesh.alpha, mesh.beta, mesh.flops_per_s  # doctest: +SKIP
+    >>> from rhino.calibrate import calibrate_cost_model
+    >>> cost = calibrate_cost_model((2, 4))          # doctest: +SKIP
+    >>> cost.alpha, cost.beta, cost.flops_for("bf16")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from rhino.planner.mesh import AbstractMesh
+from rhino.backends import figures_for_devices
+from rhino.planner.cost_model import CostModel
 
 
 def _median_time(fn, arg, reps: int) -> float:
@@ -31,13 +33,14 @@ def _median_time(fn, arg, reps: int) -> float:
     return float(np.median(times))
 
 
-def measure_flops(device=None, n: int = 1024, reps: int = 5) -> float:
-    """FLOP/s of an n×n float32 matmul on one device."""
+def measure_flops(device=None, n: int = 1024, reps: int = 5, dtype: str = "float32"
+                  ) -> float:
+    """FLOP/s of an n×n matmul in ``dtype`` on one device."""
     import jax
     import jax.numpy as jnp
 
     device = device or jax.devices()[0]
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
     t = _median_time(jax.jit(lambda x: x @ x), a, reps)
     return 2.0 * n ** 3 / max(t, 1e-9)
 
@@ -78,8 +81,16 @@ def measure_axis(mesh_shape: Sequence[int], axis: int, devices=None,
     return alpha, beta
 
 
-def calibrate_mesh(mesh_shape: Sequence[int], devices=None, reps: int = 5) -> AbstractMesh:
-    """An ``AbstractMesh`` whose α, β and FLOP/s were measured on local devices."""
+def calibrate_cost_model(mesh_shape: Sequence[int], devices=None, reps: int = 5) -> CostModel:
+    """A ``CostModel`` of ``mesh_shape`` over local devices, its α, β and FLOP/s (float32,
+    and bfloat16 on accelerators) measured; memory from the device's ``bytes_limit``, else
+    the devices' built-in figures (``rhino.backends``).
+
+    Args:
+        mesh_shape: the mesh, laid row-major over ``devices``.
+        devices: the devices (default: the first ``prod(mesh_shape)`` of ``jax.devices()``).
+        reps: timed repetitions per measurement (the median is kept).
+    """
     import jax
 
     shape = tuple(mesh_shape)
@@ -94,8 +105,10 @@ def calibrate_mesh(mesh_shape: Sequence[int], devices=None, reps: int = 5) -> Ab
     stats = getattr(devices[0], "memory_stats", lambda: None)()
     if stats and stats.get("bytes_limit"):
         mem = int(stats["bytes_limit"])
-    defaults = AbstractMesh.simulated_cpu(shape)
-    return AbstractMesh(shape, alpha=tuple(alphas), beta=tuple(betas),
-                        flops_per_s=measure_flops(devices[0], reps=reps),
-                        memory_bytes=mem if mem is not None else defaults.memory_bytes,
-                        native_reduce_scatter=devices[0].platform != "cpu")
+    figures = figures_for_devices(devices)
+    rates = {} if devices[0].platform == "cpu" else {
+        "bf16": measure_flops(devices[0], reps=reps, dtype="bfloat16")}
+    return CostModel(tuple(alphas), tuple(betas), measure_flops(devices[0], reps=reps), rates,
+                     memory_bytes=mem if mem is not None else figures.memory_bytes,
+                     native_reduce_scatter=devices[0].platform != "cpu",
+                     backend=f"calibrated-{figures.backend}")

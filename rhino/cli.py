@@ -32,6 +32,7 @@ EXAMPLES = """\
 examples:
   rhino inspect gpt:layers=4,hidden=256
   rhino plan gpt:layers=4,hidden=256 --mesh 2,4
+  rhino plan gpt:layers=4,hidden=256 --mesh 2,8 --backend h100
   rhino plan gpt:layers=4,hidden=256 --cluster 2x4 --json > plan.json
   rhino demo
   rhino demo --cluster 2x4 --stages 2
@@ -172,7 +173,8 @@ def _cmd_plan_pipeline(args: argparse.Namespace) -> int:
             source, *example, cluster=args.cluster, microbatches=args.microbatches,
             epsilon=args.epsilon, max_stages=args.max_stages, alpha_intra=args.alpha_intra,
             beta_intra=args.beta_intra, alpha_inter=args.alpha_inter,
-            beta_inter=args.beta_inter, memory_bytes=budget, progress=progress)
+            beta_inter=args.beta_inter, flops_per_s=args.flops, backend=args.backend,
+            memory_bytes=budget, progress=progress)
     except ValueError as e:
         raise RhinoError(str(e)) from None
     return _emit_plan(p, args)
@@ -198,6 +200,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         p = rhino.plan(source, *example, mesh_shape=args.mesh, opt_level=args.opt_level,
                        memory_budget=args.memory_budget,
                        alpha=_floats(args.alpha, "--alpha"), beta=_floats(args.beta, "--beta"),
+                       flops_per_s=args.flops, backend=args.backend,
                        time_limit=args.time_limit, progress=progress)
     except ValueError as e:
         raise RhinoError(str(e)) from None
@@ -289,7 +292,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _flops(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected FLOP/s per device such as 1e12, found "
+                                         f"{text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from rhino.backends import backend_names
+
     p = _Parser(prog="rhino", description=DESCRIPTION, epilog=EXAMPLES,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"rhino {__version__}")
@@ -320,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mesh shape, e.g. 8 or 2,4 (default: 8)")
     pp.add_argument("--alpha", help="latency per mesh axis in seconds, e.g. 1e-5,1e-5")
     pp.add_argument("--beta", help="seconds per byte per mesh axis, e.g. 2e-10,1e-9")
+    pp.add_argument("--flops", type=_flops, metavar="FLOP/S",
+                    help="FLOP/s of one device, every dtype, e.g. 1e12")
+    pp.add_argument("--backend", choices=backend_names(),
+                    help="plan with built-in figures of these devices (α, β, FLOP/s per "
+                    "dtype, memory); default: simulated CPU")
     pp.add_argument("--opt-level", default="O2", choices=("O2", "O3"))
     pp.add_argument("--memory-budget", type=memory_bytes,
                     help="bytes per device (suffixes KiB, MiB, GiB)")

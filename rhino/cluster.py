@@ -1,5 +1,11 @@
 """The cluster (hosts × devices per host, two link speeds) and its splits into stage meshes.
 
+A cluster carries its devices' figures (FLOP/s per dtype, memory, intra- and inter-host α
+and β, the partitioner's facts): by default the simulated-CPU ones, or a backend's
+(``Cluster.parse("2x8", figures=backend_figures("h100"))``); fields given override them.
+Each stage mesh gets its cost model from these figures (``MeshSplit.stage_cost``), as
+``rhino.backends.BackendFigures.cost_model`` does for one mesh.
+
 Devices are numbered host-major (device ``h·D + d`` is device ``d`` of host ``h``). A split
 into ``p`` pipeline stages gives each stage ``N/p`` consecutive devices: either a part of
 one host (``D`` divisible by ``N/p``) or whole hosts (``N/p`` divisible by ``D``); other
@@ -13,19 +19,24 @@ Example:
     >>> [(s.num_stages, s.stage_shape) for s in enumerate_splits(c, max_stages=2)]
     [(1, (16,)), (1, (2, 8)), (1, (4, 4)), (1, (8, 2)), (2, (8,)), (2, (2, 4))]
     >>> s = enumerate_splits(c, 2)[1]
-    >>> s.stage_mesh(c, 0).beta
-    (1e-09, 2e-10)
+    >>> s.stage_mesh(c, 0).shape, s.stage_cost(c).beta
+    ((2, 8), (1e-09, 2e-10))
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
-from rhino.planner.mesh import CPU_ALPHA, CPU_BETA, CPU_FLOPS, CPU_MEMORY, AbstractMesh
+from rhino.backends import BACKENDS, BackendFigures, inter_host_axes
+from rhino.errors import OptionsError
+from rhino.planner.cost_model import (CPU_ALPHA, CPU_BETA, CPU_FLOPS, CPU_MEMORY, CostModel)
+from rhino.planner.mesh import AbstractMesh
 
-_MESH_FIELDS = frozenset(f.name for f in dataclasses.fields(AbstractMesh))
+_FIGURES = ("flops_per_s", "dtype_flops_per_s", "memory_bytes", "alpha_intra", "beta_intra",
+            "alpha_inter", "beta_inter", "native_reduce_scatter", "backend")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +48,12 @@ class Cluster:
         devices_per_host: devices per host ``D``.
         alpha_intra, beta_intra: latency (s) and seconds per byte of links within a host.
         alpha_inter, beta_inter: the same across hosts.
-        flops_per_s: FLOP/s of one device.
+        flops_per_s: FLOP/s of one device (float32, and dtypes without a rate).
         memory_bytes: memory of one device (None: unlimited).
         native_reduce_scatter: the devices' SPMD partitioner emits reduce-scatter (GPU,
             TPU); False for simulated CPU devices, which all-reduce and slice.
+        dtype_flops_per_s: FLOP/s per dtype (``bf16``, ...), as ``(dtype, rate)`` pairs.
+        backend: the name of the figures (``cpu``, ``h100``, ...).
     """
 
     hosts: int
@@ -52,6 +65,8 @@ class Cluster:
     flops_per_s: float = CPU_FLOPS
     memory_bytes: int | None = CPU_MEMORY
     native_reduce_scatter: bool = False
+    dtype_flops_per_s: tuple[tuple[str, float], ...] = ()
+    backend: str = "cpu"
 
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -65,10 +80,15 @@ class Cluster:
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise ValueError(f"cluster memory_bytes: expected > 0 or None, found "
                              f"{self.memory_bytes!r}")
+        # The figures' own checks (rates per dtype, the backend's name), and their form.
+        fig = self.figures()
+        object.__setattr__(self, "dtype_flops_per_s", fig.dtype_flops_per_s)
 
     @classmethod
-    def parse(cls, text: str, **fields: Any) -> "Cluster":
-        """``"2x8"`` (hosts × devices per host) or ``"8"`` (one host), plus fields.
+    def parse(cls, text: str, figures: BackendFigures | None = None, **fields: Any
+              ) -> "Cluster":
+        """``"2x8"`` (hosts × devices per host) or ``"8"`` (one host), with ``figures``'
+        FLOP/s, memory, links and facts (default: simulated CPU) and ``fields`` over them.
 
         Raises:
             ValueError: text not of that form.
@@ -78,7 +98,25 @@ class Cluster:
             raise ValueError(f"cluster: expected HOSTSxDEVICES such as '2x8' (or DEVICES), "
                              f"found {text!r}")
         hosts, per = (int(m.group(1)), int(m.group(2))) if m.group(2) else (1, int(m.group(1)))
-        return cls(hosts, per, **fields)
+        return cls.from_figures(hosts, per, figures or BACKENDS["cpu"], **fields)
+
+    @classmethod
+    def from_figures(cls, hosts: int, devices_per_host: int, figures: BackendFigures,
+                     **fields: Any) -> "Cluster":
+        """A cluster of ``figures``' devices, ``fields`` overriding them."""
+        base = {f: getattr(figures, f) for f in _FIGURES}
+        base.update(fields)
+        return cls(hosts, devices_per_host, **base)
+
+    def figures(self) -> BackendFigures:
+        """The cluster's devices and links as ``BackendFigures``."""
+        try:
+            return BackendFigures(
+                self.backend, self.flops_per_s, self.dtype_flops_per_s, self.memory_bytes,
+                self.alpha_intra, self.beta_intra, self.alpha_inter, self.beta_inter,
+                self.devices_per_host, self.native_reduce_scatter)
+        except OptionsError as e:
+            raise OptionsError(f"cluster {self.hosts}x{self.devices_per_host}: {e}") from None
 
     @property
     def num_devices(self) -> int:
@@ -88,11 +126,15 @@ class Cluster:
         return f"{self.hosts}x{self.devices_per_host}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dict(dataclasses.asdict(self), dtype_flops_per_s=dict(self.dtype_flops_per_s))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Cluster":
-        return cls(**d)
+        """The cluster of ``to_dict`` (a dict without the per-dtype rates and backend, as
+        plans of format 2 wrote, is a simulated-CPU cluster)."""
+        d = dict(d)
+        rates = d.pop("dtype_flops_per_s", {})
+        return cls(**d, dtype_flops_per_s=tuple(dict(rates).items()))
 
 
 def _factor_pairs(n: int) -> list[tuple[int, int]]:
@@ -131,26 +173,20 @@ class MeshSplit:
 
     def _axis_inter(self, cluster: Cluster, shape: tuple[int, ...]) -> list[bool]:
         """Per axis: whether some group along it crosses hosts."""
-        n = self.devices_per_stage
-        per = cluster.devices_per_host
-        out = []
-        inner = 1
-        for size in reversed(shape):
-            span = inner * size              # consecutive devices a group spans
-            out.append(n > per and not (span <= per and per % span == 0))
-            inner = span
-        return list(reversed(out))
+        if math.prod(shape) != self.devices_per_stage:
+            raise ValueError(f"stage mesh {shape}: expected {self.devices_per_stage} devices")
+        return list(inter_host_axes(shape, cluster.devices_per_host))
 
     def stage_mesh(self, cluster: Cluster, stage: int = 0) -> AbstractMesh:
         """The abstract mesh of one stage (all stages have the same)."""
-        inter = self._axis_inter(cluster, self.stage_shape)
-        alpha = tuple(cluster.alpha_inter if x else cluster.alpha_intra for x in inter)
-        beta = tuple(cluster.beta_inter if x else cluster.beta_intra for x in inter)
-        extra = ({"native_reduce_scatter": cluster.native_reduce_scatter}
-                 if "native_reduce_scatter" in _MESH_FIELDS else {})
-        return AbstractMesh(self.stage_shape, alpha=alpha, beta=beta,
-                            flops_per_s=cluster.flops_per_s, memory_bytes=cluster.memory_bytes,
-                            **extra)
+        return AbstractMesh(self.stage_shape)
+
+    def stage_cost(self, cluster: Cluster, **overrides: Any) -> CostModel:
+        """The cost model of a stage's mesh: the cluster's figures, an axis whose groups
+        cross hosts paying the inter-host α and β (``overrides``: any ``CostModel``
+        field)."""
+        return cluster.figures().cost_model(self.stage_shape, cluster.devices_per_host,
+                                            **overrides)
 
     def link(self, cluster: Cluster, src: int, dst: int) -> tuple[float, float]:
         """(α, β) of the links between two stages: intra-host when both sit on one host."""

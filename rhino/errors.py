@@ -7,9 +7,11 @@ Hierarchy::
     ├── IngestError          a source rhino cannot turn into a graph (bad path, bad args)
     ├── UnsupportedOpError   an op a pass cannot handle (op, source line)
     ├── InfeasiblePlanError  no plan fits the memory budget (memory needed, budget)
+    ├── PlanningError        no candidate could be planned (each one's reason)
     ├── OptionsError         an option out of range or of the wrong kind (also a ValueError)
     ├── PlanMismatchError    a plan made for another program, or naming a value it lacks
     └── LoweringError        a plan's spec that cannot be written into the program
+        └── BatchCouplingError   a pipelined step whose meaning needs the whole batch
 
 Modules add their own below these (``SolverError``, ``ExecutorError``, ...).
 """
@@ -73,6 +75,10 @@ class InfeasiblePlanError(RhinoError):
             + (f" ({detail})" if detail else ""))
 
 
+class PlanningError(RhinoError):
+    """No candidate plan could be made; the message gives each candidate's reason."""
+
+
 class OptionsError(RhinoError, ValueError):
     """An option out of range or of the wrong kind (raised when the options are built)."""
 
@@ -84,6 +90,12 @@ class PlanMismatchError(RhinoError):
 
 class LoweringError(RhinoError):
     """A plan's spec that cannot be written into the program (names the value)."""
+
+
+class BatchCouplingError(LoweringError):
+    """A step whose per-example computation reads statistics of the whole batch (BatchNorm,
+    a branch on a batch-dependent predicate, ...): microbatching would change what it
+    computes. The message names the op, its source line and where the statistic is made."""
 
 
 def format_bytes(n: float) -> str:

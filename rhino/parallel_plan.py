@@ -1,7 +1,7 @@
 """``Plan``: how a training step runs in parallel, as plain, JSON-serializable data.
 
 One type for every parallel execution. A plan has one or more *stages*; each stage has its
-devices, its SPMD mesh and its SPMD plan (``SpmdPlan``: a spec per op and parameter, the
+devices, its SPMD mesh, the cost model it was planned with and its SPMD plan (``SpmdPlan``: a spec per op and parameter, the
 collectives, memory). A plan with one stage is pure SPMD (``kind`` ``spmd``); with several
 it is a pipeline (``pipeline``: one device per stage; ``hybrid``: an SPMD mesh per stage),
 run with ``num_microbatches`` microbatches under ``schedule``. ``rhino.plan`` makes plans and
@@ -12,8 +12,9 @@ crossing between stages, the weights read on several stages, every candidate the
 weighed with its estimate, why the winner won, and the time of each search phase.
 
 JSON (``to_json`` / ``from_json``) round-trips exactly and carries a format version;
-``from_json`` also reads the two format-1 documents of earlier releases (an SPMD plan, and a
-pipeline plan).
+``from_json`` also reads the documents of earlier releases: format 2 (whose stage meshes
+carried the cost figures) and the two format-1 documents (an SPMD plan, and a pipeline
+plan).
 
 Example:
     >>> import rhino
@@ -35,11 +36,12 @@ from typing import Any
 
 from rhino.cluster import Cluster
 from rhino.errors import PlanMismatchError, format_bytes
+from rhino.planner.cost_model import CostModel, legacy_mesh
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.vocabulary import PlanKind, ScheduleKind
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,7 @@ class StagePlan:
     Attributes:
         index: the stage number.
         devices: global device ids (host-major numbering); hosts: the hosts they sit on.
-        mesh: the stage's SPMD mesh.
+        mesh: the stage's SPMD mesh; cost: its cost model.
         ops: names of the program ops the stage runs (forward, backward, apply); empty for
             the one stage of an SPMD plan, which runs every op.
         op_counts: ``{"forward", "backward", "apply", "copied"}`` (copied: weights,
@@ -105,6 +107,7 @@ class StagePlan:
     devices: tuple[int, ...]
     hosts: tuple[int, ...]
     mesh: AbstractMesh
+    cost: CostModel
     ops: tuple[str, ...]
     op_counts: dict[str, int]
     flops: tuple[float, float, float]
@@ -278,18 +281,19 @@ class Plan:
                   boundary: dict[str, Any] | None = None) -> "Plan":
         """A one-stage plan running ``spmd`` on its mesh (over ``cluster`` when the
         controller chose it; otherwise one host holding the mesh's devices)."""
-        mesh = spmd.mesh
+        mesh, cost = spmd.mesh, spmd.cost
         n = mesh.num_devices
         if cluster is None:
-            cluster = Cluster(1, n, alpha_intra=max(mesh.alpha), beta_intra=max(mesh.beta),
-                              alpha_inter=max(mesh.alpha), beta_inter=max(mesh.beta),
-                              flops_per_s=mesh.flops_per_s, memory_bytes=mesh.memory_bytes,
-                              native_reduce_scatter=mesh.native_reduce_scatter)
+            cluster = Cluster(1, n, alpha_intra=max(cost.alpha), beta_intra=max(cost.beta),
+                              alpha_inter=max(cost.alpha), beta_inter=max(cost.beta),
+                              flops_per_s=cost.flops_per_s, memory_bytes=cost.memory_bytes,
+                              native_reduce_scatter=cost.native_reduce_scatter,
+                              dtype_flops_per_s=cost.dtype_flops_per_s, backend=cost.backend)
         devices = tuple(range(n)) if devices is None else tuple(devices)
         hosts = tuple(sorted({d // cluster.devices_per_host for d in devices}))
         mem = StageMemory(spmd.memory.parameters, 0, spmd.memory.peak - spmd.memory.parameters,
                           1, spmd.memory.peak)
-        stage = StagePlan(0, devices, hosts, mesh, (),
+        stage = StagePlan(0, devices, hosts, mesh, cost, (),
                           {"forward": 0, "backward": 0, "apply": 0, "copied": 0},
                           (float(total_flops), 0.0, 0.0), tuple(p.path for p in spmd.params),
                           StageEstimate(spmd.compute_s, spmd.communication_s, 0.0, 0.0), mem,
@@ -313,7 +317,8 @@ class Plan:
     def to_dict(self, include_spmd: bool = True) -> dict[str, Any]:
         def stage(s: StagePlan) -> dict[str, Any]:
             return {"index": s.index, "devices": list(s.devices), "hosts": list(s.hosts),
-                    "mesh": s.mesh.to_dict(), "ops": list(s.ops), "op_counts": s.op_counts,
+                    "mesh": s.mesh.to_dict(), "cost": s.cost.to_dict(), "ops": list(s.ops),
+                    "op_counts": s.op_counts,
                     "flops": list(s.flops), "weights": list(s.weights),
                     "estimate": dataclasses.asdict(s.estimate),
                     "memory": dataclasses.asdict(s.memory),
@@ -338,7 +343,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        """The plan of ``to_dict``, or of a format-1 document (see the module docstring).
+        """The plan of ``to_dict``, or of a format-2 or format-1 document (see the module
+        docstring).
 
         Raises:
             PlanMismatchError: not a plan, or a format this release does not read.
@@ -351,24 +357,26 @@ class Plan:
         fmt = d["format"]
         if fmt == 1 and "ops" in d and "params" in d:        # a format-1 SPMD plan
             spmd = SpmdPlan.from_dict(d)
-            return cls.from_spmd(spmd, spmd.compute_s * spmd.mesh.flops_per_s
+            return cls.from_spmd(spmd, spmd.compute_s * spmd.cost.flops_per_s
                                  * spmd.mesh.num_devices)
         if fmt == 1 and "stages" in d:                        # a format-1 pipeline plan
             d = dict(d, schedule=ScheduleKind.ONE_F_ONE_B.value)
-        elif fmt != FORMAT_VERSION:
-            raise PlanMismatchError(f"plan JSON: expected format {FORMAT_VERSION} (or 1), "
+        elif fmt not in (2, FORMAT_VERSION):
+            raise PlanMismatchError(f"plan JSON: expected format {FORMAT_VERSION} (or 2, 1), "
                                     f"found {fmt!r}")
         try:
-            return cls._from_fields(d)
+            return cls._from_fields(d, legacy=fmt < FORMAT_VERSION)
         except (KeyError, TypeError, ValueError) as e:
             raise PlanMismatchError(f"plan JSON: malformed ({type(e).__name__}: {e})") from None
 
     @classmethod
-    def _from_fields(cls, d: dict[str, Any]) -> "Plan":
+    def _from_fields(cls, d: dict[str, Any], legacy: bool = False) -> "Plan":
         def stage(s: dict[str, Any]) -> StagePlan:
+            mesh, cost = (legacy_mesh(s["mesh"]) if legacy else
+                          (AbstractMesh.from_dict(s["mesh"]), CostModel.from_dict(s["cost"])))
             return StagePlan(
                 s["index"], tuple(s["devices"]), tuple(s["hosts"]),
-                AbstractMesh.from_dict(s["mesh"]), tuple(s["ops"]), dict(s["op_counts"]),
+                mesh, cost, tuple(s["ops"]), dict(s["op_counts"]),
                 tuple(s["flops"]), tuple(s["weights"]), StageEstimate(**s["estimate"]),
                 StageMemory(**s["memory"]),
                 SpmdPlan.from_dict(s["spmd"]) if s["spmd"] is not None else None)
@@ -410,10 +418,11 @@ class Plan:
     def _controller_lines(self, max_candidates: int) -> list[str]:
         c, t = self.cluster, self.search
         ms = 1e3
+        rates = "".join(f", {k} {v:.3g}" for k, v in c.dtype_flops_per_s)
         lines = [
-            f"  cluster           {c} = {c.num_devices} devices; intra-host α {c.alpha_intra:g} s"
-            f" β {c.beta_intra:g} s/B, inter-host α {c.alpha_inter:g} s β {c.beta_inter:g} "
-            f"s/B; {c.flops_per_s:.3g} FLOP/s, memory "
+            f"  cluster           {c} = {c.num_devices} {c.backend} devices; intra-host α "
+            f"{c.alpha_intra:g} s β {c.beta_intra:g} s/B, inter-host α {c.alpha_inter:g} s β "
+            f"{c.beta_inter:g} s/B; {c.flops_per_s:.3g} FLOP/s{rates}, memory "
             f"{format_bytes(c.memory_bytes) if c.memory_bytes else 'unlimited'}",
             f"  chosen            {self.kind}: {self.num_stages} stage(s) × mesh "
             f"{self.stages[0].mesh}, {self.num_microbatches} microbatches, est. step "

@@ -5,9 +5,11 @@ First call per input signature::
     step fn + arguments
       │ trace + ingest        hlo_passes.annotate.ScopedFunction, hlo_passes.ingest
       ▼
-    HloGraph ─► the Plan      given (plan=), or planned: SPMD on a mesh (rhino.planning:
-      │                       annotations, compiled-memory budget), or over a cluster (the
-      │                       pipeline controller: SPMD, pipeline or hybrid)
+    HloGraph ─► the Plan      given (plan=), or planned: SPMD on a mesh priced by the
+      │                       cost model of the devices it runs on (rhino.backends; or
+      │                       cost=), with annotations and a compiled-memory budget
+      │                       (rhino.planning), or over a cluster (the pipeline controller:
+      │                       SPMD, pipeline or hybrid)
       ▼
     lowering                  hlo_passes.lower: the plan written into the step
       ▼
@@ -41,12 +43,14 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from rhino.backends import (backend_figures, cost_model_for_devices, devices_per_host,
+                            figures_for_devices)
 from rhino.cluster import Cluster
 from rhino.errors import OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, ingest
 from rhino.hlo_passes.annotate import ScopedFunction
 from rhino.hlo_passes.lower import (SpmdLowering, StageLowering, compile_spmd, lower_spmd,
-                                    lower_stages)
+                                    lower_stages, microbatch_divisors)
 from rhino.pipeline.api import make_cluster
 from rhino.pipeline.coarsen import classify_ops
 from rhino.pipeline.gradient import BoundaryOptions, find_gradient_boundary
@@ -54,10 +58,10 @@ from rhino.pipeline.search import PipelineOptions, plan_pipeline_graph
 from rhino.parallel_plan import Plan
 from rhino.planner.api import PlanOptions, plan_graph
 from rhino.planner.build import BuildOptions
+from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.planning import (annotation_pins, argument_lower_bound, fit_compiled_memory,
-                            simulated_mesh)
+from rhino.planning import annotation_pins, argument_lower_bound, fit_compiled_memory
 from rhino.progress import Progress
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
@@ -99,7 +103,8 @@ class StepOptions:
     devices: tuple | None = None
     mesh_shape: tuple[int, ...] | None = None
     mesh: AbstractMesh | None = None
-    cluster: Cluster | None = None
+    cost: CostModel | str | None = None
+    cluster: Cluster | str | None = None
     opt_level: str = "O2"
     memory_budget: int | None = None
     annotations: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -116,6 +121,7 @@ class StepOptions:
     timeout: float = DEFAULT_TIMEOUT_S
     transport: TransportKind = TransportKind.DEVICE_PUT
     ray_address: str | None = None
+    per_microbatch_statistics: bool = False
     progress_after_s: float = 2.0
 
     def __post_init__(self):
@@ -139,8 +145,11 @@ class StepOptions:
                                     for s in self.mesh_shape))
         if self.devices is not None:
             put("devices", tuple(self.devices))
-        if self.cluster is not None:
+        if isinstance(self.cluster, str):
+            make_cluster(self.cluster)      # checked now; its figures come with the devices
+        elif self.cluster is not None:
             put("cluster", make_cluster(self.cluster))
+        self._check_cost()
         if isinstance(self.plan, SpmdPlan):
             put("plan", Plan.from_spmd(self.plan, 0.0))
         elif self.plan is not None and not isinstance(self.plan, Plan):
@@ -161,6 +170,28 @@ class StepOptions:
             object.__setattr__(self, "stages", dict(s))
         elif s is not None:
             object.__setattr__(self, "stages", _positive("stages", s, int))
+
+    def _check_cost(self) -> None:
+        c = self.cost
+        if isinstance(c, str):
+            backend_figures(c)
+        elif isinstance(c, CostModel):
+            if self.cluster is not None:
+                raise OptionsError("auto_parallel: a cost model prices one mesh; a cluster's "
+                                   "stage meshes take the cluster's figures (cost='h100' "
+                                   "names built-in ones, or pass a rhino.Cluster)")
+            if isinstance(self.mesh, AbstractMesh):
+                c.check(self.mesh, "auto_parallel")
+            elif self.mesh_shape is not None and c.ndim != len(self.mesh_shape):
+                raise OptionsError(f"auto_parallel: expected a cost model for the "
+                                   f"{len(self.mesh_shape)} axes of mesh_shape "
+                                   f"{self.mesh_shape}, found one for {c.ndim} axes")
+        elif c is not None:
+            raise OptionsError(f"cost: expected a rhino.CostModel or a backend name such as "
+                               f"'h100', found {type(c).__name__}")
+        if isinstance(self.cluster, Cluster) and isinstance(c, str):
+            raise OptionsError("auto_parallel: a rhino.Cluster carries its figures; found "
+                               f"cost={c!r} too")
 
     def _check_exclusive(self) -> None:
         if self.cluster is not None and (self.mesh is not None or self.mesh_shape is not None):
@@ -499,18 +530,36 @@ class _Builder:
         return _Entry(plan, self.graph, self.traced.out_tree, run)
 
     # -------------------------------------------------------------- planning
-    def _mesh(self) -> AbstractMesh:
+    def _mesh(self) -> tuple[AbstractMesh, CostModel]:
+        """The mesh and its cost model: ``cost=``'s, or the figures of the devices the mesh
+        runs on (its first ``N`` devices)."""
         o = self.o
+        mesh = o.mesh if o.mesh is not None else AbstractMesh(
+            o.mesh_shape or (len(self.devices),))
+        on = self.devices[:mesh.num_devices]
+        if isinstance(o.cost, CostModel):
+            cost = o.cost
+        elif isinstance(o.cost, str):
+            cost = backend_figures(o.cost).cost_model(mesh, devices_per_host(on))
+        else:
+            cost = cost_model_for_devices(on, mesh)
+        cost.check(mesh, "auto_parallel")
         # Strided values run split (hlo_passes.strided); XLA moves them into and out of a
         # strided layout by gathering, so the planner charges that.
-        if o.mesh is not None:
-            return dataclasses.replace(o.mesh, strided_moves_all_to_all=False)
-        shape = o.mesh_shape or (len(self.devices),)
-        return simulated_mesh(shape, strided_moves_all_to_all=False)
+        return mesh, dataclasses.replace(cost, strided_moves_all_to_all=False)
+
+    def _cluster(self) -> Cluster:
+        """The cluster: as given, or parsed with ``cost=``'s figures or the devices'."""
+        o = self.o
+        if isinstance(o.cluster, Cluster):
+            return o.cluster
+        figures = (backend_figures(o.cost) if isinstance(o.cost, str)
+                   else figures_for_devices(self.devices))
+        return make_cluster(o.cluster, figures)
 
     def _spmd_on_mesh(self) -> _Entry:
         o, graph = self.o, self.graph
-        mesh = self._mesh()
+        mesh, cost = self._mesh()
         options = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
                               build=BuildOptions(strided_interior_only=True,
                                                  pinned=annotation_pins(graph, o.annotations,
@@ -518,7 +567,7 @@ class _Builder:
                                                  partial_passthrough=False))
 
         def make_plan(opts: PlanOptions) -> Plan:
-            return Plan.from_spmd(plan_graph(graph, mesh, opts, self.progress),
+            return Plan.from_spmd(plan_graph(graph, mesh, cost, opts, self.progress),
                                   graph.total_flops)
 
         if o.executor is not ExecutorKind.LOCAL:
@@ -549,14 +598,20 @@ class _Builder:
         count = max(given.values()) + 1 if given else o.stages
         kinds = ("spmd",) if count == 1 else ("pipeline", "hybrid") if count is not None \
             else ("spmd", "pipeline", "hybrid")
-        opts = PipelineOptions(num_microbatches=o.num_microbatches or DEFAULT_MICROBATCHES,
+        m = o.num_microbatches or DEFAULT_MICROBATCHES
+        divisors = None
+        if count != 1:
+            boundary = find_gradient_boundary(self.graph, BoundaryOptions(o.batch_args))
+            divisors = microbatch_divisors(self.fn, self.traced, self.graph, self.abstract,
+                                           boundary.batch_params, m)
+        opts = PipelineOptions(num_microbatches=m, microbatch_divisors=divisors,
                                num_stages=count,
                                weight_stages=given if given and count > 1 else None,
                                kinds=kinds, batch_args=o.batch_args, spmd=spmd_opts,
                                schedule=o.schedule or ScheduleKind.ONE_F_ONE_B, two_d=False,
                                workers=1,
                                executor="serial")
-        return plan_pipeline_graph(self.graph, o.cluster, opts, self.progress)
+        return plan_pipeline_graph(self.graph, self._cluster(), opts, self.progress)
 
     # -------------------------------------------------------------- runs
     def _direct(self, plan: Plan) -> DirectRun:
@@ -583,12 +638,13 @@ class _Builder:
         boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
         roles = classify_ops(graph, boundary).role
         lowering = lower_stages(self.fn, self.traced, graph, plan, self.abstract, roles,
-                                boundary.batch_params, o.accumulate)
+                                boundary.batch_params, o.accumulate,
+                                o.per_microbatch_statistics)
         specs = [WorkerSpec(self.fn, lowering.abstract_mb, lowering.assignment,
                             lowering.batch_refs, plan.num_stages, plan.num_microbatches,
                             o.accumulate.value, plan.schedule.value, st.index,
                             tuple(st.mesh.shape), tuple(st.mesh.axis_names),
-                            lowering.shardings[st.index])
+                            lowering.shardings[st.index], rng_shapes=lowering.rng_shapes)
                  for st in plan.stages]
         if o.executor is ExecutorKind.RAY:
             from rhino.runtime.ray_executor import RayExecutor
@@ -611,6 +667,7 @@ class _Builder:
 
 def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None,
                   mesh_shape: Sequence[int] | None = None, mesh: AbstractMesh | None = None,
+                  cost: CostModel | str | None = None,
                   cluster: str | Cluster | None = None, opt_level: str = "O2",
                   memory_budget: int | None = None,
                   annotations: Mapping[str, Any] | None = None, plan: Plan | None = None,
@@ -619,7 +676,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   executor: str = "local",
                   stages: int | Mapping[str, int] | None = None, accumulate: str = "mean",
                   batch_args: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                  transport: str = "device_put", ray_address: str | None = None):
+                  transport: str = "device_put", ray_address: str | None = None,
+                  per_microbatch_statistics: bool = False):
     """Run a one-device training step over many devices, automatically.
 
     Usable bare (``@rhino.auto_parallel``) or with options; the options are checked here,
@@ -630,10 +688,16 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         devices: the devices to use (default: all local devices).
         mesh_shape: an SPMD mesh over the devices, e.g. ``(8,)`` or ``(2, 4)`` (default:
             one axis over all devices).
-        mesh: an explicit ``AbstractMesh`` (e.g. calibrated); overrides ``mesh_shape``.
+        mesh: an explicit ``AbstractMesh`` (axis names and sizes); overrides
+            ``mesh_shape``.
+        cost: what the mesh's collectives and compute cost: a ``CostModel`` (e.g.
+            ``rhino.calibrate.calibrate_cost_model``) or the name of built-in figures
+            (``"h100"``, ``"tpu-v5e"``, ... ``rhino.backends``). Default: the figures of
+            the devices it runs on (platform and device kind; simulated CPU on CPU).
         cluster: plan over ``"HOSTSxDEVICES"`` (or a ``Cluster``) instead: the controller
             weighs SPMD, pipeline and hybrid plans; a pipeline is cut into per-stage
-            programs and run with a static schedule.
+            programs and run with a static schedule. Text gets the figures of ``cost``'s
+            name or of the devices.
         opt_level: ``"O2"`` (fast) or ``"O3"`` (whole-graph ILP).
         memory_budget: bytes per device the *compiled* SPMD program may use (XLA's
             ``memory_analysis()``: arguments + outputs + temporaries − donated). Plans are
@@ -657,12 +721,18 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             hand-given split ``{weight pytree path prefix: stage}``.
         accumulate: ``"mean"`` (default) or ``"sum"``: how batch-dependent values (loss,
             gradients) combine over microbatches.
-        batch_args: names of the arguments carrying the batch (default: non-state ones).
+        batch_args: what carries the batch: argument names, or pytree paths inside them
+            (e.g. ``("batch['tokens']", "batch['labels']")``); default: non-state arguments.
+            PRNG keys are never split into microbatches.
         timeout: seconds any wait of a pipeline executor may take.
         transport: between stage meshes of the local executor: ``"device_put"`` or 004's
             cross-mesh resharding, ``"broadcast"`` / ``"send_recv"``.
         ray_address: the Ray cluster for ``executor="ray"`` (default: ``rhino.init``'s,
             ``$RAY_ADDRESS``, or a new local one).
+        per_microbatch_statistics: a pipelined step that reads statistics of the whole
+            batch (BatchNorm, a branch on a batch-dependent value, running statistics) is
+            refused (``BatchCouplingError``) unless this accepts that each microbatch
+            computes its own.
 
     Returns:
         A ``ParallelStep`` (``.plan_for(*args)``, ``.report_for(*args)``, ``.timeline()``).
@@ -672,11 +742,13 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
     """
     options = StepOptions(
         devices=devices, mesh_shape=tuple(mesh_shape) if mesh_shape is not None else None,
-        mesh=mesh, cluster=cluster, opt_level=opt_level, memory_budget=memory_budget,
+        mesh=mesh, cost=cost, cluster=cluster, opt_level=opt_level,
+        memory_budget=memory_budget,
         annotations=annotations or {}, plan=plan, report=report, donate=donate,
         time_limit=time_limit, num_microbatches=num_microbatches, schedule=schedule,
         executor=executor, stages=stages, accumulate=accumulate, batch_args=batch_args,
-        timeout=timeout, transport=transport, ray_address=ray_address)
+        timeout=timeout, transport=transport, ray_address=ray_address,
+        per_microbatch_statistics=per_microbatch_statistics)
     if fn is None:
         return lambda f: ParallelStep(f, options)
     return ParallelStep(fn, options)

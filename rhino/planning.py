@@ -5,20 +5,24 @@ Pass order::
     source (fn + example args | .hlo | .mlir | HloGraph)
         │ ingest                       hlo_passes.ingest
         ▼
-    HloGraph ── mesh given ──► planner.plan_graph ──► SpmdPlan ──► Plan (one stage)
+    HloGraph ── mesh given ──► planner.plan_graph(graph, mesh, cost) ──► SpmdPlan ──►
+            │                    Plan (one stage)
             └─ cluster given ─► pipeline.plan_pipeline_graph: SPMD, pipeline and hybrid
                                 candidates weighed ──► Plan (one or more stages)
 
-Also here, for ``auto_parallel``: the abstract mesh of a step (``step_mesh``), user
-annotations as planner pins (``annotation_pins``) and the compiled-memory fit
-(``fit_compiled_memory``).
+The cost model is simulated CPU unless told otherwise (``cost=``, or ``backend=`` for
+built-in figures, ``rhino.backends``); ``alpha=``, ``beta=`` and ``flops_per_s=`` override
+its figures (``plan_cost``).
+
+Also here, for ``auto_parallel``: user annotations as planner pins (``annotation_pins``)
+and the compiled-memory fit (``fit_compiled_memory``).
 
 Example:
     >>> import jax.numpy as jnp, rhino
     >>> p = rhino.plan(lambda x, w: x @ w, jnp.ones((64, 32)), jnp.ones((32, 16)),
     ...                mesh_shape=(2,))
-    >>> p.kind.value, p.spmd.search.opt_level, p.spmd.mesh.shape
-    ('spmd', 'O2', (2,))
+    >>> p.kind.value, p.spmd.search.opt_level, p.spmd.mesh.shape, p.spmd.cost.backend
+    ('spmd', 'O2', (2,), 'cpu')
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from rhino.backends import backend_figures
 from rhino.cluster import Cluster
 from rhino.errors import InfeasiblePlanError, OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, analyze, ingest
@@ -36,14 +41,17 @@ from rhino.pipeline.api import plan_pipeline
 from rhino.parallel_plan import Plan
 from rhino.planner.api import PlanOptions, plan_graph
 from rhino.planner.build import BuildOptions
+from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
 
 
 def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = None,
-         mesh: AbstractMesh | None = None, opt_level: str = "O2",
+         mesh: AbstractMesh | None = None, cost: CostModel | None = None,
+         backend: str | None = None, opt_level: str = "O2",
          memory_budget: int | None = None, alpha: Sequence[float] | float | None = None,
-         beta: Sequence[float] | float | None = None, time_limit: float = 600.0,
+         beta: Sequence[float] | float | None = None, flops_per_s: float | None = None,
+         time_limit: float = 600.0,
          build: BuildOptions | None = None, progress: Callable[[str], None] | None = None,
          cluster: str | Cluster | None = None, microbatches: int = 8, epsilon: float = 0.1,
          max_stages: int | None = None) -> Plan:
@@ -56,11 +64,17 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
         *example_args: example arguments (arrays, ShapeDtypeStructs or pytrees of them).
         mesh_shape: the mesh, e.g. ``(8,)`` or ``(2, 4)``; default: all local devices in one
             axis. Ignored when ``mesh`` is given.
-        mesh: an explicit ``AbstractMesh`` (e.g. from ``rhino.calibrate.calibrate_mesh``).
+        mesh: an explicit ``AbstractMesh`` (axis names and sizes).
+        cost: the ``CostModel`` to plan with (e.g. from
+            ``rhino.calibrate.calibrate_cost_model``), for the mesh's axes.
+        backend: built-in figures to plan with instead (``rhino.backends``: ``cpu``,
+            ``h100``, ``h200``, ``a100``, ``tpu-v4``, ``tpu-v5e``, ``tpu-v5p``); default:
+            ``cost``'s, else simulated CPU. With ``cluster``, the cluster's devices.
         opt_level: ``"O2"`` or ``"O3"``.
         memory_budget: bytes per device; raises ``InfeasiblePlanError`` if nothing fits.
-        alpha, beta: per-axis latency (s) and inverse bandwidth (s/byte) overriding the
-            simulated-CPU defaults.
+        alpha, beta: per-axis latency (s) and inverse bandwidth (s/byte) overriding the cost
+            model's (one number: every axis).
+        flops_per_s: FLOP/s of one device overriding the cost model's (every dtype).
         time_limit: seconds per solve.
         build: options of the problem builder.
         progress: called with a line of text at each phase.
@@ -73,16 +87,22 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
         ``cluster`` the controller's choice, which may be SPMD-only (one stage) too.
 
     Raises:
-        OptionsError: both a mesh and a cluster, or malformed mesh figures.
+        OptionsError: both a mesh and a cluster, both a cost model and a backend, a cost
+            model for another number of axes, or malformed figures.
     """
     if cluster is not None:
-        if mesh is not None or mesh_shape is not None:
-            raise OptionsError("plan: expected a mesh (mesh_shape=/mesh=) or a cluster, found "
-                               "both; a cluster's stage meshes are searched")
+        if mesh is not None or mesh_shape is not None or cost is not None:
+            raise OptionsError("plan: expected a mesh (mesh_shape=/mesh=, cost=) or a "
+                               "cluster, found both; a cluster's stage meshes are searched "
+                               "with its own figures (backend=, or a rhino.Cluster)")
+        if alpha is not None or beta is not None:
+            raise OptionsError("plan: alpha=/beta= are per mesh axis; a cluster takes "
+                               "alpha_intra=, beta_inter=, ... (rhino.plan_pipeline)")
         return plan_pipeline(source, *example_args, cluster=cluster, microbatches=microbatches,
                              epsilon=epsilon, max_stages=max_stages, memory_bytes=memory_budget,
-                             progress=progress)
-    mesh = mesh if mesh is not None else simulated_mesh(mesh_shape, alpha=alpha, beta=beta)
+                             flops_per_s=flops_per_s, backend=backend, progress=progress)
+    mesh = mesh if mesh is not None else logical_mesh(mesh_shape)
+    cost = plan_cost(mesh, cost, backend, alpha=alpha, beta=beta, flops_per_s=flops_per_s)
     options = PlanOptions(opt_level=opt_level, memory_budget=memory_budget,
                           time_limit=time_limit, build=build or BuildOptions())
     t0 = time.perf_counter()
@@ -90,25 +110,59 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
     t1 = time.perf_counter()
     analyze(graph)  # fail early on analyses; the builder recomputes what it needs
     t2 = time.perf_counter()
-    spmd = plan_graph(graph, mesh, options, progress, (t1 - t0, t2 - t1))
+    spmd = plan_graph(graph, mesh, cost, options, progress, (t1 - t0, t2 - t1))
     return Plan.from_spmd(spmd, graph.total_flops)
 
 
-def simulated_mesh(mesh_shape: Sequence[int] | None, **overrides: Any) -> AbstractMesh:
-    """An ``AbstractMesh`` of simulated CPU devices (default shape: every local device in
-    one axis); ``None`` overrides are left out.
+def logical_mesh(mesh_shape: Sequence[int] | None) -> AbstractMesh:
+    """The ``AbstractMesh`` of a shape (default: every local device in one axis).
 
     Raises:
-        OptionsError: a shape or figure the mesh does not accept.
+        OptionsError: a shape the mesh does not accept.
     """
     if mesh_shape is None:
         import jax
         mesh_shape = (len(jax.devices()),)
-    fields = {k: v for k, v in overrides.items() if v is not None}
     try:
-        return AbstractMesh.simulated_cpu(tuple(int(s) for s in mesh_shape), **fields)
+        return AbstractMesh(tuple(int(s) for s in mesh_shape))
     except (TypeError, ValueError) as e:
         raise OptionsError(f"mesh: {e}") from None
+
+
+def plan_cost(mesh: AbstractMesh, cost: CostModel | None = None, backend: str | None = None,
+              **overrides: Any) -> CostModel:
+    """The cost model to plan ``mesh`` with: ``cost``, else ``backend``'s built-in figures
+    for the mesh (default simulated CPU), with the ``overrides`` that are not None
+    (``alpha``, ``beta``: one number or one per axis; ``flops_per_s``: every dtype; any
+    other ``CostModel`` field).
+
+    Example:
+        >>> plan_cost(AbstractMesh((2, 4)), backend="h100", flops_per_s=1e12).flops_for("bf16")
+        1000000000000.0
+
+    Raises:
+        OptionsError: both ``cost`` and ``backend``, a cost model for another number of
+            axes, or a figure the model rejects.
+    """
+    if cost is not None and backend is not None:
+        raise OptionsError(f"plan: expected a cost model (cost=) or built-in figures "
+                           f"(backend=), found both: {cost.backend!r} and {backend!r}")
+    if cost is None:
+        cost = backend_figures(backend or "cpu").cost_model(mesh)
+    cost.check(mesh)
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    flops = fields.pop("flops_per_s", None)
+    for k in ("alpha", "beta"):
+        if isinstance(fields.get(k), (int, float)):
+            fields[k] = (fields[k],) * mesh.ndim
+    try:
+        if flops is not None:
+            cost = cost.with_flops(flops)
+        cost = dataclasses.replace(cost, **fields) if fields else cost
+    except TypeError as e:
+        raise OptionsError(f"plan: {e}") from None
+    cost.check(mesh)
+    return cost
 
 
 def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: AbstractMesh
@@ -184,7 +238,7 @@ def argument_lower_bound(graph: HloGraph, mesh: AbstractMesh) -> int:
     Example:
         >>> import jax.numpy as jnp, rhino
         >>> g = rhino.ingest(lambda w, x: x @ w, jnp.ones((64, 32)), jnp.ones((8, 64)))
-        >>> argument_lower_bound(g, simulated_mesh((4,)))    # (64·32 + 8·64) · 4 B / 4
+        >>> argument_lower_bound(g, logical_mesh((4,)))      # (64·32 + 8·64) · 4 B / 4
         2560
     """
     n = mesh.num_devices

@@ -50,8 +50,8 @@ import numpy as np
 
 from rhino.errors import RhinoError
 from rhino.runtime.schedules import Schedule, make_schedule
-from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_accumulated,
-                                             flatten, split_step, task_function)
+from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_sum, flatten,
+                                             split_step, task_function)
 from rhino.runtime import threads
 from rhino.runtime.timeline import TaskRecord
 
@@ -278,6 +278,7 @@ class WorkerSpec:
         num_microbatches, accumulate, schedule: as in ``split_step`` / ``make_schedule``.
         stage: the stage; mesh_shape, axis_names: its mesh; shardings: its shardings.
         measure: time every task (blocking on its results).
+        rng_shapes: whole-batch shapes of batch-shaped random bits (``split_step``).
     """
 
     fn: Callable
@@ -293,11 +294,12 @@ class WorkerSpec:
     axis_names: tuple[str, ...]
     shardings: StageShardings
     measure: bool = True
+    rng_shapes: Mapping = dataclasses.field(default_factory=dict)
 
     def split(self) -> StepSplit:
         flat = flatten(jax.make_jaxpr(self.fn)(*self.abstract_mb))
         return split_step(flat, self.assignment, self.batch_refs, self.num_stages,
-                          self.num_microbatches, self.accumulate)
+                          self.num_microbatches, self.accumulate, self.rng_shapes)
 
     def build(self, devices: Sequence[Any], split: StepSplit | None = None) -> "StageWorker":
         """The worker on ``devices`` (as many as the mesh has)."""
@@ -459,7 +461,7 @@ class StageWorker:
             if o.producer is None or o.producer[1] != self.stage:
                 continue
             if o.source == "acc":
-                outs[o.ref] = finish_accumulated(self.split, accs[o.ref])
+                outs[o.ref] = finish_sum(self.split, o.ref, accs[o.ref])
             elif o.source == "task":
                 outs[o.ref] = values[(o.ref, None)]
         try:
@@ -513,7 +515,8 @@ class StageWorker:
         with_acc = ins.kind != "A" and mb is not None and mb > 0
         acc_in = [accs[r] for r in task.accumulate] if with_acc else []
         t0 = time.perf_counter()
-        outs, new = self.program(ins.kind, with_acc)(inputs, acc_in)
+        outs, new = self.program(ins.kind, with_acc)(inputs, acc_in,
+                                                     np.int32(0 if mb is None else mb))
         # Timed without stalling dispatch: a watcher thread waits for the results while
         # this thread goes on to the next instruction (see _timed).
         # (Its accumulators are not waited on there: the next microbatch's call donates

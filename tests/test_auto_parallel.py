@@ -294,9 +294,9 @@ def test_strided_specs_stay_interior_in_auto_parallel():
     w = jnp.ones((64, 3 * 16 * 32))
     x = jnp.ones((2, 64))
     g = rhino.ingest(jax.value_and_grad(fused), w, x)
-    mesh = rhino.AbstractMesh.simulated_cpu((8,))
-    free = build_problem(g, mesh, BuildOptions())
-    inner = build_problem(g, mesh, BuildOptions(strided_interior_only=True))
+    mesh, cost = rhino.AbstractMesh((8,)), rhino.CostModel.simulated_cpu(1)
+    free = build_problem(g, mesh, cost, BuildOptions())
+    inner = build_problem(g, mesh, cost, BuildOptions(strided_interior_only=True))
     boundary = set(g.params) | set(g.outputs)
     offered = {i for i, ss in enumerate(free.strategies) if any(is_strided(s.out_spec)
                                                                  for s in ss)}

@@ -205,3 +205,97 @@ def test_slice_pad_concat_transpose_broadcast_gather_attributes():
     for key in ("offset_dims", "collapsed_slice_dims", "start_index_map", "slice_sizes"):
         assert isinstance(gather.attrs[key], tuple)
     assert gather.attrs["index_vector_dim"] == 1
+
+
+def test_non_utf8_file_names_line_and_column(tmp_path, capsys):
+    """Bytes that are not UTF-8 are an HloParseError at their line (not a UnicodeDecodeError),
+    also from ``rhino inspect``; a leading byte-order mark is fine."""
+    from rhino.cli import main
+
+    text = jax.jit(_mlp).lower(*ARGS).as_text(dialect="hlo", debug_info=True).encode()
+    lines = text.split(b"\n")
+    k = next(i for i, ln in enumerate(lines) if b" dot(" in ln)
+    lines[k] = lines[k].replace(b" dot(", b" d\xffot(")
+    bad = tmp_path / "latin.hlo"
+    bad.write_bytes(b"\n".join(lines))
+    with pytest.raises(HloParseError) as ei:
+        rhino.ingest(str(bad))
+    col = lines[k].index(b"\xff") + 1
+    assert (ei.value.path, ei.value.line) == (str(bad), k + 1)
+    assert ei.value.expected == "UTF-8 text" and f"0xff at column {col}" in ei.value.found
+    assert main(["inspect", str(bad)]) == 2
+    assert f"{bad}:{k + 1}: expected UTF-8 text" in capsys.readouterr().err
+    mlir = tmp_path / "latin.mlir"
+    mlir.write_bytes(b"module {\n  func.func @main() {\n    return \xe9\n  }\n}\n")
+    with pytest.raises(HloParseError) as ei:
+        rhino.ingest(str(mlir))
+    assert ei.value.line == 3
+    bom = tmp_path / "bom.hlo"
+    bom.write_bytes(b"\xef\xbb\xbf" + text)
+    assert len(rhino.ingest(str(bom))) == len(rhino.ingest(_mlp, *ARGS))
+
+
+def test_silently_accepted_before_now_rejected(tmp_path):
+    """Negative dimensions, a parameter number out of range, and a header layout that
+    disagrees with the body: each an HloParseError at the offending line."""
+    text = jax.jit(_mlp).lower(*ARGS).as_text(dialect="hlo", debug_info=True)
+    lines = text.split("\n")
+    k = next(i for i, ln in enumerate(lines) if " tanh(" in ln)
+    cases = {
+        "negative": (lines[k].replace("f32[8,16]", "f32[8,-16]", 1), k + 1, "dimensions"),
+        "parameter": (lines[k] + "\n  p7 = f32[2]{0} parameter(7)", k + 2,
+                      "a parameter number below 4"),
+    }
+    for name, (line, at, expected) in cases.items():
+        f = tmp_path / f"{name}.hlo"
+        f.write_text("\n".join(lines[:k] + [line] + lines[k + 1:]))
+        with pytest.raises(HloParseError) as ei:
+            rhino.ingest(str(f))
+        assert ei.value.line == at and expected in ei.value.expected, str(ei.value)
+    assert lines[0].startswith("HloModule") and "f32[4,16]" in lines[0]
+    f = tmp_path / "layout.hlo"
+    f.write_text("\n".join([lines[0].replace("f32[4,16]", "f32[4,17]", 1)] + lines[1:]))
+    with pytest.raises(HloParseError) as ei:
+        rhino.ingest(str(f))
+    entry = next(i for i, ln in enumerate(lines) if ln.startswith("ENTRY"))
+    param = next(i for i in range(entry, len(lines)) if "parameter(1)" in lines[i]) + 1
+    assert ei.value.line == param
+    assert "f32[4,17], as the header's entry_computation_layout (line 1)" in ei.value.expected
+
+
+def test_mlir_errors_carry_the_mlir_line(tmp_path, monkeypatch):
+    lowered = jax.jit(_mlp).lower(*ARGS)
+    lines = lowered.as_text().split("\n")
+    k = next(i for i, ln in enumerate(lines) if "stablehlo.tanh" in ln)
+    f = tmp_path / "typo.mlir"
+    f.write_text("\n".join(lines[:k] + [lines[k].replace("tanh", "tanx")] + lines[k + 1:]))
+    with pytest.raises(HloParseError) as ei:
+        rhino.ingest(str(f))
+    assert ei.value.line == k + 1 and "stablehlo.tanx" in ei.value.found
+    # HLO that jaxlib converted but that does not validate: the converted line is named.
+    import rhino._jax_private as jp
+    hlo = "HloModule m\nENTRY e {\n  a = f32[2]{0} parameter(0)\n  b = f32[3]{0} negate(a)\n}\n"
+    monkeypatch.setattr(jp, "stablehlo_text_to_hlo_text", lambda text: hlo)
+    f.write_text("\n".join(lines))
+    with pytest.raises(HloParseError) as ei:
+        rhino.ingest(str(f))
+    assert ei.value.line is None and ei.value.path == str(f)
+    assert "line 4 of the HLO jaxlib converted it to" in ei.value.expected
+
+
+def test_huge_convolution_dim_number_is_rejected_before_jaxlib(tmp_path):
+    """jaxlib's MLIR parser allocates a list as long as a convolution's spatial dimension
+    number: such a number is rejected first, fast, at its line."""
+    def f(x, k):
+        return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    lines = jax.jit(f).lower(jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4))).as_text().split("\n")
+    k = next(i for i, ln in enumerate(lines) if "->[b, 0, 1, f]" in ln)
+    lines[k] = lines[k].replace("->[b, 0, 1, f]", "->[b, 4294967296, 1, f]")
+    path = tmp_path / "conv.mlir"
+    path.write_text("\n".join(lines))
+    with pytest.raises(HloParseError) as ei:
+        rhino.ingest(str(path))
+    assert ei.value.line == k + 1 and ei.value.found == "4294967296"
+    assert "numbered below the rank (4)" in ei.value.expected

@@ -11,6 +11,7 @@ from rhino.errors import InfeasiblePlanError
 from rhino.models import get_model
 from rhino.planner.api import PlanOptions, plan_graph
 from rhino.planner.build import build_problem
+from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 
 from rhino import planning as ap_module   # MEMORY_PRESSURE: the pressure steps
@@ -19,7 +20,7 @@ MLP = dict(batch=64, hidden=128)
 
 
 def _activation_total(graph, mesh, plan) -> float:
-    built = build_problem(graph, mesh)
+    built = build_problem(graph, mesh, plan.cost)
     per_op = built.activation_bytes
     # The plan's choice per op, found by its spec among the op's strategies.
     total = 0.0
@@ -33,9 +34,9 @@ def _activation_total(graph, mesh, plan) -> float:
 def test_activation_tiebreak_trades_time_for_activation_memory():
     m = get_model("mlp", **MLP)
     graph = rhino.ingest(m.step, *m.example_args())
-    mesh = AbstractMesh.simulated_cpu((8,))
-    free = plan_graph(graph, mesh, PlanOptions(opt_level="O3"))
-    heavy = plan_graph(graph, mesh, PlanOptions(opt_level="O3", activation_tiebreak=1.0))
+    mesh, cost = AbstractMesh((8,)), CostModel.simulated_cpu(1)
+    free = plan_graph(graph, mesh, cost, PlanOptions(opt_level="O3"))
+    heavy = plan_graph(graph, mesh, cost, PlanOptions(opt_level="O3", activation_tiebreak=1.0))
     # A Lagrangian weight on a term never raises that term at the optimum, and here it
     # lowers it strictly; the reported objective (time alone) can only rise.
     assert _activation_total(graph, mesh, heavy) < _activation_total(graph, mesh, free)

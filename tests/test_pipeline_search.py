@@ -57,7 +57,7 @@ def test_cluster_parse_and_splits():
     assert four.link(c, 0, 1) == (c.alpha_intra, c.beta_intra)
     assert four.link(c, 1, 2) == (c.alpha_inter, 1e-9)
     spmd = next(s for s in splits if s.num_stages == 1 and s.stage_shape == (2, 8))
-    assert spmd.stage_mesh(c).beta == (1e-9, c.beta_intra)
+    assert spmd.stage_cost(c).beta == (1e-9, c.beta_intra)
     assert [s.num_stages for s in enumerate_splits(c, max_stages=2)] == [1, 1, 1, 1, 2, 2]
     # 3 hosts x 4: 2 stages of 6 devices would straddle a host unevenly.
     assert not any(s.num_stages == 2 for s in enumerate_splits(Cluster.parse("3x4")))

@@ -53,7 +53,7 @@ def test_memory_budget_shards_only_the_largest_parameters():
     m = _small_gpt()
     free = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,)).spmd
     g = rhino.ingest(m.step, *m.example_args())
-    built = build_problem(g, free.mesh)
+    built = build_problem(g, free.mesh, free.cost)
     from rhino.planner.api import PlanOptions, _forbid_replicated, _solve
     order = sorted(g.params, key=lambda i: -g.ops[i].out_bytes)
     # The floor: what a plan needs with every parameter forced sharded.
@@ -114,7 +114,8 @@ def test_cli_plan(tmp_path, capsys):
     assert main(["plan", "mlp", "--mesh", "4", "--json", "--quiet",
                  "--alpha", "1e-5", "--beta", "1e-9"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["stages"][0]["mesh"]["beta"] == [1e-9]
+    assert d["stages"][0]["cost"]["beta"] == [1e-9]
+    assert d["stages"][0]["mesh"] == {"shape": [4], "axis_names": ["x"]}
     assert main(["plan", "mlp", "--mesh", "4", "--memory-budget", "1KiB", "--quiet"]) == 2
     assert "no plan fits" in capsys.readouterr().err
     assert main(["plan", "mlp", "--mesh", "4", "--memory-budget", "lots", "--quiet"]) == 2

@@ -21,7 +21,7 @@ from rhino.runtime.executor import (ExecutorError, LocalExecutor, LocalTransport
                                     instructions)
 from rhino.runtime.schedules import SCHEDULE_NAMES, make_schedule
 from rhino.hlo_passes.stage_programs import (StageSplitError, apply_order, assignment_from_ops,
-                                          finish_accumulated, flatten, split_step,
+                                          finish_sum, flatten, split_step,
                                           task_function)
 
 RTOL, ATOL = 1e-4, 5e-5
@@ -70,7 +70,7 @@ def _run_sequentially(sp, args, schedule):
                 ins.append(vals[(i.ref, k if i.producer[0] != "A" else None)])
         first = t.kind == "A" or k == 0
         outs, new = jax.jit(task_function(sp, t, not first))(
-            ins, [] if first else [accs[r] for r in t.accumulate])
+            ins, [] if first else [accs[r] for r in t.accumulate], 0 if k is None else k)
         vals.update({(r, None if t.kind == "A" else k): v for r, v in zip(t.outputs, outs)})
         accs.update(zip(t.accumulate, new))
 
@@ -83,7 +83,7 @@ def _run_sequentially(sp, args, schedule):
     res = []
     for o in sp.outputs:
         res.append(o.value if o.source == "lit" else args[o.ref] if o.source == "arg"
-                   else finish_accumulated(sp, accs[o.ref]) if o.source == "acc"
+                   else finish_sum(sp, o.ref, accs[o.ref]) if o.source == "acc"
                    else vals[(o.ref, None)])
     return res
 

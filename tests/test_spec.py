@@ -11,14 +11,18 @@ from rhino.planner.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUC
                                        ReshardCostTable, all_gather_cost, all_reduce_cost,
                                        all_to_all_cost, collective_cost, reduce_scatter_cost,
                                        reshard)
+from rhino.errors import OptionsError
+from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import DimSharding, InvalidSpecError, ShardingSpec, map_reshape
 
 A, B = 1e-5, 2e-10          # α, β of the test meshes
+C1 = CostModel((A,), (B,))  # their cost model (native reduce-scatter)
+C2 = CostModel((1e-6, 1e-5), (1e-9, 1e-10))   # of the (2, 4) test mesh
 
 
 def mesh1(n=4):
-    return AbstractMesh((n,), alpha=A, beta=B)
+    return AbstractMesh((n,))
 
 
 def parse(text, mesh=None):
@@ -27,26 +31,49 @@ def parse(text, mesh=None):
 
 # ------------------------------------------------------------------------------- mesh
 def test_mesh_defaults_and_json():
-    m = AbstractMesh.simulated_cpu((2, 4))
+    m = AbstractMesh((2, 4))
     assert m.axis_names == ("x", "y") and m.num_devices == 8 and m.ndim == 2
-    assert m.alpha == (1e-5, 1e-5) and m.beta == (1 / 5e9, 1 / 5e9)
-    assert m.flops_per_s == 5e10 and m.memory_bytes == 4 * 2**30
     assert AbstractMesh.from_json(m.to_json()) == m
-    m2 = AbstractMesh((2, 4), axis_names=("dp", "tp"), alpha=(1e-5, 1e-6), beta=(1e-9, 1e-10))
-    assert m2.group_alpha((0, 1)) == pytest.approx(1.1e-5)
-    assert m2.group_beta((0, 1)) == 1e-9 and m2.group_size((0, 1)) == 8
+    assert m.to_dict() == {"shape": [2, 4], "axis_names": ["x", "y"]}
+    cost = CostModel.simulated_cpu(2)
+    assert cost.alpha == (1e-5, 1e-5) and cost.beta == (1 / 5e9, 1 / 5e9)
+    assert cost.flops_per_s == 5e10 and cost.memory_bytes == 4 * 2**30
+    assert not cost.native_reduce_scatter and cost.backend == "cpu"
+    m2 = AbstractMesh((2, 4), axis_names=("dp", "tp"))
+    c2 = CostModel((1e-5, 1e-6), (1e-9, 1e-10))
+    assert c2.group_alpha((0, 1)) == pytest.approx(1.1e-5)
+    assert c2.group_beta((0, 1)) == 1e-9 and m2.group_size((0, 1)) == 8
     assert AbstractMesh.from_json(m2.to_json()) == m2
     assert m2.axis_index("tp") == 1
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(shape=()), "non-empty"), (dict(shape=(0,)), "positive"),
-    (dict(shape=(2,), alpha=(1.0, 2.0)), "one per axis"),
     (dict(shape=(2, 2), axis_names=("a", "a")), "distinct"),
-    (dict(shape=(2,), flops_per_s=0), "flops_per_s")])
+    (dict(shape=(2,), axis_names=("a", "b")), "distinct")])
 def test_mesh_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AbstractMesh(**kwargs)
+
+
+def test_mesh_json_rejects_cost_figures():
+    """A mesh dict holding α, β (an older plan's) is not silently stripped of them."""
+    with pytest.raises(ValueError, match="legacy_mesh"):
+        AbstractMesh.from_dict({"shape": [2], "alpha": [1e-5], "beta": [1e-9]})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(alpha=(1.0, 2.0), beta=(1.0,)), "same axes"),
+    (dict(alpha=1e-5, beta=(1.0,)), "one value per mesh axis"),
+    (dict(alpha=(-1.0,), beta=(1.0,)), ">= 0"),
+    (dict(alpha=(1.0,), beta=(1.0,), flops_per_s=0), "flops_per_s"),
+    (dict(alpha=(1.0,), beta=(1.0,), dtype_flops_per_s={"bf16": -1}), "bf16"),
+    (dict(alpha=(1.0,), beta=(1.0,), memory_bytes=0), "memory_bytes")])
+def test_cost_model_errors(kwargs, match):
+    with pytest.raises(OptionsError, match=match):
+        CostModel(**kwargs)
+    with pytest.raises(OptionsError, match="2 axes"):
+        C1.check(AbstractMesh((2, 4)))
 
 
 # ------------------------------------------------------------------------------- specs
@@ -167,18 +194,18 @@ def test_map_reshape_fused_qkv():
 def test_collective_formulas():
     m = mesh1(4)
     nb = 1 << 20
-    assert all_reduce_cost(nb, (0,), m) == pytest.approx(A + 2 * 3 / 4 * nb * B)
-    assert all_gather_cost(nb, (0,), m) == pytest.approx(A + 3 / 4 * nb * B)
-    assert reduce_scatter_cost(nb, (0,), m) == pytest.approx(A + 3 / 4 * nb * B)
-    assert all_to_all_cost(nb, (0,), m) == pytest.approx(A + 3 / 4 * nb * B)
-    assert collective_cost(ALL_REDUCE, (), nb, m) == 0.0
-    m2 = AbstractMesh((2, 4), alpha=(1e-6, 1e-5), beta=(1e-9, 1e-10))
-    assert all_reduce_cost(nb, (0, 1), m2) == pytest.approx(1.1e-5 + 2 * 7 / 8 * nb * 1e-9)
+    assert all_reduce_cost(nb, (0,), m, C1) == pytest.approx(A + 2 * 3 / 4 * nb * B)
+    assert all_gather_cost(nb, (0,), m, C1) == pytest.approx(A + 3 / 4 * nb * B)
+    assert reduce_scatter_cost(nb, (0,), m, C1) == pytest.approx(A + 3 / 4 * nb * B)
+    assert all_to_all_cost(nb, (0,), m, C1) == pytest.approx(A + 3 / 4 * nb * B)
+    assert collective_cost(ALL_REDUCE, (), nb, m, C1) == 0.0
+    m2 = AbstractMesh((2, 4))
+    assert all_reduce_cost(nb, (0, 1), m2, C2) == pytest.approx(1.1e-5 + 2 * 7 / 8 * nb * 1e-9)
     with pytest.raises(ValueError, match="kind"):
-        collective_cost("broadcast", (0,), nb, m)
+        collective_cost("broadcast", (0,), nb, m, C1)
     # One all-reduce is cheaper than the reduce-scatter + all-gather pair (α once).
-    assert all_reduce_cost(nb, (0,), m) < (reduce_scatter_cost(nb, (0,), m)
-                                           + all_gather_cost(nb, (0,), m))
+    assert all_reduce_cost(nb, (0,), m, C1) < (reduce_scatter_cost(nb, (0,), m, C1)
+                                               + all_gather_cost(nb, (0,), m, C1))
 
 
 @pytest.mark.parametrize("src, dst, kinds, bytes_, cost", [
@@ -194,7 +221,7 @@ def test_collective_formulas():
 ])
 def test_reshard_standard_cases(src, dst, kinds, bytes_, cost):
     t = TensorType("f32", (32, 32))                   # 4096 bytes
-    plan = reshard(ShardingSpec.parse(src), ShardingSpec.parse(dst), t, mesh1(4))
+    plan = reshard(ShardingSpec.parse(src), ShardingSpec.parse(dst), t, mesh1(4), C1)
     assert [c.kind for c in plan.collectives] == kinds
     assert [c.bytes for c in plan.collectives] == bytes_
     assert plan.cost == pytest.approx(cost, rel=1e-12)
@@ -202,27 +229,27 @@ def test_reshard_standard_cases(src, dst, kinds, bytes_, cost):
 
 
 def test_reshard_two_axes():
-    m = AbstractMesh((2, 4), alpha=(1e-6, 1e-5), beta=(1e-9, 1e-10))
+    m = AbstractMesh((2, 4))
     t = TensorType("f32", (64, 64))                   # 16384 bytes
     # Partial over y on a tensor split over x: all-reduce of the local half over y.
-    p = reshard(ShardingSpec.parse("S[x]·R·P(sum@y)"), ShardingSpec.parse("S[x]·R"), t, m)
+    p = reshard(ShardingSpec.parse("S[x]·R·P(sum@y)"), ShardingSpec.parse("S[x]·R"), t, m, C2)
     assert [(c.kind, c.axes, c.bytes) for c in p.collectives] == [(ALL_REDUCE, (1,), 8192)]
     assert p.cost == pytest.approx(1e-5 + 2 * 3 / 4 * 8192 * 1e-10)
     # Fully split -> replicated: one all-gather over both axes of the full tensor.
-    g = reshard(ShardingSpec.parse("S[x,y]·R"), ShardingSpec.parse("R·R"), t, m)
+    g = reshard(ShardingSpec.parse("S[x,y]·R"), ShardingSpec.parse("R·R"), t, m, C2)
     assert [(c.kind, c.axes, c.bytes) for c in g.collectives] == [(ALL_GATHER, (0, 1), 16384)]
     assert g.cost == pytest.approx(1.1e-5 + 7 / 8 * 16384 * 1e-9)
     # Reduce-scatter first (shrinks), then gather on the other axis.
-    rs = reshard(ShardingSpec.parse("S[y]·R·P(sum@x)"), ShardingSpec.parse("R·S[x]"), t, m)
+    rs = reshard(ShardingSpec.parse("S[y]·R·P(sum@x)"), ShardingSpec.parse("R·S[x]"), t, m, C2)
     assert [(c.kind, c.bytes) for c in rs.collectives] == [(REDUCE_SCATTER, 4096),
                                                            (ALL_GATHER, 8192)]
     # Moving one axis' split from one dim to another is an all-to-all of the local shard.
-    a2a = reshard(ShardingSpec.parse("S[x]·R"), ShardingSpec.parse("R·S[x]"), t, m)
+    a2a = reshard(ShardingSpec.parse("S[x]·R"), ShardingSpec.parse("R·S[x]"), t, m, C2)
     assert [(c.kind, c.axes, c.bytes) for c in a2a.collectives] == [(ALL_TO_ALL, (0,), 8192)]
     # Moving two axes at once: XLA gathers the whole tensor and slices (its fallback).
-    both = reshard(ShardingSpec.parse("S[x]·S[y]"), ShardingSpec.parse("S[y]·S[x]"), t, m)
+    both = reshard(ShardingSpec.parse("S[x]·S[y]"), ShardingSpec.parse("S[y]·S[x]"), t, m, C2)
     assert [(c.kind, c.axes, c.bytes) for c in both.collectives] == [(ALL_GATHER, (0, 1), 16384)]
-    table = ReshardCostTable(m)
+    table = ReshardCostTable(m, C2)
     src, dst = ShardingSpec.parse("S[x,y]·R"), ShardingSpec.parse("R·R")
     assert table.cost(src, dst, t) == g.cost and len(table) == 1
 
@@ -230,8 +257,8 @@ def test_reshard_two_axes():
 def test_reshard_errors_and_tuples():
     t = TensorType("f32", (6,))
     with pytest.raises(InvalidSpecError, match="divisible"):
-        reshard(ShardingSpec.parse("S[x]"), ShardingSpec.parse("R"), t, mesh1(4))
+        reshard(ShardingSpec.parse("S[x]"), ShardingSpec.parse("R"), t, mesh1(4), C1)
     r = (ShardingSpec.replicated(1),)
-    assert reshard(r, r, (t,), mesh1(4)).is_free
+    assert reshard(r, r, (t,), mesh1(4), C1).is_free
     with pytest.raises(InvalidSpecError, match="tuple"):
-        reshard(r, ShardingSpec.replicated(1), t, mesh1(4))
+        reshard(r, ShardingSpec.replicated(1), t, mesh1(4), C1)

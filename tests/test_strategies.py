@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import rhino
+from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.strategies import (StrategyOptions, generate_strategies, group_sizes,
@@ -24,6 +25,11 @@ def specs(strats, mesh):
             for st in strats}
 
 
+def cost(mesh):
+    """The cost model the tests price strategies with (α 10 µs, β 1/(5 GB/s), 50 GFLOP/s)."""
+    return CostModel.uniform(mesh.ndim)
+
+
 def only(g, opcode):
     ops = [op for op in g.ops if op.opcode == opcode]
     assert len(ops) == 1, [op.opcode for op in g.ops]
@@ -40,7 +46,7 @@ def check_all(g, mesh, ss):
 def test_dot_rules_1d():
     m = AbstractMesh((4,))
     g = rhino.ingest(lambda x, w: x @ w, sds(8, 16), sds(16, 32))
-    ss = generate_strategies(g, m)
+    ss = generate_strategies(g, m, cost(m))
     dot = only(g, "dot")
     got = specs(ss.strategies[dot.id], m)
     assert got == {(("R·R", "R·R"), "R·R"),
@@ -48,15 +54,15 @@ def test_dot_rules_1d():
                    (("R·R", "R·S[x]"), "R·S[x]"),          # columns
                    (("R·S[x]", "S[x]·R"), "R·R·P(sum@x)")}  # contracting -> partial sum
     by_label = {st.label: st for st in ss.strategies[dot.id]}
-    assert by_label["dot[R]"].compute_cost == pytest.approx(dot.flops / m.flops_per_s)
-    assert by_label["dot[k0@x]"].compute_cost == pytest.approx(dot.flops / m.flops_per_s / 4)
+    assert by_label["dot[R]"].compute_cost == pytest.approx(dot.flops / cost(m).flops_per_s)
+    assert by_label["dot[k0@x]"].compute_cost == pytest.approx(dot.flops / cost(m).flops_per_s / 4)
     check_all(g, m, ss)
 
 
 def test_dot_rules_compose_over_2d_mesh():
     m = AbstractMesh((2, 4))
     g = rhino.ingest(lambda x, w: jnp.einsum("bsh,hf->bsf", x, w), sds(4, 8, 16), sds(16, 32))
-    ss = generate_strategies(g, m)
+    ss = generate_strategies(g, m, cost(m))
     dot = only(g, "dot")
     got = specs(ss.strategies[dot.id], m)
     assert (("S[x]·R·R", "R·S[y]"), "S[x]·R·S[y]") in got          # batch on x, column on y
@@ -75,7 +81,7 @@ def test_batched_dot_and_elementwise_partial_rules():
         y = jnp.einsum("bij,bjk->bik", a, b)
         return jnp.tanh(y) + y * c
     g = rhino.ingest(f, sds(4, 6, 8), sds(4, 8, 2), sds(4, 6, 2))
-    ss = generate_strategies(g, m)
+    ss = generate_strategies(g, m, cost(m))
     dot = only(g, "dot")
     assert (("S[x]·R·R", "S[x]·R·R"), "S[x]·R·R") in specs(ss.strategies[dot.id], m)
     tanh, add, mul = only(g, "tanh"), only(g, "add"), only(g, "multiply")
@@ -93,7 +99,7 @@ def test_reduce_broadcast_transpose_rules():
     g = rhino.ingest(lambda x: (jnp.sum(x, axis=1), jnp.max(x, axis=0),
                                 jnp.broadcast_to(x[None], (4, 8, 6)), x.T),
                      sds(8, 6))
-    ss = generate_strategies(g, m)
+    ss = generate_strategies(g, m, cost(m))
     reds = [op for op in g.ops if op.opcode == "reduce"]
     by_reducer = {op.attrs["reducer"]: op for op in reds}
     s_sum = specs(ss.strategies[by_reducer["add"].id], m)
@@ -115,7 +121,7 @@ def test_slice_pad_concat_keep_touched_dims_whole():
     m = AbstractMesh((2,))
     g = rhino.ingest(lambda x: jnp.concatenate([x[:, :3], jnp.pad(x, ((0, 0), (1, 1)))],
                                                axis=1), sds(8, 6))
-    ss = generate_strategies(g, m)
+    ss = generate_strategies(g, m, cost(m))
     for code in ("slice", "pad", "concatenate"):
         op = only(g, code)
         for st in ss.strategies[op.id]:
@@ -132,7 +138,7 @@ def test_convolution_rules():
                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
     g = rhino.ingest(jax.grad(lambda x, w: jnp.sum(conv(x, w)), argnums=1),
                      sds(4, 8, 8, 6), sds(3, 3, 6, 10))
-    ss = generate_strategies(g, m)
+    ss = generate_strategies(g, m, cost(m))
     convs = [op for op in g.ops if op.opcode == "convolution"]
     assert convs
     wgrad = convs[-1]                                  # weight gradient: f01b_i01o->01bf
@@ -145,7 +151,7 @@ def test_convolution_rules():
     check_all(g, m, ss)
 
     g2 = rhino.ingest(conv, sds(4, 8, 8, 6), sds(3, 3, 6, 10))
-    ss2 = generate_strategies(g2, m)
+    ss2 = generate_strategies(g2, m, cost(m))
     fwd = only(g2, "convolution")
     got2 = specs(ss2.strategies[fwd.id], m)
     assert (("S[x]·R·R·R", "R·R·R·R"), "S[x]·R·R·R") in got2      # batch
@@ -157,7 +163,7 @@ def test_gather_and_scatter_rules():
     m = AbstractMesh((2,))
     g = rhino.ingest(jax.grad(lambda t, i: jnp.sum(jnp.take(t, i, axis=0) ** 2)),
                      sds(16, 8), sds(4, 6, dtype=jnp.int32))
-    ss = generate_strategies(g, m)
+    ss = generate_strategies(g, m, cost(m))
     gather = only(g, "gather")
     got = specs(ss.strategies[gather.id], m)
     assert (("S[x]·R", "R·R·R"), "R·R·R·P(sum@x)") in got          # vocabulary split
@@ -183,7 +189,7 @@ def _qkv_graph(B=2, S=4, H=32, heads=4):
 def test_strided_candidates_come_from_reshapes():
     m = AbstractMesh((4,))
     g = _qkv_graph()
-    ss = generate_strategies(g, m)
+    ss = generate_strategies(g, m, cost(m))
     dot = next(op for op in g.ops if op.opcode == "dot" and op.shape.rank == 3)
     reshape = next(op for op in g.ops if op.opcode == "reshape" and op.shape.rank == 5)
     # A head split of [B,S,3,heads,hd] is a stride-8 split (1 head x hd=8) of 3H = 96.
@@ -193,7 +199,7 @@ def test_strided_candidates_come_from_reshapes():
     w = g.params[1]
     assert "R·S[x/s8]" in {st.out_spec.to_str(m) for st in ss.strategies[w]}
     check_all(g, m, ss)
-    off = generate_strategies(g, m, StrategyOptions(strided=False))
+    off = generate_strategies(g, m, cost(m), StrategyOptions(strided=False))
     assert not off.hints
     for strats in off.strategies:
         for st in strats:
@@ -203,7 +209,7 @@ def test_strided_candidates_come_from_reshapes():
 def test_reshape_pairs_move_no_data_2d():
     m = AbstractMesh((2, 2))
     g = _qkv_graph(H=16, heads=4)
-    ss = generate_strategies(g, m)
+    ss = generate_strategies(g, m, cost(m))
     check_all(g, m, ss)   # the validator brute-forces element placement of every reshape
     assert group_sizes(m) == [2, 4]
 
@@ -214,7 +220,7 @@ def test_unknown_ops_are_replicated_and_reported():
     def f(x, n):
         return jax.lax.fori_loop(0, n, lambda i, v: v * 2.0, x)
     g = rhino.ingest(f, sds(8,), sds(dtype=jnp.int32))
-    ss = generate_strategies(g, m)
+    ss = generate_strategies(g, m, cost(m))
     names = {(u.opcode, u.reason.split(" ")[0]) for u in ss.unknown_ops}
     assert ("while", "tuple-shaped") in names
     for u in ss.unknown_ops:
@@ -228,7 +234,7 @@ def test_parameters_get_every_spec_and_op_strategies():
     m = AbstractMesh((2, 2))
     g = rhino.ingest(lambda w: w * 2.0, sds(4, 6))
     p = g.params[0]
-    got = {st.out_spec.to_str(m) for st in op_strategies(g, p, m)}
+    got = {st.out_spec.to_str(m) for st in op_strategies(g, p, m, cost(m))}
     assert got == {"R·R", "S[x]·R", "S[y]·R", "S[x,y]·R", "R·S[x]", "R·S[y]", "S[x]·S[y]",
                    "S[y]·S[x]"}
     assert all(not ShardingSpec.parse(s, m).is_partial for s in got)

@@ -20,6 +20,7 @@ import dataclasses
 import time
 from typing import Any, Callable
 
+from rhino.backends import BackendFigures, backend_figures
 from rhino.errors import OptionsError
 from rhino.hlo_passes import HloGraph, ingest
 from rhino.cluster import Cluster
@@ -27,18 +28,30 @@ from rhino.parallel_plan import Plan
 from rhino.pipeline.search import PipelineOptions, plan_pipeline_graph
 
 
-def make_cluster(cluster: str | Cluster, **links: float | int | None) -> Cluster:
-    """A ``Cluster`` from ``"HxD"`` (or one as is) with the given fields overriding.
+def make_cluster(cluster: str | Cluster, figures: BackendFigures | str | None = None,
+                 **links: float | int | None) -> Cluster:
+    """A ``Cluster`` from ``"HxD"`` of ``figures``' devices (a name: built-in figures;
+    default: simulated CPU), or a ``Cluster`` as is, with the given fields overriding.
 
     Raises:
-        OptionsError: malformed text or values.
+        OptionsError: malformed text or values, or figures for a given ``Cluster`` (it
+            carries its own).
     """
     fields = {k: v for k, v in links.items() if v is not None}
+    if isinstance(figures, str):
+        figures = backend_figures(figures)
+    if "flops_per_s" in fields:
+        fields.setdefault("dtype_flops_per_s", ())   # one rate for every dtype
     try:
         if isinstance(cluster, Cluster):
+            if figures is not None:
+                raise OptionsError(f"cluster: a rhino.Cluster carries its figures; found "
+                                   f"figures {figures.backend!r} given too")
             return dataclasses.replace(cluster, **fields)
-        return Cluster.parse(cluster, **fields)
+        return Cluster.parse(cluster, figures, **fields)
     except (TypeError, ValueError) as e:
+        if isinstance(e, OptionsError):
+            raise
         raise OptionsError(f"cluster: {e}") from None
 
 
@@ -48,6 +61,7 @@ def plan_pipeline(source: Any, *example_args: Any, cluster: str | Cluster = "1x8
                   alpha_intra: float | None = None, beta_intra: float | None = None,
                   alpha_inter: float | None = None, beta_inter: float | None = None,
                   flops_per_s: float | None = None, memory_bytes: int | None = None,
+                  backend: str | None = None,
                   batch_args: tuple[str, ...] | None = None,
                   options: PipelineOptions | None = None,
                   progress: Callable[[str], None] | None = None) -> Plan:
@@ -63,8 +77,11 @@ def plan_pipeline(source: Any, *example_args: Any, cluster: str | Cluster = "1x8
             else 0.1).
         max_stages: the most pipeline stages (default: ``options``', else every device).
         alpha_intra, beta_intra, alpha_inter, beta_inter: link latency (s) and seconds per
-            byte within and across hosts (default: the simulated-CPU values).
-        flops_per_s, memory_bytes: per device (override the cluster's).
+            byte within and across hosts (default: the figures' of ``backend``).
+        flops_per_s, memory_bytes: per device (override the cluster's; ``flops_per_s`` for
+            every dtype).
+        backend: built-in figures of the cluster's devices (``rhino.backends``; default
+            simulated CPU), for a cluster given as text.
         batch_args: argument names that carry the batch (default: the non-state ones).
         options: all other search options; ``microbatches``, ``epsilon``, ``max_stages``
             and ``batch_args`` given here (not None) replace theirs.
@@ -78,7 +95,7 @@ def plan_pipeline(source: Any, *example_args: Any, cluster: str | Cluster = "1x8
             candidates need it; ``max_stages=1`` plans SPMD only).
         InfeasiblePlanError: nothing fits in device memory.
     """
-    c = make_cluster(cluster, alpha_intra=alpha_intra, beta_intra=beta_intra,
+    c = make_cluster(cluster, backend, alpha_intra=alpha_intra, beta_intra=beta_intra,
                      alpha_inter=alpha_inter, beta_inter=beta_inter, flops_per_s=flops_per_s,
                      memory_bytes=memory_bytes)
     given = {"num_microbatches": microbatches, "epsilon": epsilon, "max_stages": max_stages,

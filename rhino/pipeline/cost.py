@@ -4,8 +4,8 @@ A stage's SPMD plan is made for its subgraph at the whole batch; ``profile_stage
 it into what runs per microbatch and what runs once per step:
 
 * compute: the apply-gradients ops' share is ``Σ flops / (F · devices sharing the op)``
-  under the plan's output specs; the rest of the plan's compute is forward + backward,
-  divided by ``m`` per microbatch;
+  under the plan's output specs (``F``: the plan's cost model's FLOP/s for the op's dtype);
+  the rest of the plan's compute is forward + backward, divided by ``m`` per microbatch;
 * communication: collectives whose consumer is a compute-gradients op run per microbatch on
   ``1/m`` of the bytes (α stays); the others (consumer an apply-gradients op, a carried
   output: the gradient all-reduces and weight updates) run once per step — the gradient
@@ -45,6 +45,7 @@ from typing import Sequence
 from rhino.hlo_passes.graph import HloGraph, TensorType
 from rhino.hlo_passes.subgraph import CUT_PREFIX
 from rhino.planner.collectives import collective_cost
+from rhino.planner.cost_model import CostModel, compute_dtype
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planner.spec import ShardingSpec
@@ -63,14 +64,15 @@ def transfer_seconds(nbytes: float, src_devices: int, dst_devices: int, alpha: f
     return alpha + beta * nbytes / max(1, min(src_devices, dst_devices))
 
 
-def gather_seconds(nbytes: float, spec: ShardingSpec | None, mesh: AbstractMesh) -> float:
+def gather_seconds(nbytes: float, spec: ShardingSpec | None, mesh: AbstractMesh,
+                   cost: CostModel) -> float:
     """All-gather inside the destination mesh when ``spec`` keeps replicas there."""
     if spec is None or mesh.num_devices <= 1:
         return 0.0
     shards = spec.shard_count(mesh)
     if shards >= mesh.num_devices:
         return 0.0
-    return collective_cost("all-gather", tuple(range(mesh.ndim)), nbytes / shards, mesh)
+    return collective_cost("all-gather", tuple(range(mesh.ndim)), nbytes / shards, mesh, cost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +100,8 @@ class StageProfile:
     input_bytes: int
     activation_bytes: int
 
-    def microbatch_comm_s(self, mesh: AbstractMesh, m: int) -> float:
-        return float(sum(collective_cost(k, axes, b / m, mesh)
+    def microbatch_comm_s(self, mesh: AbstractMesh, cost: CostModel, m: int) -> float:
+        return float(sum(collective_cost(k, axes, b / m, mesh, cost)
                          for k, axes, b in self.micro_collectives))
 
 
@@ -114,7 +116,7 @@ def profile_stage(sub_graph: HloGraph, plan: SpmdPlan, apply_ops: set[str],
         gradient_ops: names of the gradient values it accumulates.
         state_args: top-level argument names that are training state.
     """
-    mesh = plan.mesh
+    mesh, cost = plan.mesh, plan.cost
     specs = {o.name: o.out_spec for o in plan.ops}
     apply_s = 0.0
     grad_bytes = 0
@@ -125,7 +127,7 @@ def profile_stage(sub_graph: HloGraph, plan: SpmdPlan, apply_ops: set[str],
             if isinstance(spec, ShardingSpec):
                 div = spec.shard_count(mesh) * mesh.group_size(
                     [a for a in spec.used_axes if a not in spec.split_axes])
-            apply_s += op.flops / (mesh.flops_per_s * max(1, div))
+            apply_s += op.flops / (cost.flops_for(compute_dtype(sub_graph, op)) * max(1, div))
         if op.name in gradient_ops and isinstance(op.shape, TensorType):
             shards = spec.shard_count(mesh) if isinstance(spec, ShardingSpec) else 1
             grad_bytes += op.out_bytes // max(1, shards)

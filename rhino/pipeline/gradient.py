@@ -102,8 +102,10 @@ class BoundaryOptions:
     """How ``find_gradient_boundary`` searches.
 
     Attributes:
-        batch_args: top-level argument names that carry the batch (e.g. ``("batch",)``);
-            None: every argument that is not state (see the module docstring).
+        batch_args: what carries the batch: top-level argument names (``("batch",)``) or
+            pytree paths inside them (``("batch['tokens']", "batch['labels']")``, leaving
+            ``batch['rng']`` out); None: every argument that is not state (see the module
+            docstring). PRNG keys are never split, wherever they are.
         method: ``"auto"`` (marker, then autodiff), ``"marker"`` or ``"autodiff"``.
     """
 
@@ -210,21 +212,33 @@ def _carried(graph: HloGraph) -> tuple[tuple[int, int], ...]:
     return carried_pairs(graph)
 
 
+def _path(graph: HloGraph, param: int) -> str:
+    op = graph.ops[param]
+    return op.arg.path if op.arg is not None else op.name
+
+
+def _under(path: str, prefix: str) -> bool:
+    """``path`` is ``prefix`` or inside it (``batch['x']`` is under ``batch``)."""
+    return path == prefix or path.startswith(prefix + "[") or path.startswith(prefix + ".")
+
+
 def split_arguments(graph: HloGraph, batch_args: Sequence[str] | None = None
                     ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(batch argument names, state argument names), in parameter order.
+    """(what carries the batch: names or paths, state argument names), in parameter order.
 
     Raises:
-        GradientBoundaryError: a named batch argument does not exist, or no argument is
-            left to carry the batch.
+        GradientBoundaryError: a named batch argument or path matches no parameter, or no
+            argument is left to carry the batch.
     """
     names = list(dict.fromkeys(arg_name(graph, p) for p in graph.params))
     if batch_args is not None:
-        unknown = [a for a in batch_args if a not in names]
+        paths = [_path(graph, p) for p in graph.params]
+        unknown = [a for a in batch_args if not any(_under(x, a) for x in paths)]
         if unknown:
-            raise GradientBoundaryError(f"batch_args among the arguments {names}",
-                                        f"{unknown}")
-        batch = [a for a in names if a in batch_args]
+            raise GradientBoundaryError(
+                f"batch_args naming arguments {names} or pytree paths inside them "
+                f"(e.g. {paths[-1]!r})", f"{unknown}, which match no argument leaf")
+        batch = list(dict.fromkeys(batch_args))
     else:
         carried_args = {arg_name(graph, p) for _, p in _carried(graph)}
         batch = [a for a in names if a not in carried_args and a not in STATE_NAMES]
@@ -232,7 +246,8 @@ def split_arguments(graph: HloGraph, batch_args: Sequence[str] | None = None
         raise GradientBoundaryError(
             "an argument carrying the batch", f"only state arguments {names}",
             "Pass batch_args (e.g. BoundaryOptions(batch_args=('batch',))).")
-    return tuple(batch), tuple(a for a in names if a not in batch)
+    state = [a for a in names if not any(_under(a, b) or _under(b, a) for b in batch)]
+    return tuple(batch), tuple(state)
 
 
 def _ancestors(graph: HloGraph, seeds: Sequence[int]) -> list[bool]:
@@ -245,6 +260,31 @@ def _ancestors(graph: HloGraph, seeds: Sequence[int]) -> list[bool]:
         flags[i] = True
         stack.extend(o for o in graph.ops[i].operands if not flags[o])
     return flags
+
+
+def _descendants(graph: HloGraph, seeds: Sequence[int]) -> list[bool]:
+    flags = [False] * len(graph.ops)
+    for i in seeds:
+        flags[i] = True
+    for op in graph.ops:                       # ops are in topological order
+        if not flags[op.id] and any(flags[o] for o in op.operands):
+            flags[op.id] = True
+    return flags
+
+
+def _gradient_values(graph: HloGraph, seeds: Sequence[int], method: str) -> list[int]:
+    """The gradient values the autodiff region hands out: marked ops (marker method), or
+    ops of a ``transpose(...)`` scope read outside the autodiff region (autodiff)."""
+    if method == "marker":
+        return list(seeds)
+    autodiff = set(seeds)
+    out = []
+    for op in graph.ops:
+        if op.id in autodiff or not op.operands:
+            continue
+        out += [o for o in op.operands if o in autodiff and _has_component(
+            graph.ops[o].op_name, lambda c: c.startswith("transpose("))]
+    return sorted(set(out))
 
 
 def _has_component(op_name: str, pred) -> bool:
@@ -276,8 +316,9 @@ def find_gradient_boundary(graph: HloGraph, options: BoundaryOptions = BoundaryO
             entering apply-gradients when a marker is used.
     """
     batch_args, state_args = split_arguments(graph, options.batch_args)
-    batch_params = tuple(p for p in graph.params if arg_name(graph, p) in batch_args)
-    state_params = tuple(p for p in graph.params if arg_name(graph, p) not in batch_args)
+    in_batch = {p: any(_under(_path(graph, p), b) for b in batch_args) for p in graph.params}
+    batch_params = tuple(p for p in graph.params if in_batch[p])
+    state_params = tuple(p for p in graph.params if not in_batch[p])
     n = len(graph.ops)
     dep = [False] * n
     for p in batch_params:
@@ -307,7 +348,12 @@ def find_gradient_boundary(graph: HloGraph, options: BoundaryOptions = BoundaryO
             f"neither in {len(graph.ops)} ops (op_name metadata "
             f"{'present' if any(op.op_name for op in graph.ops) else 'absent'})",
             "Wrap the gradients with rhino.grad(...) before the optimizer update.")
-    in_cg = _ancestors(graph, list(seeds) + metrics)
+    # A metric computed from the gradients (a logged gradient norm, say) belongs after
+    # accumulation: it is apply-gradients, computed once per step from the summed
+    # gradients, not averaged over per-microbatch values.
+    from_grads = _descendants(graph, _gradient_values(graph, seeds, method))
+    cg_metrics = [o for o in metrics if not from_grads[o]]
+    in_cg = _ancestors(graph, list(seeds) + cg_metrics)
     compute = tuple(i for i in range(n) if in_cg[i])
     apply = tuple(i for i in range(n) if not in_cg[i])
     users = graph.users
@@ -337,5 +383,5 @@ def find_gradient_boundary(graph: HloGraph, options: BoundaryOptions = BoundaryO
     cg_state = tuple(o for o in dict.fromkeys(graph.outputs) if o in carried_outs and in_cg[o]
                      and dep[o])
     return GradientBoundary(method, batch_args, state_args, batch_params, state_params,
-                            compute, apply, gradients, shared, tuple(metrics), cg_state,
+                            compute, apply, gradients, shared, tuple(cg_metrics), cg_state,
                             tuple(dep))

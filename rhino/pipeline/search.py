@@ -7,7 +7,8 @@ Phases (the paper's Fig. 2: enumerate mesh configurations, plan each in parallel
           ─► for each split (p × stage mesh): stage subgraphs -> SPMD plan per stage
              (in parallel; identical stages planned once) ; p = 1: SPMD plan of the graph;
              in waves of increasing p: a wave whose lower bound ``(m + p - 1) / m ·
-             FLOPs / (F · N)`` exceeds the best step found is pruned unplanned
+             Σ FLOPs / (F · N)`` (``F`` the FLOP/s of each op's dtype) exceeds the best
+             step found is pruned unplanned
           ─► per candidate: profiles, transfers, 1F1B step, memory (cost.py); a stage over
              the memory budget is re-planned with the SPMD planner's memory constraint
           ─► controller: the feasible candidate with the least estimated step time
@@ -32,7 +33,8 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-from rhino.errors import InfeasiblePlanError, OptionsError, RhinoError, format_bytes
+from rhino.errors import (InfeasiblePlanError, OptionsError, PlanningError, RhinoError,
+                          format_bytes)
 from rhino.hlo_passes.graph import HloGraph, shape_str
 from rhino.hlo_passes.subgraph import CUT_PREFIX, Subgraph, extract_subgraph, structural_key
 from rhino.cluster import Cluster, MeshSplit, enumerate_splits
@@ -48,6 +50,7 @@ from rhino.pipeline.stages import StageAssignment, assign_given_stages, assign_s
 from rhino.planner.api import PlanOptions, plan_graph
 from rhino.planner.build import BuildOptions, carried_pairs
 from rhino.planner.collectives import collective_cost
+from rhino.planner.cost_model import CostModel, flops_by_rate
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.vocabulary import PlanKind, Role, ScheduleKind
@@ -87,6 +90,9 @@ class PipelineOptions:
         keep_spmd: keep each stage's ``SpmdPlan`` in the result.
         prune: skip the candidates of a stage count whose lower bound (perfectly scaled
             compute with the 1F1B bubble) exceeds the best step already found.
+        microbatch_divisors: op id -> {dim: m} for the dimensions that carry the batch
+            (``auto_parallel`` finds them by tracing the step at microbatch shapes): stage
+            plans only split them into shards a microbatch divides (``BuildOptions.divisors``).
     """
 
     num_microbatches: int = 8
@@ -108,6 +114,7 @@ class PipelineOptions:
     executor: str = "auto"
     keep_spmd: bool = True
     prune: bool = True
+    microbatch_divisors: Any = None
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -140,11 +147,11 @@ class PipelineOptions:
 
 
 # ------------------------------------------------------------------------------ SPMD pool
-def _plan_task(graph: HloGraph, mesh: AbstractMesh, options: PlanOptions
+def _plan_task(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, options: PlanOptions
                ) -> tuple[SpmdPlan | None, str, float]:
     t0 = time.perf_counter()
     try:
-        return plan_graph(graph, mesh, options), "", time.perf_counter() - t0
+        return plan_graph(graph, mesh, cost, options), "", time.perf_counter() - t0
     except InfeasiblePlanError as e:
         return None, str(e), time.perf_counter() - t0
 
@@ -172,15 +179,16 @@ def _picklable(options: PlanOptions) -> dict[str, Any]:
     pickle) for worker processes."""
     build = {f.name: getattr(options.build, f.name) for f in dataclasses.fields(BuildOptions)}
     build["pinned"] = dict(build["pinned"])
+    build["divisors"] = {k: dict(v) for k, v in build["divisors"].items()}
     fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(PlanOptions)}
     fields["build"] = build
     return fields
 
 
-def _plan_task_in_worker(graph: HloGraph, mesh: AbstractMesh, fields: dict[str, Any]
-                         ) -> tuple[SpmdPlan | None, str, float]:
+def _plan_task_in_worker(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
+                         fields: dict[str, Any]) -> tuple[SpmdPlan | None, str, float]:
     fields = dict(fields, build=BuildOptions(**fields["build"]))
-    return _plan_task(graph, mesh, PlanOptions(**fields))
+    return _plan_task(graph, mesh, cost, PlanOptions(**fields))
 
 
 class _SpmdPool:
@@ -207,24 +215,24 @@ class _SpmdPool:
         else:
             self.pool = cf.ThreadPoolExecutor(workers)
 
-    def submit(self, graph: HloGraph, mesh: AbstractMesh, options: PlanOptions,
-               extra: str = "") -> tuple[cf.Future, HloGraph]:
-        key = (structural_key(graph, extra), mesh, repr(options))
+    def submit(self, graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
+               options: PlanOptions, extra: str = "") -> tuple[cf.Future, HloGraph]:
+        key = (structural_key(graph, extra), mesh, cost, repr(options))
         with self.lock:
             got = self.futures.get(key)
             if got is None:
                 if self.pool is None:
                     fut: cf.Future = cf.Future()
-                    fut.set_result(_plan_task(graph, mesh, options))
+                    fut.set_result(_plan_task(graph, mesh, cost, options))
                 elif self.processes:
                     # Workers fork lazily here. JAX warns at every fork of a process that
                     # imported it; the workers only run the pure-Python planner, never JAX.
                     with warnings.catch_warnings():
                         warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
-                        fut = self.pool.submit(_plan_task_in_worker, graph, mesh,
+                        fut = self.pool.submit(_plan_task_in_worker, graph, mesh, cost,
                                                _picklable(options))
                 else:
-                    fut = self.pool.submit(_plan_task, graph, mesh, options)
+                    fut = self.pool.submit(_plan_task, graph, mesh, cost, options)
                 got = (fut, graph)
                 self.futures[key] = got
                 self.made += 1
@@ -315,7 +323,7 @@ def _cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: Stage
                    state_args: Sequence[str], m: int, budget: int | None,
                    lower_bound: float = 0.0) -> _Costed:
     p = split.num_stages
-    mesh = split.stage_mesh(cluster)
+    mesh, cost = split.stage_mesh(cluster), split.stage_cost(cluster)
     n = split.devices_per_stage
     profiles = [profile_stage(w.sub.graph, pl, w.apply_ops, w.gradient_ops, state_args)
                 for w, pl in zip(works, plans)]
@@ -328,7 +336,7 @@ def _cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: Stage
                 continue
             axes = tuple(mesh.axis_index(x) for x in c.axes)
             scale = m if c.tensor in w.batch_dependent else 1
-            total += collective_cost(c.kind, axes, c.bytes / scale, mesh)
+            total += collective_cost(c.kind, axes, c.bytes / scale, mesh, cost)
         micro.append(total)
     cut_specs = [{q.path[len(CUT_PREFIX):]: q.spec for q in pl.params
                   if q.path.startswith(CUT_PREFIX)} for pl in plans]
@@ -347,7 +355,7 @@ def _cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: Stage
             alpha, beta = split.link(cluster, c.src, d)
             nbytes = c.bytes / m if per_mb else c.bytes
             secs += transfer_seconds(nbytes, n, n, alpha, beta)
-            secs += gather_seconds(nbytes, cut_specs[d].get(op.name), mesh)
+            secs += gather_seconds(nbytes, cut_specs[d].get(op.name), mesh, cost)
         if per_mb:
             send[c.src] += secs
         else:
@@ -433,20 +441,41 @@ def _decision(winner: Candidate, cands: Sequence[Candidate]) -> str:
     return "; ".join(parts)
 
 
-def _lower_bound(flops: float, num_stages: int, num_microbatches: int,
-                 cluster: Cluster) -> float:
+def _no_plan(costed: Sequence[_Costed], cluster: Cluster, budget: int | None) -> RhinoError:
+    """The error for a search with no feasible candidate, carrying the real reasons: memory
+    (``InfeasiblePlanError``) when some candidate was planned and was only too big,
+    otherwise why each could not be planned (``PlanningError``)."""
+    sized = [c.candidate for c in costed if c.candidate.memory > 0]
+    notes = "; ".join(f"{c.candidate.label.strip()}: {c.candidate.note}" for c in costed)
+    if sized and budget is not None:
+        return InfeasiblePlanError(min(c.memory for c in sized), budget,
+                                   f"none of {len(costed)} candidates on cluster {cluster} "
+                                   f"fits: {notes}")
+    return PlanningError(f"pipeline search: expected a candidate that can be planned on "
+                         f"cluster {cluster}, found none of {len(costed)}: {notes}")
+
+
+def _device_cost(cluster: Cluster) -> CostModel:
+    """The cluster's FLOP/s per dtype, as a cost model of one device."""
+    return cluster.figures().cost_model((1,))
+
+
+def _lower_bound(graph: HloGraph, ops: Sequence[int] | None, num_stages: int,
+                 num_microbatches: int, cluster: Cluster) -> float:
     """No plan of ``p`` stages beats perfectly scaled compute with the 1F1B bubble:
-    ``(m + p - 1) / m · flops / (F · N)``."""
+    ``(m + p - 1) / m · Σ flops / (F · N)`` over ``ops`` (default: all), ``F`` the FLOP/s of
+    each op's dtype."""
     m = max(1, num_microbatches)
-    return (m + num_stages - 1) / m * flops / (cluster.flops_per_s * cluster.num_devices)
+    return float(sum((m + num_stages - 1) / m * f / (r * cluster.num_devices)
+                     for r, f in flops_by_rate(graph, ops, _device_cost(cluster)).items()))
 
 
 def _balance_weight(graph: HloGraph, a_problem_mean: float, cluster: Cluster,
                     split: MeshSplit) -> float:
     """Compute time of a perfectly balanced stage over the transfer time of a mean tensor."""
-    total = graph.total_flops
     n = split.devices_per_stage
-    t_stage = total / split.num_stages / (cluster.flops_per_s * n)
+    t_stage = float(sum(f / split.num_stages / (r * n)
+                        for r, f in flops_by_rate(graph, None, _device_cost(cluster)).items()))
     beta = max(cluster.beta_intra, cluster.beta_inter if split.num_stages > 1 else 0.0)
     t_tensor = beta * a_problem_mean / n
     if t_tensor <= 0:
@@ -536,10 +565,7 @@ class _Search:
             pool.close()
         feasible = [c for c in costed if c.candidate.feasible]
         if not feasible:
-            need = min((c.candidate.memory for c in costed if c.candidate.memory > 0),
-                       default=0)
-            raise InfeasiblePlanError(need, self.budget or 0, f"none of {len(costed)} "
-                                      f"candidates on cluster {self.cluster} fits")
+            raise _no_plan(costed, self.cluster, self.budget)
         best = min(feasible, key=lambda c: (c.candidate.step_s, c.candidate.num_stages))
         times = SearchTimes(ingest_s, boundary_s, coarsen_s, self.ilp_s, pool.seconds,
                             self.cost_s, time.perf_counter() - t_start + ingest_s,
@@ -605,12 +631,11 @@ class _Search:
         """SPMD plans and costs, in waves of equal stage count by increasing lower bound; a
         wave whose lower bound exceeds the best step found is pruned without planning."""
         graph, b = self.graph, self.boundary
-        cg_flops = (sum(graph.ops[i].flops for i in b.compute) if b is not None
-                    else graph.total_flops)
+        cg_ops = list(b.compute) if b is not None else None
         by_k: dict[int, _Costed] = {}
         for p in sorted({sp.num_stages for sp in self.splits}):
             wave = [k for k, sp in enumerate(self.splits) if sp.num_stages == p]
-            lb = _lower_bound(graph.total_flops if p == 1 else cg_flops, p,
+            lb = _lower_bound(graph, None if p == 1 else cg_ops, p,
                               1 if p == 1 else self.m, self.cluster)
             a = self.assignments.get(p)
             if p > 1 and not isinstance(a, StageAssignment):
@@ -634,18 +659,19 @@ class _Search:
                    ) -> dict[int, _Costed]:
         jobs = []
         for k in wave:
-            mesh = self.splits[k].stage_mesh(self.cluster)
+            sp = self.splits[k]
+            mesh, cost = sp.stage_mesh(self.cluster), sp.stage_cost(self.cluster)
             if p == 1:
                 opts = dataclasses.replace(self.options.spmd, memory_budget=self.budget)
-                jobs.append((k, 0, self.graph, mesh, opts, ""))
+                jobs.append((k, 0, self.graph, mesh, cost, opts, ""))
             else:
-                jobs += [(k, w.index, w.sub.graph, mesh, self._stage_options(w), repr(w.carried))
-                         for w in self.works[p]]
+                jobs += [(k, w.index, w.sub.graph, mesh, cost, self._stage_options(w),
+                          repr(w.carried)) for w in self.works[p]]
         # Largest first (ops × mesh axes), so the pool's last jobs are short ones.
         handles: dict[int, dict[int, Any]] = {}
-        for k, s_idx, g_, mesh, opts, extra in sorted(
+        for k, s_idx, g_, mesh, cost, opts, extra in sorted(
                 jobs, key=lambda j: -len(j[2].ops) * j[3].ndim):
-            handles.setdefault(k, {})[s_idx] = pool.submit(g_, mesh, opts, extra)
+            handles.setdefault(k, {})[s_idx] = pool.submit(g_, mesh, cost, opts, extra)
         out = {}
         for k in wave:
             hs = [handles[k][i] for i in sorted(handles[k])]
@@ -656,9 +682,12 @@ class _Search:
         return out
 
     def _stage_options(self, w: _StageWork, budget: int | None = None) -> PlanOptions:
+        div = self.options.microbatch_divisors or {}
+        sub_div = {k: div[src] for k, src in enumerate(w.sub.origin) if src in div}
         return dataclasses.replace(self.spmd_opts, memory_budget=budget,
                                    build=dataclasses.replace(self.spmd_opts.build,
-                                                             carried=w.carried))
+                                                             carried=w.carried,
+                                                             divisors=sub_div))
 
     def _cost_split(self, pool: "_SpmdPool", k: int, p: int, hs: list, lb: float
                     ) -> _Costed:
@@ -674,11 +703,11 @@ class _Search:
         c = self._cost_stages(sp, p, plans, lb)
         if not c.candidate.feasible and self.budget is not None:
             # Re-plan the stages over budget with the SPMD memory constraint.
-            mesh = sp.stage_mesh(self.cluster)
+            mesh, cost = sp.stage_mesh(self.cluster), sp.stage_cost(self.cluster)
             for st, mem in enumerate(c.memories):
                 if mem.total > self.budget:
                     got, _ = pool.result(pool.submit(
-                        ws[st].sub.graph, mesh, self._stage_options(ws[st], self.budget),
+                        ws[st].sub.graph, mesh, cost, self._stage_options(ws[st], self.budget),
                         repr(ws[st].carried)), ws[st].sub.graph)
                     if got is not None:
                         plans[st] = got
@@ -711,7 +740,7 @@ def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
         extra = set(w.sub.inputs) | set(w.sub.duplicated)
         ops = tuple(graph.ops[i].name for i in w.sub.origin if i not in extra)
         stages.append(StagePlan(w.index, sp.devices(cluster, w.index), sp.hosts(cluster, w.index),
-                                pl.mesh, ops, dict(w.counts), tuple(a.flops[w.index]),
+                                pl.mesh, pl.cost, ops, dict(w.counts), tuple(a.flops[w.index]),
                                 w.weights, est, mem, pl if options.keep_spmd else None))
     shared = tuple((graph.ops[q].arg.path if graph.ops[q].arg else graph.ops[q].name, s)
                    for q, s in a.shared_weights)

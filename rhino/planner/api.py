@@ -1,5 +1,6 @@
 """``plan_graph``: build the sharding problem → solve (O2/O3) → fit memory → validate →
-``SpmdPlan``, for an ingested graph on an abstract mesh (``rhino.plan`` is the front door).
+``SpmdPlan``, for an ingested graph on an abstract mesh priced by a cost model
+(``rhino.plan`` is the front door).
 
 Memory (paper §4.4): if the best plan does not fit ``memory_budget`` bytes per device, the
 entry parameters are sorted by size, the replicated choices of the largest ``k`` are
@@ -11,7 +12,8 @@ Example:
     >>> import jax.numpy as jnp, rhino
     >>> g = rhino.ingest(lambda x, w: jnp.sum(jnp.tanh(x @ w)), jnp.ones((256, 64)),
     ...                  jnp.ones((64, 64)))
-    >>> p = plan_graph(g, AbstractMesh.simulated_cpu((4,)), PlanOptions(opt_level="O3"))
+    >>> p = plan_graph(g, AbstractMesh((4,)), CostModel.simulated_cpu(1),
+    ...                PlanOptions(opt_level="O3"))
     >>> p.param_spec("x").to_str(p.mesh)
     'S[x]·R'
 """
@@ -30,6 +32,7 @@ from rhino.hlo_passes.analyses import liveness
 from rhino.hlo_passes.graph import TensorType, shape_str
 from rhino.planner.build import BuildOptions, BuiltProblem, build_problem, local_bytes
 from rhino.planner.collectives import reshard
+from rhino.planner.cost_model import CostModel
 from rhino.planner.hierarchical import solve_o2, solve_o3
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import (SpmdPlan, MemoryEstimate, OpPlan, ParamPlan,
@@ -91,7 +94,7 @@ class PlanOptions:
 def _solve(built: BuiltProblem, problem: ShardingProblem, options: PlanOptions) -> Solution:
     """Solve ``problem`` (a cost variant of ``built.problem``) with the memory tie-breaks;
     the returned objective is the true one, ``built.problem.objective(choice)``."""
-    beta = min(built.mesh.beta or (0.0,))
+    beta = min(built.cost.beta or (0.0,))
     if options.memory_tiebreak > 0 and problem.memory is not None:
         eps = options.memory_tiebreak * beta
         if eps > 0:
@@ -202,7 +205,7 @@ def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy],
     a pairwise cost), so the collectives' seconds can sum to less than the plan's
     communication time.
     """
-    graph, mesh = built.graph, built.mesh
+    graph, mesh, cost = built.graph, built.mesh, built.cost
     out: list[PlannedCollective] = []
     carried = {o: p for o, p in built.carried}
     free_outs = set(graph.outputs) - set(carried)
@@ -229,7 +232,7 @@ def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy],
     for u in sorted(resolved):
         spec = plan[u].out_spec
         if u not in free_outs:  # a free output is reduced below, as "<output>"
-            add(reshard(spec, spec.without_partial(), graph.ops[u].shape, mesh), u,
+            add(reshard(spec, spec.without_partial(), graph.ops[u].shape, mesh, cost), u,
                 f"<reduced once for {uses.get(u, 0)} uses>")
     seen: set = set()
     for op, st in zip(graph.ops, plan):
@@ -239,27 +242,45 @@ def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy],
             if (u, src, need) in seen:
                 continue  # XLA runs one resharding of a value into one layout (CSE)
             seen.add((u, src, need))
-            add(reshard(src, need, graph.ops[u].shape, mesh), u, op.name)
+            add(reshard(src, need, graph.ops[u].shape, mesh, cost), u, op.name)
     for o in dict.fromkeys(graph.outputs):
         spec = plan[o].out_spec
         if o in carried:
             p = carried[o]
             add(reshard(source(o, plan[p].out_spec), plan[p].out_spec, graph.ops[o].shape,
-                        mesh), o,
+                        mesh, cost), o,
                 f"<carry to {graph.ops[p].arg.path if graph.ops[p].arg else graph.ops[p].name}>")
         elif isinstance(spec, ShardingSpec) and spec.is_partial:
-            add(reshard(spec, spec.without_partial(), graph.ops[o].shape, mesh), o, "<output>")
+            add(reshard(spec, spec.without_partial(), graph.ops[o].shape, mesh, cost), o,
+                "<output>")
     return tuple(out)
 
 
-def plan_graph(graph: HloGraph, mesh: AbstractMesh, options: PlanOptions = PlanOptions(),
+def plan_graph(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
+               options: PlanOptions = PlanOptions(),
                progress: Callable[[str], None] | None = None,
                timings: tuple[float, float] = (0.0, 0.0)) -> SpmdPlan:
-    """Plan an ingested graph on an abstract mesh (pure: no devices)."""
+    """Plan an ingested graph on an abstract mesh (pure: no devices).
+
+    Args:
+        graph: the ingested graph.
+        mesh: the logical mesh.
+        cost: what collectives, compute and memory cost on it (``CostModel``; built-in
+            figures per backend in ``rhino.backends``); the plan records it.
+        options: how to search.
+        progress: called with a line of text at each phase.
+        timings: seconds spent ingesting and analysing, for the plan's statistics.
+
+    Raises:
+        OptionsError: the cost model is for another number of mesh axes.
+        InfeasiblePlanError: ``options.memory_budget`` cannot be met.
+    """
     progress = progress or (lambda msg: None)
+    cost.check(mesh, "plan_graph")
     t0 = time.perf_counter()
-    progress(f"building the sharding problem ({len(graph.ops)} ops, mesh {mesh})")
-    built = build_problem(graph, mesh, options.build)
+    progress(f"building the sharding problem ({len(graph.ops)} ops, mesh {mesh}, "
+             f"{cost.backend} costs)")
+    built = build_problem(graph, mesh, cost, options.build)
     t1 = time.perf_counter()
     progress(f"solving with {options.opt_level}")
     sol, mem, k, rounds = _fit_memory(built, options, progress)
@@ -284,7 +305,7 @@ def plan_graph(graph: HloGraph, mesh: AbstractMesh, options: PlanOptions = PlanO
                                 op.out_bytes, local_bytes(op.shape, s.out_spec, mesh),
                                 bool(op.arg and op.arg.donated)))
     return SpmdPlan(
-        program=graph.name, origin=graph.origin, mesh=mesh, ops=tuple(ops),
+        program=graph.name, origin=graph.origin, mesh=mesh, cost=cost, ops=tuple(ops),
         params=tuple(params),
         collectives=predicted_collectives(built, strategies, built.resolved(sol.choice)),
         memory=mem, memory_budget=options.memory_budget, compute_s=br.compute,

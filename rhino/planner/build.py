@@ -1,6 +1,7 @@
-"""HloGraph + AbstractMesh -> ShardingProblem: one node per op, one choice per strategy.
+"""HloGraph + AbstractMesh + CostModel -> ShardingProblem: one node per op, one choice per
+strategy.
 
-Costs (seconds):
+Costs (seconds, priced by the ``CostModel``):
 
 * unary, per node and choice: the strategy's compute cost (``op.flops`` over the devices
   sharing the work) plus its communication inside the op. A program output that is not
@@ -36,9 +37,10 @@ segments and the critical nodes (pivots) map directly.
 
 Example:
     >>> import jax.numpy as jnp, rhino
+    >>> from rhino.planner.cost_model import CostModel
     >>> from rhino.planner.mesh import AbstractMesh
     >>> g = rhino.ingest(lambda x, w: jnp.tanh(x @ w), jnp.ones((8, 4)), jnp.ones((4, 4)))
-    >>> built = build_problem(g, AbstractMesh((2,)))
+    >>> built = build_problem(g, AbstractMesh((2,)), CostModel.simulated_cpu(1))
     >>> built.problem.num_nodes, [len(c) for c in built.problem.costs]
     (4, [3, 3, 4, 3])
 """
@@ -54,20 +56,17 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.errors import RhinoError
+from rhino.errors import PlanningError, RhinoError
 from rhino.hlo_passes.analyses import analyze
 from rhino.hlo_passes.graph import HloGraph, TensorType, flatten_shape
 from rhino.planner.collectives import ReshardCostTable
+from rhino.planner.cost_model import CostModel
 from rhino.planner.hierarchical import Partition
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.problem import Edge, ShardingProblem
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.strategies import (Strategy, StrategyOptions, UnknownOp,
                                       generate_strategies)
-
-
-class PlanningError(RhinoError, ValueError):
-    """The planner's inputs are inconsistent (e.g. a pinned spec no strategy offers)."""
 
 
 # HLO opcodes whose values may be strided with ``strided_interior_only`` (elementwise ops,
@@ -90,6 +89,9 @@ class BuildOptions:
         partial_passthrough: let linear ops take and produce pending sums.
         forced_sharded: op ids of parameters whose replicated choices are removed.
         pinned: op id -> the only output spec allowed for that op.
+        divisors: op id -> {dim: k}: a split of that dimension must also divide its size
+            over k (a pipeline plans whole-batch shapes but runs microbatches: k = m on
+            the batch dimension, so no stage plan splits what a microbatch cannot hold).
         optimizer_state_multiplier: extra per-parameter memory, as a multiple of its local
             bytes, for optimizer state the graph does not hold as parameters (0 when the
             step takes the optimizer state as arguments, as the zoo's steps do).
@@ -107,6 +109,7 @@ class BuildOptions:
     partial_passthrough: bool = True
     forced_sharded: frozenset[int] = frozenset()
     pinned: Mapping[int, ShardingSpec] = dataclasses.field(default_factory=dict)
+    divisors: Mapping[int, Mapping[int, int]] = dataclasses.field(default_factory=dict)
     optimizer_state_multiplier: float = 0.0
     carry_outputs: bool = True
     carried: tuple[tuple[int, int], ...] | None = None
@@ -116,6 +119,8 @@ class BuildOptions:
     def __post_init__(self):
         object.__setattr__(self, "forced_sharded", frozenset(self.forced_sharded))
         object.__setattr__(self, "pinned", types.MappingProxyType(dict(self.pinned)))
+        object.__setattr__(self, "divisors", types.MappingProxyType(
+            {int(k): types.MappingProxyType(dict(v)) for k, v in self.divisors.items()}))
         if self.optimizer_state_multiplier < 0:
             raise ValueError(f"optimizer_state_multiplier: expected >= 0, found "
                              f"{self.optimizer_state_multiplier}")
@@ -168,6 +173,7 @@ class BuiltProblem:
     Attributes:
         graph: the graph planned.
         mesh: the mesh planned for.
+        cost: the cost model the problem's costs come from.
         options: the build options.
         problem: the problem; node ``i`` is op ``i``; choice ``j`` is ``strategies[i][j]``.
         strategies: per node, its strategies (after forcing/pinning; a shared value's
@@ -182,6 +188,7 @@ class BuiltProblem:
 
     graph: HloGraph
     mesh: AbstractMesh
+    cost: CostModel
     options: BuildOptions
     problem: ShardingProblem
     strategies: tuple[tuple[Strategy, ...], ...]
@@ -380,6 +387,11 @@ def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: Abs
                                 f"{have}, found {want.to_str(mesh)}"
                                 + (f" ({why})" if why else ""))
         strategies[i] = kept
+    for i, dims in options.divisors.items():
+        kept = tuple(s for s in strategies[i] if _divides(s.out_spec, graph.ops[i].shape, dims,
+                                                           mesh))
+        if kept:
+            strategies[i] = kept
     if options.strided_interior_only:
         boundary = set(graph.params) | set(graph.outputs)
         for op in graph.ops:
@@ -391,6 +403,19 @@ def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: Abs
             if kept and len(kept) < len(strategies[op.id]):
                 strategies[op.id] = kept
     return tuple(unforceable)
+
+
+def _divides(spec: object, shape: object, dims: Mapping[int, int], mesh: AbstractMesh) -> bool:
+    """Whether ``spec`` splits each dimension of ``dims`` into shards that divide its size
+    over the dimension's divisor (tuples and unsplit dims always do)."""
+    if not isinstance(spec, ShardingSpec) or not isinstance(shape, TensorType):
+        return True
+    for d, k in dims.items():
+        if d < len(spec.dims) and spec.dims[d].axes:
+            n = mesh.group_size(spec.dims[d].axes)
+            if (shape.dims[d] // k) % n:
+                return False
+    return True
 
 
 def _finish_outputs(graph: HloGraph, strategies: list[tuple[Strategy, ...]],
@@ -428,13 +453,14 @@ class _EdgeBuilder:
         return small[np.ix_(si, di)]
 
 
-def build_problem(graph: HloGraph, mesh: AbstractMesh,
+def build_problem(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
                   options: BuildOptions = BuildOptions()) -> BuiltProblem:
     """Build the sharding problem of ``graph`` on ``mesh`` (see the module docstring).
 
     Args:
         graph: the ingested graph.
         mesh: the abstract mesh.
+        cost: its cost model.
         options: build options.
 
     Returns:
@@ -443,12 +469,13 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh,
 
     Raises:
         PlanningError: a bad ``forced_sharded`` / ``pinned`` entry.
+        OptionsError: the cost model is for another number of mesh axes.
     """
     t0 = time.perf_counter()
-    sset = generate_strategies(graph, mesh, options.strategy_options())
+    sset = generate_strategies(graph, mesh, cost, options.strategy_options())
     strategies = list(sset.strategies)
     unforceable = _restrict(graph, strategies, mesh, options)
-    table = ReshardCostTable(mesh)
+    table = ReshardCostTable(mesh, cost)
     if not options.carry_outputs:
         carried: tuple[tuple[int, int], ...] = ()
     elif options.carried is not None:
@@ -522,7 +549,7 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh,
     problem = ShardingProblem(tuple(op.name for op in graph.ops), tuple(labels), tuple(costs),
                               edges, tuple(memory))
     partition = _partition(graph)
-    return BuiltProblem(graph, mesh, options, problem, tuple(strategies), partition,
+    return BuiltProblem(graph, mesh, cost, options, problem, tuple(strategies), partition,
                         sset.unknown_ops, carried, unforceable, time.perf_counter() - t0,
                         shared)
 

@@ -1,7 +1,8 @@
 """α-β costs of collectives, and the collectives that turn one sharding spec into another.
 
 Cost model (per collective over a group of mesh axes ``G`` with ``n`` = product of their
-sizes, ``α_G`` = sum of the axes' α, ``β_G`` = the slowest axis' β, ``B`` = ``Collective.bytes``)::
+sizes on the mesh, and from the ``CostModel``: ``α_G`` = sum of the axes' α, ``β_G`` = the
+slowest axis' β; ``B`` = ``Collective.bytes``)::
 
     all-reduce       α_G + 2 (n-1)/n · B · β_G     (ring: reduce-scatter + all-gather)
     all-gather       α_G +   (n-1)/n · B · β_G
@@ -27,12 +28,13 @@ Resharding (``reshard``) works axis by axis on the specs' axis roles (see ``spec
     dim                     partial            nothing (free: zero-pad the local shard)
     none                    dim                local slice (free)
     partial                 dim                reduce-scatter (all-reduce + local slice
-                                               where ``mesh.native_reduce_scatter`` is False)
+                                               where ``cost.native_reduce_scatter`` is False)
     dim d                   dim d' (or stride) all-to-all (a permutation: 1/n stays); when
                                                several axes move at once, all-gather then
                                                slice (XLA's fallback does exactly that);
-                                               into or out of a strided spec on a mesh with
-                                               ``strided_moves_all_to_all`` False, the same
+                                               into or out of a strided spec with the cost
+                                               model's ``strided_moves_all_to_all`` False,
+                                               the same
     partial                 none / other red.  all-reduce, one per mesh axis (as XLA does)
     dim                     none               all-gather
 
@@ -40,12 +42,13 @@ Steps run in that order of effect on size (slices and reduce-scatters first, gat
 and axes needing the same step are grouped into one collective.
 
 Example:
+    >>> from rhino.planner.cost_model import CostModel
     >>> from rhino.planner.mesh import AbstractMesh
     >>> from rhino.planner.spec import ShardingSpec
     >>> from rhino.hlo_passes.graph import TensorType
-    >>> mesh = AbstractMesh((4,), alpha=1e-5, beta=1e-9)
+    >>> mesh, cost = AbstractMesh((4,)), CostModel((1e-5,), (1e-9,))
     >>> p = reshard(ShardingSpec.parse("R·R·P(sum@x)"), ShardingSpec.parse("R·R"),
-    ...             TensorType("f32", (256, 256)), mesh)
+    ...             TensorType("f32", (256, 256)), mesh, cost)
     >>> [(c.kind, c.bytes) for c in p.collectives], round(p.cost, 9)
     ([('all-reduce', 262144)], 0.000403216)
 """
@@ -57,6 +60,7 @@ import math
 from typing import Sequence
 
 from rhino.hlo_passes.graph import TensorType
+from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import InvalidSpecError, ShardingSpec
 
@@ -67,19 +71,21 @@ ALL_TO_ALL = "all-to-all"
 KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 
 
-def collective_cost(kind: str, axes: Sequence[int], nbytes: float, mesh: AbstractMesh) -> float:
+def collective_cost(kind: str, axes: Sequence[int], nbytes: float, mesh: AbstractMesh,
+                    cost: CostModel) -> float:
     """Seconds of one collective of ``kind`` over the device group spanning ``axes``.
 
     Args:
         kind: one of ``KINDS``.
         axes: mesh axes of the group (a group of one device costs 0).
         nbytes: ``Collective.bytes`` (see the module docstring).
-        mesh: the mesh with α and β.
+        mesh: the mesh (group sizes).
+        cost: its cost model (α and β per axis).
     """
     n = mesh.group_size(axes)
     if n <= 1:
         return 0.0
-    a, b = mesh.group_alpha(axes), mesh.group_beta(axes)
+    a, b = cost.group_alpha(axes), cost.group_beta(axes)
     frac = (n - 1) / n
     if kind == ALL_REDUCE:
         return a + 2.0 * frac * nbytes * b
@@ -88,24 +94,28 @@ def collective_cost(kind: str, axes: Sequence[int], nbytes: float, mesh: Abstrac
     raise ValueError(f"collective kind: expected one of {KINDS}, found {kind!r}")
 
 
-def all_reduce_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh) -> float:
-    """``collective_cost("all-reduce", axes, nbytes, mesh)``."""
-    return collective_cost(ALL_REDUCE, axes, nbytes, mesh)
+def all_reduce_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh,
+                    cost: CostModel) -> float:
+    """``collective_cost("all-reduce", axes, nbytes, mesh, cost)``."""
+    return collective_cost(ALL_REDUCE, axes, nbytes, mesh, cost)
 
 
-def all_gather_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh) -> float:
+def all_gather_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh,
+                    cost: CostModel) -> float:
     """Cost of gathering a tensor whose full per-device size is ``nbytes``."""
-    return collective_cost(ALL_GATHER, axes, nbytes, mesh)
+    return collective_cost(ALL_GATHER, axes, nbytes, mesh, cost)
 
 
-def reduce_scatter_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh) -> float:
+def reduce_scatter_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh,
+                        cost: CostModel) -> float:
     """Cost of reduce-scattering a per-device operand of ``nbytes``."""
-    return collective_cost(REDUCE_SCATTER, axes, nbytes, mesh)
+    return collective_cost(REDUCE_SCATTER, axes, nbytes, mesh, cost)
 
 
-def all_to_all_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh) -> float:
+def all_to_all_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh,
+                    cost: CostModel) -> float:
     """Cost of an all-to-all of a per-device operand of ``nbytes``."""
-    return collective_cost(ALL_TO_ALL, axes, nbytes, mesh)
+    return collective_cost(ALL_TO_ALL, axes, nbytes, mesh, cost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +153,7 @@ _FREE = ReshardPlan((), 0.0)
 
 
 def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: TensorType | tuple,
-            mesh: AbstractMesh) -> ReshardPlan:
+            mesh: AbstractMesh, cost: CostModel) -> ReshardPlan:
     """Collectives and cost to turn a tensor laid out as ``src`` into ``dst``.
 
     Args:
@@ -151,6 +161,7 @@ def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: Tensor
         dst: the spec the consumer needs.
         tensor: the tensor's type (a tuple of types for tuple-shaped values).
         mesh: the mesh.
+        cost: its cost model.
 
     Raises:
         InvalidSpecError: a spec does not fit the tensor, or a tuple spec meets an array.
@@ -159,7 +170,7 @@ def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: Tensor
         if not (isinstance(src, tuple) and isinstance(dst, tuple)) or len(src) != len(dst):
             raise InvalidSpecError(f"reshard: expected two tuple specs of one length for a "
                                    f"tuple value, found {src!r} -> {dst!r}")
-        plans = [reshard(s, d, t, mesh) for s, d, t in zip(src, dst, tensor)]
+        plans = [reshard(s, d, t, mesh, cost) for s, d, t in zip(src, dst, tensor)]
         colls = tuple(c for p in plans for c in p.collectives)
         return ReshardPlan(colls, sum(p.cost for p in plans)) if colls else _FREE
     if src == dst:
@@ -168,18 +179,18 @@ def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: Tensor
     for spec in (src, dst):
         spec.check(shape, mesh)
     return _plan(src.axis_roles(shape, mesh), dst.axis_roles(shape, mesh), tensor, mesh,
-                 _gather_moves(src, dst, mesh))
+                 cost, _gather_moves(src, dst, cost))
 
 
 def _strided(spec: ShardingSpec) -> bool:
     return any(d.stride is not None for d in spec.dims)
 
 
-def _gather_moves(src: ShardingSpec, dst: ShardingSpec, mesh: AbstractMesh) -> bool:
-    return not mesh.strided_moves_all_to_all and (_strided(src) or _strided(dst))
+def _gather_moves(src: ShardingSpec, dst: ShardingSpec, cost: CostModel) -> bool:
+    return not cost.strided_moves_all_to_all and (_strided(src) or _strided(dst))
 
 
-def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh,
+def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh, cost: CostModel,
           gather_moves: bool = False) -> ReshardPlan:
     """``reshard`` on axis roles (see the module docstring for the steps)."""
     if rs == rd:
@@ -215,14 +226,15 @@ def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh,
     for red, axes in sorted(scatters.items()):
         b = local()
         # Platforms without a reduce-scatter pass (XLA:CPU) all-reduce and slice locally.
-        kind = REDUCE_SCATTER if mesh.native_reduce_scatter else ALL_REDUCE
-        out.append(Collective(kind, tuple(axes), b, red, collective_cost(kind, axes, b, mesh)))
+        kind = REDUCE_SCATTER if cost.native_reduce_scatter else ALL_REDUCE
+        out.append(Collective(kind, tuple(axes), b, red,
+                              collective_cost(kind, axes, b, mesh, cost)))
         for a in axes:
             split[a] = True
     if len(a2a) == 1 and not gather_moves:
         b = local()
         out.append(Collective(ALL_TO_ALL, tuple(a2a), b, None,
-                              collective_cost(ALL_TO_ALL, a2a, b, mesh)))
+                              collective_cost(ALL_TO_ALL, a2a, b, mesh, cost)))
     elif a2a:
         # XLA's partitioner moves one mesh axis between dims with an all-to-all; moving
         # several at once it "fully rematerializes": gathers the tensor, then slices.
@@ -233,31 +245,33 @@ def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh,
         b = local()
         for a in axes:
             out.append(Collective(ALL_REDUCE, (a,), b, red,
-                                  collective_cost(ALL_REDUCE, (a,), b, mesh)))
+                                  collective_cost(ALL_REDUCE, (a,), b, mesh, cost)))
     if gathers:
         for a in gathers:
             split[a] = False
         b = local()
         out.append(Collective(ALL_GATHER, tuple(gathers), b, None,
-                              collective_cost(ALL_GATHER, gathers, b, mesh)))
+                              collective_cost(ALL_GATHER, gathers, b, mesh, cost)))
     if not out:
         return _FREE
     return ReshardPlan(tuple(out), float(sum(c.cost for c in out)))
 
 
 class ReshardCostTable:
-    """Memoised ``reshard(...).cost`` for one mesh (owned by one build; not thread-safe).
+    """Memoised ``reshard(...).cost`` for one mesh and cost model (owned by one build; not
+    thread-safe).
 
     Example:
         >>> from rhino.planner.mesh import AbstractMesh
-        >>> t = ReshardCostTable(AbstractMesh((2,)))
+        >>> t = ReshardCostTable(AbstractMesh((2,)), CostModel.simulated_cpu(1))
         >>> r = ShardingSpec.replicated(1)
         >>> t.cost(r, r, TensorType("f32", (4,)))
         0.0
     """
 
-    def __init__(self, mesh: AbstractMesh):
-        self.mesh = mesh
+    def __init__(self, mesh: AbstractMesh, cost: CostModel):
+        cost.check(mesh, "ReshardCostTable")
+        self.mesh, self.cost_model = mesh, cost
         self._memo: dict[tuple, float] = {}
         self._roles: dict[tuple, tuple] = {}
 
@@ -277,10 +291,11 @@ class ReshardCostTable:
         got = self._memo.get(key)
         if got is None:
             if isinstance(src, tuple) or isinstance(dst, tuple):
-                got = reshard(src, dst, tensor, self.mesh).cost
+                got = reshard(src, dst, tensor, self.mesh, self.cost_model).cost
             else:
                 got = _plan(self._roles_of(src, tensor), self._roles_of(dst, tensor), tensor,
-                            self.mesh, _gather_moves(src, dst, self.mesh)).cost
+                            self.mesh, self.cost_model,
+                            _gather_moves(src, dst, self.cost_model)).cost
             self._memo[key] = got
         return got
 

@@ -1,17 +1,18 @@
 """``SpmdPlan``: the planner's answer as plain, JSON-serializable data, with a report.
 
-A plan holds, for the program it was made for: the mesh, a spec per op (what the annotator
-writes into the program), a spec per entry parameter by pytree path, the collectives the plan
+A plan holds, for the program it was made for: the mesh and the cost model it was priced
+with, a spec per op (what the annotator writes into the program), a spec per entry parameter by pytree path, the collectives the plan
 predicts with their bytes, per-device memory, the estimated step time, the search statistics
 and every op left replicated for lack of a rule. ``to_json`` / ``from_json`` round-trip it
-exactly, so a plan can be saved, diffed, reloaded and run later.
+exactly, so a plan can be saved, diffed, reloaded and run later; ``from_json`` also reads
+format 1, whose mesh carried the cost figures.
 
 Example:
     >>> import jax.numpy as jnp, rhino
     >>> p = rhino.plan(lambda x, w: jnp.sum(x @ w), jnp.ones((64, 32)), jnp.ones((32, 32)),
-    ...                mesh_shape=(4,))
-    >>> SpmdPlan.from_json(p.to_json()) == p
-    True
+    ...                mesh_shape=(4,)).spmd
+    >>> SpmdPlan.from_json(p.to_json()) == p, p.cost.backend
+    (True, 'cpu')
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import json
 from collections import Counter
 from typing import Any
 
+from rhino.planner.cost_model import CostModel, legacy_mesh
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
 from rhino.vocabulary import SolverStatus
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +133,21 @@ class UnplannedOp:
 
 @dataclasses.dataclass(frozen=True)
 class SpmdPlan:
-    """An SPMD plan for one program on one mesh (see the module docstring)."""
+    """An SPMD plan for one program on one mesh (see the module docstring).
+
+    Attributes:
+        program, origin: the program's name and where it came from.
+        mesh: the logical mesh; cost: the cost model the plan was priced with.
+        ops, params: the spec of every op and entry parameter.
+        collectives: those the plan implies; memory: per-device bytes.
+        memory_budget: the budget planned for; compute_s, communication_s: estimates.
+        search: how it was found; unplanned: ops kept replicated for lack of a rule.
+    """
 
     program: str
     origin: str
     mesh: AbstractMesh
+    cost: CostModel
     ops: tuple[OpPlan, ...]
     params: tuple[ParamPlan, ...]
     collectives: tuple[PlannedCollective, ...]
@@ -174,7 +186,7 @@ class SpmdPlan:
             return None if s is None else s.to_dict()
         return {
             "format": FORMAT_VERSION, "program": self.program, "origin": self.origin,
-            "mesh": self.mesh.to_dict(),
+            "mesh": self.mesh.to_dict(), "cost": self.cost.to_dict(),
             "ops": [[o.name, o.opcode, o.strategy, spec(o.out_spec),
                      [spec(s) for s in o.in_specs]] for o in self.ops],
             "params": [dict(dataclasses.asdict(p), spec=p.spec.to_dict()) for p in self.params],
@@ -190,14 +202,23 @@ class SpmdPlan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpmdPlan":
-        if d.get("format") != FORMAT_VERSION:
-            raise ValueError(f"plan JSON: expected format {FORMAT_VERSION}, found "
+        """The plan of ``to_dict``, or of a format-1 document (cost figures in its mesh).
+
+        Raises:
+            ValueError: another format, or a malformed mesh or cost model.
+        """
+        if d.get("format") not in (1, FORMAT_VERSION):
+            raise ValueError(f"plan JSON: expected format {FORMAT_VERSION} (or 1), found "
                              f"{d.get('format')!r}")
+        if d["format"] == 1:
+            mesh, cost = legacy_mesh(d["mesh"])
+        else:
+            mesh, cost = AbstractMesh.from_dict(d["mesh"]), CostModel.from_dict(d["cost"])
 
         def spec(x):
             return None if x is None else ShardingSpec.from_dict(x)
         return cls(
-            program=d["program"], origin=d["origin"], mesh=AbstractMesh.from_dict(d["mesh"]),
+            program=d["program"], origin=d["origin"], mesh=mesh, cost=cost,
             ops=tuple(OpPlan(n, oc, st, spec(o), tuple(spec(s) for s in ins))
                       for n, oc, st, o, ins in d["ops"]),
             params=tuple(ParamPlan(**dict(p, spec=ShardingSpec.from_dict(p["spec"])))
@@ -221,8 +242,8 @@ class SpmdPlan:
         m, s = self.mesh, self.search
         lines = [
             f"rhino plan: {self.program}  ({self.origin})",
-            f"  mesh              {m}  ({m.num_devices} devices; α {list(m.alpha)} s, "
-            f"β {list(m.beta)} s/B, {m.flops_per_s:.3g} FLOP/s)",
+            f"  mesh              {m}  ({m.num_devices} devices)",
+            f"  cost model        {self.cost.summary()}",
             f"  search            {s.opt_level}, {s.status}, {s.total_s:.2f} s "
             f"(ingest {s.ingest_s:.2f}, analyses {s.analyze_s:.2f}, build {s.build_s:.2f}, "
             f"solve {s.solve_s:.2f}); {s.nodes} ops, {s.choices} strategies, {s.edges} edges",

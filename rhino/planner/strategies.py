@@ -3,7 +3,8 @@
 For every op the loops of ``strategies_rules`` are composed recursively over the mesh axes
 (§4): each mesh axis of size > 1 is given one loop or none, axes on one loop split its dims
 together (outermost axis first), and every combination whose sizes divide is a strategy.
-Compute cost = ``op.flops / (flops_per_s × devices sharing the work)``.
+Compute cost = ``op.flops / (FLOP/s × devices sharing the work)``, with the cost model's
+FLOP/s for the op's dtype (``cost_model.compute_dtype``).
 
 Strides (§4.1, candidate generation of §4.3.3). Specs are blocked (maximum stride) by
 default. Other strides enter only through reshapes: ``stride_hints`` starts from every
@@ -21,9 +22,10 @@ unknown opcodes) get the single replicated strategy and are listed in ``unknown_
 
 Example:
     >>> import jax.numpy as jnp, rhino
+    >>> from rhino.planner.cost_model import CostModel
     >>> from rhino.planner.mesh import AbstractMesh
     >>> g = rhino.ingest(lambda x, w: x @ w, jnp.ones((8, 4)), jnp.ones((4, 4)))
-    >>> ss = generate_strategies(g, AbstractMesh((2,)))
+    >>> ss = generate_strategies(g, AbstractMesh((2,)), CostModel.simulated_cpu(1))
     >>> sorted(s.label for s in ss.strategies[2])
     ['dot[R]', 'dot[k0@x]', 'dot[m0@x]', 'dot[n0@x]']
 """
@@ -35,6 +37,7 @@ import itertools
 from typing import Callable, Iterator, Sequence
 
 from rhino.hlo_passes.graph import HloGraph, Op, TensorType, flatten_shape
+from rhino.planner.cost_model import CostModel, compute_dtype
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import (DimSharding, ShardingSpec, inner_sizes, map_linear_axis,
                                 map_reshape)
@@ -365,10 +368,12 @@ def _label(opcode: str, loops: Sequence[Loop], assignment: Assignment,
 
 
 class _Generator:
-    """Strategy generation for one graph and mesh."""
+    """Strategy generation for one graph, mesh and cost model."""
 
-    def __init__(self, graph: HloGraph, mesh: AbstractMesh, options: StrategyOptions):
-        self.graph, self.mesh, self.options = graph, mesh, options
+    def __init__(self, graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
+                 options: StrategyOptions):
+        cost.check(mesh, "generate_strategies")
+        self.graph, self.mesh, self.cost, self.options = graph, mesh, cost, options
         self.loops_of: list[list[Loop] | None] = []
         for op in graph.ops:
             loops = None if _reshape_pair(graph, op) is not None else op_loops(graph, op)
@@ -378,6 +383,10 @@ class _Generator:
         self.hints = stride_hints(graph, mesh, self.loops_of, options)
         self.unknown: list[UnknownOp] = []
         self.intern: dict = {}
+
+    def _rate(self, op: Op) -> float:
+        """FLOP/s of one device for ``op``'s dtype."""
+        return self.cost.flops_for(compute_dtype(self.graph, op))
 
     def _hint_set(self, i: int, d: int) -> set:
         return self.hints.get(i, {}).get(d, set())
@@ -403,7 +412,7 @@ class _Generator:
     def replicated(self, op: Op, reason: str) -> tuple[Strategy, ...]:
         self.unknown.append(UnknownOp(op.id, op.name, op.opcode, op.source, reason))
         ins = tuple(replicated_like(self.graph.ops[o].shape) for o in op.operands)
-        return (Strategy(replicated_like(op.shape), ins, op.flops / self.mesh.flops_per_s, 0.0,
+        return (Strategy(replicated_like(op.shape), ins, op.flops / self._rate(op), 0.0,
                          f"{op.opcode}[R]"),)
 
     def for_op(self, op: Op) -> tuple[Strategy, ...]:
@@ -420,7 +429,7 @@ class _Generator:
         return self._enumerate(op, loops)
 
     def _enumerate(self, op: Op, loops: Sequence[Loop]) -> tuple[Strategy, ...]:
-        mesh = self.mesh
+        mesh, rate = self.mesh, self._rate(op)
         out_rank = op.shape.rank
         ranks = [self.graph.ops[o].shape.rank for o in op.operands]
         seen: dict[tuple, Strategy] = {}
@@ -434,7 +443,7 @@ class _Generator:
             for li, (axes, _) in asg.items():
                 if loops[li].shares_work:
                     share *= mesh.group_size(axes)
-            cost = op.flops / (mesh.flops_per_s * share)
+            cost = op.flops / (rate * share)
             seen[key] = Strategy(out, ins, cost, 0.0, _label(op.opcode, loops, asg, mesh))
         if not seen:  # cannot happen: the empty assignment is always valid
             return self.replicated(op, "no valid assignment")
@@ -453,7 +462,7 @@ class _Generator:
                 for asg in assignments(loops, self.mesh, fn)]
 
     def _reshape(self, op: Op, x: TensorType, y: TensorType) -> tuple[Strategy, ...]:
-        mesh = self.mesh
+        mesh, rate = self.mesh, self._rate(op)
         pairs: dict[tuple, None] = {}
         for s in self._tensor_specs(x, op.operands[0], True):
             t = map_reshape(s, x.dims, y.dims, mesh)
@@ -469,7 +478,7 @@ class _Generator:
                 continue
             share = t.shard_count(mesh)
             lab = "R" if t.is_replicated else t.to_str(mesh)
-            out.append(Strategy(t, (s,), op.flops / (mesh.flops_per_s * share), 0.0,
+            out.append(Strategy(t, (s,), op.flops / (rate * share), 0.0,
                                 f"{op.opcode}[{lab}]"))
         return tuple(out)
 
@@ -478,24 +487,28 @@ def _is_strided(spec: ShardingSpec) -> bool:
     return any(d.stride is not None for d in spec.dims)
 
 
-def generate_strategies(graph: HloGraph, mesh: AbstractMesh,
+def generate_strategies(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
                         options: StrategyOptions = StrategyOptions()) -> StrategySet:
     """Strategies of every op of ``graph`` on ``mesh`` (see the module docstring).
 
     Args:
         graph: the ingested graph.
         mesh: the abstract mesh.
+        cost: its cost model (the compute costs' FLOP/s).
         options: generation knobs.
 
     Returns:
         A ``StrategySet``; ``strategies[i]`` belongs to op ``i``.
+
+    Raises:
+        OptionsError: the cost model is for another number of mesh axes.
     """
-    gen = _Generator(graph, mesh, options)
+    gen = _Generator(graph, mesh, cost, options)
     strategies = tuple(gen.for_op(op) for op in graph.ops)
     return StrategySet(strategies, tuple(gen.unknown), gen.hints)
 
 
-def op_strategies(graph: HloGraph, op_id: int, mesh: AbstractMesh,
+def op_strategies(graph: HloGraph, op_id: int, mesh: AbstractMesh, cost: CostModel,
                   options: StrategyOptions = StrategyOptions()) -> tuple[Strategy, ...]:
     """Strategies of one op (hints are computed for the whole graph)."""
-    return _Generator(graph, mesh, options).for_op(graph.ops[op_id])
+    return _Generator(graph, mesh, cost, options).for_op(graph.ops[op_id])

@@ -1,6 +1,7 @@
 """An independent validator of sharding plans.
 
-Given a graph, a mesh and one chosen ``Strategy`` per op, ``validate_plan`` re-derives
+Given a graph, a mesh, its cost model and one chosen ``Strategy`` per op, ``validate_plan``
+re-derives
 everything from the ops' semantics, with code separate from the strategy generator:
 
 1. every spec fits its tensor (rank, axes, divisibility by shards and shards × stride);
@@ -8,8 +9,9 @@ everything from the ops' semantics, with code separate from the strategy generat
    operands (split dim and axis stride, pending reduction, or nothing) must form one of the
    op's dimension correspondences (derived here from the op's attributes), and reshapes are
    checked by brute force: every element must land on the same devices on both sides;
-3. compute cost = ``flops / (flops_per_s × devices sharing the work)``, where an axis shares
-   the work when it splits a dim of the output or of an operand;
+3. compute cost = ``flops / (FLOP/s × devices sharing the work)``, the FLOP/s the cost
+   model's for the op's dtype, where an axis shares the work when it splits a dim of the
+   output or of an operand;
 4. communication = the resharding (``collectives.reshard``) of every producer's output spec
    into each consumer's operand spec, of every carried output back to its parameter's spec,
    and the all-reduce resolving a pending reduction left on a program output. A pending sum
@@ -24,12 +26,13 @@ inconsistent.
 
 Example:
     >>> import jax.numpy as jnp, rhino
+    >>> from rhino.planner.cost_model import CostModel
     >>> from rhino.planner.mesh import AbstractMesh
     >>> from rhino.planner.build import build_problem
     >>> g = rhino.ingest(lambda x, w: x @ w, jnp.ones((8, 4)), jnp.ones((4, 4)))
-    >>> built = build_problem(g, AbstractMesh((2,)))
+    >>> built = build_problem(g, AbstractMesh((2,)), CostModel.simulated_cpu(1))
     >>> choice = (0,) * len(g.ops)
-    >>> check = validate_plan(g, built.mesh, built.plan(choice),
+    >>> check = validate_plan(g, built.mesh, built.cost, built.plan(choice),
     ...                       objective=built.problem.objective(choice))
     >>> check.total == built.problem.objective(choice)
     True
@@ -47,6 +50,7 @@ from rhino.errors import RhinoError
 from rhino.hlo_passes.costs import ELEMENTWISE
 from rhino.hlo_passes.graph import HloGraph, Op, TensorType, flatten_shape
 from rhino.planner.collectives import reshard
+from rhino.planner.cost_model import CostModel, compute_dtype
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
 
@@ -457,7 +461,8 @@ def _spec_str(spec: Any, mesh: AbstractMesh) -> str:
     return spec.to_str(mesh) if isinstance(spec, ShardingSpec) else repr(spec)
 
 
-def validate_plan(graph: HloGraph, mesh: AbstractMesh, plan: Sequence[Any], *,
+def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Sequence[Any],
+                  *,
                   objective: float | None = None,
                   carried: Sequence[tuple[int, int]] = (),
                   resolved: Collection[int] | None = None,
@@ -467,6 +472,7 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, plan: Sequence[Any], *,
     Args:
         graph: the graph.
         mesh: the mesh.
+        cost: its cost model.
         plan: one ``Strategy`` per op (``BuiltProblem.plan(choice)``).
         objective: the solver's objective to compare with, or None.
         carried: ``(output op id, parameter op id)`` pairs (``BuiltProblem.carried``).
@@ -501,28 +507,29 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, plan: Sequence[Any], *,
     for op, st in zip(graph.ops, plan):
         check_strategy(graph, op, st, mesh)
         shapes = [op.shape] + [graph.ops[o].shape for o in op.operands]
-        c = op.flops / (mesh.flops_per_s * _share(op, st, shapes, mesh))
+        c = op.flops / (cost.flops_for(compute_dtype(graph, op)) * _share(op, st, shapes, mesh))
         if not _close(c, st.compute_cost, rel_tol):
             raise _fail(op, f"compute cost: expected {c:.6g} s ({op.flops:.6g} FLOP over "
                         f"{_share(op, st, shapes, mesh)} devices), found {st.compute_cost:.6g}")
         compute += c
         for k, u in enumerate(op.operands):
             need = st.in_specs[k]
-            cost = reshard(source(u, need), need, graph.ops[u].shape, mesh).cost
-            comm += cost
-            resharded += cost > 0
+            secs = reshard(source(u, need), need, graph.ops[u].shape, mesh, cost).cost
+            comm += secs
+            resharded += secs > 0
     for u in sorted(resolved):  # after check_strategy: the specs fit
         op, spec = graph.ops[u], plan[u].out_spec
         if u not in outs_free:  # a free output's reduction is its strategy's comm cost
-            comm += reshard(spec, spec.without_partial(), op.shape, mesh).cost
+            comm += reshard(spec, spec.without_partial(), op.shape, mesh, cost).cost
     for o, p in carried:
         need = plan[p].out_spec
-        comm += reshard(source(o, need), need, graph.ops[o].shape, mesh).cost
+        comm += reshard(source(o, need), need, graph.ops[o].shape, mesh, cost).cost
     for o in dict.fromkeys(graph.outputs):
         st, op = plan[o], graph.ops[o]
         inner = 0.0
         if o in outs_free and isinstance(st.out_spec, ShardingSpec):
-            inner = reshard(st.out_spec, st.out_spec.without_partial(), op.shape, mesh).cost
+            inner = reshard(st.out_spec, st.out_spec.without_partial(), op.shape, mesh,
+                            cost).cost
         if not _close(inner, st.comm_cost, rel_tol):
             raise _fail(op, f"comm cost inside the op: expected {inner:.6g} s (resolving the "
                         f"output's pending reduction), found {st.comm_cost:.6g}")
@@ -544,5 +551,5 @@ def validate_built(built: Any, choice: Sequence[int], objective: float | None = 
     """``validate_plan`` for a ``BuiltProblem`` and an assignment (objective defaults to
     ``built.problem.objective(choice)``)."""
     obj = built.problem.objective(choice) if objective is None else objective
-    return validate_plan(built.graph, built.mesh, built.plan(choice), objective=obj,
+    return validate_plan(built.graph, built.mesh, built.cost, built.plan(choice), objective=obj,
                          carried=built.carried, resolved=built.resolved(choice))

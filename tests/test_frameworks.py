@@ -1,0 +1,420 @@
+"""Training steps as Flax NNX, Flax Linen, Equinox and Haiku users write them, pipelined.
+
+Each step runs pipelined on cluster 2x4 with 2 stages and 4 microbatches for 5 steps and
+must give the losses and metrics of the whole-batch ``jax.jit`` step (rtol 1e-4): untied
+embeddings (``nnx.Embed``, a nested jit), dropout driven by ``nnx.Rngs`` / a key argument /
+per-example keys, and a ``grad_norm`` metric computed from the gradients. Steps whose
+meaning needs the whole batch (BatchNorm, a branch on a batch statistic) are refused with
+the op and its source line, and run exactly as a per-microbatch reference under
+``per_microbatch_statistics=True``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import rhino
+
+B, STEPS, RTOL = 32, 5, 1e-4
+PIPE = dict(cluster="2x4", stages=2, num_microbatches=4, timeout=300)
+
+
+def _host(tree):
+    """Host copies (keys stay keys): the pipelined step's own inputs."""
+    return jax.tree.map(lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+                        else np.array(x), tree)
+
+
+def _compare(step, state, batch, steps=STEPS, **options):
+    """Run ``step(*state, *batch) -> (*state, metrics)`` pipelined and with jax.jit."""
+    ref = jax.jit(step)
+    piped = rhino.auto_parallel(step, **PIPE, **options)
+    s1, s2 = tuple(state), tuple(_host(state))
+    try:
+        for _ in range(steps):
+            *s1, m1 = ref(*s1, *batch)
+            *s2, m2 = piped(*s2, *batch)
+            for a, b in zip(jax.tree.leaves(m1), jax.tree.leaves(m2)):
+                np.testing.assert_allclose(float(b), float(a), rtol=RTOL)
+    finally:
+        piped.close()
+
+
+def _tokens(vocab=128, seq=16):
+    t = jax.random.randint(jax.random.key(11), (B, seq), 0, vocab)
+    return {"tokens": t, "labels": jnp.roll(t, -1, axis=1)}
+
+
+def _xy():
+    return (jax.random.normal(jax.random.key(0), (B, 16)),
+            jax.random.randint(jax.random.key(1), (B,), 0, 10))
+
+
+def test_flax_nnx_lm_with_untied_embedding_dropout_and_grad_norm():
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, d, rngs):
+            self.ln = nnx.LayerNorm(d, rngs=rngs)
+            self.fc1 = nnx.Linear(d, 4 * d, rngs=rngs)
+            self.fc2 = nnx.Linear(4 * d, d, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.drop(self.fc2(jax.nn.gelu(self.fc1(self.ln(x)))))
+
+    class LM(nnx.Module):
+        def __init__(self, vocab, d, layers, rngs):
+            self.embed = nnx.Embed(vocab, d, rngs=rngs)          # untied from the head
+            self.blocks = nnx.List([Block(d, rngs) for _ in range(layers)])
+            self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    graphdef, params, rest = nnx.split(LM(128, 32, 2, nnx.Rngs(params=0, dropout=1)),
+                                       nnx.Param, ...)
+    tx = optax.adam(1e-3)
+
+    def step(params, rest, opt_state, batch):
+        model = nnx.merge(graphdef, params, rest)
+
+        def loss_fn(model):
+            logits = model(batch["tokens"])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["labels"]).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        _, _, rest = nnx.split(model, nnx.Param, ...)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, rest, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    _compare(step, (params, rest, tx.init(params)), (_tokens(),))
+
+
+def test_flax_linen_with_dropout_key_argument():
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool):
+            x = nn.relu(nn.Dense(64)(x))
+            x = nn.Dropout(0.2, deterministic=not train)(x)
+            x = nn.relu(nn.Dense(64)(x))
+            return nn.Dense(10)(x)
+
+    model = MLP()
+    x, y = _xy()
+    params = model.init(jax.random.key(2), x, train=False)["params"]
+    tx = optax.adamw(1e-3)
+
+    def step(params, opt_state, x, y, key):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, x, train=True, rngs={"dropout": key})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        upd, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, upd), opt_state, {"loss": loss}
+
+    _compare(step, (params, tx.init(params)), (x, y, jax.random.key(3)))
+
+
+def test_equinox_with_per_example_dropout_keys():
+    import equinox as eqx
+
+    class Net(eqx.Module):
+        layers: list
+        drop: eqx.nn.Dropout
+
+        def __init__(self, key):
+            dims = [16, 64, 64, 64, 10]
+            self.layers = [eqx.nn.Linear(a, b, key=k) for a, b, k in
+                           zip(dims, dims[1:], jax.random.split(key, 4))]
+            self.drop = eqx.nn.Dropout(0.2)
+
+        def __call__(self, x, key):
+            for layer in self.layers[:-1]:
+                x = self.drop(jax.nn.relu(layer(x)), key=key)
+            return self.layers[-1](x)
+
+    params, static = eqx.partition(Net(jax.random.key(4)), eqx.is_array)
+    tx = optax.adam(1e-3)
+
+    def step(params, opt_state, x, y, key):
+        def loss_fn(p):
+            model = eqx.combine(p, static)
+            logits = jax.vmap(model)(x, jax.random.split(key, x.shape[0]))
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        upd, opt_state = tx.update(g, opt_state, params)
+        return eqx.apply_updates(params, upd), opt_state, {"loss": loss}
+
+    _compare(step, (params, tx.init(params)), (*_xy(), jax.random.key(5)))
+
+
+def test_haiku_with_dropout_and_grad_norm():
+    import haiku as hk
+
+    def forward(x, is_training):
+        h = jax.nn.relu(hk.Linear(64)(x))
+        if is_training:
+            h = hk.dropout(hk.next_rng_key(), 0.2, h)
+        h = jax.nn.relu(hk.Linear(64)(h))
+        return hk.Linear(10)(h)
+
+    f = hk.transform(forward)
+    x, y = _xy()
+    params = f.init(jax.random.key(6), x, False)
+    tx = optax.sgd(1e-2, momentum=0.9)
+
+    def step(params, opt_state, x, y, key):
+        def loss_fn(p):
+            return optax.softmax_cross_entropy_with_integer_labels(
+                f.apply(p, key, x, True), y).mean()
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        upd, opt_state = tx.update(g, opt_state, params)
+        return (optax.apply_updates(params, upd), opt_state,
+                {"loss": loss, "grad_norm": optax.global_norm(g)})
+
+    _compare(step, (params, tx.init(params)), (x, y, jax.random.key(7)))
+
+
+# ------------------------------------------------------------------ batch coupling
+def _batchnorm_step():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            x = nn.Dense(32)(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+            x = nn.relu(nn.Dense(32)(x))
+            return nn.Dense(10)(x)
+
+    model = Net()
+    x, y = _xy()
+    v = model.init(jax.random.key(2), x, train=False)
+    tx = optax.sgd(0.1)
+
+    def grads(params, stats, x, y):
+        def loss_fn(p):
+            logits, upd = model.apply({"params": p, "batch_stats": stats}, x, train=True,
+                                      mutable=["batch_stats"])
+            return (optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+                    upd["batch_stats"])
+        (loss, new_stats), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return loss, new_stats, g
+
+    def step(params, stats, opt_state, x, y):
+        loss, new_stats, g = grads(params, stats, x, y)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), new_stats, opt_state, loss
+
+    def per_microbatch(params, stats, opt_state, x, y, m=4):
+        """The semantics under the opt-in: statistics per microbatch, everything that
+        leaves compute-gradients averaged over the microbatches."""
+        parts = [grads(params, stats, xs, ys)
+                 for xs, ys in zip(jnp.split(x, m), jnp.split(y, m))]
+        loss, new_stats, g = jax.tree.map(lambda *a: sum(a) / m, *parts)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), new_stats, opt_state, loss
+
+    return step, per_microbatch, (v["params"], v["batch_stats"], tx.init(v["params"])), (x, y)
+
+
+def _cond_step():
+    tx = optax.sgd(0.1)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.random.normal(k1, (16, 32)) * 0.3,
+              "w2": jax.random.normal(k2, (32, 10)) * 0.3}
+
+    def grads(params, x, y):
+        def loss_fn(p):
+            h = jax.nn.relu(x @ p["w1"])
+            h = jax.lax.cond(jnp.mean(h) > 0.12, lambda h: h * 2.0, lambda h: h, h)
+            return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"], y).mean()
+        return jax.value_and_grad(loss_fn)(params)
+
+    def step(params, opt_state, x, y):
+        loss, g = grads(params, x, y)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    def per_microbatch(params, opt_state, x, y, m=4):
+        parts = [grads(params, xs, ys) for xs, ys in zip(jnp.split(x, m), jnp.split(y, m))]
+        loss, g = jax.tree.map(lambda *a: sum(a) / m, *parts)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    return step, per_microbatch, (params, tx.init(params)), _xy()
+
+
+@pytest.mark.parametrize("case,source", [(_batchnorm_step, "normalization.py"),
+                                         (_cond_step, "test_frameworks.py")])
+def test_batch_statistics_are_refused_then_exact_per_microbatch(case, source):
+    step, reference, state, batch = case()
+    refused = rhino.auto_parallel(step, **PIPE)
+    with pytest.raises(rhino.BatchCouplingError) as err:
+        refused(*_host(state), *batch)
+    msg = str(err.value)
+    assert "statistics of the whole batch" in msg and source in msg, msg
+    assert "per_microbatch_statistics=True" in msg
+    ref = jax.jit(reference)
+    piped = rhino.auto_parallel(step, per_microbatch_statistics=True, **PIPE)
+    s1, s2 = tuple(state), tuple(_host(state))
+    try:
+        for _ in range(3):
+            *s1, l1 = ref(*s1, *batch)
+            *s2, l2 = piped(*s2, *batch)
+            np.testing.assert_allclose(float(l2), float(l1), rtol=RTOL)
+        for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=RTOL, atol=1e-6)
+    finally:
+        piped.close()
+
+
+# ------------------------------------------------------------------ keys, leaves, errors
+def _mlp_step(tx=optax.sgd(0.1)):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.random.normal(k1, (16, 32)) * 0.3,
+              "w2": jax.random.normal(k2, (32, 32)) * 0.3,
+              "w3": jax.random.normal(k2, (32, 10)) * 0.3}
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            h = jax.nn.relu(batch["x"] @ p["w1"])
+            keep = jax.random.bernoulli(batch["rng"], 0.8, h.shape)
+            h = jax.nn.relu(jnp.where(keep, h / 0.8, 0.0) @ p["w2"])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                h @ p["w3"], batch["y"]).mean()
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    return step, params, tx.init(params)
+
+
+def test_a_key_inside_the_batch_is_not_split_and_dropout_matches():
+    step, params, opt = _mlp_step()
+    x, y = _xy()
+    _compare(step, (params, opt), ({"x": x, "y": y, "rng": jax.random.key(9)},))
+
+
+def test_nested_batch_args_leave_raw_key_data_out():
+    step, params, opt = _mlp_step()
+    x, y = _xy()
+
+    def raw(params, opt_state, batch):        # an old-style uint32[2] key in the batch
+        return step(params, opt_state, dict(batch, rng=jax.random.wrap_key_data(
+            batch["rng"])))
+
+    batch = {"x": x, "y": y, "rng": jax.random.key_data(jax.random.key(9))}
+    _compare(raw, (params, opt), (batch,), steps=2,
+             batch_args=("batch['x']", "batch['y']"))
+
+
+def test_a_batch_leaf_that_does_not_divide_is_named():
+    step, params, opt = _mlp_step()
+    x, y = _xy()
+
+    def with_extra(params, opt_state, batch):
+        params, opt_state, loss = step(params, opt_state, batch)
+        return params, opt_state, loss + 0.0 * batch["odd"].sum()
+
+    bad = rhino.auto_parallel(with_extra, **PIPE)
+    batch = {"x": x, "y": y, "rng": jax.random.key(9), "odd": jnp.ones((6,))}
+    with pytest.raises(rhino.RhinoError, match=r"batch\['odd'\].*divisible by "
+                                               r"num_microbatches=4, found shape \(6,\)"):
+        bad(*_host((params, opt)), batch)
+
+
+def test_low_precision_gradients_accumulate_in_float32():
+    from rhino.hlo_passes.stage_programs import task_function
+
+    step, params, opt = _mlp_step()
+    params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+    opt = optax.sgd(0.1).init(params)
+    x, y = _xy()
+    batch = {"x": x.astype(jnp.bfloat16), "y": y, "rng": jax.random.key(9)}
+    piped = rhino.auto_parallel(step, **PIPE)
+    try:
+        got = piped(*_host((params, opt)), batch)
+        split = piped.split_for(params, opt, batch)
+        task = next(t for t in split.tasks.values() if t.kind == "B" and t.accumulate)
+        fn = task_function(split, task, with_acc=False)
+        args = [jnp.zeros(split.flat.avals[i.ref].shape, split.flat.avals[i.ref].dtype)
+                for i in task.inputs]
+        _, accs = jax.eval_shape(fn, args, [], jnp.int32(0))
+        low = [r for r in task.accumulate
+               if split.flat.avals[r].dtype == jnp.bfloat16]
+        assert low, "the test expects bfloat16 gradients"
+        assert all(a.dtype == jnp.float32 for r, a in zip(task.accumulate, accs)
+                   if r in low)
+    finally:
+        piped.close()
+    want = jax.jit(step)(params, opt, batch)
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_a_split_that_cannot_be_made_says_why():
+    def tiny(params, opt_state, x, y):
+        def loss_fn(p):
+            return optax.softmax_cross_entropy_with_integer_labels(x @ p["w"], y).mean()
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda w, d: w - 0.1 * d, params, g), opt_state, loss
+
+    params = {"w": jnp.zeros((16, 10))}
+    step = rhino.auto_parallel(tiny, cluster="1x8", stages=8, num_microbatches=4)
+    with pytest.raises(rhino.PlanningError, match="stage assignment: expected"):
+        step(params, jnp.zeros(()), *_xy())
+
+
+def test_a_saved_plan_for_another_model_is_refused_by_name():
+    step, params, opt = _mlp_step()
+    x, y = _xy()
+    batch = {"x": x, "y": y, "rng": jax.random.key(9)}
+    first = rhino.auto_parallel(step, **PIPE)
+    try:
+        plan = first.plan_for(params, opt, batch)
+    finally:
+        first.close()
+    from rhino.models import get_model
+    m = get_model("mlp", batch=32, hidden=64, layers=4)
+    other = rhino.auto_parallel(m.step, plan=plan, timeout=300)
+    with pytest.raises(rhino.PlanMismatchError, match="another program|lacks"):
+        other(*m.example_args())
+
+
+def test_stage_plans_split_only_what_a_microbatch_divides():
+    """Batch 8 in 4 microbatches on stage meshes of 4 devices: a microbatch of 2 cannot be
+    split 4 ways, so no stage plan may split the batch dimension 4 ways (the runtime used
+    to reject the plan: 'splits dimensions that a microbatch does not divide')."""
+    from rhino.models import get_model
+
+    m = get_model("gpt", layers=2, hidden=64, heads=2, seq=16, vocab=256, batch=8)
+    params, opt = m.init(jax.random.PRNGKey(0))
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    step = rhino.auto_parallel(m.step, **PIPE)
+    try:
+        got = step(*_host((params, opt)), batch)
+        plan = step.plan_for(params, opt, batch)
+    finally:
+        step.close()
+    want = jax.jit(m.step)(params, opt, batch)
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=RTOL)
+    for st in plan.stages:
+        for p in st.spmd.params:
+            if p.path.startswith("batch"):
+                d0 = p.spec.dims[0]
+                assert not d0.axes or 2 % st.spmd.mesh.group_size(d0.axes) == 0, p
