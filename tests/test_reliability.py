@@ -39,8 +39,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A two-stage pipeline whose loss (stage 1's program) goes through a while loop and, in
 # mode "callback", a host callback. Mode "callback": ``STUCK.set()`` makes the callback
-# block forever (the stage thread runs it); mode "loop": a batch of ones makes the loop run
-# forever (a program stuck inside XLA, running asynchronously).
+# block forever (the stage thread runs it); mode "loop": ``params["forever"] = 1`` makes the
+# loop run forever (a program stuck inside XLA, running asynchronously).
 STUCK_STEP = """
 import os, sys, threading, time
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -63,11 +63,12 @@ def step(params, batch):
     l, g = jax.value_and_grad(loss)(params)
     if MODE == "callback":
         l = jax.pure_callback(maybe_block, jax.ShapeDtypeStruct(l.shape, l.dtype), l)
-    forever = batch["y"][0, 0]
-    l = jax.lax.while_loop(lambda c: c[1] > 0, lambda c: (c[0] + 1.0, c[1]), (l, forever))[0]
+    l = jax.lax.while_loop(lambda c: c[1] > 0, lambda c: (c[0] + 1.0, c[1]),
+                           (l, params["forever"]))[0]
     return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), l
 
-params = {"w1": jnp.full((16, 16), 0.1), "w2": jnp.full((16, 16), 0.1)}
+params = {"w1": jnp.full((16, 16), 0.1), "w2": jnp.full((16, 16), 0.1),
+          "forever": jnp.float32(0.0)}
 batch = {"x": jnp.ones((8, 16)), "y": jnp.zeros((8, 16))}
 s = rhino.auto_parallel(step, cluster="2x1", stages=2, num_microbatches=2, timeout=60)
 s(params, batch)                                  # compiles
@@ -76,7 +77,7 @@ s._last.run.executor.grace = 2.0      # how long a next step waits for a stalled
 if MODE == "callback":
     STUCK.set()
 else:
-    batch = {"x": batch["x"], "y": jnp.ones((8, 16))}
+    params = dict(params, forever=jnp.float32(1.0))
 print("STEP", flush=True)
 t = time.monotonic()
 try:
