@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import traceback
 from typing import Any, Sequence
 
 from rhino._version import __version__
@@ -78,6 +80,78 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ argument types
+# Each checks one value when the command line is read, before anything is planned; a
+# mistake ends the command with exit status 2 and one line on stderr (``_Parser.error``).
+def positive_int(text: str) -> int:
+    """``"4"`` -> 4; anything but a positive integer is a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0 or str(text).strip().lstrip("+") != str(value):
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """``"0"`` -> 0; anything but an integer >= 0 is a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0 or str(text).strip().lstrip("+") != str(value):
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {text!r}")
+    return value
+
+
+def mesh_shape(text: str) -> tuple[int, ...]:
+    """``"2,4"`` -> (2, 4); every entry a positive integer.
+
+    >>> mesh_shape("2,4")
+    (2, 4)
+    """
+    try:
+        return tuple(positive_int(x) for x in text.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas "
+                                         f"(e.g. 8 or 2,4), found {text!r}") from None
+
+
+def memory_bytes(text: str) -> int:
+    """``"2.5GiB"`` -> 2684354560: bytes per device, finite and at least 1.
+
+    >>> memory_bytes("1MiB"), memory_bytes("3000")
+    (1048576, 3000)
+    """
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    mult = units.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if t[-1:] in units else t) * mult
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a finite, positive number of bytes such as "
+                                         f"3000000000 or 2.5GiB, found {text!r}")
+    return int(value)
+
+
+def output_file(text: str) -> str:
+    """A path a file can be written to: not a folder, in an existing, writable folder."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a file to write, found the folder {text!r}")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"expected a file in an existing folder, found no "
+                                         f"folder {folder!r} for {text!r}")
+    target = text if os.path.exists(text) else folder
+    if not os.access(target, os.W_OK):
+        raise argparse.ArgumentTypeError(f"expected a writable file, found {text!r} not "
+                                         f"writable")
+    return text
+
+
 def _floats(text: str | None, what: str) -> tuple[float, ...] | None:
     if text is None:
         return None
@@ -87,26 +161,13 @@ def _floats(text: str | None, what: str) -> tuple[float, ...] | None:
         raise RhinoError(f"{what}: expected comma-separated numbers, found {text!r}") from None
 
 
-def _memory(text: str | None) -> int | None:
-    if text is None:
-        return None
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    mult = units.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if t[-1:] in units else t) * mult)
-    except ValueError:
-        raise RhinoError(f"--memory-budget: expected bytes such as 3000000000 or 2.5GiB, found "
-                         f"{text!r}") from None
-
-
 def _cmd_plan_pipeline(args: argparse.Namespace) -> int:
     """``rhino plan --cluster HxD``: weigh SPMD-only, pipeline and hybrid plans."""
     import rhino
 
     source, example = resolve_source(args.source)
     progress = None if args.quiet else (lambda msg: print(f"rhino: {msg}", file=sys.stderr))
-    budget = _memory(args.memory_budget)
+    budget = args.memory_budget
     try:
         p = rhino.plan_pipeline(
             source, *example, cluster=args.cluster, microbatches=args.microbatches,
@@ -133,12 +194,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if getattr(args, "cluster", None):
         return _cmd_plan_pipeline(args)
-    mesh_shape = tuple(int(x) for x in _floats(args.mesh, "--mesh"))
     source, example = resolve_source(args.source)
     progress = None if args.quiet else (lambda msg: print(f"rhino: {msg}", file=sys.stderr))
     try:
-        p = rhino.plan(source, *example, mesh_shape=mesh_shape, opt_level=args.opt_level,
-                       memory_budget=_memory(args.memory_budget),
+        p = rhino.plan(source, *example, mesh_shape=args.mesh, opt_level=args.opt_level,
+                       memory_budget=args.memory_budget,
                        alpha=_floats(args.alpha, "--alpha"), beta=_floats(args.beta, "--beta"),
                        flops_per_s=args.flops, backend=args.backend,
                        time_limit=args.time_limit, progress=progress)
@@ -156,15 +216,21 @@ def _ensure_cpu_devices(n: int) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    mesh_shape = tuple(int(x) for x in _floats(args.mesh, "--mesh"))
-    n = 1
-    for s in mesh_shape:
-        n *= s
+    mesh_shape = args.mesh
+    n = math.prod(mesh_shape)
     if args.cluster:
         from rhino.pipeline.api import make_cluster
         n = make_cluster(args.cluster).num_devices
         if args.memory_budget is not None:
             raise RhinoError("--memory-budget applies to SPMD runs; leave out --cluster")
+    else:
+        given = [f for f, v in (("--stages", args.stages), ("--microbatches", args.microbatches),
+                                ("--schedule", args.schedule)) if v is not None]
+        if given:
+            raise RhinoError(f"{', '.join(given)}: expected with --cluster (a pipeline), "
+                             f"found without it")
+    args.microbatches = args.microbatches or 4
+    args.schedule = args.schedule or "1f1b"
     _ensure_cpu_devices(n)
     import jax
     import numpy as np
@@ -197,7 +263,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(step.plan_for(params, opt, batch).report())
     else:
         step = rhino.auto_parallel(model.step, mesh_shape=mesh_shape, opt_level=args.opt_level,
-                                   memory_budget=_memory(args.memory_budget))
+                                   memory_budget=args.memory_budget)
         print(step.report_for(params, opt, batch))
     ref = jax.jit(model.step)
     rp, ro = params, opt
@@ -219,6 +285,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: ``rhino plan: error: argument --mesh: ...``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _flops(text: str) -> float:
     try:
         value = float(text)
@@ -233,21 +306,34 @@ def _flops(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     from rhino.backends import backend_names
 
-    p = argparse.ArgumentParser(prog="rhino", description=DESCRIPTION, epilog=EXAMPLES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="rhino", description=DESCRIPTION, epilog=EXAMPLES,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"rhino {__version__}")
+    p.add_argument("--debug", action="store_true",
+                   help="on an error, print the whole traceback instead of one line")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    pi = sub.add_parser("inspect", help="ingest and analyse a program; print its structure")
+
+    def command(name: str, **kw: Any) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, **kw)
+        # Also accepted after the command; SUPPRESS keeps a --debug given before it.
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, print the whole traceback")
+        return sp
+
+    pi = command("inspect", help="ingest and analyse a program; print its structure")
     pi.add_argument("source", nargs="?", help="a .hlo/.mlir file or a zoo model NAME:k=v,...")
     pi.add_argument("--json", action="store_true", help="print one JSON object")
-    pi.add_argument("--dot", metavar="FILE", help="write the coarsened graph for Graphviz")
-    pi.add_argument("--top", type=int, default=10, help="largest parameters to list")
+    pi.add_argument("--dot", metavar="FILE", type=output_file,
+                    help="write the coarsened graph for Graphviz")
+    pi.add_argument("--top", type=nonnegative_int, default=10,
+                    help="largest parameters to list (default: 10)")
     pi.add_argument("--models", action="store_true", help="list the zoo models with their options and presets, and exit")
     pi.set_defaults(func=_cmd_inspect)
-    pp = sub.add_parser("plan", help="find a plan (SPMD for --mesh; SPMD, pipeline or "
-                        "hybrid for --cluster) and print its report")
+    pp = command("plan", help="find a plan (SPMD for --mesh; SPMD, pipeline or "
+                 "hybrid for --cluster) and print its report")
     pp.add_argument("source", help="a .hlo/.mlir file or a zoo model NAME:k=v,...")
-    pp.add_argument("--mesh", default="8", help="mesh shape, e.g. 8 or 2,4 (default: 8)")
+    pp.add_argument("--mesh", default=(8,), type=mesh_shape,
+                    help="mesh shape, e.g. 8 or 2,4 (default: 8)")
     pp.add_argument("--alpha", help="latency per mesh axis in seconds, e.g. 1e-5,1e-5")
     pp.add_argument("--beta", help="seconds per byte per mesh axis, e.g. 2e-10,1e-9")
     pp.add_argument("--flops", type=_flops, metavar="FLOP/S",
@@ -256,48 +342,85 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan with built-in figures of these devices (α, β, FLOP/s per "
                     "dtype, memory); default: simulated CPU")
     pp.add_argument("--opt-level", default="O2", choices=("O2", "O3"))
-    pp.add_argument("--memory-budget", help="bytes per device (suffixes KiB, MiB, GiB)")
+    pp.add_argument("--memory-budget", type=memory_bytes,
+                    help="bytes per device (suffixes KiB, MiB, GiB)")
     pp.add_argument("--time-limit", type=float, default=600.0, help="seconds per solve")
     pp.add_argument("--json", action="store_true", help="print the plan as JSON")
-    pp.add_argument("--output", metavar="FILE", help="also save the plan JSON to FILE")
+    pp.add_argument("--output", metavar="FILE", type=output_file,
+                    help="also save the plan JSON to FILE")
     pp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     pp.add_argument("--cluster", metavar="HxD", help="plan SPMD / pipeline / hybrid for H hosts "
                     "x D devices per host, e.g. 2x8 (the pipeline planner; --mesh is ignored)")
-    pp.add_argument("--microbatches", type=int, default=8, help="microbatches per step (1F1B)")
+    pp.add_argument("--microbatches", type=positive_int, default=8,
+                    help="microbatches per step (1F1B)")
     pp.add_argument("--epsilon", type=float, default=0.1, help="stage imbalance tolerance")
-    pp.add_argument("--max-stages", type=int, help="the most pipeline stages")
+    pp.add_argument("--max-stages", type=positive_int, help="the most pipeline stages")
     for where in ("intra", "inter"):
         pp.add_argument(f"--alpha-{where}", type=float,
                         help=f"link latency {where}-host in seconds (with --cluster)")
         pp.add_argument(f"--beta-{where}", type=float,
                         help=f"seconds per byte {where}-host (with --cluster)")
     pp.set_defaults(func=_cmd_plan)
-    pd = sub.add_parser("demo", help="the main job: plan and train a zoo model on simulated "
-                                     "CPU devices beside single-device training")
+    pd = command("demo", help="the main job: plan and train a zoo model on simulated "
+                              "CPU devices beside single-device training")
     pd.add_argument("--model", help=f"zoo model spec (default: {DEMO_MODEL},batch=8; with "
                     "--cluster, batch = microbatches x devices)")
-    pd.add_argument("--mesh", default="8", help="mesh shape (default: 8)")
-    pd.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
+    pd.add_argument("--mesh", default=(8,), type=mesh_shape, help="mesh shape (default: 8)")
+    pd.add_argument("--steps", type=positive_int, default=10,
+                    help="training steps (default: 10)")
     pd.add_argument("--opt-level", default="O2", choices=("O2", "O3"))
     pd.add_argument("--cluster", metavar="HxD", help="train as a pipeline over H hosts x D "
                     "devices, e.g. 2x4 (--mesh is ignored)")
-    pd.add_argument("--stages", type=int, help="pipeline stages with --cluster (default: the "
-                    "planner's choice)")
-    pd.add_argument("--microbatches", type=int, default=4, help="with --cluster (default: 4)")
-    pd.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "eager-1f1b"))
-    pd.add_argument("--memory-budget", help="bytes per device the compiled program may use, "
-                    "e.g. 2MiB (SPMD only; re-plans with more weight on memory until it fits)")
+    pd.add_argument("--stages", type=positive_int, help="pipeline stages with --cluster "
+                    "(default: the planner's choice)")
+    pd.add_argument("--microbatches", type=positive_int,
+                    help="with --cluster (default: 4)")
+    pd.add_argument("--schedule", choices=("1f1b", "gpipe", "eager-1f1b"),
+                    help="with --cluster (default: 1f1b)")
+    pd.add_argument("--memory-budget", type=memory_bytes, help="bytes per device the "
+                    "compiled program may use, e.g. 2MiB (SPMD only; re-plans with more "
+                    "weight on memory until it fits)")
     pd.set_defaults(func=_cmd_demo)
     return p
 
 
+def one_line(message: str) -> str:
+    """A message on one line (its lines joined with `` | ``).
+
+    >>> one_line("ray start failed; its log ends:\\n  a\\n\\n  b")
+    'ray start failed; its log ends: | a | b'
+    """
+    return " | ".join(ln.strip() for ln in str(message).splitlines() if ln.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line; returns the exit status: 0 done, 1 the demo's results differ
+    or rhino failed unexpectedly, 2 a mistake in the command or its input (one line on
+    stderr; ``--debug`` prints the traceback instead), 130 interrupted."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a usage error (2), or --help / --version (0)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     try:
         return args.func(args)
-    except RhinoError as e:
-        print(f"rhino: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("rhino: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every failure ends as one line (or --debug)
+        if args.debug:
+            traceback.print_exc()
+        if isinstance(e, RhinoError):
+            print(f"rhino: error: {one_line(str(e))}", file=sys.stderr)
+            return 2
+        if isinstance(e, OSError) and e.filename is not None:
+            print(f"rhino: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        hint = "" if args.debug else " (rhino --debug ... prints the traceback)"
+        print(f"rhino: internal error: {type(e).__name__}: {one_line(str(e))}{hint}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

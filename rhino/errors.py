@@ -62,7 +62,8 @@ class InfeasiblePlanError(RhinoError):
     """No plan fits the per-device memory budget.
 
     Attributes:
-        needed_bytes: the smallest per-device memory any plan the search found needs.
+        needed_bytes: per-device memory that is needed at least: the least any plan the
+            search tried needs, or a lower bound no plan can go below (the detail says).
         budget_bytes: the budget that was asked for.
     """
 

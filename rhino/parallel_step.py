@@ -61,7 +61,7 @@ from rhino.planner.build import BuildOptions
 from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.planning import annotation_pins, fit_compiled_memory
+from rhino.planning import annotation_pins, argument_lower_bound, fit_compiled_memory
 from rhino.progress import Progress
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
@@ -318,7 +318,12 @@ class _Entry:
 # ------------------------------------------------------------------------------ the step
 class ParallelStep:
     """A step wrapped by ``auto_parallel``; call it like the original (positional
-    arguments)."""
+    arguments). A context manager: leaving the ``with`` block calls ``close()``, which
+    stops the executors (stage threads, Ray actors)::
+
+        with rhino.auto_parallel(m.step, cluster="2x4", stages=2) as step:
+            params, opt, loss = step(params, opt, batch)
+    """
 
     def __init__(self, fn: Callable, options: StepOptions):
         self.fn = fn
@@ -447,8 +452,16 @@ class ParallelStep:
         return distributed_init(init_fn, *init_args,
                                 shardings=jax.tree_util.tree_unflatten(tree, shardings))
 
+    def __enter__(self) -> "ParallelStep":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Stop the executors (threads, Ray actors)."""
+        """Stop the executors (threads, Ray actors); bounded: a stage stuck in a program is
+        left behind on a daemon thread and holds nothing up. The step can be called again
+        afterwards (it builds its executors anew)."""
         for e in self._cache.values():
             e.run.close()
         self._cache.clear()
@@ -571,7 +584,7 @@ class _Builder:
                                   lambda sp: (sp, self._direct(Plan.from_spmd(
                                       sp, graph.total_flops))),
                                   lambda got: got[1].memory, options, o.memory_budget,
-                                  self.progress)
+                                  self.progress, argument_lower_bound(graph, mesh))
         spmd_plan, run = fit.compiled
         run.budget, run.pressure = fit.budget, fit.pressure
         return self._entry(Plan.from_spmd(spmd_plan, graph.total_flops), run)

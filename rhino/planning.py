@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -35,6 +36,7 @@ from rhino.backends import backend_figures
 from rhino.cluster import Cluster
 from rhino.errors import InfeasiblePlanError, OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, analyze, ingest
+from rhino.hlo_passes.graph import dtype_bytes, flatten_shape
 from rhino.pipeline.api import plan_pipeline
 from rhino.parallel_plan import Plan
 from rhino.planner.api import PlanOptions, plan_graph
@@ -168,14 +170,21 @@ def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: Abstr
     """Annotations (pytree path or ``jax.named_scope`` name -> spec) as op id -> spec.
 
     Raises:
-        PlanMismatchError-like ``RhinoError``: a key naming neither a parameter nor a scope.
+        RhinoError: a key naming neither a parameter nor a scope.
+        OptionsError: a spec that does not fit the value's shape on the mesh (rank, or a
+            dimension its shards do not divide).
     """
     pins: dict[int, ShardingSpec] = {}
     by_path = {graph.ops[p].arg.path: p for p in graph.params if graph.ops[p].arg}
     users = graph.users
     for key, value in annotations.items():
-        spec = value if isinstance(value, ShardingSpec) else ShardingSpec.parse(str(value), mesh)
+        try:
+            spec = value if isinstance(value, ShardingSpec) else \
+                ShardingSpec.parse(str(value), mesh)
+        except ValueError as e:
+            raise OptionsError(f"annotation {key!r}: {e}") from None
         if key in by_path:
+            _check_fits(key, spec, graph.ops[by_path[key]], mesh)
             pins[by_path[key]] = spec
             continue
         scoped = [op.id for op in graph.ops if f"/{key}/" in f"/{op.op_name}/"]
@@ -187,8 +196,20 @@ def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: Abstr
                              f"{next(iter(by_path), 'params[...]')!r}) or a jax.named_scope "
                              f"name used in the step; found neither")
         for i in exported:
+            _check_fits(key, spec, graph.ops[i], mesh)
             pins[i] = spec
     return pins
+
+
+def _check_fits(key: str, spec: ShardingSpec, op: Any, mesh: AbstractMesh) -> None:
+    dims = getattr(op.shape, "dims", None)
+    if dims is None:
+        return  # a tuple value: the planner says it stays replicated
+    problems = spec.problems(dims, mesh)
+    if problems:
+        what = op.arg.path if op.arg is not None else f"{op.name} ({op.opcode})"
+        raise OptionsError(f"annotation {key!r}: {spec.to_str(mesh)} does not fit {what} of "
+                           f"shape {tuple(dims)} on mesh {mesh}: " + "; ".join(problems))
 
 
 # Memory pressure steps of ``memory_budget`` (see ``fit_compiled_memory``): each step μ
@@ -208,10 +229,36 @@ class MemoryFit:
     pressure: float
 
 
+def argument_lower_bound(graph: HloGraph, mesh: AbstractMesh) -> int:
+    """Per-device bytes of the compiled program's arguments under *any* plan: each entry
+    parameter the program reads, split over every device of the mesh (a shard holds at
+    least one element). ``memory_analysis()``'s peak (arguments + outputs + temporaries −
+    donated, and donated ≤ outputs) is never below it, whatever the memory pressure.
+
+    Example:
+        >>> import jax.numpy as jnp, rhino
+        >>> g = rhino.ingest(lambda w, x: x @ w, jnp.ones((64, 32)), jnp.ones((8, 64)))
+        >>> argument_lower_bound(g, logical_mesh((4,)))      # (64·32 + 8·64) · 4 B / 4
+        2560
+    """
+    n = mesh.num_devices
+    users = graph.users
+    outputs = set(graph.outputs)
+    total = 0
+    for p in graph.params:
+        if not users[p] and p not in outputs:
+            continue  # jax drops an unused argument from the compiled program
+        for t in flatten_shape(graph.ops[p].shape):
+            item = dtype_bytes(t.dtype)
+            total += max(item, math.ceil(t.nbytes / n))
+    return total
+
+
 def fit_compiled_memory(plan_fn: Callable[[PlanOptions], Any],
                         compile_fn: Callable[[Any], Any],
                         memory_fn: Callable[[Any], dict | None], options: PlanOptions,
-                        budget: int, progress: Callable[[str], None]) -> MemoryFit:
+                        budget: int, progress: Callable[[str], None],
+                        lower_bound: int = 0) -> MemoryFit:
     """The first plan, in order of rising memory pressure, whose *compiled* program fits.
 
     The planner's liveness estimate follows the program order, not XLA's schedule and
@@ -222,10 +269,22 @@ def fit_compiled_memory(plan_fn: Callable[[PlanOptions], Any],
     time-optimal plan, so the first fit is taken. A plan equal to an earlier one is not
     compiled again. Nothing fits: ``InfeasiblePlanError`` with every attempt's peak.
 
+    A budget below ``lower_bound`` (bytes no plan can go below, e.g.
+    ``argument_lower_bound``: more pressure cannot move it) is infeasible at once, before
+    any plan is compiled.
+
     Args:
         plan_fn: options -> an SPMD plan; compile_fn: plan -> compiled result;
         memory_fn: compiled result -> its memory (None: the backend gives none).
+        lower_bound: per-device bytes every plan needs.
+
+    Raises:
+        InfeasiblePlanError: below the lower bound, or no pressure gave a plan that fits.
     """
+    if lower_bound > budget:
+        raise InfeasiblePlanError(lower_bound, budget, "a lower bound, checked before "
+                                  "planning: the program's arguments alone, each split over "
+                                  "every device, and no memory pressure can shrink them")
     tried: list[str] = []
     seen: dict[tuple, tuple[float, int]] = {}
     for mu in MEMORY_PRESSURE:

@@ -19,7 +19,10 @@ Built so far (pure pieces first, each testable without a cluster)::
                      the plan, collectives counted, compiled memory read.
     executor.py      per-stage instruction lists from a schedule (run / send / recv),
                      StageWorker (one stage's mesh, programs, state), Transport,
-                     LocalExecutor (one thread per stage over disjoint local devices).
+                     LocalExecutor (one thread per stage over disjoint local devices),
+                     ExecutorError and root_cause (which stage to blame first).
+    threads.py       daemon threads and bounded, interruptible waits: a stuck stage never
+                     holds up close(), Ctrl-C or the interpreter's exit.
     ray_executor.py  the Ray executor (one actor per stage mesh, object-store transport)
                      and ``init`` (``rhino.init``); imports ray lazily.
     cross_mesh.py    004's resharding as the local executor's transport between stages.

@@ -71,7 +71,8 @@ class CrossMeshTransport(LocalTransport):
         self.cross_host_bytes = 0
 
     def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
-        super().send(src, dst, key, self.reshard(value, self.target(dst, key[0])))
+        _, ref, _ = key  # (step, ref, microbatch)
+        super().send(src, dst, key, self.reshard(value, self.target(dst, ref)))
 
     def reshard(self, x: Any, target: Any) -> Any:
         """``x`` (a jax array on one mesh) on ``target``'s mesh and layout."""

@@ -20,6 +20,17 @@ instruction list once per step through a ``Transport``:
 threads only dispatch and wait). Every wait has a timeout; an error on one stage stops the
 others at their next wait and is raised naming the stage and the task.
 
+Failures (both executors): every mailbox key carries the step number, and ``abort`` poisons
+one step, so a stage still busy with a failed step can neither deliver into nor abort a
+later one. Stage threads are daemon threads (``runtime.threads``) that the executor waits
+for only up to a deadline: a stage stuck inside a program never holds up ``close()``, the
+interpreter's exit or Ctrl-C; the executor then refuses further steps. Of several stages'
+errors the root cause is raised first (``root_cause``): a stage whose own program failed
+(or whose actor died), then a stage that did not finish, then one that timed out waiting,
+then those aborted because of another::
+
+    stage 1, B2: XlaRuntimeError: ... (other stages: stage 0, recv v7@2←1: aborted: ...)
+
 Example:
     >>> from rhino.runtime.schedules import one_f_one_b
     >>> # instructions(split, one_f_one_b(2, 4), stage=0)  -> [Instr('run', 'F', 0), ...]
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import enum
 import threading
 import time
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -40,13 +52,63 @@ from rhino.errors import RhinoError
 from rhino.runtime.schedules import Schedule, make_schedule
 from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_sum, flatten,
                                              split_step, task_function)
+from rhino.runtime import threads
 from rhino.runtime.timeline import TaskRecord
 
 DEFAULT_TIMEOUT_S = 600.0
+ABORT_GRACE_S = 10.0
+"""After a stage failed, how long the local executor waits for the others to stop."""
+CLOSE_GRACE_S = 2.0
+"""How long ``close()`` (and an interrupted step) waits for stage threads to stop."""
+
+
+class Failure(enum.IntEnum):
+    """What went wrong on a stage, in the order ``root_cause`` blames them (lowest first)."""
+
+    PROGRAM = 0   # the stage's own program (or its actor) failed
+    STALLED = 1   # the stage did not finish in time (stuck in a program or a wait)
+    TIMEOUT = 2   # the stage waited in vain for a value from another stage
+    ABORTED = 3   # the stage was stopped because another stage failed
 
 
 class ExecutorError(RhinoError):
-    """A pipeline step failed or timed out on a stage."""
+    """A pipeline step failed or timed out on a stage.
+
+    Attributes:
+        stage: the stage the message is about (None: the executor as a whole).
+        failure: a ``Failure`` (None: not a stage's failure, e.g. bad arguments).
+        at: when it happened (``time.time()``), to order failures of equal kind.
+    """
+
+    def __init__(self, message: str, *, stage: int | None = None,
+                 failure: Failure | None = None):
+        super().__init__(message)
+        self.stage, self.failure, self.at = stage, failure, time.time()
+
+
+def root_cause(errors: Sequence[ExecutorError]) -> ExecutorError:
+    """One error for a failed step: the root cause's message (see ``Failure``; equal kinds:
+    the earliest, then the lowest stage) with the other stages' messages appended.
+
+    >>> a = ExecutorError("stage 0, recv v1@0←1: timed out", stage=0, failure=Failure.TIMEOUT)
+    >>> b = ExecutorError("stage 1, F0: ValueError: x", stage=1, failure=Failure.PROGRAM)
+    >>> str(root_cause([a, b]))
+    'stage 1, F0: ValueError: x (other stages: stage 0, recv v1@0←1: timed out)'
+    """
+    def rank(e: ExecutorError) -> tuple:
+        failure = e.failure if e.failure is not None else Failure.PROGRAM
+        return (int(failure), e.at, -1 if e.stage is None else e.stage)
+
+    ordered = sorted(errors, key=rank)
+    root = ordered[0]
+    if len(ordered) == 1:
+        return root
+    others = "; ".join(str(e) for e in ordered[1:])
+    out = ExecutorError(f"{root} (other stages: {others})", stage=root.stage,
+                        failure=root.failure)
+    out.at = root.at
+    out.__cause__ = root
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +179,8 @@ def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr
 
 
 class Transport(Protocol):
-    """Moves values between stages (an NCCL transport would implement the same)."""
+    """Moves values between stages (an NCCL transport would implement the same). Keys are
+    ``(step, ref, microbatch)`` (see ``StepTransport``)."""
 
     def send(self, src: int, dst: int, key: tuple, value: Any) -> None: ...
 
@@ -125,40 +188,83 @@ class Transport(Protocol):
 
 
 class LocalTransport:
-    """In-process mailboxes, one per stage; ``abort`` wakes every waiting receiver."""
+    """In-process mailboxes, one per stage, keyed by ``(source stage, (step, ref,
+    microbatch))``; ``abort`` poisons one step and wakes every receiver waiting in it."""
 
     def __init__(self, num_stages: int):
         self._boxes: list[dict] = [dict() for _ in range(num_stages)]
         self._cond = threading.Condition()
-        self._aborted: str | None = None
+        self._aborted: dict[int, str] = {}
 
     def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
         with self._cond:
+            if key[0] in self._aborted:
+                return  # nobody will take it
             self._boxes[dst][(src, key)] = value
             self._cond.notify_all()
 
     def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
+        step = key[0]
         deadline = time.monotonic() + timeout
         with self._cond:
             while (src, key) not in self._boxes[dst]:
-                if self._aborted is not None:
-                    raise ExecutorError(f"aborted: {self._aborted}")
+                if step in self._aborted:
+                    raise ExecutorError(f"aborted: {self._aborted[step]}",
+                                        failure=Failure.ABORTED)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no value {key} from stage {src} after {timeout:.0f} s")
-                self._cond.wait(left)
+                    raise TimeoutError(f"no value {_key_label(key)} from stage {src} after "
+                                       f"{timeout:g} s")
+                self._cond.wait(min(left, threads.WAIT_SLICE_S))
             return self._boxes[dst].pop((src, key))
 
-    def abort(self, why: str) -> None:
+    def abort(self, step: int, why: str) -> None:
+        """Poison ``step``: its waiting and future ``recv`` calls raise at once."""
         with self._cond:
-            self._aborted = why
+            self._aborted.setdefault(step, why)
+            for box in self._boxes:
+                for k in [k for k in box if k[1][0] == step]:
+                    del box[k]
             self._cond.notify_all()
 
-    def reset(self) -> None:
+    def start(self, step: int) -> None:
+        """Forget the values and aborts of the steps before ``step``."""
         with self._cond:
-            self._aborted = None
+            for box in self._boxes:
+                for k in [k for k in box if k[1][0] < step]:
+                    del box[k]
+            for s in [s for s in self._aborted if s < step]:
+                del self._aborted[s]
+
+    def reset(self) -> None:
+        """Forget every value and abort."""
+        with self._cond:
+            self._aborted.clear()
             for b in self._boxes:
                 b.clear()
+
+
+def _key_label(key: tuple) -> str:
+    step, ref, mb = key
+    return f"v{ref}@{'' if mb is None else mb} of step {step}"
+
+
+class StepTransport:
+    """A transport as one step sees it: every key gets the step number in front, so that a
+    stage thread still busy with an earlier step never mixes its values into a later one.
+
+    Args:
+        transport: the executor's transport; step: the step number.
+    """
+
+    def __init__(self, transport: Transport, step: int):
+        self.transport, self.step = transport, step
+
+    def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
+        self.transport.send(src, dst, (self.step, *key), value)
+
+    def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
+        return self.transport.recv(dst, src, (self.step, *key), timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +349,8 @@ class StageWorker:
                 self._readers.setdefault(r, 0)
         self._last_send = {ins.key: n for n, ins in enumerate(self.instrs) if ins.op == "send"}
         self._results = frozenset(o.ref for o in split.outputs if o.source == "task")
-        self._watch = cf.ThreadPoolExecutor(max_workers=1,
-                                            thread_name_prefix=f"rhino-stage{stage}-timer")
+        # A daemon thread: one stuck program never holds up the interpreter's exit.
+        self._watch = threads.SerialWorker(f"rhino-stage{stage}-timer")
         self._state: dict[int, Any] = {}
         self._state_src: dict[int, int] = {}
 
@@ -313,13 +419,12 @@ class StageWorker:
         left: dict[tuple[int, Any], int] = {}
         accs: dict[int, Any] = {}
         records: list[TaskRecord] = []
-        t_step = time.perf_counter()
         for n, ins in enumerate(self.instrs):
             try:
                 if ins.op == "recv":
                     t0 = time.perf_counter()
                     x = transport.recv(self.stage, ins.peer, ins.key, timeout)
-                    x = jax.device_put(x, self.sharding(ins.ref))
+                    x = self._place_received(ins, x)
                     if ins.acc:
                         accs[ins.ref] = x
                     else:
@@ -329,8 +434,8 @@ class StageWorker:
                                      ins.microbatch, "recv")
                     # When the value is ready on this mesh (the copy may still run): the
                     # task reading it cannot start before.
-                    records.append(_Pending(rec, self._watch.submit(_ready_at, x))
-                                   if self.measure else rec)
+                    records.append(_Pending(rec, self._watch.submit(_ready_at, x),
+                                            ins.peer) if self.measure else rec)
                 elif ins.op == "send":
                     t0 = time.perf_counter()
                     x = accs[ins.ref] if ins.acc else values[(ins.ref, ins.microbatch)]
@@ -342,15 +447,15 @@ class StageWorker:
                     records.append(TaskRecord(self.stage, ins.label(), t0, time.perf_counter(),
                                               ins.microbatch, "send"))
                 else:
-                    records.append(self._run(ins, state, batch, values, left, accs))
+                    records.append(self._run(ins, state, batch, values, left, accs, timeout))
             except ExecutorError as e:
-                raise ExecutorError(f"stage {self.stage}, {ins.label()}: {e}") from e
+                if e.stage is not None:  # already says where (a peer's failed value)
+                    raise
+                raise self._error(ins, str(e), e.failure or Failure.PROGRAM) from e
             except TimeoutError as e:
-                raise ExecutorError(f"stage {self.stage}, {ins.label()}: timed out: {e}") \
-                    from e
+                raise self._error(ins, f"timed out: {e}", Failure.TIMEOUT) from e
             except Exception as e:  # a program failed: say where
-                raise ExecutorError(f"stage {self.stage}, {ins.label()}: "
-                                    f"{type(e).__name__}: {e}") from e
+                raise self._error(ins, f"{type(e).__name__}: {e}", Failure.PROGRAM) from e
         outs: dict[int, Any] = {}
         for o in self.split.outputs:
             if o.producer is None or o.producer[1] != self.stage:
@@ -359,13 +464,39 @@ class StageWorker:
                 outs[o.ref] = finish_sum(self.split, o.ref, accs[o.ref])
             elif o.source == "task":
                 outs[o.ref] = values[(o.ref, None)]
-        del t_step
         try:
             return outs, self._timed(records, timeout)
+        except ExecutorError:
+            raise
         except Exception as e:  # a program failed while running asynchronously
-            raise ExecutorError(f"stage {self.stage}: {type(e).__name__}: {e}") from e
+            raise ExecutorError(f"stage {self.stage}: {type(e).__name__}: {e}",
+                                stage=self.stage, failure=Failure.PROGRAM) from e
 
-    def _run(self, ins: Instr, state, batch, values, left, accs) -> TaskRecord:
+    def _error(self, ins: Instr, what: str, failure: Failure) -> ExecutorError:
+        return ExecutorError(f"stage {self.stage}, {ins.label()}: {what}", stage=self.stage,
+                             failure=failure)
+
+    def _place_received(self, ins: Instr, x: Any) -> Any:
+        """A received value on this stage's mesh. If that fails because the value itself
+        is the result of a failed program (it ran asynchronously on the sending stage),
+        the sender is blamed, not this stage."""
+        try:
+            return jax.device_put(x, self.sharding(ins.ref))
+        except Exception as e:
+            try:
+                _ready_at(x, timeout=CLOSE_GRACE_S)
+            except TimeoutError:
+                raise e from None
+            except Exception as failed:
+                what = "acc" if ins.acc else ("" if ins.microbatch is None else ins.microbatch)
+                raise ExecutorError(
+                    f"stage {ins.peer}: {type(failed).__name__}: {failed} (in the value "
+                    f"v{ins.ref}@{what} it sent, found by stage {self.stage} at "
+                    f"{ins.label()})", stage=ins.peer, failure=Failure.PROGRAM) from failed
+            raise e
+
+    def _run(self, ins: Instr, state, batch, values, left, accs,
+             timeout: float = DEFAULT_TIMEOUT_S) -> TaskRecord:
         task = self.split.task(ins.kind, self.stage)
         mb = ins.microbatch
         inputs = []
@@ -394,7 +525,7 @@ class StageWorker:
         if self.measure and outs:
             done = self._watch.submit(_ready_at, outs)
         elif self.measure:
-            jax.block_until_ready(new)
+            _ready_at(new, timeout=timeout)
             done = _done_now()
         key_mb = None if ins.kind == "A" else mb
         for r, x in zip(task.outputs, outs):
@@ -414,17 +545,41 @@ class StageWorker:
         one program at a time) and the arrival of the values it received."""
         out: list[TaskRecord] = []
         prev_end = inputs_ready = float("-inf")
+        deadline = time.monotonic() + timeout
         for r in records:
-            if isinstance(r, _Pending) and r.record.kind == "recv":
-                inputs_ready = max(inputs_ready, r.done.result(timeout=timeout))
+            if not isinstance(r, _Pending):
+                out.append(r)
+                continue
+            try:
+                ready = r.done.result(timeout=max(0.0, deadline - time.monotonic())) \
+                    if r.done is not None else r.record.end
+            except (TimeoutError, cf.TimeoutError) as e:
+                if r.peer is not None:  # the sender's program never finished
+                    raise ExecutorError(f"stage {self.stage}, {r.record.label}: the value "
+                                        f"from stage {r.peer} was not ready within "
+                                        f"{timeout:g} s", stage=self.stage,
+                                        failure=Failure.TIMEOUT) from e
+                raise ExecutorError(f"stage {self.stage}, {r.record.label}: its results were "
+                                    f"not ready within {timeout:g} s", stage=self.stage,
+                                    failure=Failure.STALLED) from e
+            if r.record.kind == "recv":
+                inputs_ready = max(inputs_ready, ready)
                 r = r.record
-            elif isinstance(r, _Pending):
-                end = r.done.result(timeout=timeout) if r.done is not None else r.record.end
+            else:
                 start = max(r.record.start, prev_end, inputs_ready)
-                prev_end, inputs_ready = end, float("-inf")
-                r = dataclasses.replace(r.record, start=start, end=max(end, start))
+                prev_end, inputs_ready = ready, float("-inf")
+                r = dataclasses.replace(r.record, start=start, end=max(ready, start))
             out.append(r)
         return out
+
+    def idle(self, timeout: float) -> bool:
+        """Whether every program this stage dispatched has finished (its timer thread has
+        seen them all end), waiting up to ``timeout`` seconds."""
+        return self._watch.wait_idle(timeout)
+
+    def close(self) -> None:
+        """Stop the timer thread (after the calls already queued; never waits)."""
+        self._watch.shutdown()
 
     def _awaited(self, key) -> bool:
         """A step result (never released early)."""
@@ -433,10 +588,12 @@ class StageWorker:
 
 @dataclasses.dataclass(frozen=True)
 class _Pending:
-    """A dispatched task whose end time a watcher thread will report."""
+    """A dispatched task (or a received value: ``peer`` sent it) whose end time a watcher
+    thread will report."""
 
     record: TaskRecord
     done: Any
+    peer: int | None = None
 
 
 def _done_now() -> cf.Future:
@@ -445,72 +602,185 @@ def _done_now() -> cf.Future:
     return f
 
 
-def _ready_at(tree: Any) -> float:
-    jax.block_until_ready(tree)
+POLL_S = (2e-5, 5e-4, 0.05)
+"""Polling of ``_ready_at``: first pause, longest pause in the first second, and after."""
+
+
+def _ready_at(tree: Any, timeout: float | None = None) -> float:
+    """When every array of ``tree`` is ready (``time.perf_counter()``); a failed program's
+    error is raised. Polls ``is_ready()`` instead of blocking inside XLA: a daemon thread
+    blocked in a C++ wait that returns while the interpreter shuts down is torn down
+    through C++ frames and aborts the process; one sleeping in Python ends cleanly.
+
+    Raises:
+        TimeoutError: not ready within ``timeout`` seconds (None: wait as long as it takes).
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "is_ready")]
+    start = time.monotonic()
+    pause = POLL_S[0]
+    for x in leaves:
+        while not x.is_ready():
+            waited = time.monotonic() - start
+            if timeout is not None and waited > timeout:
+                raise TimeoutError(f"not ready within {timeout:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1] if waited < 1.0 else POLL_S[2])
+    jax.block_until_ready(leaves)  # ready: returns at once, or raises a program's error
     return time.perf_counter()
 
 
 class LocalExecutor:
-    """All stages in this process, one thread each (see the module docstring).
+    """All stages in this process, one daemon thread each (see the module docstring).
+
+    Usable as a context manager (``close()`` on exit).
 
     Args:
         workers: one ``StageWorker`` per stage, in stage order.
-        timeout: seconds any one wait may take.
+        timeout: seconds any one wait may take; a step may take ``2 × timeout``.
         transport: how values move (default ``LocalTransport``: ``jax.device_put`` onto the
             receiver's layout; ``cross_mesh.CrossMeshTransport``: 004's resharding).
+        grace: after a stage failed, seconds the others get to stop before the step is
+            given up (a stage still running then is stuck: the executor refuses further
+            steps).
     """
 
     def __init__(self, workers: Sequence[StageWorker], timeout: float = DEFAULT_TIMEOUT_S,
-                 transport: LocalTransport | None = None):
+                 transport: LocalTransport | None = None, grace: float = ABORT_GRACE_S):
         self.workers = list(workers)
         self.timeout = timeout
+        self.grace = grace
         self.transport = transport or LocalTransport(len(self.workers))
-        self._pool = cf.ThreadPoolExecutor(max_workers=len(self.workers),
-                                           thread_name_prefix="rhino-stage")
         self.last_records: list[TaskRecord] = []
         self.last_step_s = 0.0
+        self._step = 0
+        self._running: dict[cf.Future, int] = {}   # the last step's stage threads -> stage
+        self._broken: str | None = None
+        self._closed = False
+
+    def __enter__(self) -> "LocalExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def run(self, flat_args: Sequence[Any]) -> dict[int, Any]:
-        """One step: flat arguments in, ``ref -> value`` of the step's stage results out."""
-        self.transport.reset()
+        """One step: flat arguments in, ``ref -> value`` of the step's stage results out.
+
+        Raises:
+            ExecutorError: a stage failed, timed out or did not finish within
+                ``2 × timeout`` (the root cause first, see ``root_cause``); the executor is
+                closed; or a stage of an earlier step is still stuck.
+            KeyboardInterrupt: interrupted (the step is aborted; its stages get
+                ``CLOSE_GRACE_S`` to stop).
+        """
+        if self._closed:
+            raise ExecutorError("the local executor is closed")
+        self._settle(self.grace)
+        if self._broken:
+            raise ExecutorError(f"the local executor failed earlier and cannot run more "
+                                f"steps: {self._broken}; build a new step "
+                                f"(rhino.auto_parallel(...))")
+        self._step += 1
+        step = self._step
+        self.transport.start(step)
         split = self.workers[0].split
         t0 = time.perf_counter()
-        futures = []
+        self._running = {}
         for w in self.workers:
             args = {r: flat_args[r] for r in split.stage_args(w.stage)}
-            futures.append(self._pool.submit(self._guarded, w, args))
+            self._running[threads.start(self._stage, w, args, step,
+                                        name=f"rhino-stage{w.stage}-step{step}")] = w.stage
+        try:
+            results = self._wait(step, t0)
+        except KeyboardInterrupt:
+            self.transport.abort(step, "interrupted (KeyboardInterrupt)")
+            self._settle(CLOSE_GRACE_S)
+            raise
         outs: dict[int, Any] = {}
         records: list[TaskRecord] = []
-        errors = []
-        for w, f in zip(self.workers, futures):
-            try:
-                o, rec = f.result(timeout=self.timeout * 2)
-                outs.update(o)
-                records.extend(rec)
-            except cf.TimeoutError:
-                self.transport.abort(f"stage {w.stage} did not finish")
-                errors.append(ExecutorError(f"stage {w.stage}: the step did not finish "
-                                            f"within {2 * self.timeout:.0f} s"))
-            except ExecutorError as e:
-                errors.append(e)
-        if errors:
-            # The root cause: a failure that is not another stage's abort, earliest first.
-            first = [e for e in errors if "aborted:" not in str(e)] or errors
-            if len(errors) > 1:
-                others = "; ".join(str(e) for e in errors if e is not first[0])
-                raise ExecutorError(f"{first[0]} (other stages: {others})") from first[0]
-            raise first[0]
-        jax.block_until_ready(outs)
+        for s in sorted(results):
+            o, rec = results[s]
+            outs.update(o)
+            records.extend(rec)
         self.last_step_s = time.perf_counter() - t0
         self.last_records = records
         return outs
 
-    def _guarded(self, worker: StageWorker, args):
+    def _stage(self, worker: StageWorker, args: dict, step: int) -> tuple[dict, list]:
+        """One stage's step, on its own thread; a failure aborts the step at once."""
         try:
-            return worker.run_step(args, self.transport, self.timeout)
-        except Exception as e:
-            self.transport.abort(str(e))
+            outs, records = worker.run_step(args, StepTransport(self.transport, step),
+                                            self.timeout)
+            try:
+                _ready_at(outs, timeout=self.timeout)
+            except TimeoutError as e:
+                raise ExecutorError(f"stage {worker.stage}: its results were not ready within "
+                                    f"{self.timeout:g} s", stage=worker.stage,
+                                    failure=Failure.STALLED) from e
+            return outs, records
+        except BaseException as e:
+            self.transport.abort(step, str(e))
             raise
 
+    def _wait(self, step: int, t0: float) -> dict[int, tuple]:
+        """Every stage's result, or the root cause of the failure (see ``run``)."""
+        start = time.monotonic()
+        deadline = start + 2 * self.timeout
+        pending = dict(self._running)
+        results: dict[int, tuple] = {}
+        errors: list[ExecutorError] = []
+        failed = False
+        while pending:
+            done = threads.wait_any(pending, deadline)
+            if not done:
+                stuck = sorted(pending.values())
+                took = time.monotonic() - start
+                errors += [ExecutorError(f"stage {s}: the step did not finish within "
+                                         f"{took:.0f} s", stage=s, failure=Failure.STALLED)
+                           for s in stuck]
+                self.transport.abort(step, f"stage(s) {stuck} did not finish")
+                break
+            for f in done:
+                s = pending.pop(f)
+                try:
+                    results[s] = f.result()
+                except ExecutorError as e:
+                    errors.append(e)
+                except Exception as e:  # noqa: BLE001 - outside a StageWorker's wrapping
+                    errors.append(ExecutorError(f"stage {s}: {type(e).__name__}: {e}",
+                                                stage=s, failure=Failure.PROGRAM))
+            if errors and not failed:
+                # The others are aborted at their next wait: give them ``grace``.
+                failed = True
+                deadline = min(deadline, time.monotonic() + self.grace)
+        if errors:
+            raise root_cause(errors)
+        return results
+
+    def _settle(self, bound: float) -> None:
+        """Wait up to ``bound`` seconds for the last step's stage threads; any still
+        running afterwards is stuck: the executor is marked broken."""
+        if self._broken:
+            return  # known to be stuck: waiting again would change nothing
+        deadline = time.monotonic() + bound
+        left = threads.wait_all(self._running, bound)
+        stuck = {self._running[f] for f in left}
+        # A program still running keeps its stage's devices busy: the next step would queue
+        # behind it (its timer thread waits for it).
+        stuck |= {w.stage for w in self.workers if w.stage not in stuck and
+                  not w.idle(max(0.0, deadline - time.monotonic()))}
+        if stuck:
+            self._broken = (f"stage(s) {sorted(stuck)} still running step {self._step} "
+                            f"(stuck in a program or a wait)")
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        """Abort a step in flight, wait at most ``CLOSE_GRACE_S`` for its stage threads
+        (daemon threads: one stuck in a program is left behind, it holds nothing up) and
+        stop the workers' timer threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.transport.abort(self._step, "the executor was closed")
+        self._settle(CLOSE_GRACE_S)
+        for w in self.workers:
+            w.close()

@@ -14,7 +14,7 @@ temporary folder, runs in its own process group, and is stopped by that group al
 ``RAY_HEAD_PGID`` and ``RAY_HEAD_DIR`` (what ``stop`` needs). Token authentication is off
 (``RAY_AUTH_MODE=disabled``): for a trusted, single-user machine only. The GCS itself listens
 on every interface (Ray has no option to keep it on loopback); on a shared network, start it
-inside a network namespace or behind a firewall.
+inside a network namespace (``docs/ray.md`` shows how) or behind a firewall.
 
 Example:
     >>> head = start_head(num_cpus=2)                      # doctest: +SKIP

@@ -32,10 +32,14 @@ Layout of one step (2 stages)::
   and that comes back as the very same Python object (identity) is not sent again: the
   actor uses the array it kept. Steady state therefore moves the batch to the actors and
   the step's results (updated state, metrics) back to the driver.
-* Failures: every wait has a timeout. A dead actor (``RayActorError``), an error on a stage
-  or a step that does not finish within ``2 × timeout`` raises ``ExecutorError`` naming the
-  stage (and the task, from the ``StageWorker``); the other actors' waits are aborted
-  (``abort`` poisons their mailbox for that step), so nothing hangs.
+* Failures: every wait has a timeout, reaching the cluster included (``init``: a TCP
+  check of the address, then ``ray.init`` on a helper thread waited for at most
+  ``timeout``). A dead actor (``RayActorError``), an error on a stage or a step that does
+  not finish within ``2 × timeout`` raises ``ExecutorError`` naming the stage (and the task,
+  from the ``StageWorker``; the root cause first, ``executor.root_cause``); the other
+  actors' waits are aborted (``abort`` poisons their mailbox for that step), so nothing
+  hangs. An executor that cannot run again (a dead or stuck actor) kills its actors at once,
+  so a failed executor never holds the cluster's CPUs. Ctrl-C aborts the step in flight.
 
 Example:
     >>> import rhino
@@ -46,16 +50,20 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
+import logging
 import os
 import re
+import socket
 import threading
 import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError
+from rhino.runtime import threads
+from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError, Failure, root_cause
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 ACTOR_CONCURRENCY = 8
@@ -64,6 +72,8 @@ INLINE_BYTES = 100 * 1024
 arguments); larger ones are put in the sender's object store first."""
 ABORT_GRACE_S = 30.0
 """After a failure, how long the driver waits for the other stages to stop."""
+CONNECT_TIMEOUT_S = 60.0
+"""How long ``init`` may take to reach a cluster by default (and at most, for an executor)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +112,8 @@ def _info(ray, started: bool, address: str | None = None) -> RayInfo:
     return RayInfo(address or _current_address(ray), len(nodes), cpus, started)
 
 
-def init(address: str | None = None, num_cpus: int | None = None, **kwargs: Any) -> RayInfo:
+def init(address: str | None = None, num_cpus: int | None = None,
+         timeout: float = CONNECT_TIMEOUT_S, **kwargs: Any) -> RayInfo:
     """Connect to a Ray cluster, or start a local one; idempotent.
 
     Args:
@@ -111,13 +122,17 @@ def init(address: str | None = None, num_cpus: int | None = None, **kwargs: Any)
             ``$RAY_ADDRESS`` if set (as inside ``ray job submit``), else a new local cluster
             (no dashboard, token authentication off: ``RAY_AUTH_MODE=disabled`` unless set).
         num_cpus: CPUs of a new local cluster (ignored when connecting).
+        timeout: seconds to reach a cluster: the address must accept a TCP connection and
+            ``ray.init`` return within it (it runs on a helper thread: if it does not
+            return in time it goes on trying in the background and this raises).
         **kwargs: passed to ``ray.init`` (e.g. ``_temp_dir``, ``log_to_driver``).
 
     Returns:
         A ``RayInfo`` (address, alive nodes, CPUs).
 
     Raises:
-        ExecutorError: already connected to a different cluster, or the connection failed.
+        ExecutorError: already connected to a different cluster, nothing answers at the
+            address, or the connection failed or did not finish within ``timeout``.
 
     Example:
         >>> info = init(num_cpus=2)                                  # doctest: +SKIP
@@ -125,6 +140,9 @@ def init(address: str | None = None, num_cpus: int | None = None, **kwargs: Any)
         (1, 2.0)
     """
     ray = _ray()
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ExecutorError(f"rhino.init: timeout: expected a positive number of seconds, "
+                            f"found {timeout!r}")
     if ray.is_initialized():
         cur = _current_address(ray)
         if address not in (None, "auto") and not address.startswith("ray://") and cur and \
@@ -132,21 +150,85 @@ def init(address: str | None = None, num_cpus: int | None = None, **kwargs: Any)
             raise ExecutorError(f"rhino.init: already connected to the Ray cluster at {cur}, "
                                 f"asked for {address}; call ray.shutdown() first")
         return _info(ray, False)
+    from_env = address is None and bool(os.environ.get("RAY_ADDRESS"))
     if address is None:
         address = os.environ.get("RAY_ADDRESS") or None
     local = address is None
+    where = ("a local Ray cluster" if local else f"the Ray cluster at {address}"
+             + (" ($RAY_ADDRESS)" if from_env else ""))
     if local:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         kwargs.setdefault("include_dashboard", False)
         if num_cpus is not None:
             kwargs["num_cpus"] = num_cpus
+    deadline = time.monotonic() + timeout
     try:
-        ray.init(address=address, **kwargs)
+        if local:
+            ray.init(**kwargs)  # starting a local cluster: ray bounds its own waits
+        else:
+            if address != "auto":
+                _check_reachable(address, where, timeout)
+            _connect(ray, address, kwargs, deadline, where, timeout)
+    except ExecutorError:
+        raise
     except Exception as e:
-        where = "a local Ray cluster" if local else f"the Ray cluster at {address}"
         raise ExecutorError(f"rhino.init: could not start or reach {where}: "
                             f"{type(e).__name__}: {e}") from e
     return _info(ray, local, address if address and address.startswith("ray://") else None)
+
+
+_CONNECTING: list[cf.Future] = []   # a ray.init still trying after its caller gave up
+
+
+def _connect(ray, address: str, kwargs: dict, deadline: float, where: str,
+             timeout: float) -> None:
+    """``ray.init(address=...)`` on a helper thread, waited for until ``deadline``."""
+    if _CONNECTING and not _CONNECTING[-1].done():
+        raise ExecutorError(f"rhino.init: an earlier attempt to reach a Ray cluster is still "
+                            f"trying in the background; expected it to finish before "
+                            f"connecting to {address} (restart the process to give up on it)")
+    _CONNECTING.clear()
+    quiet = _DropMessage("SIGTERM handler is not set")  # ray.init off the main thread
+    logging.getLogger("ray._private.worker").addFilter(quiet)
+    try:
+        attempt = threads.start(lambda: ray.init(address=address, **kwargs),
+                                name="rhino-ray-init")
+        left = threads.wait_all([attempt], max(0.0, deadline - time.monotonic()))
+    finally:
+        logging.getLogger("ray._private.worker").removeFilter(quiet)
+    if left:
+        _CONNECTING.append(attempt)
+        raise ExecutorError(f"rhino.init: could not reach {where} within {timeout:g} s "
+                            f"(a TCP connection works, but ray.init did not return: is it a "
+                            f"Ray GCS of the same Ray version?)")
+    attempt.result()
+
+
+def _check_reachable(address: str, where: str, timeout: float) -> None:
+    """Raise ``ExecutorError`` unless ``address`` accepts a TCP connection in time."""
+    target = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ExecutorError(f"rhino.init: expected an address 'host:port', "
+                            f"'ray://host:port' or 'auto', found {address!r}")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        why = (f"no answer within {timeout:g} s" if isinstance(e, socket.timeout)
+               else f"{type(e).__name__}: {e}")
+        raise ExecutorError(f"rhino.init: could not reach {where}: nothing accepts "
+                            f"connections there ({why}); expected a running Ray head (e.g. "
+                            f"`python -m rhino.runtime.local_ray start`)") from None
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def _norm(address: str) -> str:
@@ -210,7 +292,8 @@ class Mailbox:
         with self._cond:
             while k not in self._box:
                 if step in self._aborted:
-                    raise ExecutorError(f"aborted: {self._aborted[step]}")
+                    raise ExecutorError(f"aborted: {self._aborted[step]}",
+                                        failure=Failure.ABORTED)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no value {key} from stage {src} after "
@@ -327,6 +410,11 @@ class RayExecutor:
         actor_options: extra ``.options(...)`` for every actor (e.g. ``num_gpus``,
             ``resources``); default ``num_cpus=1``, ``scheduling_strategy="SPREAD"``.
         reuse_state: do not resend state an actor returned last step (identity).
+        connect_timeout: seconds to reach the cluster (``init``; default
+            ``min(timeout, CONNECT_TIMEOUT_S)``).
+
+    Usable as a context manager (``close()`` on exit). An executor that failed for good (a
+    dead actor, a stage that did not stop) kills its actors at once.
 
     Attributes:
         actors: the actor handles by stage; last_records: the last step's task records
@@ -338,9 +426,10 @@ class RayExecutor:
 
     def __init__(self, specs: Sequence[Any], cluster: Any = None,
                  timeout: float = DEFAULT_TIMEOUT_S, address: str | None = None,
-                 actor_options: Mapping[str, Any] | None = None, reuse_state: bool = True):
+                 actor_options: Mapping[str, Any] | None = None, reuse_state: bool = True,
+                 connect_timeout: float | None = None):
         ray = _ray()
-        self.info = init(address)
+        self.info = init(address, timeout=connect_timeout or min(timeout, CONNECT_TIMEOUT_S))
         self.specs = list(specs)
         self.cluster = cluster
         self.timeout = timeout
@@ -353,36 +442,53 @@ class RayExecutor:
         self._step = 0
         self._closed = False
         self._broken: str | None = None
+        self._inflight: list = []                           # the last step's run_step calls
         self._puts: dict[int, tuple[Any, Any]] = {}      # id -> (jax array, ObjectRef)
         self._returned: dict[int, tuple[Any, int, int]] = {}  # id -> (array, stage, ref)
         self._returned_step = 0                                # the step they came from
         cls = ray.remote(StageActor)
         self.actors = []
-        for spec in self.specs:
-            n = int(np.prod(spec.mesh_shape))
-            opts = {"num_cpus": 1, "max_concurrency": ACTOR_CONCURRENCY,
-                    "scheduling_strategy": "SPREAD", "max_restarts": 0,
-                    "runtime_env": {"env_vars": {"XLA_FLAGS": xla_flags(n)}}}
-            opts.update(actor_options or {})
-            self.actors.append(cls.options(**opts).remote(spec, n))
-        self._describe = self._collect([a.describe.remote() for a in self.actors],
-                                       "creating the stage actor", timeout)
+        self._cpus = 0.0
+        try:
+            for spec in self.specs:
+                n = int(np.prod(spec.mesh_shape))
+                opts = {"num_cpus": 1, "max_concurrency": ACTOR_CONCURRENCY,
+                        "scheduling_strategy": "SPREAD", "max_restarts": 0,
+                        "runtime_env": {"env_vars": {"XLA_FLAGS": xla_flags(n)}}}
+                opts.update(actor_options or {})
+                self._cpus += float(opts.get("num_cpus") or 0)
+                self.actors.append(cls.options(**opts).remote(spec, n))
+            self._describe = self._collect([a.describe.remote() for a in self.actors],
+                                           "creating the stage actor", timeout)
+        except BaseException:  # Ctrl-C included: never leave actors behind
+            self.close()
+            raise
         for a in self.actors:
             a.set_peers.remote(self.actors)
         self._args = [tuple(d["args"]) for d in self._describe]
+
+    def __enter__(self) -> "RayExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ helpers
     def _collect(self, refs: list, what: str, timeout: float) -> list:
         """Results of one call per stage; on failure, every failed stage named (in stage
         order, after giving the others a few seconds to fail too) and the actors killed."""
         ray = _ray()
+        pending = list(refs)
+        deadline = time.monotonic() + timeout
         try:
-            return ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            pending = [s for s, r in enumerate(refs) if not ray.wait([r], timeout=0)[0]]
-            self.close()
-            raise ExecutorError(f"stage {pending[0] if pending else '?'}: {what} did not "
-                                f"finish within {timeout:.0f} s (stages waiting: {pending})")
+            while pending and time.monotonic() < deadline:  # slices: Ctrl-C gets through
+                left = deadline - time.monotonic()
+                done, pending = ray.wait(pending, num_returns=len(pending),
+                                         timeout=max(0.0, min(left, threads.WAIT_SLICE_S)))
+                for r in done:
+                    ray.get(r, timeout=0)  # a failure raises now
+            if not pending:
+                return ray.get(refs, timeout=0)
         except Exception as first:
             ray.wait(refs, num_returns=len(refs), timeout=min(timeout, 10.0))
             errors = []
@@ -398,7 +504,27 @@ class RayExecutor:
                 raise ExecutorError(f"{what}: {_why(ray, first)}") from first
             msgs = [f"stage {s}: {what} failed: {_why(ray, e)}" for s, e in errors]
             more = f" (other stages: {'; '.join(msgs[1:])})" if len(msgs) > 1 else ""
-            raise ExecutorError(msgs[0] + more) from errors[0][1]
+            raise ExecutorError(msgs[0] + more, stage=errors[0][0],
+                                failure=Failure.PROGRAM) from errors[0][1]
+        waiting = [s for s, r in enumerate(refs) if r in pending]
+        hint = self._resources_hint(ray)
+        self.close()
+        raise ExecutorError(f"stage {waiting[0]}: {what} did not finish within "
+                            f"{timeout:.0f} s (stages waiting: {waiting}){hint}",
+                            stage=waiting[0], failure=Failure.STALLED)
+
+    def _resources_hint(self, ray) -> str:
+        """Why actors may wait: too few free CPUs (e.g. held by executors not closed)."""
+        try:
+            free = float(ray.available_resources().get("CPU", 0.0))
+            total = float(ray.cluster_resources().get("CPU", 0.0))
+        except Exception:  # noqa: BLE001 - only a hint
+            return ""
+        if free >= self._cpus:
+            return ""
+        return (f"; the cluster has {free:g} of {total:g} CPUs free and these "
+                f"{len(self.actors)} actors ask for {self._cpus:g}: close executors you no "
+                f"longer use (step.close())")
 
     def _put(self, ray, x: Any, keep: dict) -> Any:
         """``x`` in the object store; a jax array (immutable) passed again as the same object
@@ -419,15 +545,24 @@ class RayExecutor:
     # ------------------------------------------------------------------ one step
     def run(self, flat_args: Sequence[Any]) -> dict[int, Any]:
         """One step: flat arguments in, ``ref -> value`` of the step's stage results out
-        (jax arrays on this process's default device)."""
+        (jax arrays on this process's default device).
+
+        Raises:
+            ExecutorError: a stage failed, its actor died, or the step did not finish within
+                ``2 × timeout`` (the root cause first); the executor is closed or failed
+                earlier.
+            KeyboardInterrupt: interrupted (the step is aborted on every actor).
+        """
         import jax.numpy as jnp
 
         ray = _ray()
         if self._closed:
             raise ExecutorError("the Ray executor is closed")
+        self._settle(ray)
         if self._broken:
             raise ExecutorError(f"the Ray executor failed earlier and cannot run more steps: "
-                                f"{self._broken}")
+                                f"{self._broken}; its actors were released, build a new step "
+                                f"(rhino.auto_parallel(...)) to start fresh ones")
         self._step += 1
         step = self._step
         t0 = time.perf_counter()
@@ -448,7 +583,13 @@ class RayExecutor:
             calls.append(actor.run_step.remote(step, self.timeout, self._returned_step,
                                                kept, tuple(refs), *values))
         self._puts = keep
-        results = self._wait_step(ray, step, calls)
+        self._inflight = calls
+        try:
+            results = self._wait_step(ray, step, calls)
+        except KeyboardInterrupt:
+            self._abort(step, "interrupted (KeyboardInterrupt)")
+            raise
+        self._inflight = []
         outs: dict[int, Any] = {}
         returned: dict[int, tuple[Any, int, int]] = {}
         records = []
@@ -465,47 +606,60 @@ class RayExecutor:
         self.last_step_s = time.perf_counter() - t0
         return outs
 
+    def _settle(self, ray) -> None:
+        """Before a step: the last step's calls must have ended (an interrupted step's
+        stages stop at their next wait); one still running after ``ABORT_GRACE_S`` is stuck:
+        the executor fails for good and releases its actors."""
+        if self._broken or not self._inflight:
+            return
+        calls, deadline = self._inflight, time.monotonic() + ABORT_GRACE_S
+        pending = list(calls)
+        while pending and time.monotonic() < deadline:
+            _, pending = ray.wait(pending, num_returns=len(pending),
+                                  timeout=threads.WAIT_SLICE_S)
+        if pending:
+            stuck = [s for s, c in enumerate(calls) if c in pending]
+            self._fail(f"stage(s) {stuck} still running step {self._step} "
+                       f"{ABORT_GRACE_S:.0f} s after it was aborted")
+        self._inflight = []
+
     def _wait_step(self, ray, step: int, calls: list) -> list:
-        """Every stage's result, or ``ExecutorError`` for the first failure (see the module
+        """Every stage's result, or ``ExecutorError`` for the root cause (see the module
         docstring): a dead actor raises at once; otherwise the other stages, aborted, get
         ``ABORT_GRACE_S`` to stop so that the actors are idle before the next step."""
         pending = {c: s for s, c in enumerate(calls)}
         results: dict[int, Any] = {}
-        errors: list[tuple[int, str, BaseException | None]] = []
-        deadline = time.monotonic() + 2 * self.timeout
+        errors: list[ExecutorError] = []
+        start = time.monotonic()
+        deadline = start + 2 * self.timeout
         while pending:
             left = deadline - time.monotonic()
-            ready = ray.wait(list(pending), num_returns=1, timeout=max(left, 0))[0] \
-                if left > 0 else []
-            if not ready:
+            if left <= 0:
                 stuck = sorted(pending.values())
-                for s in stuck:
-                    errors.append((s, f"stage {s}: the step did not finish within "
-                                      f"{2 * self.timeout:.0f} s", None))
-                if len(errors) == len(stuck):  # nothing failed before: abort now
-                    self._abort(step, f"stage(s) {stuck} did not finish")
-                self._broken = f"stage(s) {stuck} did not finish step {step}"
+                took = time.monotonic() - start
+                errors += [ExecutorError(f"stage {s}: the step did not finish within "
+                                         f"{took:.0f} s", stage=s, failure=Failure.STALLED)
+                           for s in stuck]
+                self._abort(step, f"stage(s) {stuck} did not finish")
+                self._fail(f"stage(s) {stuck} did not finish step {step}")
                 break
+            ready = ray.wait(list(pending), num_returns=1,
+                             timeout=min(left, threads.WAIT_SLICE_S))[0]
             for c in ready:
                 s = pending.pop(c)
                 try:
                     results[s] = ray.get(c, timeout=0)
                 except Exception as e:
-                    errors.append((s, _stage_message(ray, s, e), e))
+                    errors.append(_stage_error(ray, s, e))
                     if len(errors) == 1:
-                        self._abort(step, errors[-1][1])
+                        self._abort(step, str(errors[-1]))
                         deadline = min(deadline, time.monotonic() + ABORT_GRACE_S)
                     if _is_dead(ray, e):
-                        self._broken = errors[-1][1]
+                        self._fail(str(errors[-1]))
                         pending.clear()  # the executor cannot run again: do not wait
                         break
         if errors:
-            # The root cause: a failure that is not another stage's abort.
-            first = [e for e in errors if "aborted:" not in e[1]] or errors
-            root = first[0]
-            others = "; ".join(m for s, m, _ in errors if (s, m) != root[:2])
-            msg = root[1] + (f" (other stages: {others})" if others else "")
-            raise ExecutorError(msg) from root[2]
+            raise root_cause(errors)
         return [results[s] for s in range(len(calls))]
 
     def _abort(self, step: int, why: str) -> None:
@@ -515,18 +669,29 @@ class RayExecutor:
             except Exception:  # a dead actor: nothing to abort
                 pass
 
+    def _fail(self, why: str) -> None:
+        """The executor cannot run again: say why from now on, and free the actors (their
+        CPUs, devices and memory) at once instead of at ``close()``."""
+        if self._broken is None:
+            self._broken = why
+        self._kill_actors()
+
+    def _kill_actors(self) -> None:
+        ray = _ray()
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - already dead or gone
+                pass
+        self._inflight = []
+
     def close(self) -> None:
         """Kill the actors (idempotent)."""
         if self._closed:
             return
         self._closed = True
         try:
-            ray = _ray()
-            for a in self.actors:
-                try:
-                    ray.kill(a)
-                except Exception:
-                    pass
+            self._kill_actors()
         finally:
             self._puts.clear()
             self._returned.clear()
@@ -557,7 +722,16 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RAISED = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception): )")
 
 
-def _stage_message(ray, stage: int, e: BaseException) -> str:
-    """``stage s: ...``; a StageWorker's ExecutorError already names stage and task."""
+def _stage_error(ray, stage: int, e: BaseException) -> ExecutorError:
+    """``stage s: ...`` as an ``ExecutorError``; a StageWorker's error already names stage
+    and task (and says what kind of failure it was)."""
     why = _why(ray, e)
-    return why if why.startswith(f"stage {stage}") else f"stage {stage}: {why}"
+    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+    named = isinstance(cause, ExecutorError) and cause.stage is not None
+    msg = why if named or why.startswith(f"stage {stage}") else f"stage {stage}: {why}"
+    out = ExecutorError(msg, stage=cause.stage if named else stage,
+                        failure=(cause.failure if isinstance(cause, ExecutorError) else None)
+                        or Failure.PROGRAM)
+    if isinstance(cause, ExecutorError):
+        out.at = cause.at
+    return out

@@ -95,11 +95,17 @@ def test_memory_budget_is_met_by_the_compiled_program_and_training_is_exact():
 
 def test_memory_budget_nothing_fits_names_every_attempt():
     m = get_model("mlp", **MLP)
-    with pytest.raises(InfeasiblePlanError) as ei:
+    # Below what the arguments alone need: refused before any plan is compiled.
+    with pytest.raises(InfeasiblePlanError, match="a lower bound") as ei:
         rhino.auto_parallel(m.step, mesh_shape=(8,), memory_budget=4096)(
             *m.example_args())
+    assert ei.value.budget_bytes == 4096 and ei.value.needed_bytes > 4096
+    # Above that bound (~56 KiB) but below every plan's compiled peak (>= ~145 KiB).
+    with pytest.raises(InfeasiblePlanError) as ei:
+        rhino.auto_parallel(m.step, mesh_shape=(8,), memory_budget=80_000)(
+            *m.example_args())
     e = ei.value
-    assert e.budget_bytes == 4096 and e.needed_bytes > 4096
+    assert e.budget_bytes == 80_000 and e.needed_bytes > 80_000
     text = str(e)
     for mu in ap_module.MEMORY_PRESSURE:
         assert f"μ={mu:g}:" in text

@@ -52,11 +52,18 @@ def test_o2_and_o3_agree_on_mlp():
 def test_memory_budget_shards_only_the_largest_parameters():
     m = _small_gpt()
     free = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,)).spmd
+    g = rhino.ingest(m.step, *m.example_args())
+    built = build_problem(g, free.mesh, free.cost)
+    from rhino.planner.api import PlanOptions, _forbid_replicated, _solve
+    order = sorted(g.params, key=lambda i: -g.ops[i].out_bytes)
     # The floor: what a plan needs with every parameter forced sharded.
-    with pytest.raises(InfeasiblePlanError) as ei:
-        rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=1024).spmd
-    floor = ei.value.needed_bytes
+    sol = _solve(built, _forbid_replicated(built, order), PlanOptions())
+    floor = memory_of(g, free.mesh, built.plan(sol.choice), built.carried).peak
     assert floor < free.memory.peak
+    # A budget below the planner's lower bound (<= the floor) is refused at once.
+    with pytest.raises(InfeasiblePlanError, match="a lower bound") as ei:
+        rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=1024).spmd
+    assert 1024 < ei.value.needed_bytes <= floor
     budget = int(floor + 0.3 * (free.memory.peak - floor))
     p = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), memory_budget=budget).spmd
     assert p.memory.peak <= budget < free.memory.peak
@@ -67,10 +74,6 @@ def test_memory_budget_shards_only_the_largest_parameters():
     assert all(not q.spec.is_replicated for q in by_size[:k])
     assert "forced sharded" in p.report()
     # ... and k is the smallest count that fits: k-1 forced does not.
-    g = rhino.ingest(m.step, *m.example_args())
-    built = build_problem(g, p.mesh, p.cost)
-    from rhino.planner.api import PlanOptions, _forbid_replicated, _solve
-    order = sorted(g.params, key=lambda i: -g.ops[i].out_bytes)
     sol = _solve(built, _forbid_replicated(built, order[:k - 1]), PlanOptions())
     assert memory_of(g, p.mesh, built.plan(sol.choice), built.carried).peak > budget
 

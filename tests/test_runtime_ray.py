@@ -138,7 +138,8 @@ def test_stalled_stage_times_out_naming_the_stages(gpt_ray, gpt):
     """A stage that stops answering (SIGSTOP): the peer's wait times out and the step fails
     naming the stages. If the stalled stage comes back and stops, the executor goes on
     (and the failed step changed nothing); if it stays stuck, the step fails within
-    2 × timeout and the executor refuses further steps."""
+    2 × timeout naming it first, the actors are released and the executor refuses further
+    steps."""
     m, params, opt, batch = gpt
     specs, cluster = _specs(gpt_ray, (params, opt, batch))
     ex = RayExecutor(specs, cluster, timeout=120.0)
@@ -168,10 +169,13 @@ def test_stalled_stage_times_out_naming_the_stages(gpt_ray, gpt):
                 ex.run(flat)
             took = time.monotonic() - t0
         finally:
-            os.kill(pid, signal.SIGCONT)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # released: the executor killed it
+                pass
         msg = str(err.value)
-        assert msg.startswith("stage 0, recv v") and "timed out" in msg, msg
-        assert "stage 1: the step did not finish within 4 s" in msg, msg
+        assert msg.startswith("stage 1: the step did not finish within 4 s"), msg
+        assert "stage 0, recv v" in msg and "timed out" in msg, msg
         assert took < 10, took
         with pytest.raises(ExecutorError, match="failed earlier"):
             ex.run(flat)

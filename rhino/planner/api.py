@@ -133,6 +133,17 @@ def _forbid_replicated(built: BuiltProblem, params: Sequence[int]) -> ShardingPr
     return dataclasses.replace(built.problem, costs=tuple(costs))
 
 
+def estimate_lower_bound(built: BuiltProblem) -> int:
+    """The smallest liveness peak any plan of ``built`` can have: every value at the
+    smallest per-device size among its strategies (the peak only grows with sizes)."""
+    graph, mesh = built.graph, built.mesh
+    sizes = [min(local_bytes(op.shape, st.out_spec, mesh) for st in built.strategies[op.id])
+             if built.strategies[op.id] else local_bytes(op.shape, None, mesh)
+             for op in graph.ops]
+    _, peak, _ = liveness(graph, sizes, built.carried)
+    return int(peak)
+
+
 def _fit_memory(built: BuiltProblem, options: PlanOptions, progress: Callable[[str], None]
                 ) -> tuple[Solution, MemoryEstimate, int, int]:
     """(solution, memory, k forced sharded, rounds) for the smallest k that fits."""
@@ -141,6 +152,11 @@ def _fit_memory(built: BuiltProblem, options: PlanOptions, progress: Callable[[s
     mem = memory_of(graph, mesh, built.plan(sol.choice), built.carried)
     if budget is None or mem.peak <= budget:
         return sol, mem, 0, 1
+    floor = estimate_lower_bound(built)
+    if floor > budget:
+        raise InfeasiblePlanError(floor, budget, f"a lower bound of the estimated peak on "
+                                  f"mesh {mesh}: every value at its smallest layout at once; "
+                                  f"forcing parameters sharded cannot go below it")
     order = sorted(graph.params, key=lambda p: -graph.ops[p].out_bytes)
     best_seen = mem.peak
     rounds = 1

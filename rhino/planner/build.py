@@ -381,8 +381,11 @@ def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: Abs
         kept = tuple(s for s in strategies[i] if s.out_spec == want)
         if not kept:
             have = sorted({s.out_spec.to_str(mesh) for s in strategies[i]})
-            raise PlanningError(f"pinned: op {op.name} ({op.opcode}, {op.source}): expected one "
-                                f"of its output specs {have}, found {want.to_str(mesh)}")
+            why = "; ".join(spec.problems(op.shape.dims, mesh))
+            raise PlanningError(f"pinned: op {op.name} ({op.opcode}, {op.source}) of shape "
+                                f"{tuple(op.shape.dims)}: expected one of its output specs "
+                                f"{have}, found {want.to_str(mesh)}"
+                                + (f" ({why})" if why else ""))
         strategies[i] = kept
     for i, dims in options.divisors.items():
         kept = tuple(s for s in strategies[i] if _divides(s.out_spec, graph.ops[i].shape, dims,
