@@ -26,7 +26,7 @@ Example:
 
 from rhino._version import __version__
 from rhino.cluster import Cluster
-from rhino.errors import (BatchCouplingError, HloParseError, InfeasiblePlanError, IngestError, LoweringError,
+from rhino.errors import (ArgumentError, BatchCouplingError, HloParseError, InfeasiblePlanError, IngestError, LoweringError,
                           OptionsError, PlanMismatchError, PlanningError, RhinoError,
                           UnsupportedOpError)
 from rhino.hlo_passes import GraphAnalysis, HloGraph, analyze, ingest
@@ -41,7 +41,7 @@ from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planning import plan
 from rhino.runtime.ray_executor import init
 
-__all__ = ["__version__", "BatchCouplingError", "HloParseError", "InfeasiblePlanError", "IngestError",
+__all__ = ["__version__", "ArgumentError", "BatchCouplingError", "HloParseError", "InfeasiblePlanError", "IngestError",
            "LoweringError", "OptionsError", "PlanMismatchError", "PlanningError", "RhinoError",
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
            "AbstractMesh", "CostModel", "auto_parallel", "ParallelStep", "Plan", "SpmdPlan", "PlanOptions",

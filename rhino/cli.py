@@ -161,6 +161,35 @@ def _floats(text: str | None, what: str) -> tuple[float, ...] | None:
         raise RhinoError(f"{what}: expected comma-separated numbers, found {text!r}") from None
 
 
+# Options of one mode only: (flag, default). Given in the other mode they are refused, not
+# ignored (a --mesh beside --cluster used to be dropped without a word).
+_SPMD_ONLY = {"plan": (("--mesh", (8,)), ("--alpha", None), ("--beta", None),
+                       ("--opt-level", "O2"), ("--time-limit", 600.0)),
+              "demo": (("--mesh", (8,)), ("--memory-budget", None))}
+_CLUSTER_ONLY = {"plan": (("--microbatches", 8), ("--epsilon", 0.1), ("--max-stages", None),
+                          ("--alpha-intra", None), ("--beta-intra", None),
+                          ("--alpha-inter", None), ("--beta-inter", None)),
+                 "demo": (("--stages", None), ("--microbatches", 4), ("--schedule", "1f1b"))}
+
+
+def _mode_options(args: argparse.Namespace, command: str) -> None:
+    """Refuse the options of the mode not chosen; fill in the defaults of the chosen one."""
+    cluster = bool(args.cluster)
+    wrong = _SPMD_ONLY[command] if cluster else _CLUSTER_ONLY[command]
+    given = [flag for flag, _ in wrong
+             if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given:
+        raise RhinoError(
+            f"{', '.join(given)}: expected " + ("without --cluster (SPMD on one mesh); "
+                                                "found beside --cluster " + str(args.cluster)
+                                                if cluster else
+                                                "with --cluster (a pipeline), found without it"))
+    for flag, default in (_CLUSTER_ONLY if cluster else _SPMD_ONLY)[command]:
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def _cmd_plan_pipeline(args: argparse.Namespace) -> int:
     """``rhino plan --cluster HxD``: weigh SPMD-only, pipeline and hybrid plans."""
     import rhino
@@ -192,7 +221,8 @@ def _emit_plan(p, args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import rhino
 
-    if getattr(args, "cluster", None):
+    _mode_options(args, "plan")
+    if args.cluster:
         return _cmd_plan_pipeline(args)
     source, example = resolve_source(args.source)
     progress = None if args.quiet else (lambda msg: print(f"rhino: {msg}", file=sys.stderr))
@@ -216,21 +246,13 @@ def _ensure_cpu_devices(n: int) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    _mode_options(args, "demo")
     mesh_shape = args.mesh
-    n = math.prod(mesh_shape)
     if args.cluster:
         from rhino.pipeline.api import make_cluster
         n = make_cluster(args.cluster).num_devices
-        if args.memory_budget is not None:
-            raise RhinoError("--memory-budget applies to SPMD runs; leave out --cluster")
     else:
-        given = [f for f, v in (("--stages", args.stages), ("--microbatches", args.microbatches),
-                                ("--schedule", args.schedule)) if v is not None]
-        if given:
-            raise RhinoError(f"{', '.join(given)}: expected with --cluster (a pipeline), "
-                             f"found without it")
-    args.microbatches = args.microbatches or 4
-    args.schedule = args.schedule or "1f1b"
+        n = math.prod(mesh_shape)
     _ensure_cpu_devices(n)
     import jax
     import numpy as np
@@ -332,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp = command("plan", help="find a plan (SPMD for --mesh; SPMD, pipeline or "
                  "hybrid for --cluster) and print its report")
     pp.add_argument("source", help="a .hlo/.mlir file or a zoo model NAME:k=v,...")
-    pp.add_argument("--mesh", default=(8,), type=mesh_shape,
+    pp.add_argument("--mesh", type=mesh_shape,
                     help="mesh shape, e.g. 8 or 2,4 (default: 8)")
     pp.add_argument("--alpha", help="latency per mesh axis in seconds, e.g. 1e-5,1e-5")
     pp.add_argument("--beta", help="seconds per byte per mesh axis, e.g. 2e-10,1e-9")
@@ -341,19 +363,20 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--backend", choices=backend_names(),
                     help="plan with built-in figures of these devices (α, β, FLOP/s per "
                     "dtype, memory); default: simulated CPU")
-    pp.add_argument("--opt-level", default="O2", choices=("O2", "O3"))
+    pp.add_argument("--opt-level", choices=("O2", "O3"), help="default: O2")
     pp.add_argument("--memory-budget", type=memory_bytes,
                     help="bytes per device (suffixes KiB, MiB, GiB)")
-    pp.add_argument("--time-limit", type=float, default=600.0, help="seconds per solve")
+    pp.add_argument("--time-limit", type=float, help="seconds per solve (default: 600)")
     pp.add_argument("--json", action="store_true", help="print the plan as JSON")
     pp.add_argument("--output", metavar="FILE", type=output_file,
                     help="also save the plan JSON to FILE")
     pp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     pp.add_argument("--cluster", metavar="HxD", help="plan SPMD / pipeline / hybrid for H hosts "
-                    "x D devices per host, e.g. 2x8 (the pipeline planner; --mesh is ignored)")
-    pp.add_argument("--microbatches", type=positive_int, default=8,
-                    help="microbatches per step (1F1B)")
-    pp.add_argument("--epsilon", type=float, default=0.1, help="stage imbalance tolerance")
+                    "x D devices per host, e.g. 2x8 (the pipeline planner; instead of --mesh)")
+    pp.add_argument("--microbatches", type=positive_int,
+                    help="microbatches per step (1F1B; with --cluster, default: 8)")
+    pp.add_argument("--epsilon", type=float,
+                    help="stage imbalance tolerance (with --cluster, default: 0.1)")
     pp.add_argument("--max-stages", type=positive_int, help="the most pipeline stages")
     for where in ("intra", "inter"):
         pp.add_argument(f"--alpha-{where}", type=float,
@@ -365,12 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
                               "CPU devices beside single-device training")
     pd.add_argument("--model", help=f"zoo model spec (default: {DEMO_MODEL},batch=8; with "
                     "--cluster, batch = microbatches x devices)")
-    pd.add_argument("--mesh", default=(8,), type=mesh_shape, help="mesh shape (default: 8)")
+    pd.add_argument("--mesh", type=mesh_shape, help="mesh shape (default: 8)")
     pd.add_argument("--steps", type=positive_int, default=10,
                     help="training steps (default: 10)")
     pd.add_argument("--opt-level", default="O2", choices=("O2", "O3"))
     pd.add_argument("--cluster", metavar="HxD", help="train as a pipeline over H hosts x D "
-                    "devices, e.g. 2x4 (--mesh is ignored)")
+                    "devices, e.g. 2x4 (instead of --mesh)")
     pd.add_argument("--stages", type=positive_int, help="pipeline stages with --cluster "
                     "(default: the planner's choice)")
     pd.add_argument("--microbatches", type=positive_int,

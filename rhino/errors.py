@@ -83,6 +83,11 @@ class OptionsError(RhinoError, ValueError):
     """An option out of range or of the wrong kind (raised when the options are built)."""
 
 
+class ArgumentError(RhinoError, TypeError):
+    """Arguments a step cannot be called with (missing or extra arguments, a leaf that is no
+    array); the message names the argument and its pytree path."""
+
+
 class PlanMismatchError(RhinoError):
     """A plan that does not fit the program it is applied to (another program, or a value
     the program lacks); the message names the value and what the program has instead."""

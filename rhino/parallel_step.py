@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import sys
 from typing import Any, Callable, Mapping, Sequence
@@ -46,7 +47,7 @@ import numpy as np
 from rhino.backends import (backend_figures, cost_model_for_devices, devices_per_host,
                             figures_for_devices)
 from rhino.cluster import Cluster
-from rhino.errors import OptionsError, RhinoError, format_bytes
+from rhino.errors import ArgumentError, OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, ingest
 from rhino.hlo_passes.annotate import ScopedFunction
 from rhino.hlo_passes.lower import (SpmdLowering, StageLowering, compile_spmd, lower_spmd,
@@ -316,6 +317,57 @@ class _Entry:
 
 
 # ------------------------------------------------------------------------------ the step
+def _signature_text(fn: Callable) -> str:
+    name = getattr(fn, "__name__", "step")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return f"{name}(...)"
+    star = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return f"{name}({', '.join(star.get(p.kind, '') + p.name for p in params)})"
+
+
+def _check_arity(fn: Callable, args: tuple) -> None:
+    """Arguments that the step's signature cannot bind: ArgumentError before tracing."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        raise ArgumentError(f"{_signature_text(fn)}: expected arguments its signature binds, "
+                            f"found {len(args)} positional: {e}") from None
+
+
+def _argument_error(fn: Callable, args: tuple) -> ArgumentError:
+    """The first leaf of the arguments that is no array (a string, an object, None ...)."""
+    names = _positional_names(fn, len(args))
+    for i, arg in enumerate(args):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            try:
+                jax.numpy.result_type(leaf)
+            except TypeError:
+                where = names[i] + jax.tree_util.keystr(path)
+                text = repr(leaf)
+                text = text if len(text) <= 60 else text[:57] + "..."
+                return ArgumentError(
+                    f"{_signature_text(fn)}: argument {where}: expected an array (jax or "
+                    f"numpy) or a Python number in every leaf, found {type(leaf).__name__} "
+                    f"{text}")
+    return ArgumentError(f"{_signature_text(fn)}: expected arrays or Python numbers in "
+                         f"every leaf of the arguments")
+
+
+def _positional_names(fn: Callable, n: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [names[i] if i < len(names) else f"args[{i}]" for i in range(n)]
+
+
 class ParallelStep:
     """A step wrapped by ``auto_parallel``; call it like the original (positional
     arguments). A context manager: leaving the ``with`` block calls ``close()``, which
@@ -472,10 +524,14 @@ class ParallelStep:
         flat, tree = jax.tree_util.tree_flatten(args)
         # Signature: tree + (shape, dtype) per leaf; jax arrays carry canonical dtypes,
         # other leaves (numpy arrays, Python scalars) are canonicalised as jax would.
-        key = (tree, tuple((x.shape, x.dtype) if isinstance(x, jax.Array) else
-                           (jax.numpy.shape(x), jax.numpy.result_type(x)) for x in flat))
+        try:
+            key = (tree, tuple((x.shape, x.dtype) if isinstance(x, jax.Array) else
+                               (jax.numpy.shape(x), jax.numpy.result_type(x)) for x in flat))
+        except TypeError:
+            raise _argument_error(self.fn, args) from None
         entry = self._cache.get(key)
         if entry is None:
+            _check_arity(self.fn, args)
             abstract = jax.tree_util.tree_unflatten(
                 tree, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in key[1]])
             entry = self._build(abstract)

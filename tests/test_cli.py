@@ -80,4 +80,4 @@ def test_demo_memory_budget(capsys):
     assert "compiled memory" in out and "met at memory pressure" in out
     assert "matches single-device training" in out
     assert main(["demo", "--cluster", "2x4", "--memory-budget", "1GiB"]) == 2
-    assert "--memory-budget applies to SPMD runs" in capsys.readouterr().err
+    assert "--memory-budget: expected without --cluster" in capsys.readouterr().err

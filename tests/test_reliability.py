@@ -418,6 +418,12 @@ def _cli(argv, capsys) -> tuple[int, str]:
     (["demo", "--cluster", "2x4", "--stages", "0"], "argument --stages: expected a positive"),
     (["demo", "--cluster", "2x4", "--stages", "-2"], "found '-2'"),
     (["demo", "--stages", "2"], "--stages: expected with --cluster"),
+    (["plan", "mlp", "--epsilon", "0.2"], "--epsilon: expected with --cluster"),
+    (["plan", "mlp", "--mesh", "2", "--alpha", "1e-5", "--cluster", "2x2"],
+     "--mesh, --alpha: expected without --cluster (SPMD on one mesh); found beside --cluster"),
+    (["demo", "--mesh", "2", "--cluster", "2x2"], "--mesh: expected without --cluster"),
+    (["demo", "--memory-budget", "1GiB", "--cluster", "2x2"], "--memory-budget: expected "
+                                                               "without --cluster"),
     (["demo", "--steps", "0"], "argument --steps: expected a positive integer"),
     (["demo", "--memory-budget", "inf"], "argument --memory-budget: expected a finite"),
     (["plan", "mlp", "--memory-budget", "nan"], "found 'nan'"),
@@ -443,3 +449,26 @@ def test_cli_debug_shows_the_traceback(capsys):
     assert code == 2 and "Traceback" in err and "neither an existing file" in err
     code, err = _cli(["plan", "nosuchmodel", "--debug"], capsys)
     assert code == 2 and "Traceback" in err
+
+
+# ---------------------------------------------------------------- bad arguments
+def test_arguments_the_step_cannot_take_are_named_before_tracing():
+    """Too few or too many arguments, and a leaf that is no array, raise ``ArgumentError``
+    (a ``TypeError``) naming the argument's path (before: JAX's ``data type 'batch' not
+    understood`` from deep inside tracing)."""
+    m = get_model("mlp", layers=2, hidden=16, batch=8)
+    params, opt = m.init(jax.random.PRNGKey(0))
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    step = rhino.auto_parallel(m.step, mesh_shape=(2,))
+    with pytest.raises(rhino.ArgumentError, match=r"^step\(params, opt_state, batch\): .*"
+                                                  r"missing a required argument: 'batch'"):
+        step(params, opt)
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        step(params, opt, batch, 1)
+    with pytest.raises(rhino.ArgumentError, match=r"argument batch: expected an array .* "
+                                                  r"found str 'batch'"):
+        step(params, opt, "batch")
+    with pytest.raises(rhino.ArgumentError, match=r"argument batch\['x'\]: .* found object"):
+        step(params, opt, {**batch, "x": object()})
+    # nothing was donated by the refusals: the arguments still run
+    assert np.isfinite(float(step(params, opt, batch)[-1]))
