@@ -343,7 +343,7 @@ def _check_instr(module: RawModule, ins: RawInstr, ops: list[Shape], dynamic: bo
         a, sizes = arrays[0], t["dynamic_slice_sizes"]
         if a is None or r is None or len(sizes) != a.rank or r.dims != sizes or any(
                 not 0 <= s <= d for s, d in zip(sizes, a.dims)):
-            fail(f"dynamic_slice_sizes= within the operand, equal to the result's dims",
+            fail("dynamic_slice_sizes= within the operand, equal to the result's dims",
                  f"{list(sizes)} on {shape_str(ops[0])} -> {shape_str(res)}")
     elif op == "dynamic-update-slice":
         a, u = arrays[0], arrays[1]

@@ -217,7 +217,7 @@ def test_o2_equals_o3_on_single_cone(seed):
 
 def _layered_case(rng, layers, width, n_skip):
     """Layers of cones between pivots, plus skip edges between far layers."""
-    names, cone_of, seg, pivots, edges = [], [], [], [], []
+    cone_of, seg, pivots, edges = [], [], [], []
     prev_pivot = None
     for l in range(layers):
         k = len(pivots)

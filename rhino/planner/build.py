@@ -56,7 +56,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.errors import PlanningError, RhinoError
+from rhino.errors import PlanningError
 from rhino.hlo_passes.analyses import analyze
 from rhino.hlo_passes.graph import HloGraph, TensorType, flatten_shape
 from rhino.planner.collectives import ReshardCostTable
