@@ -181,7 +181,11 @@ class SpmdLowering:
                                                                  self.in_shardings),
                        out_shardings=jax.tree_util.tree_unflatten(self.out_tree,
                                                                   self.out_shardings),
-                       donate_argnums=self.donate_argnums)
+                       donate_argnums=self.donate_argnums,
+                       # every argument stays an argument of the executable (an argument
+                       # the step never reads would otherwise be dropped from it, and the
+                       # plan's shardings would no longer line up with the program's)
+                       keep_unused=True)
 
 
 def _value_constraints(graph: HloGraph, plan: SpmdPlan, emap: EqnMap) -> dict:

@@ -149,3 +149,32 @@ def test_plan_pipeline_honours_its_options(gpt):
                            two_d=False, executor="serial")
     p = rhino.plan_pipeline(m.step, *m.example_args(), cluster="2x4", options=opts)
     assert p.num_microbatches == 4 and p.epsilon == 0.3 and p.num_stages == 2
+
+
+def test_arguments_the_step_never_reads_stay_arguments():
+    """An argument (and a batch field) the step never reads: ``jax.jit`` drops it from the
+    executable unless told to keep it, and the plan's shardings no longer lined up with
+    the compiled program's (``ShardingMismatchError: ... has 2 shardings, the plan 3``).
+    Unused batch fields, Haiku state and ``optax.apply_if_finite`` counters all do this."""
+    import jax.numpy as jnp
+
+    def step(w, batch, unused):
+        def loss(v):
+            return jnp.mean(jnp.tanh(batch["x"] @ v) ** 2)
+        l, g = jax.value_and_grad(loss)(w)
+        return w - 0.1 * g, l
+
+    w = jnp.full((64, 64), 0.01)
+    batch = {"x": jnp.ones((32, 64)), "label_never_read": jnp.zeros((32,), jnp.int32)}
+    ref = jax.jit(step)
+    s1, s2 = w, np.asarray(w)
+    with rhino.auto_parallel(step, mesh_shape=(8,)) as par:
+        for _ in range(2):
+            s1, l1 = ref(s1, batch, jnp.ones(3))
+            s2, l2 = par(s2, _copy(batch), np.ones(3, np.float32))
+            np.testing.assert_allclose(float(l2), float(l1), rtol=1e-6)
+        paths = [p.path for p in par.plan_for(s2, _copy(batch), np.ones(3, np.float32))
+                 .spmd.params]
+        assert any("unused" in p for p in paths) and any("label_never_read" in p
+                                                          for p in paths), paths
+    np.testing.assert_allclose(np.asarray(s2), np.asarray(s1), rtol=1e-6)
