@@ -359,6 +359,11 @@ def _argument_error(fn: Callable, args: tuple) -> ArgumentError:
                          f"every leaf of the arguments")
 
 
+def _aval_key(x: Any) -> tuple:
+    aval = jax.typeof(x)
+    return aval.shape, aval.dtype, aval.weak_type
+
+
 def _positional_names(fn: Callable, n: int) -> list[str]:
     try:
         params = list(inspect.signature(fn).parameters.values())
@@ -522,18 +527,21 @@ class ParallelStep:
     # ----------------------------------------------------------------- build
     def _entry(self, args: tuple) -> _Entry:
         flat, tree = jax.tree_util.tree_flatten(args)
-        # Signature: tree + (shape, dtype) per leaf; jax arrays carry canonical dtypes,
-        # other leaves (numpy arrays, Python scalars) are canonicalised as jax would.
+        # Signature: tree + (shape, dtype, weak type) per leaf, as jax.jit keys it: other
+        # leaves (numpy arrays, Python scalars) are canonicalised as jax would, and a
+        # Python float stays weakly typed (bf16 weights minus a Python-float learning rate
+        # stay bf16).
         try:
-            key = (tree, tuple((x.shape, x.dtype) if isinstance(x, jax.Array) else
-                               (jax.numpy.shape(x), jax.numpy.result_type(x)) for x in flat))
+            key = (tree, tuple((x.shape, x.dtype, x.weak_type) if isinstance(x, jax.Array)
+                               else _aval_key(x) for x in flat))
         except TypeError:
             raise _argument_error(self.fn, args) from None
         entry = self._cache.get(key)
         if entry is None:
             _check_arity(self.fn, args)
             abstract = jax.tree_util.tree_unflatten(
-                tree, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in key[1]])
+                tree, [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+                       for shape, dtype, weak in key[1]])
             entry = self._build(abstract)
             self._cache[key] = entry
         return entry

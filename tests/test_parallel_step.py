@@ -178,3 +178,23 @@ def test_arguments_the_step_never_reads_stay_arguments():
         assert any("unused" in p for p in paths) and any("label_never_read" in p
                                                           for p in paths), paths
     np.testing.assert_allclose(np.asarray(s2), np.asarray(s1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("options", [dict(mesh_shape=(8,)),
+                                     dict(cluster="2x1", stages=1)])
+def test_a_python_float_keeps_its_weak_type(options):
+    """bf16 state minus a Python-float learning rate stays bf16, as under ``jax.jit`` (the
+    float was traced as a strong float32 and the weights came back float32)."""
+    import jax.numpy as jnp
+
+    def step(w, x, lr):
+        return w - lr * (x.T @ (x @ w)), jnp.sum(x @ w)
+
+    w = jnp.full((64, 64), 0.01, jnp.bfloat16)
+    x = jnp.ones((32, 64), jnp.bfloat16)
+    want = jax.jit(step)(w, x, 0.1)
+    with rhino.auto_parallel(step, **options) as par:
+        got = par(np.asarray(w), np.asarray(x), 0.1)
+    assert [a.dtype for a in got] == [a.dtype for a in want] == [jnp.bfloat16] * 2
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
+                               rtol=1e-2)
