@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.extend import core as jcore
 
-from rhino._jax_private import eqn_context
+from rhino._jax_private import eqn_context, trace_without_name_stack
 from rhino.errors import RhinoError
 
 from .graph import HloGraph, TensorType
@@ -36,7 +36,15 @@ _EQN_RE = re.compile(r"(?:^|[/(])eqn(\d+)(?=[/)]|$)")
 # Call-like primitives whose body is evaluated inline (param holding the body).
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-           "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+           "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr",
+           "remat2": "jaxpr"}
+# jax.checkpoint's primitives: their body is evaluated in named scopes like any call, but
+# under the primitive again, so that XLA still recomputes it in the backward pass (behind
+# an opt-barrier) instead of keeping the forward's values.
+_REMAT = frozenset({"remat", "checkpoint", "remat2"})
+# Hook path suffix of a checkpoint body's inputs (the values behind its opt-barrier):
+# ``hook(path + (BARRIER,), i, x)`` for input i of the checkpoint equation at ``path``.
+BARRIER = -1
 
 # (equation path, index, value) -> the value to use: applied to each output of a leaf
 # equation (out hook) or to each of its inputs before it runs (in hook).
@@ -92,7 +100,10 @@ def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | 
                 # jit) goes on for its inlined equations: without it a weight gradient
                 # computed in a nested jit would not look like one.
                 with eqn_context(eqn):
-                    outs = eval_scoped(body[0], body[1], invals, hook, p, in_hook, binder)
+                    if eqn.primitive.name in _REMAT:
+                        outs = _eval_remat(eqn, body, invals, hook, p, in_hook, binder)
+                    else:
+                        outs = eval_scoped(body[0], body[1], invals, hook, p, in_hook, binder)
             else:
                 if in_hook is not None:
                     invals = [in_hook(p, j, x) for j, x in enumerate(invals)]
@@ -105,6 +116,21 @@ def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | 
             if not isinstance(v, jcore.DropVar):
                 env[v] = x
     return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_remat(eqn, body, invals: list, hook: Hook | None, path: tuple[int, ...],
+                in_hook: Hook | None, binder: Binder | None) -> list[Any]:
+    """A ``jax.checkpoint`` equation: its body evaluated in named scopes (with the hooks),
+    traced to a jaxpr and bound under the same primitive and parameters."""
+    def scoped(*args):
+        if hook is not None:
+            args = [hook(path + (BARRIER,), i, x) for i, x in enumerate(args)]
+        return eval_scoped(body[0], body[1], args, hook, path, in_hook, binder)
+
+    jaxpr, consts = trace_without_name_stack(scoped, invals)
+    params = dict(eqn.params, jaxpr=jaxpr)
+    outs = eqn.primitive.bind(*consts, *invals, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 class ScopedFunction:
@@ -212,7 +238,33 @@ class EqnMap:
                 same_type_before = sum(1 for j in range(k)
                                        if _type_of(eqn.outvars[j]) == want)
                 self.producer[(path, k)] = match[min(same_type_before, len(match) - 1)]
+        self._barrier_inputs(traced, graph)
         self.inputs = self._input_ops(traced, graph)
+
+    def _barrier_inputs(self, traced: ScopedFunction, graph: HloGraph) -> None:
+        """``(checkpoint path + (BARRIER,), i)`` -> the copy op ingestion made for input i
+        of a checkpoint equation behind its opt-barrier (whose operands are the bound
+        constants first, then the equation's inputs)."""
+        calls: dict[tuple[int, ...], Any] = {}
+
+        def walk(jaxpr, path):
+            for i, eqn in enumerate(jaxpr.eqns):
+                body = call_body(eqn)
+                if body is not None:
+                    if eqn.primitive.name in _REMAT:
+                        calls[path + (i,)] = eqn
+                    walk(body[0], path + (i,))
+        walk(traced.closed.jaxpr, ())
+        for op in graph.ops:
+            if op.opcode != "copy" or "barrier" not in op.attrs:
+                continue
+            path = eqn_path(op.op_name)
+            eqn = calls.get(path)
+            if eqn is None:
+                continue
+            i = op.attrs["index"] - (op.attrs["of"] - len(eqn.invars))
+            if 0 <= i < len(eqn.invars):
+                self.producer[(path + (BARRIER,), i)] = op.id
 
     def _input_ops(self, traced: ScopedFunction, graph: HloGraph
                    ) -> dict[tuple[int, ...], list[int | None]]:
@@ -233,6 +285,9 @@ class EqnMap:
                 invals = [read(v) for v in eqn.invars]
                 body = call_body(eqn)
                 if body is not None:
+                    if eqn.primitive.name in _REMAT:   # read behind the opt-barrier
+                        invals = [self.producer.get((p + (BARRIER,), j), x)
+                                  for j, x in enumerate(invals)]
                     res = walk(body[0], p, invals)
                 else:
                     out[p] = invals

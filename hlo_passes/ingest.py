@@ -436,6 +436,7 @@ class _Builder:
         self.emitted: dict[str, int] = {}
         self.names: set[str] = set()
         self._flops_memo: dict[str, float] = {}
+        self._barrier_copies: dict[tuple[int, int], int] = {}
 
     def _unique(self, name: str) -> str:
         if name not in self.names:
@@ -476,10 +477,34 @@ class _Builder:
             return
         if ins.opcode == "get-tuple-element":
             src = self.ops[operand_ids[0]]
+            if src.opcode == "opt-barrier" and self.ops[src.operands[0]].opcode == "tuple":
+                local[ins.name] = self._through_barrier(src, attrs["index"], ins)
+                return
             if src.opcode == "tuple":
                 local[ins.name] = src.operands[attrs["index"]]
                 return
         local[ins.name] = self._new_op(ins, attrs, operand_ids)
+
+    def _through_barrier(self, barrier: Op, index: int, ins: RawInstr) -> int:
+        """Element ``index`` of an ``opt-barrier`` over a tuple, as a ``copy`` of the element.
+
+        jax.checkpoint's barrier orders the recomputation in XLA's scheduler and moves no
+        data, but what reads through it is another value to XLA: a weight gathered for the
+        forward pass is gathered again for the recomputation. One copy op per element keeps
+        the elements' specs free (no tuple without a rule forcing them replicated) and the
+        readers behind the barrier apart from those before it."""
+        key = (barrier.id, index)
+        if key not in self._barrier_copies:
+            elem = self.ops[self.ops[barrier.operands[0]].operands[index]]
+            op = Op(id=len(self.ops), name=self._unique(ins.name), opcode="copy",
+                    shape=elem.shape, operands=(elem.id,),
+                    attrs={"barrier": barrier.name, "index": index,
+                           "of": len(self.ops[barrier.operands[0]].operands)},
+                    flops=0.0, out_bytes=elem.out_bytes, op_name=barrier.op_name,
+                    source=barrier.source)
+            self.ops.append(op)
+            self._barrier_copies[key] = op.id
+        return self._barrier_copies[key]
 
     def _new_op(self, ins: RawInstr, attrs: dict[str, Any], operand_ids: list[int]) -> int:
         md = ht.parse_metadata(ins.attrs["metadata"]) if "metadata" in ins.attrs else {}
@@ -587,7 +612,7 @@ def _finish(builder: _Builder, root: int, name: str, origin: str,
     for o in outputs:
         used[o] = True
     for op in reversed(ops):
-        if used[op.id] or op.opcode not in ("tuple", "get-tuple-element"):
+        if used[op.id] or op.opcode not in ("tuple", "get-tuple-element", "opt-barrier"):
             used[op.id] = True
             for x in op.operands:
                 used[x] = True

@@ -71,3 +71,16 @@ def eqn_source(eqn: Any) -> str | None:
            if not any(part in _INSTALLED for part in f.file_name.replace("\\", "/").split("/"))]
     frame = (own or frames)[0]
     return f"{frame.file_name}:{frame.start_line}"
+
+
+def trace_without_name_stack(fn: Any, args: Any) -> tuple[Any, list]:
+    """``fn`` traced at ``args``' types to an open jaxpr whose constants come first among its
+    inputs (the form a call-like primitive such as ``remat2`` binds), with the name stack
+    started afresh (the caller's scopes are the enclosing equation's, added when lowering)."""
+    import jax
+    from jax._src import source_info_util
+    from jax._src.interpreters import partial_eval as pe
+
+    with source_info_util.reset_name_stack():
+        closed = jax.make_jaxpr(fn)(*args)
+    return pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)

@@ -304,3 +304,27 @@ def test_strided_specs_stay_interior_in_auto_parallel():
     for i, ss in enumerate(inner.strategies):  # ... interior_only never does
         if any(is_strided(s.out_spec) for s in ss):
             assert i not in boundary and g.ops[i].opcode in STRIDED_OPCODES
+
+
+def test_remat_keeps_the_weights_sharded():
+    """GPT with ``jax.checkpoint`` per layer: the planner sees through the ``opt-barrier``
+    that orders the recomputation, so saved weights keep their specs. The compiled peak per
+    device is at most the plan without remat's (before: the barrier's tuple had no rule and
+    kept everything in it replicated, 2-3.6x the memory); collectives as predicted; losses
+    equal jax.jit's."""
+    args = {}
+    peaks = {}
+    for remat in (False, True):
+        m = get_model("gpt", layers=2, hidden=128, heads=4, seq=32, batch=8, remat=remat)
+        params, opt = m.init(jax.random.PRNGKey(0))
+        batch = m.make_batch(jax.random.PRNGKey(1))
+        step = rhino.auto_parallel(m.step, mesh_shape=(8,))
+        plan, _ = _compare_collectives(step, (params, opt, batch), exact_counts=True)
+        assert not plan.unplanned, plan.unplanned
+        peaks[remat] = step.memory_for(params, opt, batch)["peak"]
+        args[remat] = (m, step, params, opt, batch)
+    assert peaks[True] <= peaks[False], peaks
+    m, step, params, opt, batch = args[True]
+    _, want = _train(m, jax.jit(m.step), 2, params, opt, batch)
+    _, got = _train(m, step, 2, params, opt, batch)
+    np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -91,6 +91,7 @@ class GptConfig(LanguageModel, ModelConfig):
         ffn: FFN inner width; None means ``4 * hidden``.
         heads: Attention heads (must divide `hidden`).
         scan: Stack the layers and run them under `jax.lax.scan` (an HLO while loop).
+        remat: Recompute each layer in the backward pass (`jax.checkpoint` per layer).
     """
 
     batch: int = 4
@@ -101,6 +102,7 @@ class GptConfig(LanguageModel, ModelConfig):
     ffn: Optional[int] = None
     heads: int = 4
     scan: bool = False
+    remat: bool = False
 
     PRESETS = GPT_CONFIGS
 
@@ -120,12 +122,18 @@ class GptConfig(LanguageModel, ModelConfig):
 
     def loss(self, params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
         x = embed(params, batch["tokens"])
+
+        def block(layer, h):
+            return transformer_layer(layer, h, self.heads, causal=True)
+
+        if self.remat:
+            block = jax.checkpoint(block)
         if self.scan:
             def body(h, layer):
-                return transformer_layer(layer, h, self.heads, causal=True), None
+                return block(layer, h), None
 
             x, _ = jax.lax.scan(body, x, params["layers"])
         else:
             for layer in params["layers"]:
-                x = transformer_layer(layer, x, self.heads, causal=True)
+                x = block(layer, x)
         return lm_head_loss(params, x, batch["labels"])
