@@ -276,21 +276,30 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
         pos = positions.setdefault(name, len(positions))
         by_rest.setdefault(rest, []).append(p)
         by_pos.setdefault((pos, rest), []).append(p)
+    outs = [(o, info.path[3:]) for o, info in zip(graph.outputs, graph.output_info)
+            if info.path.startswith("out")]
+
+    def positional(rest: str) -> list[int]:
+        m = _INDEX.match(rest)
+        return by_pos.get((int(m.group(1)), m.group(2)), []) if m is not None else []
+
+    def fits(o: int, cands: list[int]) -> list[int]:
+        return [p for p in cands if graph.ops[p].shape == graph.ops[o].shape]
+
+    # Two readings of ``out[k]<rest>``: the k-th result updates the k-th argument (a step
+    # returning ``(params, opt_state, loss)``), or the result as a whole mirrors one
+    # argument (a step returning a bare list of updated weights: ``out[1]`` is the list's
+    # second weight, not the second argument). The reading that pairs more results by type
+    # wins for the whole output, so one result is never paired by the other reading.
+    by_position = sum(len(fits(o, positional(r))) == 1 for o, r in outs)
+    whole = sum(len(fits(o, by_rest.get(r, []))) == 1 for o, r in outs)
     pairs = []
     used: set[int] = set()
-    for o, info in zip(graph.outputs, graph.output_info):
-        path = info.path
-        if not path.startswith("out"):
-            continue
-        rest = path[3:]
-        otype = graph.ops[o].shape
-        cands: list[int] = []
-        m = _INDEX.match(rest)
-        if m is not None:
-            cands = by_pos.get((int(m.group(1)), m.group(2)), [])
+    for o, rest in outs:
+        cands: list[int] = positional(rest) if by_position >= whole else []
         if not cands:
             cands = by_rest.get(rest, [])
-        cands = [p for p in cands if graph.ops[p].shape == otype and p not in used]
+        cands = [p for p in fits(o, cands) if p not in used]
         if len(cands) == 1 and cands[0] != o:
             pairs.append((o, cands[0]))
             used.add(cands[0])
