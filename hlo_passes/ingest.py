@@ -751,7 +751,8 @@ def graph_from_file(path: str | os.PathLike) -> HloGraph:
                         "('module ...')", head.splitlines()[0] if head else "an empty file")
 
 
-def _arg_names(fn: Callable, nargs: int) -> list[str]:
+def arg_names(fn: Callable, nargs: int) -> list[str]:
+    """The names of ``fn``'s first ``nargs`` positional parameters (``arg<i>`` past them)."""
     target = getattr(fn, "__wrapped__", fn)
     try:
         params = list(inspect.signature(target).parameters.values())
@@ -772,7 +773,7 @@ def graph_from_function(fn: Callable, *args: Any) -> HloGraph:
         raise IngestError(f"cannot lower {getattr(fn, '__name__', fn)!r} on the given example "
                           f"arguments: {e}") from e
     text = lowered.as_text(dialect="hlo", debug_info=True)
-    names = _arg_names(fn, len(args))
+    names = arg_names(fn, len(args))
     flat, _ = jax.tree_util.tree_flatten_with_path(lowered.args_info[0])
     infos = []
     for k, (path, info) in enumerate(flat):

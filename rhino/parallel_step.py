@@ -49,6 +49,7 @@ from rhino.backends import (backend_figures, cost_model_for_devices, devices_per
 from rhino.cluster import Cluster
 from rhino.errors import ArgumentError, OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, ingest
+from rhino.hlo_passes.ingest import arg_names
 from rhino.hlo_passes.annotate import ScopedFunction
 from rhino.hlo_passes.lower import (SpmdLowering, StageLowering, compile_spmd, lower_spmd,
                                     lower_stages, microbatch_divisors)
@@ -342,7 +343,7 @@ def _check_arity(fn: Callable, args: tuple) -> None:
 
 def _argument_error(fn: Callable, args: tuple) -> ArgumentError:
     """The first leaf of the arguments that is no array (a string, an object, None ...)."""
-    names = _positional_names(fn, len(args))
+    names = arg_names(fn, len(args))
     for i, arg in enumerate(args):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
             try:
@@ -362,15 +363,6 @@ def _argument_error(fn: Callable, args: tuple) -> ArgumentError:
 def _aval_key(x: Any) -> tuple:
     aval = jax.typeof(x)
     return aval.shape, aval.dtype, aval.weak_type
-
-
-def _positional_names(fn: Callable, n: int) -> list[str]:
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return [names[i] if i < len(names) else f"args[{i}]" for i in range(n)]
 
 
 class ParallelStep:
@@ -532,7 +524,8 @@ class ParallelStep:
         # Python float stays weakly typed (bf16 weights minus a Python-float learning rate
         # stay bf16).
         try:
-            key = (tree, tuple((x.shape, x.dtype, x.weak_type) if isinstance(x, jax.Array)
+            key = (tree, tuple((x.shape, x.dtype, getattr(x, "weak_type", False))
+                               if isinstance(x, jax.Array)
                                else _aval_key(x) for x in flat))
         except TypeError:
             raise _argument_error(self.fn, args) from None
