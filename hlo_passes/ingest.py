@@ -437,6 +437,9 @@ class _Builder:
         self.names: set[str] = set()
         self._flops_memo: dict[str, float] = {}
         self._barrier_copies: dict[tuple[int, int], int] = {}
+        self._reduce_outputs: dict[tuple[int, int], int] = {}
+        # ops dropped when nothing reads them (besides tuples and their elements)
+        self.structural: set[int] = set()
 
     def _unique(self, name: str) -> str:
         if name not in self.names:
@@ -480,6 +483,10 @@ class _Builder:
             if src.opcode == "opt-barrier" and self.ops[src.operands[0]].opcode == "tuple":
                 local[ins.name] = self._through_barrier(src, attrs["index"], ins)
                 return
+            if src.opcode == "reduce" and len(src.operands) >= 4 and \
+                    not isinstance(src.shape, TensorType):
+                local[ins.name] = self._reduce_output(src, attrs["index"], ins)
+                return
             if src.opcode == "tuple":
                 local[ins.name] = src.operands[attrs["index"]]
                 return
@@ -505,6 +512,25 @@ class _Builder:
             self.ops.append(op)
             self._barrier_copies[key] = op.id
         return self._barrier_copies[key]
+
+    def _reduce_output(self, red: Op, index: int, ins: RawInstr) -> int:
+        """Result ``index`` of a variadic reduce (``argmax``: values and indices reduced
+        together) as a reduce op of its own over all the operands, marked
+        ``attrs['variadic'] = (index, n)``: the planner gives each result array specs (the
+        kept dimensions shared by every operand) instead of leaving the tuple replicated.
+        XLA still runs one reduce; the split ops share its FLOPs."""
+        key = (red.id, index)
+        if key not in self._reduce_outputs:
+            n = len(red.operands) // 2
+            elem = red.shape[index]
+            op = Op(id=len(self.ops), name=self._unique(ins.name), opcode="reduce",
+                    shape=elem, operands=red.operands,
+                    attrs=dict(red.attrs, variadic=(index, n)), flops=red.flops / n,
+                    out_bytes=elem.nbytes, op_name=red.op_name, source=red.source)
+            self.ops.append(op)
+            self._reduce_outputs[key] = op.id
+            self.structural.add(red.id)
+        return self._reduce_outputs[key]
 
     def _new_op(self, ins: RawInstr, attrs: dict[str, Any], operand_ids: list[int]) -> int:
         md = ht.parse_metadata(ins.attrs["metadata"]) if "metadata" in ins.attrs else {}
@@ -612,7 +638,8 @@ def _finish(builder: _Builder, root: int, name: str, origin: str,
     for o in outputs:
         used[o] = True
     for op in reversed(ops):
-        if used[op.id] or op.opcode not in ("tuple", "get-tuple-element", "opt-barrier"):
+        if used[op.id] or (op.opcode not in ("tuple", "get-tuple-element", "opt-barrier")
+                           and op.id not in builder.structural):
             used[op.id] = True
             for x in op.operands:
                 used[x] = True

@@ -365,3 +365,25 @@ def test_a_bare_list_of_weights_is_paired_with_the_weights_not_by_position():
     got = par(first, x)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_argmax_is_planned():
+    """``argmax`` is a reduce of values and indices together (a tuple result): each result
+    gets specs of its own (before: no rule, the reduce and its operands replicated, and an
+    all-gather predicted that XLA does not do); collectives as predicted; equal to jit."""
+    def step(w, x):
+        logits = x @ w
+        return w * 0.9, jnp.argmax(logits, axis=-1), jnp.max(logits, axis=-1)
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (256, 512)) * 0.1
+    x = jax.random.normal(jax.random.PRNGKey(1), (64, 256))
+    par = rhino.auto_parallel(step, mesh_shape=(8,))
+    plan, _ = _compare_collectives(par, (w, x), exact_counts=True)
+    assert not plan.unplanned, plan.unplanned
+    variadic = [o for o in plan.ops if o.opcode == "reduce" and o.out_spec is not None
+                and o.out_spec.shard_count(plan.mesh) > 1]
+    assert len(variadic) >= 2, [(o.name, o.out_spec) for o in plan.ops]
+    want = jax.jit(step)(w, x)
+    got = par(np.asarray(w), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-5)

@@ -206,6 +206,18 @@ def _psum(n_operands: int, which: Sequence[int]) -> Loop:
 
 def reduce_loops(graph: HloGraph, op: Op, ins: Sequence[TensorType],
                  out: TensorType) -> list[Loop] | None:
+    if "variadic" in op.attrs:
+        # one result of a reduce of n arrays together (argmax): the kept dimensions are
+        # shared by every array; a reduced dimension cannot be split (the reducer pairs
+        # values across the arrays), nor is there a pending sum
+        _, n = op.attrs["variadic"]
+        if len(ins) != 2 * n or any(t.dims != ins[0].dims for t in ins[:n]):
+            return None
+        red = set(op.attrs.get("dimensions", ()))
+        kept = [d for d in range(ins[0].rank) if d not in red]
+        loops = [Loop(f"d{d}", ins[0].dims[d], j, (d,) * n + (None,) * n)
+                 for j, d in enumerate(kept)]
+        return [l for l in loops if l.size > 1]
     if len(ins) != 2:
         return None
     x = ins[0]

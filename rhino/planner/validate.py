@@ -167,6 +167,13 @@ def _semantics(graph: HloGraph, op: Op) -> _Sem | None:
         if floaty and (code != "convert" or ins[0].dtype in _FLOATS):
             passes = _linear_patterns(code, n)
         return _Sem(same(everything, full), [], passes)
+    if code == "reduce" and "variadic" in a:
+        k = a["variadic"][1]
+        if n != 2 * k or any(t.dims != ins[0].dims for t in ins[:k]):
+            return None
+        red = sorted(a.get("dimensions", ()))
+        kept = [d for d in range(ins[0].rank) if d not in red]
+        return _Sem({j: (d,) * k + (None,) * k for j, d in enumerate(kept)}, [], [])
     if code == "reduce":
         if n != 2:
             return None
