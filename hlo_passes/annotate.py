@@ -45,6 +45,31 @@ _REMAT = frozenset({"remat", "checkpoint", "remat2"})
 # Hook path suffix of a checkpoint body's inputs (the values behind its opt-barrier):
 # ``hook(path + (BARRIER,), i, x)`` for input i of the checkpoint equation at ``path``.
 BARRIER = -1
+# A ``cond`` whose branches hold none of these (and no effects) is evaluated as both branches
+# and a select: what it computes is the same, both branches are cheap (an update applied or
+# skipped, a scale), and its values get planned specs instead of an opaque conditional that
+# keeps everything it touches replicated. Heavier branches stay a conditional.
+_HEAVY = frozenset({"dot_general", "conv_general_dilated", "while", "scan", "cond", "fft",
+                    "sort", "custom_call", "pure_callback", "io_callback", "debug_callback",
+                    "cumsum", "cumprod", "cummax", "cumlogsumexp", "reduce_precision",
+                    "all_gather", "psum", "ppermute", "all_to_all"})
+
+
+def light_branches(eqn) -> bool:
+    """A ``cond`` equation whose branches are cheap and pure (see ``_HEAVY``)."""
+    if eqn.primitive.name != "cond" or "branches" not in eqn.params:
+        return False
+
+    def light(jaxpr) -> bool:
+        for e in jaxpr.eqns:
+            if e.primitive.name in _HEAVY or getattr(e, "effects", None):
+                return False
+            body = call_body(e)
+            if body is not None and not light(body[0]):
+                return False
+        return True
+
+    return all(light(b.jaxpr) for b in eqn.params["branches"])
 
 # (equation path, index, value) -> the value to use: applied to each output of a leaf
 # equation (out hook) or to each of its inputs before it runs (in hook).
@@ -95,7 +120,12 @@ def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | 
         invals = [read(v) for v in eqn.invars]
         with jax.named_scope(f"eqn{i}"):
             body = call_body(eqn)
-            if body is not None:
+            if binder is None and light_branches(eqn):
+                with eqn_context(eqn):
+                    outs = _eval_cond_as_select(eqn, invals)
+                if hook is not None:
+                    outs = [hook(p, k, x) for k, x in enumerate(outs)]
+            elif body is not None:
                 # The call's own name stack (e.g. ``transpose(jvp(...))`` around a nested
                 # jit) goes on for its inlined equations: without it a weight gradient
                 # computed in a nested jit would not look like one.
@@ -131,6 +161,21 @@ def _eval_remat(eqn, body, invals: list, hook: Hook | None, path: tuple[int, ...
     params = dict(eqn.params, jaxpr=jaxpr)
     outs = eqn.primitive.bind(*consts, *invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _eval_cond_as_select(eqn, invals: list) -> list[Any]:
+    """A light ``cond``: every branch evaluated (in scopes ``branch<b>/eqn<j>``), then the
+    branch the index picks selected (the index clamped as ``cond`` clamps it)."""
+    branches = eqn.params["branches"]
+    index, operands = invals[0], invals[1:]
+    results = []
+    for b, branch in enumerate(branches):
+        with jax.named_scope(f"branch{b}"):
+            results.append(eval_scoped(branch.jaxpr, branch.consts, operands))
+    which = jax.lax.clamp(0, jax.lax.convert_element_type(index, "int32"), len(branches) - 1)
+    if len(branches) == 2:
+        which = which.astype(bool)
+    return [jax.lax.select_n(which, *cases) for cases in zip(*results)]
 
 
 class ScopedFunction:
