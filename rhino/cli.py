@@ -164,7 +164,8 @@ def _floats(text: str | None, what: str) -> tuple[float, ...] | None:
 # Options of one mode only: (flag, default). Given in the other mode they are refused, not
 # ignored (a --mesh beside --cluster used to be dropped without a word).
 _SPMD_ONLY = {"plan": (("--mesh", (8,)), ("--alpha", None), ("--beta", None),
-                       ("--opt-level", "O2"), ("--time-limit", 600.0)),
+                       ("--opt-level", "O2"), ("--time-limit", 600.0),
+                       ("--min-split-flops", None)),
               "demo": (("--mesh", (8,)), ("--memory-budget", None))}
 _CLUSTER_ONLY = {"plan": (("--microbatches", 8), ("--epsilon", 0.1), ("--max-stages", None),
                           ("--alpha-intra", None), ("--beta-intra", None),
@@ -220,6 +221,7 @@ def _emit_plan(p, args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     import rhino
+    from rhino.planner.build import BuildOptions
 
     _mode_options(args, "plan")
     if args.cluster:
@@ -231,7 +233,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                        memory_budget=args.memory_budget,
                        alpha=_floats(args.alpha, "--alpha"), beta=_floats(args.beta, "--beta"),
                        flops_per_s=args.flops, backend=args.backend,
-                       time_limit=args.time_limit, progress=progress)
+                       time_limit=args.time_limit, progress=progress,
+                       build=BuildOptions(min_split_flops=args.min_split_flops))
     except ValueError as e:
         raise RhinoError(str(e)) from None
     return _emit_plan(p, args)
@@ -325,6 +328,17 @@ def _flops(text: str) -> float:
     return value
 
 
+def _flop_count(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of FLOPs such as 1e6, "
+                                         f"found {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rhino.backends import backend_names
 
@@ -367,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--memory-budget", type=memory_bytes,
                     help="bytes per device (suffixes KiB, MiB, GiB)")
     pp.add_argument("--time-limit", type=float, help="seconds per solve (default: 600)")
+    pp.add_argument("--min-split-flops", type=_flop_count, metavar="FLOPS",
+                    help="ops of at least this many FLOPs may not run whole on every device "
+                    "(their replicated choices are removed), e.g. 1e6")
     pp.add_argument("--json", action="store_true", help="print the plan as JSON")
     pp.add_argument("--output", metavar="FILE", type=output_file,
                     help="also save the plan JSON to FILE")

@@ -124,6 +124,7 @@ class StepOptions:
     transport: TransportKind = TransportKind.DEVICE_PUT
     ray_address: str | None = None
     per_microbatch_statistics: bool = False
+    min_split_flops: float | None = None
     progress_after_s: float = 2.0
 
     def __post_init__(self):
@@ -134,6 +135,8 @@ class StepOptions:
         put("memory_budget", _positive("memory_budget (bytes per device)", self.memory_budget,
                                        int, allow_none=True))
         put("time_limit", _positive("time_limit (seconds)", self.time_limit))
+        if self.min_split_flops is not None:
+            put("min_split_flops", _positive("min_split_flops (FLOPs)", self.min_split_flops))
         put("timeout", _positive("timeout (seconds)", self.timeout))
         put("num_microbatches", _positive("num_microbatches", self.num_microbatches, int,
                                           allow_none=True))
@@ -621,7 +624,8 @@ class _Builder:
                               build=BuildOptions(strided_interior_only=True,
                                                  pinned=annotation_pins(graph, o.annotations,
                                                                         mesh),
-                                                 partial_passthrough=False))
+                                                 partial_passthrough=False,
+                                                 min_split_flops=o.min_split_flops))
 
         def make_plan(opts: PlanOptions) -> Plan:
             return Plan.from_spmd(plan_graph(graph, mesh, cost, opts, self.progress),
@@ -650,7 +654,8 @@ class _Builder:
         o = self.o
         self.progress("planning the pipeline")
         spmd_opts = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
-                                build=BuildOptions(strided=False))
+                                build=BuildOptions(strided=False,
+                                                   min_split_flops=o.min_split_flops))
         given = dict(o.stages) if isinstance(o.stages, dict) else None
         count = max(given.values()) + 1 if given else o.stages
         kinds = ("spmd",) if count == 1 else ("pipeline", "hybrid") if count is not None \
@@ -734,7 +739,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   stages: int | Mapping[str, int] | None = None, accumulate: str = "mean",
                   batch_args: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                   transport: str = "device_put", ray_address: str | None = None,
-                  per_microbatch_statistics: bool = False):
+                  per_microbatch_statistics: bool = False,
+                  min_split_flops: float | None = None):
     """Run a one-device training step over many devices, automatically.
 
     Usable bare (``@rhino.auto_parallel``) or with options; the options are checked here,
@@ -790,6 +796,10 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             batch (BatchNorm, a branch on a batch-dependent value, running statistics) is
             refused (``BatchCouplingError``) unless this accepts that each microbatch
             computes its own.
+        min_split_flops: ops of at least this many FLOPs must not run whole on every
+            device (their replicated choices are removed): for cost models where compute
+            is nearly free next to communication, under which replicating heavy work
+            looks cheapest.
 
     Returns:
         A ``ParallelStep`` (``.plan_for(*args)``, ``.report_for(*args)``, ``.timeline()``).
@@ -805,7 +815,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         time_limit=time_limit, num_microbatches=num_microbatches, schedule=schedule,
         executor=executor, stages=stages, accumulate=accumulate, batch_args=batch_args,
         timeout=timeout, transport=transport, ray_address=ray_address,
-        per_microbatch_statistics=per_microbatch_statistics)
+        per_microbatch_statistics=per_microbatch_statistics, min_split_flops=min_split_flops)
     if fn is None:
         return lambda f: ParallelStep(f, options)
     return ParallelStep(fn, options)

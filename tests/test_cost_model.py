@@ -305,3 +305,43 @@ def test_auto_parallel_cost_option_errors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rhino.auto_parallel(lambda x: x, cluster="1x2", cost="h100")   # named figures: fine
+
+
+def test_min_split_flops_forbids_replicating_heavy_work():
+    """Where compute is nearly free next to communication (GPU-like FLOP per byte), the
+    cost model's optimum replicates all the work; ``min_split_flops`` removes the replicated
+    choices of every op at least that heavy (planner, ``auto_parallel`` and CLI), and the
+    plan still runs equal to jax.jit."""
+    import numpy as np
+
+    from rhino.planner.build import BuildOptions
+
+    m = get_model("gpt")
+    g = rhino.ingest(m.step, *m.example_args())
+    free = rhino.plan(g, mesh_shape=(8,), flops_per_s=2e14).spmd
+    split = rhino.plan(g, mesh_shape=(8,), flops_per_s=2e14,
+                       build=BuildOptions(min_split_flops=1e6)).spmd
+    heavy = [i for i, op in enumerate(g.ops) if op.flops >= 1e6]
+    assert heavy and all(free.ops[i].strategy.endswith("[R]") for i in heavy
+                         if free.ops[i].opcode == "dot")
+    assert free.communication_s == 0.0
+    assert not any(split.ops[i].strategy.endswith("[R]") for i in heavy), \
+        [split.ops[i].strategy for i in heavy]
+    assert split.communication_s > 0
+
+    params, opt = m.init(jax.random.PRNGKey(0))
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    want = jax.jit(m.step)(params, opt, batch)[-1]
+    step = rhino.auto_parallel(m.step, mesh_shape=(8,), cost=CostModel.simulated_cpu(1)
+                               .with_flops(2e14), min_split_flops=1e6)
+    got = step(jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, opt), batch)[-1]
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    plan = step._last.plan.spmd
+    assert plan.communication_s > 0
+
+    with pytest.raises(rhino.OptionsError, match="min_split_flops"):
+        rhino.auto_parallel(m.step, mesh_shape=(8,), min_split_flops=-1.0)
+    with pytest.raises(rhino.OptionsError, match="min_split_flops"):
+        BuildOptions(min_split_flops=float("inf"))
+    assert main(["plan", "gpt", "--mesh", "8", "--flops", "2e14", "--min-split-flops", "1e6",
+                 "--json", "--quiet"]) == 0

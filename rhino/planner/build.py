@@ -56,7 +56,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.errors import PlanningError
+from rhino.errors import OptionsError, PlanningError
 from rhino.hlo_passes.analyses import analyze
 from rhino.hlo_passes.graph import HloGraph, TensorType, flatten_shape
 from rhino.planner.collectives import ReshardCostTable
@@ -98,6 +98,11 @@ class BuildOptions:
         carry_outputs: pair updated-parameter outputs with their parameters (see module).
         carried: explicit ``(output op id, parameter op id)`` pairs; None = by pytree path.
         max_strides_per_dim: cap on extra stride candidates per tensor dim.
+        min_split_flops: ops of at least this many FLOPs lose the choices that compute
+            them whole on every device (replicated work): a cost model where compute is
+            nearly free prefers replicating everything, which real memory and real
+            devices do not afford. None (default): no such restriction. Ops that cannot be
+            split keep their choices.
         strided_interior_only: strided specs only for values of elementwise and reshape
             ops (``STRIDED_OPCODES``) that are neither parameters nor results: a
             ``jax.Array`` handed in or back cannot hold a strided layout (no tiled sharding
@@ -115,12 +120,18 @@ class BuildOptions:
     carried: tuple[tuple[int, int], ...] | None = None
     max_strides_per_dim: int = 4
     strided_interior_only: bool = False
+    min_split_flops: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "forced_sharded", frozenset(self.forced_sharded))
         object.__setattr__(self, "pinned", types.MappingProxyType(dict(self.pinned)))
         object.__setattr__(self, "divisors", types.MappingProxyType(
             {int(k): types.MappingProxyType(dict(v)) for k, v in self.divisors.items()}))
+        if self.min_split_flops is not None and not (
+                isinstance(self.min_split_flops, (int, float)) and self.min_split_flops >= 0
+                and self.min_split_flops != float("inf")):
+            raise OptionsError(f"min_split_flops: expected a finite number of FLOPs >= 0 or "
+                               f"None, found {self.min_split_flops!r}")
         if self.optimizer_state_multiplier < 0:
             raise ValueError(f"optimizer_state_multiplier: expected >= 0, found "
                              f"{self.optimizer_state_multiplier}")
@@ -401,6 +412,14 @@ def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: Abs
                                                            mesh))
         if kept:
             strategies[i] = kept
+    if options.min_split_flops is not None:
+        for op in graph.ops:
+            if op.flops < options.min_split_flops or not isinstance(op.shape, TensorType):
+                continue
+            whole = max(s.compute_cost for s in strategies[op.id])
+            kept = tuple(s for s in strategies[op.id] if s.compute_cost < whole * (1 - 1e-9))
+            if kept:
+                strategies[op.id] = kept
     if options.strided_interior_only:
         boundary = set(graph.params) | set(graph.outputs)
         for op in graph.ops:
