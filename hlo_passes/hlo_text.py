@@ -8,7 +8,7 @@ signatures), instructions, debug-info tables. Tokens are checked as they are rea
 element types, dimensions that are integers in [0, 2**63), layouts that permute the
 dimensions, balanced brackets and quotes, names defined once, one ROOT and one ENTRY.
 What XLA would reject beyond the syntax (unknown opcodes, parameter numbering, operand
-shapes, calls) is ``ingest.validate_module``'s job.
+shapes, calls) is ``hlo_validate.validate_module``'s job.
 
 Every failure is an ``HloParseError`` naming the file, the 1-based line, what was expected and
 what was found; nothing else escapes (an unexpected Python error while decoding a line is
@@ -97,7 +97,7 @@ DECODE_ERRORS = (ValueError, IndexError, KeyError, TypeError, AttributeError, Ov
 @dataclasses.dataclass(slots=True)
 class RawInstr:
     """One instruction line, decoded (``typed``: attributes as Python values, filled in by
-    ``ingest.validate_module``) but not yet linked."""
+    ``hlo_validate.validate_module``) but not yet linked."""
 
     name: str
     shape: Shape
@@ -113,7 +113,7 @@ class RawInstr:
 @dataclasses.dataclass
 class RawComputation:
     """A computation; ``params[k]`` is its ``parameter(k)`` (set by
-    ``ingest.validate_module``) and ``signature`` the ``(params) -> result`` shapes its header
+    ``hlo_validate.validate_module``) and ``signature`` the ``(params) -> result`` shapes its header
     declares, if it does."""
 
     name: str
@@ -449,7 +449,7 @@ def parse_instruction(line: str, path: str, lineno: int) -> tuple[RawInstr, bool
     if paren <= 0:
         raise HloParseError(path, lineno, "an opcode followed by '(operands)'", line)
     opcode = rest[:paren].strip()
-    if not _OPCODE_RE.fullmatch(opcode):  # known opcodes: ingest.validate_module
+    if not _OPCODE_RE.fullmatch(opcode):  # known opcodes: hlo_validate.validate_module
         raise HloParseError(path, lineno, "an HLO opcode such as add or dot", opcode)
     close = _matching(rest, paren, path, lineno)
     operands, literal = _parse_operands(opcode, rest[paren + 1:close - 1], path, lineno)
@@ -626,7 +626,7 @@ class _Reader:
 
 
 def parse_hlo_text(text: str, path: str = "<string>") -> RawModule:
-    """Parse a whole HLO module (its syntax and tokens; ``ingest.validate_module`` checks
+    """Parse a whole HLO module (its syntax and tokens; ``hlo_validate.validate_module`` checks
     what XLA would reject on top).
 
     Lines are numbered as editors do: only ``\\n`` ends a line.

@@ -317,26 +317,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _flops(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected FLOP/s per device such as 1e12, found "
-                                         f"{text!r}")
-    return value
+def _positive_finite(what: str):
+    """An argparse type: a positive finite number, else ``expected <what>, found '...'``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected {what}, found {text!r}")
+        return value
+    return parse
 
 
-def _flop_count(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of FLOPs such as 1e6, "
-                                         f"found {text!r}")
-    return value
+_flops = _positive_finite("FLOP/s per device such as 1e12")
+_flop_count = _positive_finite("a positive number of FLOPs such as 1e6")
 
 
 def build_parser() -> argparse.ArgumentParser:

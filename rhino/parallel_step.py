@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import os
 import sys
 from typing import Any, Callable, Mapping, Sequence
@@ -47,9 +46,8 @@ import numpy as np
 from rhino.backends import (backend_figures, cost_model_for_devices, devices_per_host,
                             figures_for_devices)
 from rhino.cluster import Cluster
-from rhino.errors import ArgumentError, OptionsError, RhinoError, format_bytes
+from rhino.errors import OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, ingest
-from rhino.hlo_passes.ingest import arg_names
 from rhino.hlo_passes.annotate import ScopedFunction
 from rhino.hlo_passes.lower import (SpmdLowering, StageLowering, compile_spmd, lower_spmd,
                                     lower_stages, microbatch_divisors)
@@ -64,6 +62,7 @@ from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planning import annotation_pins, argument_lower_bound, fit_compiled_memory
+from rhino.step_arguments import abstract_args, check_arity, signature
 from rhino.progress import Progress
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
@@ -321,53 +320,6 @@ class _Entry:
 
 
 # ------------------------------------------------------------------------------ the step
-def _signature_text(fn: Callable) -> str:
-    name = getattr(fn, "__name__", "step")
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return f"{name}(...)"
-    star = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
-    return f"{name}({', '.join(star.get(p.kind, '') + p.name for p in params)})"
-
-
-def _check_arity(fn: Callable, args: tuple) -> None:
-    """Arguments that the step's signature cannot bind: ArgumentError before tracing."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return
-    try:
-        sig.bind(*args)
-    except TypeError as e:
-        raise ArgumentError(f"{_signature_text(fn)}: expected arguments its signature binds, "
-                            f"found {len(args)} positional: {e}") from None
-
-
-def _argument_error(fn: Callable, args: tuple) -> ArgumentError:
-    """The first leaf of the arguments that is no array (a string, an object, None ...)."""
-    names = arg_names(fn, len(args))
-    for i, arg in enumerate(args):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            try:
-                jax.numpy.result_type(leaf)
-            except TypeError:
-                where = names[i] + jax.tree_util.keystr(path)
-                text = repr(leaf)
-                text = text if len(text) <= 60 else text[:57] + "..."
-                return ArgumentError(
-                    f"{_signature_text(fn)}: argument {where}: expected an array (jax or "
-                    f"numpy) or a Python number in every leaf, found {type(leaf).__name__} "
-                    f"{text}")
-    return ArgumentError(f"{_signature_text(fn)}: expected arrays or Python numbers in "
-                         f"every leaf of the arguments")
-
-
-def _aval_key(x: Any) -> tuple:
-    aval = jax.typeof(x)
-    return aval.shape, aval.dtype, aval.weak_type
-
-
 class ParallelStep:
     """A step wrapped by ``auto_parallel``; call it like the original (positional
     arguments). A context manager: leaving the ``with`` block calls ``close()``, which
@@ -521,24 +473,11 @@ class ParallelStep:
 
     # ----------------------------------------------------------------- build
     def _entry(self, args: tuple) -> _Entry:
-        flat, tree = jax.tree_util.tree_flatten(args)
-        # Signature: tree + (shape, dtype, weak type) per leaf, as jax.jit keys it: other
-        # leaves (numpy arrays, Python scalars) are canonicalised as jax would, and a
-        # Python float stays weakly typed (bf16 weights minus a Python-float learning rate
-        # stay bf16).
-        try:
-            key = (tree, tuple((x.shape, x.dtype, getattr(x, "weak_type", False))
-                               if isinstance(x, jax.Array)
-                               else _aval_key(x) for x in flat))
-        except TypeError:
-            raise _argument_error(self.fn, args) from None
+        key = signature(self.fn, args)
         entry = self._cache.get(key)
         if entry is None:
-            _check_arity(self.fn, args)
-            abstract = jax.tree_util.tree_unflatten(
-                tree, [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
-                       for shape, dtype, weak in key[1]])
-            entry = self._build(abstract)
+            check_arity(self.fn, args)
+            entry = self._build(abstract_args(key))
             self._cache[key] = entry
         return entry
 

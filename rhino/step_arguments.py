@@ -1,0 +1,87 @@
+"""The arguments a ``ParallelStep`` is called with: the signature it caches programs by, the
+abstract arguments it traces at, and ``ArgumentError`` for arguments the step cannot take.
+
+The signature is what ``jax.jit`` keys on: the pytree structure and, per leaf, shape, dtype
+and weak type (numpy arrays and Python scalars canonicalised as jax would; a Python float
+stays weakly typed, so bf16 weights minus a Python-float learning rate stay bf16).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+
+from rhino.errors import ArgumentError
+from rhino.hlo_passes.ingest import arg_names
+
+
+def _leaf_key(x: Any) -> tuple:
+    if isinstance(x, jax.Array):          # the hot path: no abstraction needed
+        return x.shape, x.dtype, getattr(x, "weak_type", False)   # key arrays have none
+    aval = jax.typeof(x)
+    return aval.shape, aval.dtype, aval.weak_type
+
+
+def signature(fn: Callable, args: tuple) -> tuple:
+    """``(treedef, ((shape, dtype, weak_type), ...))`` of ``args``.
+
+    Raises:
+        ArgumentError: a leaf that is no array, named by its path.
+    """
+    flat, tree = jax.tree_util.tree_flatten(args)
+    try:
+        return tree, tuple(_leaf_key(x) for x in flat)
+    except TypeError:
+        raise _argument_error(fn, args) from None
+
+
+def abstract_args(key: tuple) -> Any:
+    """The arguments of a signature as ``ShapeDtypeStruct``s (weak types kept)."""
+    tree, leaves = key
+    return jax.tree_util.tree_unflatten(
+        tree, [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+               for shape, dtype, weak in leaves])
+
+
+def check_arity(fn: Callable, args: tuple) -> None:
+    """Arguments that the step's signature cannot bind: ArgumentError before tracing."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        raise ArgumentError(f"{_signature_text(fn)}: expected arguments its signature binds, "
+                            f"found {len(args)} positional: {e}") from None
+
+
+def _signature_text(fn: Callable) -> str:
+    name = getattr(fn, "__name__", "step")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return f"{name}(...)"
+    star = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return f"{name}({', '.join(star.get(p.kind, '') + p.name for p in params)})"
+
+
+def _argument_error(fn: Callable, args: tuple) -> ArgumentError:
+    """The first leaf of the arguments that is no array (a string, an object ...)."""
+    names = arg_names(fn, len(args))
+    for i, arg in enumerate(args):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            try:
+                _leaf_key(leaf)
+            except TypeError:
+                where = names[i] + jax.tree_util.keystr(path)
+                text = repr(leaf)
+                text = text if len(text) <= 60 else text[:57] + "..."
+                return ArgumentError(
+                    f"{_signature_text(fn)}: argument {where}: expected an array (jax or "
+                    f"numpy) or a Python number in every leaf, found {type(leaf).__name__} "
+                    f"{text}")
+    return ArgumentError(f"{_signature_text(fn)}: expected arrays or Python numbers in "
+                         f"every leaf of the arguments")
