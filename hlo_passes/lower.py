@@ -347,8 +347,8 @@ def microbatch_args(abstract: tuple, batch_refs: Sequence[int], m: int,
 
 def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
                  abstract: tuple, roles: Sequence[str], batch_params: Sequence[int],
-                 accumulate: Accumulate, per_microbatch_statistics: bool = False
-                 ) -> StageLowering:
+                 accumulate: Accumulate, per_microbatch_statistics: bool = False,
+                 whole: ScopedFunction | None = None) -> StageLowering:
     """The step cut into the plan's stage programs (see the module docstring).
 
     Args:
@@ -357,6 +357,12 @@ def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
         batch_params: the graph's batch parameter ops (the gradient boundary's).
         per_microbatch_statistics: accept batch statistics computed per microbatch
             (``batch_coupling``) instead of refusing the step.
+        whole: given when ``traced``, ``graph``, ``plan`` and ``abstract`` are already at
+            microbatch shapes (the plan was re-made there, ``rhino.pipeline.at_microbatch``):
+            the step traced at the whole batch, whose random equations give the shapes
+            each microbatch slices its random bits from. The caller checks batch coupling
+            on the whole-batch trace (``check_batch_coupling``): at a microbatch of one
+            example the batch axis cannot be told from other dimensions of size one.
 
     Raises:
         PlanMismatchError: the plan is for another program.
@@ -367,20 +373,12 @@ def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
     """
     check_plan(plan, graph)
     m = plan.num_microbatches
-    by_name = {op.name: op.id for op in graph.ops}
-    stage_of = [-1] * len(graph.ops)
-    if plan.kind is PlanKind.SPMD:
-        stage_of = [0] * len(graph.ops)
-    for st in plan.stages:
-        for nm in st.ops:
-            stage_of[by_name[nm]] = st.index
-    assignment = assignment_from_ops(traced, graph, stage_of, roles)
+    assignment = assignment_from_ops(traced, graph, _stage_of(plan, graph), roles)
     batch_refs, abstract_mb, flat = _microbatch_trace(fn, traced, graph, abstract,
-                                                      batch_params, m)
-    rng = {path: tuple(e.params["shape"]) for path, e in traced.leaf_eqns().items()
-           if e.primitive.name in RNG_SHAPED}
+                                                      batch_params, 1 if whole else m)
+    rng = rng_shapes(traced, whole)
     split = split_step(flat, assignment, batch_refs, plan.num_stages, m, accumulate, rng)
-    if not per_microbatch_statistics:
+    if not per_microbatch_statistics and whole is None:
         _refuse_batch_coupling(graph, flat, split, m)
     emap = EqnMap(traced, graph)
     shardings = tuple(_stage_shardings(st.spmd, st.index, graph, emap, flat, split)
@@ -389,16 +387,40 @@ def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
                          dict(split.rng_shapes))
 
 
+def rng_shapes(traced: ScopedFunction, whole: ScopedFunction | None = None
+               ) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Equation path in ``traced`` -> the whole batch's shape, for every random equation
+    whose bits the microbatches slice (``StepSplit.rng_shapes``). ``whole``: the step
+    traced at the whole batch when ``traced`` is at microbatch shapes; random equations
+    are matched in program order (tracing never elides one)."""
+    mine = [(p, e) for p, e in traced.leaf_eqns().items() if e.primitive.name in RNG_SHAPED]
+    if whole is None:
+        return {p: tuple(e.params["shape"]) for p, e in mine}
+    full = [e for e in whole.leaf_eqns().values() if e.primitive.name in RNG_SHAPED]
+    if [e.primitive.name for _, e in mine] != [e.primitive.name for e in full]:
+        raise LoweringError(f"the step draws {len(full)} random values at the whole batch "
+                            f"and {len(mine)} at microbatch shapes: a pipelined step must "
+                            f"draw the same random values at every batch size")
+    return {p: tuple(f.params["shape"]) for (p, _), f in zip(mine, full)}
+
+
+def microbatch_abstract(traced: ScopedFunction, graph: HloGraph, abstract: tuple,
+                        batch_params: Sequence[int], m: int) -> tuple[tuple[int, ...], tuple]:
+    """(the batch leaves' flat indices (PRNG keys left out), the arguments with every
+    batch leaf's leading dimension divided by ``m``)."""
+    keys = key_args(traced)
+    batch_refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params
+                              if graph.ops[q].arg.index not in keys))
+    paths = {graph.ops[q].arg.index: graph.ops[q].arg.path for q in graph.params}
+    return batch_refs, microbatch_args(abstract, batch_refs, m, paths)
+
+
 def _microbatch_trace(fn: Any, traced: ScopedFunction, graph: HloGraph, abstract: tuple,
                       batch_params: Sequence[int], m: int
                       ) -> tuple[tuple[int, ...], tuple, FlatProgram]:
     """(the batch leaves' flat indices (PRNG keys left out), the microbatch-sized
     arguments, the step flattened at them), checked to trace to the same equations."""
-    keys = key_args(traced)
-    batch_refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params
-                              if graph.ops[q].arg.index not in keys))
-    paths = {graph.ops[q].arg.index: graph.ops[q].arg.path for q in graph.params}
-    abstract_mb = microbatch_args(abstract, batch_refs, m, paths)
+    batch_refs, abstract_mb = microbatch_abstract(traced, graph, abstract, batch_params, m)
     flat = flatten(jax.make_jaxpr(fn)(*abstract_mb))
     _check_same_program(traced, flat)
     return batch_refs, abstract_mb, flat
@@ -412,8 +434,8 @@ def microbatch_divisors(fn: Any, traced: ScopedFunction, graph: HloGraph, abstra
     splits them only into shards a microbatch divides.
 
     Raises:
-        LoweringError: a batch leaf ``m`` does not divide, or a step that traces to other
-            equations at microbatch shapes.
+        LoweringError: a batch leaf ``m`` does not divide; ``TraceMismatch``: a step that
+            traces to other equations at microbatch shapes.
     """
     _, _, flat = _microbatch_trace(fn, traced, graph, abstract, batch_params, m)
     ref_of = {(fe.path, k): r for fe in flat.eqns for k, r in enumerate(fe.outs)
@@ -431,6 +453,35 @@ def microbatch_divisors(fn: Any, traced: ScopedFunction, graph: HloGraph, abstra
         if dims:
             out[op] = dims
     return out
+
+
+def check_batch_coupling(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
+                         abstract: tuple, roles: Sequence[str], batch_params: Sequence[int],
+                         accumulate: Accumulate) -> None:
+    """``lower_stages``'s batch-coupling check, on the step traced at the whole batch.
+
+    Raises:
+        BatchCouplingError: the step reads statistics of the whole batch (named).
+    """
+    m = plan.num_microbatches
+    assignment = assignment_from_ops(traced, graph, _stage_of(plan, graph), roles)
+    batch_refs, _ = microbatch_abstract(traced, graph, abstract, batch_params, m)
+    flat = flatten(jax.make_jaxpr(fn)(*abstract))
+    _check_same_program(traced, flat)
+    split = split_step(flat, assignment, batch_refs, plan.num_stages, m, accumulate, {})
+    _refuse_batch_coupling(graph, flat, split, m)
+
+
+def _stage_of(plan: Plan, graph: HloGraph) -> list[int]:
+    """Per graph op its stage under ``plan`` (-1: none)."""
+    if plan.kind is PlanKind.SPMD:
+        return [0] * len(graph.ops)
+    by_name = {op.name: op.id for op in graph.ops}
+    stage_of = [-1] * len(graph.ops)
+    for st in plan.stages:
+        for nm in st.ops:
+            stage_of[by_name[nm]] = st.index
+    return stage_of
 
 
 def _refuse_batch_coupling(graph: HloGraph, flat: FlatProgram, split: StepSplit, m: int
@@ -462,6 +513,13 @@ def key_args(traced: ScopedFunction) -> frozenset[int]:
     return frozenset(out)
 
 
+class TraceMismatch(LoweringError):
+    """The step traces to other equations at microbatch shapes (JAX leaves out broadcasts
+    that change nothing, e.g. at a microbatch of one example): a plan made on the
+    whole-batch program cannot be written into the microbatch programs as it is;
+    ``auto_parallel`` re-makes the stage plans at microbatch shapes."""
+
+
 def _check_same_program(traced: ScopedFunction, flat: FlatProgram) -> None:
     """The microbatch-sized trace must have the same equations as the planned one."""
     full = [(p, e.primitive.name) for p, e in traced.leaf_eqns().items()]
@@ -469,11 +527,10 @@ def _check_same_program(traced: ScopedFunction, flat: FlatProgram) -> None:
     if full != mine:
         first = next((i for i, (a, b) in enumerate(zip(full, mine)) if a != b),
                      min(len(full), len(mine)))
-        raise LoweringError(f"the step traced with microbatch-sized arguments differs from the "
+        raise TraceMismatch(f"the step traced with microbatch-sized arguments differs from the "
                             f"step traced with the whole batch (equation {first}: "
                             f"{full[first] if first < len(full) else None} vs "
-                            f"{mine[first] if first < len(mine) else None}): a pipelined step "
-                            f"must trace to the same equations at every batch size")
+                            f"{mine[first] if first < len(mine) else None})")
 
 
 def _stage_shardings(plan: SpmdPlan, stage: int, graph: HloGraph, emap: EqnMap,

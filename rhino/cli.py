@@ -166,7 +166,7 @@ def _floats(text: str | None, what: str) -> tuple[float, ...] | None:
 _SPMD_ONLY = {"plan": (("--mesh", (8,)), ("--alpha", None), ("--beta", None),
                        ("--opt-level", "O2"), ("--time-limit", 600.0),
                        ("--min-split-flops", None)),
-              "demo": (("--mesh", (8,)), ("--memory-budget", None))}
+              "demo": (("--mesh", (8,)),)}
 _CLUSTER_ONLY = {"plan": (("--microbatches", 8), ("--epsilon", 0.1), ("--max-stages", None),
                           ("--alpha-intra", None), ("--beta-intra", None),
                           ("--alpha-inter", None), ("--beta-inter", None)),
@@ -267,10 +267,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                          f"with XLA_FLAGS=--xla_force_host_platform_device_count={n}")
     from rhino.models import parse_model_spec
     if args.model is None:
-        # A pipeline splits the batch into microbatches and each stage's mesh splits a
-        # microbatch again: give every device of the cluster whole sequences.
-        batch = args.microbatches * n if args.cluster else 8
-        args.model = f"{DEMO_MODEL},batch={batch}"
+        # A pipeline runs the zoo's default batch (its microbatches may hold one example;
+        # the stage plans are then made at that shape); SPMD gives each device a sequence.
+        args.model = DEMO_MODEL if args.cluster else f"{DEMO_MODEL},batch=8"
     try:
         model = parse_model_spec(args.model)
     except ValueError as e:
@@ -284,8 +283,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.cluster:
         step = rhino.auto_parallel(model.step, cluster=args.cluster, stages=args.stages,
                                    num_microbatches=args.microbatches, schedule=args.schedule,
-                                   opt_level=args.opt_level)
-        print(step.plan_for(params, opt, batch).report())
+                                   opt_level=args.opt_level, memory_budget=args.memory_budget)
+        print(step.report_for(params, opt, batch))
     else:
         step = rhino.auto_parallel(model.step, mesh_shape=mesh_shape, opt_level=args.opt_level,
                                    memory_budget=args.memory_budget)
@@ -399,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd = command("demo", help="the main job: plan and train a zoo model on simulated "
                               "CPU devices beside single-device training")
     pd.add_argument("--model", help=f"zoo model spec (default: {DEMO_MODEL},batch=8; with "
-                    "--cluster, batch = microbatches x devices)")
+                    "--cluster, the zoo's default batch)")
     pd.add_argument("--mesh", type=mesh_shape, help="mesh shape (default: 8)")
     pd.add_argument("--steps", type=positive_int, default=10,
                     help="training steps (default: 10)")
@@ -412,9 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --cluster (default: 4)")
     pd.add_argument("--schedule", choices=("1f1b", "gpipe", "eager-1f1b"),
                     help="with --cluster (default: 1f1b)")
-    pd.add_argument("--memory-budget", type=memory_bytes, help="bytes per device the "
-                    "compiled program may use, e.g. 2MiB (SPMD only; re-plans with more "
-                    "weight on memory until it fits)")
+    pd.add_argument("--memory-budget", type=memory_bytes, help="bytes per device, e.g. "
+                    "2MiB: the compiled SPMD program's (re-plans with more weight on memory "
+                    "until it fits); with --cluster, each stage's estimated peak")
     pd.set_defaults(func=_cmd_demo)
     return p
 

@@ -423,7 +423,10 @@ class Plan:
             f"  cluster           {c} = {c.num_devices} {c.backend} devices; intra-host α "
             f"{c.alpha_intra:g} s β {c.beta_intra:g} s/B, inter-host α {c.alpha_inter:g} s β "
             f"{c.beta_inter:g} s/B; {c.flops_per_s:.3g} FLOP/s{rates}, memory "
-            f"{format_bytes(c.memory_bytes) if c.memory_bytes else 'unlimited'}",
+            f"{format_bytes(c.memory_bytes) if c.memory_bytes else 'unlimited'}"
+            + (f"; budget {format_bytes(self.memory_budget)} per device (estimated peaks)"
+               if self.memory_budget is not None and self.memory_budget != c.memory_bytes
+               else ""),
             f"  chosen            {self.kind}: {self.num_stages} stage(s) × mesh "
             f"{self.stages[0].mesh}, {self.num_microbatches} microbatches, est. step "
             f"{ms * self.step_s:.3f} ms",

@@ -49,9 +49,12 @@ from rhino.cluster import Cluster
 from rhino.errors import OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, ingest
 from rhino.hlo_passes.annotate import ScopedFunction
-from rhino.hlo_passes.lower import (SpmdLowering, StageLowering, compile_spmd, lower_spmd,
-                                    lower_stages, microbatch_divisors)
+from rhino.hlo_passes.lower import (SpmdLowering, StageLowering, TraceMismatch,
+                                    check_batch_coupling, compile_spmd,
+                                    lower_spmd, lower_stages, microbatch_abstract,
+                                    microbatch_divisors)
 from rhino.pipeline.api import make_cluster
+from rhino.pipeline.at_microbatch import replan_at_microbatch
 from rhino.pipeline.coarsen import classify_ops
 from rhino.pipeline.gradient import BoundaryOptions, find_gradient_boundary
 from rhino.pipeline.search import PipelineOptions, plan_pipeline_graph
@@ -201,9 +204,10 @@ class StepOptions:
         if self.cluster is not None and (self.mesh is not None or self.mesh_shape is not None):
             raise OptionsError("auto_parallel: expected a mesh (mesh_shape=/mesh=) or a "
                                "cluster, found both; a cluster's stage meshes are searched")
-        if self.cluster is not None and (self.memory_budget is not None or self.annotations):
-            raise OptionsError("auto_parallel: memory_budget and annotations apply to SPMD "
-                               "plans of a mesh; with cluster=... they are not supported yet")
+        if self.cluster is not None and self.annotations:
+            raise OptionsError("auto_parallel: annotations pin specs on the axes of a given "
+                               "mesh; with cluster=... the stage meshes are searched, found "
+                               "annotations too")
         if self.plan is not None and self.stages is not None:
             raise OptionsError("auto_parallel: a plan fixes its stages; pass plan= or "
                                "stages=, not both")
@@ -272,9 +276,10 @@ class StagedRun:
     """Stage programs under a static schedule, by a local or a Ray executor."""
 
     def __init__(self, lowering: StageLowering, specs: list[WorkerSpec], executor: Any,
-                 schedule: ScheduleKind):
+                 schedule: ScheduleKind, replanned: Plan | None = None):
         self.lowering, self.specs, self.executor, self.schedule = (lowering, specs, executor,
                                                                    schedule)
+        self.replanned = replanned      # the stage plans re-made at microbatch shapes
 
     def __call__(self, args: tuple) -> list:
         flat = jax.tree_util.tree_leaves(args)
@@ -290,7 +295,12 @@ class StagedRun:
         return res
 
     def report_lines(self) -> list[str]:
-        return []
+        if self.replanned is None:
+            return []
+        shapes = sorted({tuple(x.shape) for k, x in enumerate(jax.tree_util.tree_leaves(
+            self.lowering.abstract_mb)) if k in self.lowering.batch_refs})
+        return [f"  stage plans       re-made at microbatch shapes {shapes}: the step traces "
+                f"to other equations there (same split, meshes and weights per stage)"]
 
     def shardings(self, leaves: int) -> list:
         workers = getattr(self.executor, "workers", None)
@@ -592,9 +602,6 @@ class _Builder:
     def _pipeline_plan(self) -> Plan:
         o = self.o
         self.progress("planning the pipeline")
-        spmd_opts = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
-                                build=BuildOptions(strided=False,
-                                                   min_split_flops=o.min_split_flops))
         given = dict(o.stages) if isinstance(o.stages, dict) else None
         count = max(given.values()) + 1 if given else o.stages
         kinds = ("spmd",) if count == 1 else ("pipeline", "hybrid") if count is not None \
@@ -603,16 +610,27 @@ class _Builder:
         divisors = None
         if count != 1:
             boundary = find_gradient_boundary(self.graph, BoundaryOptions(o.batch_args))
-            divisors = microbatch_divisors(self.fn, self.traced, self.graph, self.abstract,
-                                           boundary.batch_params, m)
-        opts = PipelineOptions(num_microbatches=m, microbatch_divisors=divisors,
-                               num_stages=count,
+            try:
+                divisors = microbatch_divisors(self.fn, self.traced, self.graph,
+                                               self.abstract, boundary.batch_params, m)
+            except TraceMismatch:
+                divisors = None     # the stage plans are re-made at microbatch shapes
+        opts = self._pipeline_options(m, count, given, kinds)
+        opts = dataclasses.replace(opts, microbatch_divisors=divisors)
+        return plan_pipeline_graph(self.graph, self._cluster(), opts, self.progress)
+
+    def _pipeline_options(self, m: int, count: int | None = None, given: dict | None = None,
+                          kinds: tuple[str, ...] = ("pipeline", "hybrid")) -> PipelineOptions:
+        o = self.o
+        spmd_opts = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
+                                build=BuildOptions(strided=False,
+                                                   min_split_flops=o.min_split_flops))
+        return PipelineOptions(num_microbatches=m, num_stages=count,
+                               memory_budget=o.memory_budget,
                                weight_stages=given if given and count > 1 else None,
                                kinds=kinds, batch_args=o.batch_args, spmd=spmd_opts,
                                schedule=o.schedule or ScheduleKind.ONE_F_ONE_B, two_d=False,
-                               workers=1,
-                               executor="serial")
-        return plan_pipeline_graph(self.graph, self._cluster(), opts, self.progress)
+                               workers=1, executor="serial")
 
     # -------------------------------------------------------------- runs
     def _direct(self, plan: Plan) -> DirectRun:
@@ -623,6 +641,26 @@ class _Builder:
                              self.o.donate)
         compiled = compile_spmd(lowered, self.graph, self.abstract)
         return DirectRun(lowered, compiled, spmd.compiled_memory(compiled))
+
+    def _lower_at_microbatch(self, plan: Plan, boundary: Any) -> tuple[Plan, StageLowering]:
+        """The step traced and planned at microbatch shapes, with ``plan``'s split
+        (``rhino.pipeline.at_microbatch``): (the plan the stages run, their lowering)."""
+        o = self.o
+        if not o.per_microbatch_statistics:
+            check_batch_coupling(self.fn, self.traced, self.graph, plan, self.abstract,
+                                 classify_ops(self.graph, boundary).role,
+                                 boundary.batch_params, o.accumulate)
+        _, abstract_mb = microbatch_abstract(self.traced, self.graph, self.abstract,
+                                             boundary.batch_params, plan.num_microbatches)
+        traced = ScopedFunction(self.fn, *abstract_mb)
+        graph = ingest(traced, *abstract_mb)
+        micro = replan_at_microbatch(graph, plan, self._pipeline_options(
+            plan.num_microbatches), self.progress)
+        boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
+        roles = classify_ops(graph, boundary).role
+        return micro, lower_stages(self.fn, traced, graph, micro, abstract_mb, roles,
+                                   boundary.batch_params, o.accumulate,
+                                   o.per_microbatch_statistics, whole=self.traced)
 
     def _stage_devices(self, plan: Plan, ids: Sequence[int]) -> list:
         need = max(ids) + 1
@@ -638,9 +676,15 @@ class _Builder:
         self.progress("splitting the step into stage programs")
         boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
         roles = classify_ops(graph, boundary).role
-        lowering = lower_stages(self.fn, self.traced, graph, plan, self.abstract, roles,
-                                boundary.batch_params, o.accumulate,
-                                o.per_microbatch_statistics)
+        try:
+            lowering = lower_stages(self.fn, self.traced, graph, plan, self.abstract, roles,
+                                    boundary.batch_params, o.accumulate,
+                                    o.per_microbatch_statistics)
+            replanned = None
+        except TraceMismatch as e:
+            self.progress(f"re-planning the stages at microbatch shapes ({e})")
+            plan, lowering = self._lower_at_microbatch(plan, boundary)
+            replanned = plan
         specs = [WorkerSpec(self.fn, lowering.abstract_mb, lowering.assignment,
                             lowering.batch_refs, plan.num_stages, plan.num_microbatches,
                             o.accumulate.value, plan.schedule.value, st.index,
@@ -663,7 +707,7 @@ class _Builder:
                                                len(workers), plan.cluster.devices_per_host,
                                                strategy=o.transport.value)
             executor = LocalExecutor(workers, o.timeout, transport)
-        return StagedRun(lowering, specs, executor, plan.schedule)
+        return StagedRun(lowering, specs, executor, plan.schedule, replanned)
 
 
 def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None,
@@ -705,6 +749,9 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             ``memory_analysis()``: arguments + outputs + temporaries − donated). Plans are
             made with rising weight on memory until one fits
             (``rhino.planning.MEMORY_PRESSURE``); ``InfeasiblePlanError`` if none does.
+            With ``cluster=``: the pipeline search's estimate of each stage's peak (state,
+            gradients, activations in flight) must fit (default: the cluster's device
+            memory); it is not checked on compiled programs there.
         annotations: ``{pytree path or named_scope name: spec}``, e.g.
             ``{"params['wte']": "S[x]·R"}``; the planner plans around them.
         plan: a saved ``Plan`` to run instead of planning (its stages, microbatches and

@@ -79,5 +79,9 @@ def test_demo_memory_budget(capsys):
     out = capsys.readouterr().out
     assert "compiled memory" in out and "met at memory pressure" in out
     assert "matches single-device training" in out
-    assert main(["demo", "--cluster", "2x4", "--memory-budget", "1GiB"]) == 2
-    assert "--memory-budget: expected without --cluster" in capsys.readouterr().err
+    # With --cluster the budget bounds each stage's estimated peak; one too small is
+    # refused naming what the stage needs.
+    assert main(["demo", "--cluster", "2x4", "--stages", "2", "--memory-budget", "1MiB",
+                 "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "stage 0 needs" in err and "budget 1.00 MiB" in err, err

@@ -422,8 +422,6 @@ def _cli(argv, capsys) -> tuple[int, str]:
     (["plan", "mlp", "--mesh", "2", "--alpha", "1e-5", "--cluster", "2x2"],
      "--mesh, --alpha: expected without --cluster (SPMD on one mesh); found beside --cluster"),
     (["demo", "--mesh", "2", "--cluster", "2x2"], "--mesh: expected without --cluster"),
-    (["demo", "--memory-budget", "1GiB", "--cluster", "2x2"], "--memory-budget: expected "
-                                                               "without --cluster"),
     (["demo", "--steps", "0"], "argument --steps: expected a positive integer"),
     (["demo", "--memory-budget", "inf"], "argument --memory-budget: expected a finite"),
     (["plan", "mlp", "--memory-budget", "nan"], "found 'nan'"),

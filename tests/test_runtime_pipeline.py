@@ -199,6 +199,33 @@ def test_gpt_pipeline_matches_single_device(gpt_run):
     assert len({frozenset(d) for d in devs}) == 2
 
 
+def test_microbatches_of_one_example_are_planned_at_their_shape():
+    """The zoo's default batch (4) in 4 microbatches: at one example the step traces to
+    other equations (JAX leaves out broadcasts that change nothing, and autodiff their
+    transposes), so the whole-batch plan cannot be written into the stage programs; the
+    stage plans are re-made at microbatch shapes with the same split, and the step still
+    computes what jax.jit computes."""
+    m, params, opt, batch = _gpt(layers=4, batch=4)
+    ref = jax.jit(m.step)
+    step = rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
+                               timeout=120)
+    p1, o1, p2, o2 = params, opt, params, opt
+    try:
+        for _ in range(5):
+            p1, o1, l1 = step(p1, o1, batch)
+            p2, o2, l2 = ref(p2, o2, batch)
+            assert float(l1) == pytest.approx(float(l2), rel=RTOL)
+        report = step.report_for(params, opt, batch)
+        assert "re-made at microbatch shapes [(1, 16)]" in report, report
+        run = step._entry((params, opt, batch)).run
+        whole, micro = step.plan_for(params, opt, batch), run.replanned
+        assert [(s.mesh.shape, s.devices, s.weights) for s in micro.stages] == \
+            [(s.mesh.shape, s.devices, s.weights) for s in whole.stages]
+        assert run.lowering.abstract_mb[2]["tokens"].shape == (1, 16)
+    finally:
+        step.close()
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "eager-1f1b"])
 def test_other_schedules_give_the_same_losses(gpt_run, schedule):
     m = gpt_run["model"]
@@ -223,6 +250,18 @@ def test_timeline_of_measured_tasks(gpt_run, tmp_path):
         assert (s, "A") in labels
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert tl.step_s > 0 and step.last_step_s > 0
+
+
+def test_memory_budget_with_a_cluster_bounds_each_stage_estimate():
+    m, params, opt, batch = _gpt(layers=2, batch=8)
+    tight = rhino.auto_parallel(m.step, cluster="2x4", stages=2, memory_budget=1024)
+    with pytest.raises(rhino.InfeasiblePlanError, match=r"stage \d needs .* > budget 1.00 KiB"):
+        tight.plan_for(params, opt, batch)
+    budget = 64 << 20
+    with rhino.auto_parallel(m.step, cluster="2x4", stages=2, memory_budget=budget) as step:
+        plan = step.plan_for(params, opt, batch)
+    assert plan.memory_budget == budget and all(s.memory.total <= budget for s in plan.stages)
+    assert "budget 64.00 MiB per device" in plan.report()
 
 
 def test_batch_not_divisible_by_microbatches_is_a_clear_error(gpt_run):

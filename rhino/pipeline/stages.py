@@ -197,6 +197,20 @@ def _weight_paths(graph: HloGraph, boundary: GradientBoundary, roles: OpRoles
     return via
 
 
+def forward_weights(graph: HloGraph, boundary: GradientBoundary) -> set[str]:
+    """Pytree paths of the state parameters the forward pass reads (directly or through
+    free ops): the weights a hand-given split (``assign_given_stages``) can place."""
+    roles = classify_ops(graph, boundary)
+    via = _weight_paths(graph, boundary, roles)
+    out: set[str] = set()
+    for op in graph.ops:
+        if roles.role[op.id] == Role.FORWARD:
+            for q in via[op.id].union(*(via[o] for o in op.operands)):
+                if graph.ops[q].arg is not None:
+                    out.add(graph.ops[q].arg.path)
+    return out
+
+
 def assign_given_stages(graph: HloGraph, boundary: GradientBoundary,
                         weight_stages: dict[str, int], options: StageOptions = StageOptions(),
                         granularity: str = "auto", coarsening: Coarsening | None = None
