@@ -31,6 +31,7 @@ from rhino._jax_private import eqn_context, trace_without_name_stack
 from rhino.errors import RhinoError
 
 from .graph import HloGraph, TensorType
+from .unroll import trace
 
 _EQN_RE = re.compile(r"(?:^|[/(])eqn(\d+)(?=[/)]|$)")
 # Call-like primitives whose body is evaluated inline (param holding the body).
@@ -190,7 +191,7 @@ class ScopedFunction:
     def __init__(self, fn: Callable, *example_args: Any, hook: Hook | None = None,
                  in_hook: Hook | None = None):
         self.fn = fn
-        self.closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
+        self.closed, out_shape = trace(fn, *example_args, return_shape=True)
         self.in_tree = jax.tree_util.tree_structure(example_args)
         self.out_tree = jax.tree_util.tree_structure(out_shape)
         self.hook = hook

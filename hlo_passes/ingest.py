@@ -400,7 +400,17 @@ def graph_from_function(fn: Callable, *args: Any) -> HloGraph:
     """Lower a JAX function on example args (arrays / ShapeDtypeStructs / pytrees)."""
     import jax
 
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn, keep_unused=True)
+    from rhino.hlo_passes.unroll import unrolled_function
+
+    if hasattr(fn, "lower"):
+        jitted = fn
+    else:
+        try:
+            unrolled = unrolled_function(fn, *args)   # scans over layers written out
+        except TypeError as e:
+            raise IngestError(f"cannot lower {getattr(fn, '__name__', fn)!r} on the given "
+                              f"example arguments: {e}") from e
+        jitted = jax.jit(unrolled or fn, keep_unused=True)
     try:
         lowered = jitted.lower(*args)
     except TypeError as e:

@@ -41,6 +41,7 @@ from rhino.hlo_passes.stage_programs import (RNG_SHAPED, FlatProgram, StageShard
                                              StepSplit, assignment_from_ops, flatten,
                                              split_step)
 from rhino.hlo_passes.strided import StridedRealizer
+from rhino.hlo_passes.unroll import trace
 from rhino.parallel_plan import Plan
 from rhino.planner.build import carried_pairs
 from rhino.planner.collectives import reshard
@@ -421,7 +422,7 @@ def _microbatch_trace(fn: Any, traced: ScopedFunction, graph: HloGraph, abstract
     """(the batch leaves' flat indices (PRNG keys left out), the microbatch-sized
     arguments, the step flattened at them), checked to trace to the same equations."""
     batch_refs, abstract_mb = microbatch_abstract(traced, graph, abstract, batch_params, m)
-    flat = flatten(jax.make_jaxpr(fn)(*abstract_mb))
+    flat = flatten(trace(fn, *abstract_mb))
     _check_same_program(traced, flat)
     return batch_refs, abstract_mb, flat
 
@@ -466,7 +467,7 @@ def check_batch_coupling(fn: Any, traced: ScopedFunction, graph: HloGraph, plan:
     m = plan.num_microbatches
     assignment = assignment_from_ops(traced, graph, _stage_of(plan, graph), roles)
     batch_refs, _ = microbatch_abstract(traced, graph, abstract, batch_params, m)
-    flat = flatten(jax.make_jaxpr(fn)(*abstract))
+    flat = flatten(trace(fn, *abstract))
     _check_same_program(traced, flat)
     split = split_step(flat, assignment, batch_refs, plan.num_stages, m, accumulate, {})
     _refuse_batch_coupling(graph, flat, split, m)

@@ -50,6 +50,7 @@ import numpy as np
 
 from rhino.errors import RhinoError
 from rhino.runtime.schedules import Schedule, make_schedule
+from rhino.hlo_passes.unroll import trace
 from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_sum, flatten,
                                              split_step, task_function)
 from rhino.runtime import threads
@@ -297,7 +298,7 @@ class WorkerSpec:
     rng_shapes: Mapping = dataclasses.field(default_factory=dict)
 
     def split(self) -> StepSplit:
-        flat = flatten(jax.make_jaxpr(self.fn)(*self.abstract_mb))
+        flat = flatten(trace(self.fn, *self.abstract_mb))
         return split_step(flat, self.assignment, self.batch_refs, self.num_stages,
                           self.num_microbatches, self.accumulate, self.rng_shapes)
 

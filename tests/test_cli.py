@@ -38,7 +38,9 @@ def test_inspect_hlo_file(tmp_path, capsys):
     assert s["ops"] == 5 and s["opcodes"]["dot"] == 1
 
 
-def test_inspect_scan_model_names_opaque_loop(capsys):
+def test_inspect_scan_model_names_opaque_loop(capsys, monkeypatch):
+    from rhino.hlo_passes import unroll
+    monkeypatch.setattr(unroll, "UNROLL_LIMIT", 1)     # 2 layers: a loop
     assert main(["inspect", "gpt:layers=2,hidden=64,scan=true"]) == 0
     out = capsys.readouterr().out
     assert "opaque ops" in out and "while loop" in out

@@ -122,7 +122,9 @@ def test_stablehlo_file(tmp_path):
     assert [g.ops[p].tensor for p in g.params] == [ref.ops[p].tensor for p in ref.params]
 
 
-def test_scan_model_keeps_while_opaque():
+def test_a_scan_past_the_unroll_limit_stays_an_opaque_while(monkeypatch):
+    from rhino.hlo_passes import unroll
+    monkeypatch.setattr(unroll, "UNROLL_LIMIT", 2)     # 3 layers: a loop
     model = get_model("gpt", layers=3, scan=True)
     g = rhino.ingest(model.step, *model.example_args())
     whiles = [g.ops[i] for i in g.opaque]
