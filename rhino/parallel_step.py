@@ -204,10 +204,6 @@ class StepOptions:
         if self.cluster is not None and (self.mesh is not None or self.mesh_shape is not None):
             raise OptionsError("auto_parallel: expected a mesh (mesh_shape=/mesh=) or a "
                                "cluster, found both; a cluster's stage meshes are searched")
-        if self.cluster is not None and self.annotations:
-            raise OptionsError("auto_parallel: annotations pin specs on the axes of a given "
-                               "mesh; with cluster=... the stage meshes are searched, found "
-                               "annotations too")
         if self.plan is not None and self.stages is not None:
             raise OptionsError("auto_parallel: a plan fixes its stages; pass plan= or "
                                "stages=, not both")
@@ -626,7 +622,7 @@ class _Builder:
                                 build=BuildOptions(strided=False,
                                                    min_split_flops=o.min_split_flops))
         return PipelineOptions(num_microbatches=m, num_stages=count,
-                               memory_budget=o.memory_budget,
+                               memory_budget=o.memory_budget, annotations=o.annotations,
                                weight_stages=given if given and count > 1 else None,
                                kinds=kinds, batch_args=o.batch_args, spmd=spmd_opts,
                                schedule=o.schedule or ScheduleKind.ONE_F_ONE_B, two_d=False,
@@ -753,7 +749,10 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             gradients, activations in flight) must fit (default: the cluster's device
             memory); it is not checked on compiled programs there.
         annotations: ``{pytree path or named_scope name: spec}``, e.g.
-            ``{"params['wte']": "S[x]·R"}``; the planner plans around them.
+            ``{"params['wte']": "S[x]·R"}``; the planner plans around them. With
+            ``cluster=``: in the SPMD candidate's plan and in each stage's plan for the
+            values that stage holds (stage meshes are 1-D, axis ``x``); a candidate whose
+            mesh a spec does not fit is left out, its report line says why.
         plan: a saved ``Plan`` to run instead of planning (its stages, microbatches and
             schedule; a hand-edited stage assignment goes here).
         report: print the plan report on the first call (default: env ``RHINO_REPORT``).

@@ -264,6 +264,31 @@ def test_memory_budget_with_a_cluster_bounds_each_stage_estimate():
     assert "budget 64.00 MiB per device" in plan.report()
 
 
+def test_annotations_with_a_cluster_pin_the_stage_plans():
+    m, params, opt, batch = _gpt(layers=2, batch=8)
+    ann = {"params['wte']": "R·S[x]", "params['layers'][1]['w1']": "S[x]·R"}
+    ref = jax.jit(m.step)
+    with rhino.auto_parallel(m.step, cluster="2x4", stages=2, annotations=ann,
+                             timeout=120) as step:
+        plan = step.plan_for(params, opt, batch)
+        got = {}
+        for st in plan.stages:
+            for q in st.spmd.params:
+                if q.path in ann:
+                    got.setdefault(q.path, set()).add(q.spec.to_str(st.spmd.mesh))
+        assert got == {k: {v} for k, v in ann.items()}, got
+        p1, o1, p2, o2 = params, opt, params, opt
+        for _ in range(3):
+            p1, o1, l1 = step(p1, o1, batch)
+            p2, o2, l2 = ref(p2, o2, batch)
+            assert float(l1) == pytest.approx(float(l2), rel=RTOL)
+    # A spec no stage mesh can hold leaves no candidate, and says why.
+    bad = rhino.auto_parallel(m.step, cluster="2x4", stages=2,
+                              annotations={"params['wte']": "S[y]·R"})
+    with pytest.raises(rhino.RhinoError, match="annotation \"params\['wte'\]\""):
+        bad.plan_for(params, opt, batch)
+
+
 def test_batch_not_divisible_by_microbatches_is_a_clear_error(gpt_run):
     m = gpt_run["model"]
     params, opt, batch = gpt_run["params"]

@@ -93,6 +93,10 @@ class PipelineOptions:
         microbatch_divisors: op id -> {dim: m} for the dimensions that carry the batch
             (``auto_parallel`` finds them by tracing the step at microbatch shapes): stage
             plans only split them into shards a microbatch divides (``BuildOptions.divisors``).
+        annotations: ``{pytree path or named_scope name: spec}`` (``rhino.planning.
+            annotation_pins``), pinned in every plan made for a mesh they fit: the SPMD
+            candidate's, and each stage's for the values the stage holds. A candidate whose
+            mesh a spec does not fit is infeasible, with the reason as its note.
     """
 
     num_microbatches: int = 8
@@ -115,6 +119,7 @@ class PipelineOptions:
     keep_spmd: bool = True
     prune: bool = True
     microbatch_divisors: Any = None
+    annotations: Any = None
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -528,6 +533,7 @@ class _Search:
         self.ilp_s = self.cost_s = 0.0
         self.best_step = float("inf")
         self.spmd_opts = dataclasses.replace(options.spmd, memory_budget=None)
+        self._pin_cache: dict = {}
 
     def _splits(self) -> list[MeshSplit]:
         o = self.options
@@ -655,18 +661,45 @@ class _Search:
         return _Costed(Candidate(sp.kind, sp.num_stages, sp.stage_shape, note=note,
                                  lower_bound_s=lb), sp)
 
+    def _pins(self, mesh: AbstractMesh) -> dict:
+        """The annotations as op id -> spec on ``mesh`` (OptionsError: one does not fit)."""
+        if not self.options.annotations:
+            return {}
+        key = (mesh.shape, mesh.axis_names)
+        if key not in self._pin_cache:
+            from rhino.planning import annotation_pins
+            try:
+                self._pin_cache[key] = annotation_pins(self.graph, self.options.annotations,
+                                                       mesh)
+            except OptionsError as e:
+                self._pin_cache[key] = e
+        got = self._pin_cache[key]
+        if isinstance(got, OptionsError):
+            raise got
+        return got
+
     def _cost_wave(self, pool: "_SpmdPool", p: int, wave: list[int], lb: float
                    ) -> dict[int, _Costed]:
-        jobs = []
+        jobs, refused = [], {}
         for k in wave:
             sp = self.splits[k]
             mesh, cost = sp.stage_mesh(self.cluster), sp.stage_cost(self.cluster)
+            try:
+                pins = self._pins(mesh)
+            except OptionsError as e:
+                refused[k] = _Costed(Candidate(sp.kind, sp.num_stages, sp.stage_shape,
+                                               note=str(e), lower_bound_s=lb), sp)
+                continue
             if p == 1:
                 opts = dataclasses.replace(self.options.spmd, memory_budget=self.budget)
+                if pins:
+                    opts = dataclasses.replace(opts, build=dataclasses.replace(
+                        opts.build, pinned={**opts.build.pinned, **pins}))
                 jobs.append((k, 0, self.graph, mesh, cost, opts, ""))
             else:
-                jobs += [(k, w.index, w.sub.graph, mesh, cost, self._stage_options(w),
-                          repr(w.carried)) for w in self.works[p]]
+                jobs += [(k, w.index, w.sub.graph, mesh, cost,
+                          self._stage_options(w, pins=pins), repr(w.carried))
+                         for w in self.works[p]]
         # Largest first (ops × mesh axes), so the pool's last jobs are short ones.
         handles: dict[int, dict[int, Any]] = {}
         for k, s_idx, g_, mesh, cost, opts, extra in sorted(
@@ -674,6 +707,9 @@ class _Search:
             handles.setdefault(k, {})[s_idx] = pool.submit(g_, mesh, cost, opts, extra)
         out = {}
         for k in wave:
+            if k in refused:
+                out[k] = refused[k]
+                continue
             hs = [handles[k][i] for i in sorted(handles[k])]
             c = self._cost_split(pool, k, p, hs, lb)
             out[k] = c
@@ -681,13 +717,16 @@ class _Search:
                 self.best_step = min(self.best_step, c.candidate.step_s)
         return out
 
-    def _stage_options(self, w: _StageWork, budget: int | None = None) -> PlanOptions:
+    def _stage_options(self, w: _StageWork, budget: int | None = None,
+                       pins: dict | None = None) -> PlanOptions:
         div = self.options.microbatch_divisors or {}
         sub_div = {k: div[src] for k, src in enumerate(w.sub.origin) if src in div}
+        pinned = dict(self.spmd_opts.build.pinned)
+        pinned.update({k: pins[src] for k, src in enumerate(w.sub.origin) if src in (pins or {})})
         return dataclasses.replace(self.spmd_opts, memory_budget=budget,
                                    build=dataclasses.replace(self.spmd_opts.build,
                                                              carried=w.carried,
-                                                             divisors=sub_div))
+                                                             divisors=sub_div, pinned=pinned))
 
     def _cost_split(self, pool: "_SpmdPool", k: int, p: int, hs: list, lb: float
                     ) -> _Costed:
@@ -707,7 +746,8 @@ class _Search:
             for st, mem in enumerate(c.memories):
                 if mem.total > self.budget:
                     got, _ = pool.result(pool.submit(
-                        ws[st].sub.graph, mesh, cost, self._stage_options(ws[st], self.budget),
+                        ws[st].sub.graph, mesh, cost,
+                        self._stage_options(ws[st], self.budget, self._pins(mesh)),
                         repr(ws[st].carried)), ws[st].sub.graph)
                     if got is not None:
                         plans[st] = got
