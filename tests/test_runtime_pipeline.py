@@ -3,6 +3,8 @@
 Every pipelined run is checked against single-device ``jax.jit`` of the same step.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -222,6 +224,13 @@ def test_microbatches_of_one_example_are_planned_at_their_shape():
         assert [(s.mesh.shape, s.devices, s.weights) for s in micro.stages] == \
             [(s.mesh.shape, s.devices, s.weights) for s in whole.stages]
         assert run.lowering.abstract_mb[2]["tokens"].shape == (1, 16)
+        # A re-plan that moved a weight to another stage would be refused, naming it.
+        from rhino.errors import LoweringError
+        from rhino.pipeline.at_microbatch import _check_same_split
+        moved = dataclasses.replace(micro, stages=(micro.stages[0], dataclasses.replace(
+            micro.stages[1], weights=micro.stages[1].weights[1:])))
+        with pytest.raises(LoweringError, match="stage 1 reads other weights"):
+            _check_same_split(whole, moved)
     finally:
         step.close()
 

