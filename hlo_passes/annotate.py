@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.extend import core as jcore
 
-from rhino._jax_private import eqn_context, trace_without_name_stack
+from rhino._jax_private import eqn_context, jaxpr_env, trace_without_name_stack
 from rhino.errors import RhinoError
 
 from .graph import HloGraph, TensorType
@@ -107,15 +107,7 @@ def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | 
     """Evaluate ``jaxpr`` with one named scope per equation, calling ``in_hook`` on the
     inputs and ``hook`` on the outputs of every leaf equation, which runs through
     ``binder`` (default: ``bind``)."""
-    env: dict = {}
-
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
+    env, read = jaxpr_env(jaxpr, consts, args)
     for i, eqn in enumerate(jaxpr.eqns):
         p = path + (i,)
         invals = [read(v) for v in eqn.invars]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from rhino._jax_private import eqn_context, trace_without_name_stack
+from rhino._jax_private import eqn_context, jaxpr_env, trace_without_name_stack
 
 # Scans of more iterations stay loops (planned as one opaque op, replicated).
 UNROLL_LIMIT = 128
@@ -114,15 +114,7 @@ def eval_unrolled(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> lis
 
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    env: dict = {}
-
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
+    env, read = jaxpr_env(jaxpr, consts, args)
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         body = _body(eqn)

@@ -84,3 +84,16 @@ def trace_without_name_stack(fn: Any, args: Any) -> tuple[Any, list]:
     with source_info_util.reset_name_stack():
         closed = jax.make_jaxpr(fn)(*args)
     return pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
+
+
+def jaxpr_env(jaxpr: Any, consts: Any, args: Any) -> tuple[dict, Any]:
+    """The environment an interpreter of ``jaxpr`` starts from (constants and arguments
+    bound) and its ``read`` (a literal's value, else the variable's)."""
+    from jax.extend import core as jcore
+
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+    return env, read
