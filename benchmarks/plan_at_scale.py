@@ -38,6 +38,9 @@ def main() -> None:
     def watchdog() -> None:
         time.sleep(a.limit)
         print(f"NOT DONE within {a.limit:.0f} s; last phase: {last[0]}", flush=True)
+        import multiprocessing
+        for child in multiprocessing.active_children():   # the search's planning workers
+            child.kill()
         os._exit(3)
 
     threading.Thread(target=watchdog, daemon=True).start()
