@@ -1,6 +1,8 @@
 """Whole ``rhino.plan(..., cluster="8x8")`` of a GPT of Alpa's largest size (issue 15,
 acceptance 5): 48 layers, hidden 8192, 64 heads, seq 1024, vocab 51200, batch 64, H100
-figures, ShapeDtypeStruct arguments (nothing allocated). Prints each phase as the planner
+figures, ShapeDtypeStruct arguments (nothing allocated); ``jax.checkpoint`` per layer and 32
+microbatches by default (without them no candidate fits 80 GB: ``--no-remat
+--microbatches 8``). Prints each phase as the planner
 reports it, with wall-clock seconds since the start, then the total, the peak resident
 memory of this process and of its planning workers, and the plan's summary; or, past
 ``--limit`` seconds, the phase it was in.
@@ -22,6 +24,8 @@ def main() -> None:
     ap.add_argument("--limit", type=float, default=1500.0, help="seconds before giving up")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--microbatches", type=int, default=32)
+    ap.add_argument("--no-remat", action="store_true", help="no jax.checkpoint per layer")
     a = ap.parse_args()
     import os
 
@@ -45,9 +49,9 @@ def main() -> None:
 
     threading.Thread(target=watchdog, daemon=True).start()
     m = get_model("gpt", layers=a.layers, hidden=a.hidden, heads=64, seq=1024, vocab=51200,
-                  batch=64)
+                  batch=64, remat=not a.no_remat)
     plan = rhino.plan(m.step, *m.example_args(), cluster="8x8", backend="h100",
-                      progress=progress)
+                      microbatches=a.microbatches, progress=progress)
     self_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     kids_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     print(f"total {time.time() - t0:.1f} s; peak RSS {self_gib:.2f} GiB (planner), "
