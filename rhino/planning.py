@@ -14,8 +14,8 @@ The cost model is simulated CPU unless told otherwise (``cost=``, or ``backend=`
 built-in figures, ``rhino.backends``); ``alpha=``, ``beta=`` and ``flops_per_s=`` override
 its figures (``plan_cost``).
 
-Also here, for ``auto_parallel``: user annotations as planner pins (``annotation_pins``)
-and the compiled-memory fit (``fit_compiled_memory``).
+Also here, for ``auto_parallel``: user annotations as planner pins (``annotation_pins``,
+from ``rhino.planner.pins``) and the compiled-memory fit (``fit_compiled_memory``).
 
 Example:
     >>> import jax.numpy as jnp, rhino
@@ -30,12 +30,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from rhino.backends import backend_figures
 from rhino.cluster import Cluster
 from rhino.errors import InfeasiblePlanError, OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, analyze, ingest
+from rhino.planner.pins import annotation_pins  # noqa: F401  (re-exported)
 from rhino.hlo_passes.graph import dtype_bytes, flatten_shape
 from rhino.pipeline.api import plan_pipeline
 from rhino.parallel_plan import Plan
@@ -43,7 +44,6 @@ from rhino.planner.api import PlanOptions, plan_graph
 from rhino.planner.build import BuildOptions
 from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
-from rhino.planner.spec import ShardingSpec
 
 
 def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = None,
@@ -163,53 +163,6 @@ def plan_cost(mesh: AbstractMesh, cost: CostModel | None = None, backend: str | 
         raise OptionsError(f"plan: {e}") from None
     cost.check(mesh)
     return cost
-
-
-def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: AbstractMesh
-                    ) -> dict[int, ShardingSpec]:
-    """Annotations (pytree path or ``jax.named_scope`` name -> spec) as op id -> spec.
-
-    Raises:
-        RhinoError: a key naming neither a parameter nor a scope.
-        OptionsError: a spec that does not fit the value's shape on the mesh (rank, or a
-            dimension its shards do not divide).
-    """
-    pins: dict[int, ShardingSpec] = {}
-    by_path = {graph.ops[p].arg.path: p for p in graph.params if graph.ops[p].arg}
-    users = graph.users
-    for key, value in annotations.items():
-        try:
-            spec = value if isinstance(value, ShardingSpec) else \
-                ShardingSpec.parse(str(value), mesh)
-        except ValueError as e:
-            raise OptionsError(f"annotation {key!r}: {e}") from None
-        if key in by_path:
-            _check_fits(key, spec, graph.ops[by_path[key]], mesh)
-            pins[by_path[key]] = spec
-            continue
-        scoped = [op.id for op in graph.ops if f"/{key}/" in f"/{op.op_name}/"]
-        members = set(scoped)
-        exported = [i for i in scoped if i in graph.outputs
-                    or any(u not in members for u in users[i])]
-        if not exported:
-            raise RhinoError(f"annotation {key!r}: expected a parameter pytree path (e.g. "
-                             f"{next(iter(by_path), 'params[...]')!r}) or a jax.named_scope "
-                             f"name used in the step; found neither")
-        for i in exported:
-            _check_fits(key, spec, graph.ops[i], mesh)
-            pins[i] = spec
-    return pins
-
-
-def _check_fits(key: str, spec: ShardingSpec, op: Any, mesh: AbstractMesh) -> None:
-    dims = getattr(op.shape, "dims", None)
-    if dims is None:
-        return  # a tuple value: the planner says it stays replicated
-    problems = spec.problems(dims, mesh)
-    if problems:
-        what = op.arg.path if op.arg is not None else f"{op.name} ({op.opcode})"
-        raise OptionsError(f"annotation {key!r}: {spec.to_str(mesh)} does not fit {what} of "
-                           f"shape {tuple(dims)} on mesh {mesh}: " + "; ".join(problems))
 
 
 # Memory pressure steps of ``memory_budget`` (see ``fit_compiled_memory``): each step μ

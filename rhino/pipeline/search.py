@@ -52,6 +52,7 @@ from rhino.planner.build import BuildOptions, carried_pairs
 from rhino.planner.collectives import collective_cost
 from rhino.planner.cost_model import CostModel, flops_by_rate
 from rhino.planner.mesh import AbstractMesh
+from rhino.planner.pins import annotation_pins
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.vocabulary import PlanKind, Role, ScheduleKind
 
@@ -93,7 +94,7 @@ class PipelineOptions:
         microbatch_divisors: op id -> {dim: m} for the dimensions that carry the batch
             (``auto_parallel`` finds them by tracing the step at microbatch shapes): stage
             plans only split them into shards a microbatch divides (``BuildOptions.divisors``).
-        annotations: ``{pytree path or named_scope name: spec}`` (``rhino.planning.
+        annotations: ``{pytree path or named_scope name: spec}`` (``rhino.planner.pins.
             annotation_pins``), pinned in every plan made for a mesh they fit: the SPMD
             candidate's, and each stage's for the values the stage holds. A candidate whose
             mesh a spec does not fit is infeasible, with the reason as its note.
@@ -667,7 +668,6 @@ class _Search:
             return {}
         key = (mesh.shape, mesh.axis_names)
         if key not in self._pin_cache:
-            from rhino.planning import annotation_pins
             try:
                 self._pin_cache[key] = annotation_pins(self.graph, self.options.annotations,
                                                        mesh)
