@@ -691,7 +691,8 @@ class _Builder:
             from rhino.runtime.ray_executor import RayExecutor
 
             executor = RayExecutor(specs, plan.cluster, timeout=o.timeout,
-                                   address=o.ray_address)
+                                   address=o.ray_address,
+                                   hosts=[len(st.hosts) for st in plan.stages])
         else:
             workers = [spec.build(self._stage_devices(plan, st.devices), lowering.split)
                        for spec, st in zip(specs, plan.stages)]

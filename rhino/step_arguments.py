@@ -20,6 +20,8 @@ from rhino.hlo_passes.ingest import arg_names
 def _leaf_key(x: Any) -> tuple:
     if isinstance(x, jax.Array):          # the hot path: no abstraction needed
         return x.shape, x.dtype, getattr(x, "weak_type", False)   # key arrays have none
+    if getattr(x, "rhino_remote", False):     # a result kept on Ray actors
+        return tuple(x.shape), x.dtype, False
     aval = jax.typeof(x)
     return aval.shape, aval.dtype, aval.weak_type
 

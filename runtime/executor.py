@@ -316,6 +316,19 @@ class WorkerSpec:
                            self.measure)
 
 
+def _zeros(shape: tuple[int, ...], dtype: Any) -> Any:
+    """Zeros of ``shape`` (numpy; for a typed PRNG key dtype, keys made of zero bits)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return jax.numpy.zeros(shape, dtype)
+    return np.zeros(shape, dtype)
+
+
+def _abstract(x: Any) -> Any:
+    sharding = getattr(x, "sharding", None)
+    return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=sharding,
+                                weak_type=getattr(x, "weak_type", False))
+
+
 class StageWorker:
     """Runs one stage's instruction list (see the module docstring).
 
@@ -354,6 +367,7 @@ class StageWorker:
         self._watch = threads.SerialWorker(f"rhino-stage{stage}-timer")
         self._state: dict[int, Any] = {}
         self._state_src: dict[int, int] = {}
+        self._seen: dict[tuple[str, bool], Any] = {}  # program -> its abstract arguments
 
     def sharding(self, ref: int) -> Any:
         return self._ref_sharding.get(ref, self._replicated)
@@ -374,6 +388,30 @@ class StageWorker:
                          donate_argnums=donate)
             self._programs[key] = fn
         return fn
+
+    def zero_args(self) -> dict[int, Any]:
+        """Zeros for every argument this stage reads (whole-batch shapes for the batch): a
+        step on them compiles every program and sets up every collective (``warm_up``)."""
+        m = self.split.num_microbatches
+        out: dict[int, Any] = {}
+        for r in self.split.stage_args(self.stage):
+            aval = self.split.flat.avals[r]
+            shape = tuple(aval.shape)
+            if r in self.split.batch_refs:
+                shape = (shape[0] * m, *shape[1:])
+            out[r] = _zeros(shape, aval.dtype)
+        return out
+
+    def collectives(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """Per program this stage ran (``F``, ``B+acc``, ...), the collectives of its compiled
+        HLO: ``kind -> (count, bytes per device)`` (``runtime.spmd.summarize``)."""
+        from rhino.runtime.spmd import count_collectives, summarize
+
+        out = {}
+        for (kind, with_acc), args in sorted(self._seen.items()):
+            text = self.program(kind, with_acc).lower(*args).compile().as_text()
+            out[kind + ("+acc" if with_acc else "")] = summarize(count_collectives(text))
+        return out
 
     # ------------------------------------------------------------------ one step
     def _place_args(self, args: Mapping[int, Any]) -> tuple[dict, dict]:
@@ -516,8 +554,11 @@ class StageWorker:
         with_acc = ins.kind != "A" and mb is not None and mb > 0
         acc_in = [accs[r] for r in task.accumulate] if with_acc else []
         t0 = time.perf_counter()
-        outs, new = self.program(ins.kind, with_acc)(inputs, acc_in,
-                                                     np.int32(0 if mb is None else mb))
+        mb_arg = np.int32(0 if mb is None else mb)
+        if (ins.kind, with_acc) not in self._seen:
+            self._seen[(ins.kind, with_acc)] = jax.tree_util.tree_map(
+                _abstract, (inputs, acc_in, mb_arg))
+        outs, new = self.program(ins.kind, with_acc)(inputs, acc_in, mb_arg)
         # Timed without stalling dispatch: a watcher thread waits for the results while
         # this thread goes on to the next instruction (see _timed).
         # (Its accumulators are not waited on there: the next microbatch's call donates

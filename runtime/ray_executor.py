@@ -1,61 +1,59 @@
-"""The Ray executor: one actor per pipeline stage, values between stages through the object
-store. ``init`` connects to (or starts) a Ray cluster; it is exposed as ``rhino.init``.
+"""The Ray executor: one actor per host of every stage's mesh, values between stages through
+the object store, the training state kept on the actors. ``init`` (``runtime.ray_cluster``)
+connects to (or starts) a Ray cluster; it is exposed as ``rhino.init``.
 
-Only this module (in ``rhino.runtime``) imports ray, and only inside functions and the
-actor, so ``import rhino`` never imports ray.
+Only the ``ray_*`` modules (in ``rhino.runtime``) import ray, and only inside functions and
+the actors, so ``import rhino`` never imports ray.
 
-Layout of one step (2 stages)::
+Layout of one step (2 stages; stage 1's mesh spans two hosts)::
 
-    driver ── run_step(step, args) ──► actor 0 (stage 0: mesh of N local devices)
-           ── run_step(step, args) ──► actor 1 (stage 1: mesh of N local devices)
-                                        │  send: ray.put(np.asarray(value)) in the sender,
-                                        │        peer.deliver.remote(step, src, key, ref)
+    driver ── run_step(step, batch refs) ──► actor (0, host 0): stage 0, N local devices
+           ── run_step(step, batch refs) ──► actor (1, host 0) ┐ stage 1: one
+           ── run_step(step, batch refs) ──► actor (1, host 1) ┘ jax.distributed job
+                                        │  send: host value, ray.put once by host 0,
+                                        │        deliver.remote(...) to each receiving actor
                                         │  recv: wait on the local mailbox (Condition)
-           ◄── (outputs as numpy, task records) ──┘
+           ◄── (0-d results as numpy, shapes of the rest, task records) ──┘
 
-* Each actor is created once per executor with its ``WorkerSpec`` (re-traces the step,
-  builds its ``StageWorker`` on ``jax.devices()[:n]``); ``XLA_FLAGS`` with
-  ``--xla_force_host_platform_device_count=n`` reaches it through ``runtime_env``, so it is
-  set before the actor process imports jax.
+* Start (``runtime.ray_actor``): actors are created (``XLA_FLAGS`` with
+  ``--xla_force_host_platform_device_count`` = that host's devices reaches each through
+  ``runtime_env``; not on GPU actors, ``num_gpus`` in ``actor_options``), the hosts of a
+  multi-host stage join their ``jax.distributed`` job, each builds its ``StageWorker`` and
+  the stages run once on zeros, so every program is compiled and every collective set up
+  before the first step. A Ray cluster of several nodes but fewer than the plan's hosts is
+  refused before any actor starts; on one node, hosts are simulated by actors.
 * A step is one ``run_step`` call per actor. The actors are threaded (``max_concurrency``):
   ``deliver`` and ``abort`` run while ``run_step`` waits in the mailbox.
-* ``RayTransport`` implements ``runtime.executor.Transport`` (``send(src, dst, key, value)``
-  / ``recv(dst, src, key, timeout)``): a value goes to the host, into the sender's object
-  store (``ray.put``), and its ``ObjectRef`` is passed as a top-level argument of the
-  receiver's ``deliver``, so Ray resolves it (fetches the bytes to the receiver's node)
-  *before* ``deliver`` runs: the copy overlaps the receiver's compute and the mailbox holds
-  host arrays. An NCCL (or jax collectives) transport would implement the same two methods
-  with device-to-device send/recv between the two meshes; nothing else changes.
-* Arguments: the driver puts each argument leaf in the object store once per step (jax
-  arrays: once for as long as the same object is passed again) and passes the same
-  ``ObjectRef`` to every actor reading it. Training state that an actor returned last step
-  and that comes back as the very same Python object (identity) is not sent again: the
-  actor uses the array it kept. Steady state therefore moves the batch to the actors and
-  the step's results (updated state, metrics) back to the driver.
-* Failures: every wait has a timeout, reaching the cluster included (``init``: a TCP
-  check of the address, then ``ray.init`` on a helper thread waited for at most
-  ``timeout``). A dead actor (``RayActorError``), an error on a stage or a step that does
-  not finish within ``2 × timeout`` raises ``ExecutorError`` naming the stage (and the task,
-  from the ``StageWorker``; the root cause first, ``executor.root_cause``); the other
-  actors' waits are aborted (``abort`` poisons their mailbox for that step), so nothing
-  hangs. An executor that cannot run again (a dead or stuck actor) kills its actors at once,
-  so a failed executor never holds the cluster's CPUs. Ctrl-C aborts the step in flight.
+* ``RayTransport`` implements ``runtime.executor.Transport``: a value goes to the host, into
+  the sender's object store (``ray.put``), and its ``ObjectRef`` is passed as a top-level
+  argument of each receiver's ``deliver``, so Ray fetches it to the receiver's node before
+  ``deliver`` runs (the copy overlaps the receiver's compute).
+* State on the workers: results with at least one dimension stay in the actors and come
+  back as ``RemoteArray`` handles (shape and dtype; ``np.asarray``, ``rhino.fetch`` or
+  ``.fetch()`` bring the value). Passed back in as the next step's arguments they move
+  nothing; 0-d results (losses, metrics, counters) come back as arrays. Steady state moves
+  the batch in and the metrics out (``last_sent_bytes``, ``last_received_bytes``).
+  ``keep_state=False`` brings every result back each step instead.
+* Failures: every wait has a timeout. A dead actor (``RayActorError``), an error on a stage
+  or a step that does not finish within ``2 × timeout`` raises ``ExecutorError`` naming the
+  stage (and host, and the task, from the ``StageWorker``; the root cause first,
+  ``executor.root_cause``); the other actors' waits are aborted, so nothing hangs. An
+  executor that cannot run again (a dead or stuck actor) kills its actors at once, so a
+  failed executor never holds the cluster's CPUs. Ctrl-C aborts the step in flight.
 
 Example:
     >>> import rhino
     >>> info = rhino.init(num_cpus=4)                           # doctest: +SKIP
-    >>> step = rhino.auto_parallel(m.step, cluster="2x4", stages=2,
+    >>> step = rhino.auto_parallel(m.step, cluster="2x4", stages=1,
     ...                            executor="ray")              # doctest: +SKIP
+    >>> params, opt, loss = step(params, opt, batch)            # doctest: +SKIP
+    >>> rhino.fetch(params)          # numpy, from the actors   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import dataclasses
-import logging
-import os
 import re
-import socket
+import sys
 import threading
 import time
 from typing import Any, Mapping, Sequence
@@ -64,408 +62,198 @@ import numpy as np
 
 from rhino.runtime import threads
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError, Failure, root_cause
+from rhino.runtime.ray_actor import StageActor
+from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
+                                       RayInfo, import_ray, init, xla_flags)
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-ACTOR_CONCURRENCY = 8
-INLINE_BYTES = 100 * 1024
-"""Values up to this size travel inside the ``deliver`` call (Ray inlines small
-arguments); larger ones are put in the sender's object store first."""
-ABORT_GRACE_S = 30.0
-"""After a failure, how long the driver waits for the other stages to stop."""
-CONNECT_TIMEOUT_S = 60.0
-"""How long ``init`` may take to reach a cluster by default (and at most, for an executor)."""
+__all__ = ["RayExecutor", "RemoteArray", "fetch", "init", "RayInfo", "xla_flags"]
 
 
-@dataclasses.dataclass(frozen=True)
-class RayInfo:
-    """The Ray cluster this process is connected to.
+class RemoteArray:
+    """A step result kept on the Ray actors of one stage (see the module docstring).
+
+    ``np.asarray(x)``, ``x.fetch()`` or ``rhino.fetch(tree)`` bring its value to the driver;
+    passed to the same step again it stays where it is. The actors keep the value until
+    this handle is dropped (garbage-collected) or the step is closed.
 
     Attributes:
-        address: the GCS address (``host:port``), or the ``ray://`` address in client mode.
-        nodes: alive nodes; cpus: total CPUs; started: this call started a local cluster.
+        shape, dtype: the value's; stage: the stage holding it; step: the executor step
+            that produced it.
     """
 
-    address: str
-    nodes: int
-    cpus: float
-    started: bool = False
+    __slots__ = ("executor", "stage", "ref", "step", "shape", "dtype")
+    weak_type = False
+    rhino_remote = True     # how rhino.step_arguments recognises one without importing this
 
+    def __init__(self, executor: "RayExecutor", stage: int, ref: int, step: int,
+                 shape: tuple[int, ...], dtype: Any):
+        self.executor, self.stage, self.ref, self.step = executor, stage, ref, step
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
 
-def _ray():
-    try:
-        import ray
-    except ImportError as e:  # pragma: no cover - ray is a dependency
-        raise ExecutorError("the Ray executor needs ray: pip install 'ray>=2.9'") from e
-    return ray
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
 
-def _current_address(ray) -> str:
-    try:
-        return ray.get_runtime_context().gcs_address
-    except Exception:  # client mode has no gcs_address
-        return ""
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
 
+    def fetch(self) -> np.ndarray:
+        return self.executor.fetch([self])[0]
 
-def _info(ray, started: bool, address: str | None = None) -> RayInfo:
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    cpus = float(ray.cluster_resources().get("CPU", 0.0))
-    return RayInfo(address or _current_address(ray), len(nodes), cpus, started)
-
-
-def init(address: str | None = None, num_cpus: int | None = None,
-         timeout: float = CONNECT_TIMEOUT_S, **kwargs: Any) -> RayInfo:
-    """Connect to a Ray cluster, or start a local one; idempotent.
-
-    Args:
-        address: ``"auto"`` (the cluster started on this machine by ``ray start``),
-            ``"host:port"`` (a GCS address), ``"ray://host:10001"`` (Ray client), or None:
-            ``$RAY_ADDRESS`` if set (as inside ``ray job submit``), else a new local cluster
-            (no dashboard, token authentication off: ``RAY_AUTH_MODE=disabled`` unless set).
-        num_cpus: CPUs of a new local cluster (ignored when connecting).
-        timeout: seconds to reach a cluster: the address must accept a TCP connection and
-            ``ray.init`` return within it (it runs on a helper thread: if it does not
-            return in time it goes on trying in the background and this raises).
-        **kwargs: passed to ``ray.init`` (e.g. ``_temp_dir``, ``log_to_driver``).
-
-    Returns:
-        A ``RayInfo`` (address, alive nodes, CPUs).
-
-    Raises:
-        ExecutorError: already connected to a different cluster, nothing answers at the
-            address, or the connection failed or did not finish within ``timeout``.
-
-    Example:
-        >>> info = init(num_cpus=2)                                  # doctest: +SKIP
-        >>> info.nodes, info.cpus                                    # doctest: +SKIP
-        (1, 2.0)
-    """
-    ray = _ray()
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ExecutorError(f"rhino.init: timeout: expected a positive number of seconds, "
-                            f"found {timeout!r}")
-    if ray.is_initialized():
-        cur = _current_address(ray)
-        if address not in (None, "auto") and not address.startswith("ray://") and cur and \
-                _norm(address) != _norm(cur):
-            raise ExecutorError(f"rhino.init: already connected to the Ray cluster at {cur}, "
-                                f"asked for {address}; call ray.shutdown() first")
-        return _info(ray, False)
-    from_env = address is None and bool(os.environ.get("RAY_ADDRESS"))
-    if address is None:
-        address = os.environ.get("RAY_ADDRESS") or None
-    local = address is None
-    where = ("a local Ray cluster" if local else f"the Ray cluster at {address}"
-             + (" ($RAY_ADDRESS)" if from_env else ""))
-    if local:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        kwargs.setdefault("include_dashboard", False)
-        if num_cpus is not None:
-            kwargs["num_cpus"] = num_cpus
-    deadline = time.monotonic() + timeout
-    try:
-        if local:
-            ray.init(**kwargs)  # starting a local cluster: ray bounds its own waits
-        else:
-            if address != "auto":
-                _check_reachable(address, where, timeout)
-            _connect(ray, address, kwargs, deadline, where, timeout)
-    except ExecutorError:
-        raise
-    except Exception as e:
-        raise ExecutorError(f"rhino.init: could not start or reach {where}: "
-                            f"{type(e).__name__}: {e}") from e
-    return _info(ray, local, address if address and address.startswith("ray://") else None)
-
-
-_CONNECTING: list[cf.Future] = []   # a ray.init still trying after its caller gave up
-
-
-def _connect(ray, address: str, kwargs: dict, deadline: float, where: str,
-             timeout: float) -> None:
-    """``ray.init(address=...)`` on a helper thread, waited for until ``deadline``."""
-    if _CONNECTING and not _CONNECTING[-1].done():
-        raise ExecutorError(f"rhino.init: an earlier attempt to reach a Ray cluster is still "
-                            f"trying in the background; expected it to finish before "
-                            f"connecting to {address} (restart the process to give up on it)")
-    _CONNECTING.clear()
-    quiet = _DropMessage("SIGTERM handler is not set")  # ray.init off the main thread
-    logging.getLogger("ray._private.worker").addFilter(quiet)
-    try:
-        attempt = threads.start(lambda: ray.init(address=address, **kwargs),
-                                name="rhino-ray-init")
-        left = threads.wait_all([attempt], max(0.0, deadline - time.monotonic()))
-    finally:
-        logging.getLogger("ray._private.worker").removeFilter(quiet)
-    if left:
-        _CONNECTING.append(attempt)
-        raise ExecutorError(f"rhino.init: could not reach {where} within {timeout:g} s "
-                            f"(a TCP connection works, but ray.init did not return: is it a "
-                            f"Ray GCS of the same Ray version?)")
-    attempt.result()
-
-
-def _check_reachable(address: str, where: str, timeout: float) -> None:
-    """Raise ``ExecutorError`` unless ``address`` accepts a TCP connection in time."""
-    target = address.split("://", 1)[1] if "://" in address else address
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ExecutorError(f"rhino.init: expected an address 'host:port', "
-                            f"'ray://host:port' or 'auto', found {address!r}")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+    def __del__(self) -> None:
+        try:
+            self.executor._dropped.append((self.stage, self.step, self.ref))
+        except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-    except OSError as e:
-        why = (f"no answer within {timeout:g} s" if isinstance(e, socket.timeout)
-               else f"{type(e).__name__}: {e}")
-        raise ExecutorError(f"rhino.init: could not reach {where}: nothing accepts "
-                            f"connections there ({why}); expected a running Ray head (e.g. "
-                            f"`python -m rhino.runtime.local_ray start`)") from None
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.fetch()
+        return a if dtype is None else a.astype(dtype)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return (f"RemoteArray(shape={self.shape}, dtype={self.dtype.name}, stage "
+                f"{self.stage}, step {self.step})")
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
+def fetch(tree: Any) -> Any:
+    """``tree`` with every ``RemoteArray`` leaf replaced by its value (numpy), one request
+    per executor; other leaves as they are.
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
-def _norm(address: str) -> str:
-    host, _, port = address.rpartition(":")
-    host = {"localhost": "127.0.0.1"}.get(host, host)
-    return f"{host}:{port}"
-
-
-def xla_flags(devices: int, base: str | None = None) -> str:
-    """``base`` XLA flags (default: this process's) with ``devices`` simulated host devices.
-
-    >>> xla_flags(4, "--xla_force_host_platform_device_count=8 --foo=1")
-    '--foo=1 --xla_force_host_platform_device_count=4'
+    >>> fetch({"a": 1.0})
+    {'a': 1.0}
     """
-    base = os.environ.get("XLA_FLAGS", "") if base is None else base
-    kept = [f for f in base.split() if not f.startswith(DEVICE_COUNT_FLAG)]
-    return " ".join(kept + [f"{DEVICE_COUNT_FLAG}={devices}"])
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    by_exec: dict[int, list[int]] = {}
+    for k, x in enumerate(leaves):
+        if isinstance(x, RemoteArray):
+            by_exec.setdefault(id(x.executor), []).append(k)
+    for ks in by_exec.values():
+        got = leaves[ks[0]].executor.fetch([leaves[k] for k in ks])
+        for k, v in zip(ks, got):
+            leaves[k] = v
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-# --------------------------------------------------------------------------- actor side
-class RayTransport:
-    """The ``Transport`` of one actor for one step (see the module docstring).
-
-    Args:
-        mailbox: this actor's ``Mailbox``; peers: actor handles by stage; step: the step
-            number (messages of other steps are never mixed up).
-    """
-
-    def __init__(self, mailbox: "Mailbox", peers: Sequence[Any], step: int):
-        self.mailbox, self.peers, self.step = mailbox, peers, step
-
-    def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
-        host = np.asarray(value)
-        if host.nbytes > INLINE_BYTES:
-            # A top-level ObjectRef argument: Ray fetches it to the receiver's node before
-            # deliver runs (the copy overlaps the receiver's compute).
-            host = _ray().put(host)
-        self.peers[dst].deliver.remote(self.step, src, key, host)
-
-    def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
-        return self.mailbox.take(self.step, src, key, timeout)
+def hosts_per_stage(specs: Sequence[Any], cluster: Any) -> list[int]:
+    """Host processes per stage: its devices over the cluster's devices per host (one
+    host without a cluster)."""
+    out = []
+    for spec in specs:
+        n = int(np.prod(spec.mesh_shape))
+        per = getattr(cluster, "devices_per_host", None) or n
+        out.append(max(1, -(-n // per)))
+    return out
 
 
-class Mailbox:
-    """Values delivered to one stage, per (step, source stage, key); ``abort`` poisons a
-    step so that every waiting ``take`` raises at once."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._box: dict[tuple, Any] = {}
-        self._aborted: dict[int, str] = {}
-
-    def put(self, step: int, src: int, key: tuple, value: Any) -> None:
-        with self._cond:
-            self._box[(step, src, key)] = value
-            self._cond.notify_all()
-
-    def take(self, step: int, src: int, key: tuple, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        k = (step, src, key)
-        with self._cond:
-            while k not in self._box:
-                if step in self._aborted:
-                    raise ExecutorError(f"aborted: {self._aborted[step]}",
-                                        failure=Failure.ABORTED)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no value {key} from stage {src} after "
-                                       f"{timeout:.0f} s")
-                self._cond.wait(left)
-            return self._box.pop(k)
-
-    def abort(self, step: int, why: str) -> None:
-        with self._cond:
-            self._aborted[step] = why
-            self._cond.notify_all()
-
-    def start(self, step: int) -> None:
-        """Forget the values and aborts of earlier steps."""
-        with self._cond:
-            for k in [k for k in self._box if k[0] < step]:
-                del self._box[k]
-            for s in [s for s in self._aborted if s < step]:
-                del self._aborted[s]
-
-
-class StageActor:
-    """One pipeline stage in its own process (wrapped by ``ray.remote`` at run time).
-
-    Args:
-        spec: the stage's ``WorkerSpec``; devices: devices of its mesh (``XLA_FLAGS`` gives
-            this process that many host devices).
-    """
-
-    def __init__(self, spec: Any, devices: int):
-        import jax
-
-        self.stage = spec.stage
-        found = jax.devices()
-        if len(found) < devices:
-            raise ExecutorError(f"stage {self.stage}: expected {devices} devices in the actor, "
-                                f"found {len(found)} (XLA_FLAGS="
-                                f"{os.environ.get('XLA_FLAGS', '')!r})")
-        split = spec.split()
-        self.worker = spec.build(found[:devices], split)
-        self.outputs = tuple(o.ref for o in split.outputs if o.producer is not None
-                             and o.producer[1] == self.stage and o.source in ("task", "acc"))
-        self.args = split.stage_args(self.stage)
-        self.mailbox = Mailbox()
-        self.peers: list[Any] = []
-        self.kept: dict[int, dict[int, Any]] = {}  # step -> its results (jax arrays)
-
-    def describe(self) -> dict:
-        import socket
-
-        import jax
-
-        return {"stage": self.stage, "args": self.args, "outputs": self.outputs,
-                "pid": os.getpid(), "host": socket.gethostname(),
-                "devices": len(jax.devices()), "platform": jax.devices()[0].platform}
-
-    def set_peers(self, peers: Sequence[Any]) -> None:
-        self.peers = list(peers)
-
-    def deliver(self, step: int, src: int, key: tuple, value: Any) -> None:
-        self.mailbox.put(step, src, key, value)
-
-    def abort(self, step: int, why: str) -> None:
-        self.mailbox.abort(step, why)
-
-    def run_step(self, step: int, timeout: float, kept_step: int, kept: Mapping[int, int],
-                 refs: Sequence[int], *values: Any) -> tuple[dict, list, float]:
-        """One step: ``refs[i] -> values[i]`` (resolved by Ray) and ``kept``: argument ref
-        -> the ref of a result of step ``kept_step`` that this actor kept (the results of
-        other steps are dropped: a step that failed elsewhere is never reused).
-
-        Returns:
-            (this stage's step results as numpy, task records on the ``time.time()``
-            clock, seconds the stage spent).
-        """
-        import jax
-
-        from rhino.runtime.timeline import TaskRecord
-
-        self.mailbox.start(step)
-        t0 = time.perf_counter()
-        args = dict(zip(refs, values))
-        self.kept = {kept_step: self.kept[kept_step]} if kept_step in self.kept else {}
-        mine = self.kept.get(kept_step, {})
-        missing = [r for r, o in kept.items() if o not in mine]
-        if missing:
-            raise ExecutorError(f"stage {self.stage}: the driver referred to kept results "
-                                f"of step {kept_step} for arguments {missing}; this actor "
-                                f"does not have them")
-        args.update({r: mine[o] for r, o in kept.items()})
-        transport = RayTransport(self.mailbox, self.peers, step)
-        outs, records = self.worker.run_step(args, transport, timeout)
-        jax.block_until_ready(outs)
-        self.kept[step] = dict(outs)
-        host = {r: np.asarray(x) for r, x in outs.items()}
-        # perf_counter is per machine: move the records to the wall clock.
-        shift = time.time() - time.perf_counter()
-        records = [TaskRecord(r.stage, r.label, r.start + shift, r.end + shift, r.microbatch,
-                              r.kind) for r in records]
-        return host, records, time.perf_counter() - t0
-
-
-# --------------------------------------------------------------------------- driver side
 class RayExecutor:
-    """All stages as Ray actors, one per stage (same interface as ``LocalExecutor``).
+    """Every stage as Ray actors, one per host of its mesh (same interface as
+    ``LocalExecutor``).
 
     Args:
         specs: one ``WorkerSpec`` per stage, in stage order.
-        cluster: the plan's ``Cluster`` (for messages).
-        timeout: seconds any one wait may take (a value from another stage, creating the
-            actors); a step may take ``2 × timeout``.
+        cluster: the plan's ``Cluster`` (hosts per stage, the node check, messages).
+        timeout: seconds any one wait may take (a value from another stage, starting the
+            actors, joining a job); a step may take ``2 × timeout``.
         address: the Ray cluster (see ``init``); None: the one this process is connected
             to, else ``$RAY_ADDRESS``, else a new local cluster.
         actor_options: extra ``.options(...)`` for every actor (e.g. ``num_gpus``,
-            ``resources``); default ``num_cpus=1``, ``scheduling_strategy="SPREAD"``.
-        reuse_state: do not resend state an actor returned last step (identity).
+            ``resources``); default ``num_cpus=1``, ``scheduling_strategy="SPREAD"``. With
+            ``num_gpus`` the actor uses the GPUs Ray gives it (no forced host devices).
+        reuse_state: do not resend state an actor kept from last step.
         connect_timeout: seconds to reach the cluster (``init``; default
             ``min(timeout, CONNECT_TIMEOUT_S)``).
+        hosts: host processes per stage (default ``hosts_per_stage``).
+        keep_state: results with dimensions stay on the actors (``RemoteArray``).
 
     Usable as a context manager (``close()`` on exit). An executor that failed for good (a
     dead actor, a stage that did not stop) kills its actors at once.
 
     Attributes:
-        actors: the actor handles by stage; last_records: the last step's task records
-        (``time.time()`` clock); last_step_s: its wall-clock seconds on the driver;
-        last_stage_s: seconds each stage spent in it; last_sent_bytes: bytes the driver put
-        in the object store for it; last_kept: arguments an actor reused instead;
+        actors: every actor, stage by stage (``groups``: per stage); owners: (stage, host)
+        per actor; last_records: the last step's task records (``time.time()`` clock, the
+        first host's); last_step_s: its wall-clock seconds on the driver; last_stage_s:
+        seconds each stage spent in it; last_sent_bytes / last_received_bytes: bytes the
+        driver put in the object store for it / received from it (fetches included);
+        last_kept: arguments an actor reused instead; warm_up_s: the zeros step per actor;
         info: the ``RayInfo``.
     """
 
     def __init__(self, specs: Sequence[Any], cluster: Any = None,
                  timeout: float = DEFAULT_TIMEOUT_S, address: str | None = None,
                  actor_options: Mapping[str, Any] | None = None, reuse_state: bool = True,
-                 connect_timeout: float | None = None):
-        ray = _ray()
+                 connect_timeout: float | None = None, hosts: Sequence[int] | None = None,
+                 keep_state: bool = True):
+        ray = import_ray()
         self.info = init(address, timeout=connect_timeout or min(timeout, CONNECT_TIMEOUT_S))
         self.specs = list(specs)
         self.cluster = cluster
         self.timeout = timeout
-        self.reuse_state = reuse_state
+        self.reuse_state, self.keep_state = reuse_state, keep_state
+        self.hosts = list(hosts) if hosts is not None else hosts_per_stage(self.specs, cluster)
         self.last_records: list = []
         self.last_step_s = 0.0
         self.last_stage_s: list[float] = []
-        self.last_sent_bytes = 0
-        self.last_kept = 0
+        self.last_sent_bytes = self.last_received_bytes = self.last_kept = 0
         self._step = 0
         self._closed = False
         self._broken: str | None = None
+        self._lock = threading.RLock()   # one step or fetch at a time (collectives' order)
         self._inflight: list = []                           # the last step's run_step calls
         self._puts: dict[int, tuple[Any, Any]] = {}      # id -> (jax array, ObjectRef)
-        self._returned: dict[int, tuple[Any, int, int]] = {}  # id -> (array, stage, ref)
-        self._returned_step = 0                                # the step they came from
+        # id -> (0-d array, stage, ref, step) of the last step's results sent back whole
+        self._returned: dict[int, tuple[Any, int, int, int]] = {}
+        self._dropped: list[tuple[int, int, int]] = []  # (stage, step, ref) handles dropped
+        self._failed_steps: list[int] = []               # their results are dropped too
+        self._check_plan(ray)
         cls = ray.remote(StageActor)
-        self.actors = []
+        self.actors, self.groups, self.owners = [], [], []
         self._cpus = 0.0
         try:
-            for spec in self.specs:
-                n = int(np.prod(spec.mesh_shape))
+            per_host = []
+            for s, spec in enumerate(self.specs):
+                n, h = int(np.prod(spec.mesh_shape)), self.hosts[s]
+                per_host.append(n // h)
                 opts = {"num_cpus": 1, "max_concurrency": ACTOR_CONCURRENCY,
-                        "scheduling_strategy": "SPREAD", "max_restarts": 0,
-                        "runtime_env": {"env_vars": {"XLA_FLAGS": xla_flags(n)}}}
+                        "scheduling_strategy": "SPREAD", "max_restarts": 0}
                 opts.update(actor_options or {})
-                self._cpus += float(opts.get("num_cpus") or 0)
-                self.actors.append(cls.options(**opts).remote(spec, n))
-            self._describe = self._collect([a.describe.remote() for a in self.actors],
-                                           "creating the stage actor", timeout)
+                if not opts.get("num_gpus") and "runtime_env" not in (actor_options or {}):
+                    opts["runtime_env"] = {"env_vars": {"XLA_FLAGS": xla_flags(n // h)}}
+                self._cpus += h * float(opts.get("num_cpus") or 0)
+                group = [cls.options(**opts).remote(spec.stage, r, h) for r in range(h)]
+                self.groups.append(group)
+                self.actors.extend(group)
+                self.owners.extend((s, r) for r in range(h))
+            multi = [s for s, g in enumerate(self.groups) if len(g) > 1]
+            found = self._collect([self.groups[s][0].coordinator.remote() for s in multi],
+                                  "finding a coordinator port", timeout,
+                                  [(s, 0) for s in multi], close=True)
+            coord = dict(zip(multi, found))
+            blobs = [ray.cloudpickle.dumps(spec) for spec in self.specs]
+            self._describe = self._collect(
+                [a.setup.remote(blobs[s], per_host[s], coord.get(s), timeout)
+                 for a, (s, _) in zip(self.actors, self.owners)],
+                "starting the stage", timeout, self.owners, close=True)
+            peers = self._collect([a.set_peers.remote(self.groups) for a in self.actors],
+                                  "introducing the stages", timeout, self.owners, close=True)
+            del peers
+            self.warm_up_s = self._collect([a.warm_up.remote(timeout) for a in self.actors],
+                                           "warming up the stage", 2 * timeout, self.owners,
+                                           close=True)
         except BaseException:  # Ctrl-C included: never leave actors behind
             self.close()
             raise
-        for a in self.actors:
-            a.set_peers.remote(self.actors)
-        self._args = [tuple(d["args"]) for d in self._describe]
+        self._args = [tuple(self._describe[self.owners.index((s, 0))]["args"])
+                      for s in range(len(self.specs))]
 
     def __enter__(self) -> "RayExecutor":
         return self
@@ -474,10 +262,30 @@ class RayExecutor:
         self.close()
 
     # ------------------------------------------------------------------ helpers
-    def _collect(self, refs: list, what: str, timeout: float) -> list:
-        """Results of one call per stage; on failure, every failed stage named (in stage
-        order, after giving the others a few seconds to fail too) and the actors killed."""
-        ray = _ray()
+    def _check_plan(self, ray) -> None:
+        """Hosts per stage divide its mesh; a multi-node cluster has the plan's hosts."""
+        for s, (spec, h) in enumerate(zip(self.specs, self.hosts)):
+            n = int(np.prod(spec.mesh_shape))
+            if h < 1 or n % h:
+                raise ExecutorError(f"stage {s}: expected a number of hosts dividing its "
+                                    f"{n} devices, found {h}", stage=s)
+        nodes = self.info.nodes
+        need = getattr(self.cluster, "hosts", None) or max(self.hosts)
+        if nodes > 1 and nodes < need:
+            raise ExecutorError(f"the plan's cluster {self.cluster} has {need} hosts, the Ray "
+                                f"cluster {nodes} alive nodes; expected one node per host (or "
+                                f"a single node, where hosts are simulated by actors)")
+
+    def _label(self, owner: tuple[int, int]) -> str:
+        s, r = owner
+        return f"stage {s}" + (f" (host {r})" if self.hosts[s] > 1 else "")
+
+    def _collect(self, refs: list, what: str, timeout: float,
+                 owners: Sequence[tuple[int, int]], close: bool = False) -> list:
+        """Results of one call per actor; on failure, every failed actor named (in order,
+        after giving the others a few seconds to fail too), the actors killed if ``close``
+        or one died."""
+        ray = import_ray()
         pending = list(refs)
         deadline = time.monotonic() + timeout
         try:
@@ -492,26 +300,29 @@ class RayExecutor:
         except Exception as first:
             ray.wait(refs, num_returns=len(refs), timeout=min(timeout, 10.0))
             errors = []
-            for s, r in enumerate(refs):
+            for k, r in enumerate(refs):
                 try:
                     ray.get(r, timeout=0)
                 except ray.exceptions.GetTimeoutError:
                     continue
                 except Exception as e:
-                    errors.append((s, e))
-            self.close()
+                    errors.append((k, e))
+            if close or any(_is_dead(ray, e) for _, e in errors):
+                self._fail(f"{what} failed")
             if not errors:
                 raise ExecutorError(f"{what}: {_why(ray, first)}") from first
-            msgs = [f"stage {s}: {what} failed: {_why(ray, e)}" for s, e in errors]
+            msgs = [f"{self._label(owners[k])}: {what} failed: "
+                    f"{_unlabelled(_why(ray, e), self._label(owners[k]))}" for k, e in errors]
             more = f" (other stages: {'; '.join(msgs[1:])})" if len(msgs) > 1 else ""
-            raise ExecutorError(msgs[0] + more, stage=errors[0][0],
+            raise ExecutorError(msgs[0] + more, stage=owners[errors[0][0]][0],
                                 failure=Failure.PROGRAM) from errors[0][1]
-        waiting = [s for s, r in enumerate(refs) if r in pending]
+        waiting = [owners[k] for k, r in enumerate(refs) if r in pending]
         hint = self._resources_hint(ray)
-        self.close()
-        raise ExecutorError(f"stage {waiting[0]}: {what} did not finish within "
-                            f"{timeout:.0f} s (stages waiting: {waiting}){hint}",
-                            stage=waiting[0], failure=Failure.STALLED)
+        self._fail(f"{what} did not finish")
+        raise ExecutorError(f"{self._label(waiting[0])}: {what} did not finish within "
+                            f"{timeout:.0f} s (waiting: "
+                            f"{', '.join(self._label(w) for w in waiting)}){hint}",
+                            stage=waiting[0][0], failure=Failure.STALLED)
 
     def _resources_hint(self, ray) -> str:
         """Why actors may wait: too few free CPUs (e.g. held by executors not closed)."""
@@ -528,24 +339,45 @@ class RayExecutor:
 
     def _put(self, ray, x: Any, keep: dict) -> Any:
         """``x`` in the object store; a jax array (immutable) passed again as the same object
-        reuses its ``ObjectRef``. ``keep`` collects this step's reusable entries."""
+        reuses its ``ObjectRef``. ``keep`` collects this step's reusable entries. A
+        ``RemoteArray`` is fetched first."""
         import jax
 
         hit = keep.get(id(x)) or self._puts.get(id(x))
         if hit is not None and hit[0] is x:
             keep[id(x)] = hit
             return hit[1]
-        host = np.asarray(x)
+        host = x.fetch() if isinstance(x, RemoteArray) else np.asarray(x)
         self.last_sent_bytes += host.nbytes
         ref = ray.put(host)
-        if isinstance(x, jax.Array):
+        if isinstance(x, (jax.Array, RemoteArray)):
             keep[id(x)] = (x, ref)
         return ref
+
+    def _kept_ref(self, x: Any, stage: int) -> tuple[int, int] | None:
+        """(step, ref) under which ``stage``'s actors keep ``x``, if they do."""
+        if not self.reuse_state:
+            return None
+        if isinstance(x, RemoteArray):
+            return (x.step, x.ref) if x.executor is self and x.stage == stage else None
+        back = self._returned.get(id(x))
+        if back is not None and back[0] is x and back[1] == stage:
+            return (back[3], back[2])
+        return None
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise ExecutorError("the Ray executor is closed")
+        if self._broken:
+            raise ExecutorError(f"the Ray executor failed earlier and cannot run more steps: "
+                                f"{self._broken}; its actors were released, build a new step "
+                                f"(rhino.auto_parallel(...)) to start fresh ones")
 
     # ------------------------------------------------------------------ one step
     def run(self, flat_args: Sequence[Any]) -> dict[int, Any]:
         """One step: flat arguments in, ``ref -> value`` of the step's stage results out
-        (jax arrays on this process's default device).
+        (0-d: jax arrays on this process's default device; others ``RemoteArray``, or jax
+        arrays with ``keep_state=False``).
 
         Raises:
             ExecutorError: a stage failed, its actor died, or the step did not finish within
@@ -553,58 +385,136 @@ class RayExecutor:
                 earlier.
             KeyboardInterrupt: interrupted (the step is aborted on every actor).
         """
+        with self._lock:
+            return self._run(flat_args)
+
+    def _run(self, flat_args: Sequence[Any]) -> dict[int, Any]:
         import jax.numpy as jnp
 
-        ray = _ray()
-        if self._closed:
-            raise ExecutorError("the Ray executor is closed")
+        ray = import_ray()
+        self._usable()
         self._settle(ray)
-        if self._broken:
-            raise ExecutorError(f"the Ray executor failed earlier and cannot run more steps: "
-                                f"{self._broken}; its actors were released, build a new step "
-                                f"(rhino.auto_parallel(...)) to start fresh ones")
-        self._step += 1
-        step = self._step
+        self._usable()
         t0 = time.perf_counter()
         keep: dict[int, tuple[Any, Any]] = {}
-        self.last_sent_bytes, self.last_kept = 0, 0
-        calls = []
-        for s, actor in enumerate(self.actors):
+        self.last_sent_bytes = self.last_received_bytes = self.last_kept = 0
+        shared = self._share(flat_args)
+        per_stage = []
+        for s in range(len(self.groups)):
             kept, refs, values = {}, [], []
             for r in self._args[s]:
                 x = flat_args[r]
-                back = self._returned.get(id(x))
-                if self.reuse_state and back is not None and back[0] is x and back[1] == s:
-                    kept[r] = back[2]
+                k = self._kept_ref(x, s)
+                if k is not None:
+                    kept[r] = k
                     self.last_kept += 1
                     continue
                 refs.append(r)
-                values.append(self._put(ray, x, keep))
-            calls.append(actor.run_step.remote(step, self.timeout, self._returned_step,
-                                               kept, tuple(refs), *values))
+                mine = isinstance(x, RemoteArray) and x.executor is self
+                key = (x.stage, x.step, x.ref) if mine else None
+                values.append(shared[key] if key in shared else self._put(ray, x, keep))
+            per_stage.append((kept, tuple(refs), values))
+        self._step += 1
+        step = self._step
+        release: dict[int, list[tuple[int, int]]] = {}
+        while self._dropped:
+            s, k, r = self._dropped.pop()
+            release.setdefault(s, []).append((k, r))
+        failed, self._failed_steps = self._failed_steps, []
+        calls = [a.run_step.remote(step, self.timeout, per_stage[s][0], release.get(s, []),
+                                   failed, self.keep_state, per_stage[s][1], *per_stage[s][2])
+                 for a, (s, _) in zip(self.actors, self.owners)]
         self._puts = keep
         self._inflight = calls
         try:
             results = self._wait_step(ray, step, calls)
-        except KeyboardInterrupt:
+        except BaseException:
+            self._failed_steps.append(step)
+            if not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+                raise
             self._abort(step, "interrupted (KeyboardInterrupt)")
             raise
         self._inflight = []
         outs: dict[int, Any] = {}
-        returned: dict[int, tuple[Any, int, int]] = {}
+        returned: dict[int, tuple[Any, int, int, int]] = {}
         records = []
-        self.last_stage_s = []
-        for s, (host, rec, secs) in enumerate(results):
+        self.last_stage_s = [0.0] * len(self.groups)
+        for (s, rank), (host, meta, rec, secs) in zip(self.owners, results):
+            self.last_stage_s[s] = max(self.last_stage_s[s], secs)
+            if rank:
+                continue
             for r, v in host.items():
+                self.last_received_bytes += v.nbytes
                 x = jnp.asarray(v)
                 outs[r] = x
-                returned[id(x)] = (x, s, r)
+                returned[id(x)] = (x, s, r, step)
+            for r, (shape, dtype) in meta.items():
+                outs[r] = RemoteArray(self, s, r, step, shape, dtype)
             records.extend(rec)
-            self.last_stage_s.append(secs)
-        self._returned, self._returned_step = returned, step
+        self._returned = returned
         self.last_records = records
         self.last_step_s = time.perf_counter() - t0
         return outs
+
+    def _share(self, flat_args: Sequence[Any]) -> dict[tuple[int, int], Any]:
+        """Results one stage kept last step that another stage reads now (a weight used on
+        several stages): put in the holder's object store by its actors, so they go from
+        actor to actor, not through the driver. (stage, ref) -> ``ObjectRef``."""
+        wanted: dict[int, set[tuple[int, int]]] = {}
+        for s in range(len(self.groups)):
+            for r in self._args[s]:
+                x = flat_args[r]
+                if isinstance(x, RemoteArray) and x.executor is self and \
+                        self._kept_ref(x, s) is None:
+                    wanted.setdefault(x.stage, set()).add((x.step, x.ref))
+        if not wanted:
+            return {}
+        calls, owners = [], []
+        for s, keys in sorted(wanted.items()):
+            for rank, a in enumerate(self.groups[s]):
+                calls.append(a.share.remote(tuple(sorted(keys))))
+                owners.append((s, rank))
+        got = self._collect(calls, "sharing results with other stages", self.timeout, owners)
+        return {(s, *k): ref for (s, rank), d in zip(owners, got) if rank == 0
+                for k, ref in d.items()}
+
+    def fetch(self, handles: Sequence[RemoteArray]) -> list[np.ndarray]:
+        """The values of ``handles`` (this executor's, of its last step) as numpy.
+
+        Raises:
+            ExecutorError: a handle of another step (released) or executor, the executor is
+                closed, or an actor failed or did not answer within ``timeout``.
+        """
+        with self._lock:
+            self._usable()
+            wanted: dict[int, list[int]] = {}
+            for h in handles:
+                if h.executor is not self:
+                    raise ExecutorError(f"fetch: expected results of this executor, found "
+                                        f"{h!r} of another")
+                wanted.setdefault(h.stage, []).append((h.step, h.ref))
+            calls, owners = [], []
+            for s, keys in wanted.items():
+                for r, a in enumerate(self.groups[s]):
+                    calls.append(a.fetch.remote(tuple(dict.fromkeys(keys))))
+                    owners.append((s, r))
+            got = self._collect(calls, "fetching results", self.timeout, owners)
+            values: dict[tuple[int, int, int], np.ndarray] = {}
+            for (s, rank), d in zip(owners, got):
+                if rank == 0:
+                    for k, v in d.items():
+                        values[(s, *k)] = v
+                        self.last_received_bytes += v.nbytes
+            return [values[(h.stage, h.step, h.ref)] for h in handles]
+
+    def collectives(self) -> list[dict]:
+        """Per stage, its first host's ``StageWorker.collectives()`` (compiled programs)."""
+        with self._lock:
+            self._usable()
+            firsts = [g[0] for g in self.groups]
+            return self._collect([a.collectives.remote() for a in firsts],
+                                 "reading the compiled programs", self.timeout,
+                                 [(s, 0) for s in range(len(firsts))])
 
     def _settle(self, ray) -> None:
         """Before a step: the last step's calls must have ended (an interrupted step's
@@ -618,16 +528,16 @@ class RayExecutor:
             _, pending = ray.wait(pending, num_returns=len(pending),
                                   timeout=threads.WAIT_SLICE_S)
         if pending:
-            stuck = [s for s, c in enumerate(calls) if c in pending]
+            stuck = sorted({self.owners[k][0] for k, c in enumerate(calls) if c in pending})
             self._fail(f"stage(s) {stuck} still running step {self._step} "
                        f"{ABORT_GRACE_S:.0f} s after it was aborted")
         self._inflight = []
 
     def _wait_step(self, ray, step: int, calls: list) -> list:
-        """Every stage's result, or ``ExecutorError`` for the root cause (see the module
+        """Every actor's result, or ``ExecutorError`` for the root cause (see the module
         docstring): a dead actor raises at once; otherwise the other stages, aborted, get
         ``ABORT_GRACE_S`` to stop so that the actors are idle before the next step."""
-        pending = {c: s for s, c in enumerate(calls)}
+        pending = {c: k for k, c in enumerate(calls)}
         results: dict[int, Any] = {}
         errors: list[ExecutorError] = []
         start = time.monotonic()
@@ -635,7 +545,7 @@ class RayExecutor:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                stuck = sorted(pending.values())
+                stuck = sorted({self.owners[k][0] for k in pending.values()})
                 took = time.monotonic() - start
                 errors += [ExecutorError(f"stage {s}: the step did not finish within "
                                          f"{took:.0f} s", stage=s, failure=Failure.STALLED)
@@ -646,11 +556,12 @@ class RayExecutor:
             ready = ray.wait(list(pending), num_returns=1,
                              timeout=min(left, threads.WAIT_SLICE_S))[0]
             for c in ready:
-                s = pending.pop(c)
+                k = pending.pop(c)
+                s = self.owners[k][0]
                 try:
-                    results[s] = ray.get(c, timeout=0)
+                    results[k] = ray.get(c, timeout=0)
                 except Exception as e:
-                    errors.append(_stage_error(ray, s, e))
+                    errors.append(_stage_error(ray, s, e, self._label(self.owners[k])))
                     if len(errors) == 1:
                         self._abort(step, str(errors[-1]))
                         deadline = min(deadline, time.monotonic() + ABORT_GRACE_S)
@@ -660,7 +571,7 @@ class RayExecutor:
                         break
         if errors:
             raise root_cause(errors)
-        return [results[s] for s in range(len(calls))]
+        return [results[k] for k in range(len(calls))]
 
     def _abort(self, step: int, why: str) -> None:
         for a in self.actors:
@@ -677,7 +588,7 @@ class RayExecutor:
         self._kill_actors()
 
     def _kill_actors(self) -> None:
-        ray = _ray()
+        ray = import_ray()
         for a in self.actors:
             try:
                 ray.kill(a)
@@ -686,7 +597,7 @@ class RayExecutor:
         self._inflight = []
 
     def close(self) -> None:
-        """Kill the actors (idempotent)."""
+        """Kill the actors (idempotent); their ``RemoteArray`` results are gone."""
         if self._closed:
             return
         self._closed = True
@@ -695,6 +606,15 @@ class RayExecutor:
         finally:
             self._puts.clear()
             self._returned.clear()
+
+
+def _unlabelled(text: str, label: str) -> str:
+    """``text`` without a leading ``label: ``.
+
+    >>> _unlabelled("stage 1: expected 4 devices", "stage 1")
+    'expected 4 devices'
+    """
+    return text[len(label) + 2:] if text.startswith(label + ": ") else text
 
 
 def _is_dead(ray, e: BaseException | None) -> bool:
@@ -722,13 +642,15 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RAISED = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception): )")
 
 
-def _stage_error(ray, stage: int, e: BaseException) -> ExecutorError:
-    """``stage s: ...`` as an ``ExecutorError``; a StageWorker's error already names stage
-    and task (and says what kind of failure it was)."""
+def _stage_error(ray, stage: int, e: BaseException, label: str | None = None
+                 ) -> ExecutorError:
+    """``stage s: ...`` (``label``) as an ``ExecutorError``; a StageWorker's error already
+    names stage and task (and says what kind of failure it was)."""
     why = _why(ray, e)
+    label = label or f"stage {stage}"
     cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
     named = isinstance(cause, ExecutorError) and cause.stage is not None
-    msg = why if named or why.startswith(f"stage {stage}") else f"stage {stage}: {why}"
+    msg = why if named or why.startswith(f"stage {stage}") else f"{label}: {why}"
     out = ExecutorError(msg, stage=cause.stage if named else stage,
                         failure=(cause.failure if isinstance(cause, ExecutorError) else None)
                         or Failure.PROGRAM)

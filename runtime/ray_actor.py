@@ -1,0 +1,295 @@
+"""The actor side of the Ray executor: one ``StageActor`` per host of a stage's mesh.
+
+A stage whose mesh sits on one host is one actor holding that many devices. A stage whose
+mesh spans ``H`` hosts is ``H`` actors, one per host, each holding that host's devices;
+together they form one ``jax.distributed`` job (the coordinator on the first actor, a free
+port of its node; gloo collectives between CPU processes) and every one of them runs the
+same stage programs on the one global mesh (multi-controller SPMD)::
+
+    stage 0 (mesh 2x4 over 2 hosts):  actor (0, host 0) ─┐ one jax.distributed job,
+                                      actor (0, host 1) ─┘ one mesh of 8 devices
+
+* Set-up is two calls: ``coordinator()`` on the first actor of a multi-host stage (its node's
+  address and a free port), then ``setup(...)`` on every actor at once: joining the job
+  (bounded by ``timeout``), unpickling the ``WorkerSpec`` only after that (a step that
+  closes over arrays would otherwise start the backend first), building the
+  ``StageWorker`` and compiling its programs, so the first step is not a compile.
+* Sending a value to another stage: every actor of the sending stage takes part in making
+  it one host array (an all-gather across its processes where the value is split across
+  hosts); the first actor puts it in the object store once and delivers the reference to
+  every actor of the receiving stage (Ray fetches it once per receiving node). Each
+  receiving actor places its own shards.
+* Results stay in the actors (``kept``, by (step, ref)). What goes back to the driver per
+  step: 0-d results (losses, counters, metrics) as numpy, kept one step more (the driver may
+  pass them back), and the shape and dtype of the others, kept until the driver releases
+  them (its handle was dropped, or the step failed elsewhere); ``fetch`` returns them.
+* Collectives of one job must be entered in the same order by all its processes: the driver
+  runs one step or one fetch at a time per executor, and an actor runs them on one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from rhino.runtime.executor import ExecutorError, Failure
+from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray
+
+
+def host_value(x: Any) -> np.ndarray:
+    """A jax array's whole value as numpy. Where it is split across processes, every
+    process of the job must call this (an all-gather); the answer is the same on each."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+class RayTransport:
+    """The ``Transport`` of one actor for one step (see the module docstring).
+
+    Args:
+        mailbox: this actor's ``Mailbox``; peers: per stage, the handles of its actors;
+        rank: this actor's host within its stage (0 sends); step: the step number.
+    """
+
+    def __init__(self, mailbox: "Mailbox", peers: Sequence[Sequence[Any]], rank: int,
+                 step: int):
+        self.mailbox, self.peers, self.rank, self.step = mailbox, peers, rank, step
+
+    def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
+        host = host_value(value)
+        if self.rank != 0:
+            return
+        if host.nbytes > INLINE_BYTES:
+            # A top-level ObjectRef argument: Ray fetches it to the receiver's node before
+            # deliver runs (the copy overlaps the receiver's compute).
+            host = import_ray().put(host)
+        for peer in self.peers[dst]:
+            peer.deliver.remote(self.step, src, key, host)
+
+    def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
+        return self.mailbox.take(self.step, src, key, timeout)
+
+
+class Mailbox:
+    """Values delivered to one stage, per (step, source stage, key); ``abort`` poisons a
+    step so that every waiting ``take`` raises at once."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._box: dict[tuple, Any] = {}
+        self._aborted: dict[int, str] = {}
+
+    def put(self, step: int, src: int, key: tuple, value: Any) -> None:
+        with self._cond:
+            self._box[(step, src, key)] = value
+            self._cond.notify_all()
+
+    def take(self, step: int, src: int, key: tuple, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        k = (step, src, key)
+        with self._cond:
+            while k not in self._box:
+                if step in self._aborted:
+                    raise ExecutorError(f"aborted: {self._aborted[step]}",
+                                        failure=Failure.ABORTED)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no value {key} from stage {src} after "
+                                       f"{timeout:.0f} s")
+                self._cond.wait(left)
+            return self._box.pop(k)
+
+    def abort(self, step: int, why: str) -> None:
+        with self._cond:
+            self._aborted[step] = why
+            self._cond.notify_all()
+
+    def start(self, step: int) -> None:
+        """Forget the values and aborts of earlier steps."""
+        with self._cond:
+            for k in [k for k in self._box if k[0] < step]:
+                del self._box[k]
+            for s in [s for s in self._aborted if s < step]:
+                del self._aborted[s]
+
+
+class StageActor:
+    """One host of one stage, in its own process (wrapped by ``ray.remote`` at run time).
+
+    Args:
+        stage: the stage; rank: this host within the stage; hosts: the stage's hosts.
+    """
+
+    def __init__(self, stage: int, rank: int = 0, hosts: int = 1):
+        self.stage, self.rank, self.hosts = stage, rank, hosts
+        self.where = f"stage {stage}" + (f" (host {rank} of {hosts})" if hosts > 1 else "")
+        self.worker = None
+        self.mailbox = Mailbox()
+        self.peers: list[list[Any]] = []
+        self.kept: dict[tuple[int, int], Any] = {}  # (step, ref) -> a result (jax array)
+        self.inline: set[tuple[int, int]] = set()    # those sent back whole
+        self.args: tuple[int, ...] = ()
+        self.outputs: tuple[int, ...] = ()
+
+    def coordinator(self) -> str:
+        """``host:port`` for the stage's ``jax.distributed`` job: this node, a free port."""
+        ray = import_ray()
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ip}:{port}"
+
+    def setup(self, spec_blob: bytes, devices: int, coordinator: str | None,
+              timeout: float) -> dict:
+        """Join the stage's job (several hosts), build the stage worker on this host's
+        ``devices`` devices (of the global mesh), compile its programs; ``describe()``."""
+        import jax
+
+        if self.hosts > 1:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            try:
+                jax.distributed.initialize(coordinator, num_processes=self.hosts,
+                                           process_id=self.rank,
+                                           initialization_timeout=max(1, int(timeout)))
+            except Exception as e:
+                raise ExecutorError(f"{self.where}: could not join the stage's "
+                                    f"jax.distributed job at {coordinator} within "
+                                    f"{timeout:.0f} s: {type(e).__name__}: {e}",
+                                    stage=self.stage, failure=Failure.PROGRAM) from e
+        spec = import_ray().cloudpickle.loads(spec_blob)
+        local = jax.local_devices()
+        if len(local) < devices:
+            raise ExecutorError(f"{self.where}: expected {devices} devices in the actor, "
+                                f"found {len(local)} (XLA_FLAGS="
+                                f"{os.environ.get('XLA_FLAGS', '')!r})", stage=self.stage,
+                                failure=Failure.PROGRAM)
+        if self.hosts > 1:
+            if jax.local_device_count() != devices or jax.process_count() != self.hosts:
+                raise ExecutorError(f"{self.where}: expected {self.hosts} processes × "
+                                    f"{devices} devices in the job, found "
+                                    f"{jax.process_count()} × {jax.local_device_count()}",
+                                    stage=self.stage, failure=Failure.PROGRAM)
+            # Host-major: the mesh's first axis runs across hosts, as the plan assumes.
+            mesh_devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        else:
+            mesh_devices = local[:devices]
+        split = spec.split()
+        self.worker = spec.build(mesh_devices, split)
+        self.outputs = tuple(o.ref for o in split.outputs if o.producer is not None
+                             and o.producer[1] == self.stage and o.source in ("task", "acc"))
+        self.args = split.stage_args(self.stage)
+        return self.describe()
+
+    def describe(self) -> dict:
+        import jax
+
+        return {"stage": self.stage, "rank": self.rank, "hosts": self.hosts,
+                "args": self.args, "outputs": self.outputs, "pid": os.getpid(),
+                "host": socket.gethostname(), "devices": jax.local_device_count(),
+                "global_devices": jax.device_count(),
+                "platform": jax.devices()[0].platform}
+
+    def set_peers(self, peers: Sequence[Sequence[Any]]) -> None:
+        self.peers = [list(g) for g in peers]
+
+    def deliver(self, step: int, src: int, key: tuple, value: Any) -> None:
+        self.mailbox.put(step, src, key, value)
+
+    def abort(self, step: int, why: str) -> None:
+        self.mailbox.abort(step, why)
+
+    def warm_up(self, timeout: float) -> float:
+        """Run the stage once on zeros (step 0, results dropped): every program compiled
+        and every collective's communicator set up before the first step. Seconds."""
+        t0 = time.perf_counter()
+        self.mailbox.start(0)
+        transport = RayTransport(self.mailbox, self.peers, self.rank, 0)
+        outs, _ = self.worker.run_step(self.worker.zero_args(), transport, timeout)
+        import jax
+
+        jax.block_until_ready(outs)
+        return time.perf_counter() - t0
+
+    def collectives(self) -> dict:
+        """Per compiled program of this stage, ``kind -> (count, bytes)``."""
+        return self.worker.collectives()
+
+    def run_step(self, step: int, timeout: float, kept: Mapping[int, tuple[int, int]],
+                 release: Sequence[tuple[int, int]], drop_steps: Sequence[int],
+                 keep_arrays: bool, refs: Sequence[int], *values: Any) -> tuple:
+        """One step: ``refs[i] -> values[i]`` (resolved by Ray) and ``kept``: argument ref
+        -> (step, ref) of a result this actor kept. First drops the results ``release``
+        names, those of ``drop_steps`` (failed elsewhere) and 0-d ones older than the last
+        step.
+
+        Returns:
+            (results sent back: ref -> numpy (0-d ones only with ``keep_arrays``), the
+            others' ref -> (shape, dtype name), task records on the ``time.time()`` clock,
+            seconds the stage spent); the host values only from the stage's first host.
+        """
+        import jax
+
+        self.mailbox.start(step)
+        t0 = time.perf_counter()
+        gone = set(release) | {k for k in self.kept if k[0] in set(drop_steps)} | \
+            {k for k in self.inline if k[0] < step - 1}
+        for k in gone:
+            self.kept.pop(k, None)
+            self.inline.discard(k)
+        args = dict(zip(refs, values))
+        missing = [r for r, k in kept.items() if tuple(k) not in self.kept]
+        if missing:
+            raise ExecutorError(f"{self.where}: the driver referred to kept results for "
+                                f"arguments {missing}; this actor does not have them")
+        args.update({r: self.kept[tuple(k)] for r, k in kept.items()})
+        transport = RayTransport(self.mailbox, self.peers, self.rank, step)
+        outs, records = self.worker.run_step(args, transport, timeout)
+        jax.block_until_ready(outs)
+        host, meta = {}, {}
+        for r, x in outs.items():
+            self.kept[(step, r)] = x
+            if keep_arrays and np.ndim(x) > 0:
+                meta[r] = (tuple(x.shape), str(x.dtype))
+            else:
+                host[r] = host_value(x)
+                self.inline.add((step, r))
+        secs = time.perf_counter() - t0
+        if self.rank != 0:
+            return {}, meta, [], secs
+        # perf_counter is per machine: move the records to the wall clock.
+        shift = time.time() - time.perf_counter()
+        records = [dataclasses.replace(r, start=r.start + shift, end=r.end + shift)
+                   for r in records]
+        return host, meta, records, secs
+
+    def share(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+        """The kept results ``keys`` ((step, ref)) put in this node's object store, for
+        another stage to read as arguments without passing through the driver: key ->
+        ``ObjectRef`` (from the first host; every host takes part in gathering)."""
+        values = self.fetch(keys)
+        if self.rank != 0:
+            return {}
+        ray = import_ray()
+        return {r: ray.put(v) for r, v in values.items()}
+
+    def fetch(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
+        """The kept results ``keys`` ((step, ref)) as numpy (every host of the stage takes
+        part; the first returns them)."""
+        missing = [tuple(k) for k in keys if tuple(k) not in self.kept]
+        if missing:
+            raise ExecutorError(f"{self.where}: expected kept results (step, ref) "
+                                f"{missing}, found none (released)", stage=self.stage)
+        out = {tuple(k): host_value(self.kept[tuple(k)]) for k in keys}
+        return out if self.rank == 0 else {}
