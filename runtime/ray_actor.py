@@ -198,7 +198,7 @@ class StageActor:
         return {"stage": self.stage, "rank": self.rank, "hosts": self.hosts,
                 "args": self.args, "outputs": self.outputs, "pid": os.getpid(),
                 "host": socket.gethostname(), "devices": jax.local_device_count(),
-                "global_devices": jax.device_count(),
+                "global_devices": jax.device_count(), "kept": len(self.kept),
                 "platform": jax.devices()[0].platform}
 
     def set_peers(self, peers: Sequence[Sequence[Any]]) -> None:

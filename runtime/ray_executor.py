@@ -183,7 +183,8 @@ class RayExecutor:
         per actor; last_records: the last step's task records (``time.time()`` clock, the
         first host's); last_step_s: its wall-clock seconds on the driver; last_stage_s:
         seconds each stage spent in it; last_sent_bytes / last_received_bytes: bytes the
-        driver put in the object store for it / received from it (fetches included);
+        driver put in the object store for it / received from it; fetched_bytes: bytes
+        ``fetch`` brought so far;
         last_kept: arguments an actor reused instead; warm_up_s: the zeros step per actor;
         info: the ``RayInfo``.
     """
@@ -204,6 +205,7 @@ class RayExecutor:
         self.last_step_s = 0.0
         self.last_stage_s: list[float] = []
         self.last_sent_bytes = self.last_received_bytes = self.last_kept = 0
+        self.fetched_bytes = 0
         self._step = 0
         self._closed = False
         self._broken: str | None = None
@@ -504,7 +506,7 @@ class RayExecutor:
                 if rank == 0:
                     for k, v in d.items():
                         values[(s, *k)] = v
-                        self.last_received_bytes += v.nbytes
+                        self.fetched_bytes += v.nbytes
             return [values[(h.stage, h.step, h.ref)] for h in handles]
 
     def collectives(self) -> list[dict]:
