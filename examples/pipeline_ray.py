@@ -1,10 +1,13 @@
-"""Train a small GPT with a pipelined step on Ray (or locally) and check it against one device.
+"""Train a small GPT with rhino on Ray (or locally) and check it against one device.
 
-Run on a Ray cluster (see docs/ray.md)::
+By default a 2-stage pipeline on a ``2x4`` cluster (2 hosts × 4 devices: one actor per
+stage); ``--stages 1`` runs one SPMD program over the whole cluster, whose mesh spans both
+hosts (2 actors × 4 devices in one ``jax.distributed`` job). Run on a Ray cluster (see
+docs/ray.md)::
 
     ray start --head --node-ip-address 127.0.0.1 --port 6379
     ray job submit --address http://127.0.0.1:8265 --working-dir . \\
-        -- python examples/pipeline_ray.py --steps 10
+        -- python examples/pipeline_ray.py --steps 10 [--stages 1]
 
 or directly (``--address auto`` joins the cluster started by ``ray start``; no ``--address``:
 ``$RAY_ADDRESS``, else a new local Ray cluster)::
@@ -71,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                                num_microbatches=a.microbatches, schedule=a.schedule,
                                executor=a.executor, timeout=a.timeout)
     ref_step = jax.jit(m.step)
+    plan = step.plan_for(params, opt_state, batch)
+    for st in plan.stages:
+        print(f"stage {st.index}: mesh {tuple(st.mesh.shape)} on host(s) "
+              f"{','.join(map(str, st.hosts))}"
+              + (f" ({len(st.hosts)} actors, one jax.distributed job)"
+                 if a.executor == "ray" and len(st.hosts) > 1 else ""), flush=True)
 
     p1, o1, p2, o2 = params, opt_state, params, opt_state
     worst, times = 0.0, []
@@ -84,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
             ref = float(ref)
             rel = abs(loss - ref) / max(abs(ref), 1e-12)
             worst = max(worst, rel)
-            print(f"step {i}: pipelined loss {loss:.6f}  single-device loss {ref:.6f}  "
+            print(f"step {i}: rhino loss {loss:.6f}  single-device loss {ref:.6f}  "
                   f"({times[-1] * 1e3:.1f} ms)", flush=True)
         params_ok = True
-        for x, y in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2)):
+        # On Ray the state stays on the actors; rhino.fetch brings it here.
+        for x, y in zip(jax.tree_util.tree_leaves(rhino.fetch(p1)),
+                        jax.tree_util.tree_leaves(p2)):
             if not np.allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=5e-5):
                 params_ok = False
     finally:

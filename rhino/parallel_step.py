@@ -125,6 +125,7 @@ class StepOptions:
     timeout: float = DEFAULT_TIMEOUT_S
     transport: TransportKind = TransportKind.DEVICE_PUT
     ray_address: str | None = None
+    ray_actor_options: Mapping[str, Any] | None = None
     per_microbatch_statistics: bool = False
     min_split_flops: float | None = None
     progress_after_s: float = 2.0
@@ -147,6 +148,13 @@ class StepOptions:
         put("executor", ExecutorKind.parse(self.executor, "executor"))
         put("accumulate", Accumulate.parse(self.accumulate, "accumulate"))
         put("transport", TransportKind.parse(self.transport, "transport"))
+        if self.ray_actor_options is not None:
+            if not isinstance(self.ray_actor_options, Mapping):
+                raise OptionsError(f"ray_actor_options: expected a mapping of Ray actor "
+                                   f"options, found {type(self.ray_actor_options).__name__}")
+            if self.executor is not ExecutorKind.RAY:
+                raise OptionsError(f"ray_actor_options: only for executor='ray', found "
+                                   f"executor {self.executor}")
         if self.mesh_shape is not None:
             put("mesh_shape", tuple(_positive("mesh_shape entries", s, int)
                                     for s in self.mesh_shape))
@@ -691,7 +699,7 @@ class _Builder:
             from rhino.runtime.ray_executor import RayExecutor
 
             executor = RayExecutor(specs, plan.cluster, timeout=o.timeout,
-                                   address=o.ray_address,
+                                   address=o.ray_address, actor_options=o.ray_actor_options,
                                    hosts=[len(st.hosts) for st in plan.stages])
         else:
             workers = [spec.build(self._stage_devices(plan, st.devices), lowering.split)
@@ -719,6 +727,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   stages: int | Mapping[str, int] | None = None, accumulate: str = "mean",
                   batch_args: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                   transport: str = "device_put", ray_address: str | None = None,
+                  ray_actor_options: Mapping[str, Any] | None = None,
                   per_microbatch_statistics: bool = False,
                   min_split_flops: float | None = None):
     """Run a one-device training step over many devices, automatically.
@@ -778,6 +787,9 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             cross-mesh resharding, ``"broadcast"`` / ``"send_recv"``.
         ray_address: the Ray cluster for ``executor="ray"`` (default: ``rhino.init``'s,
             ``$RAY_ADDRESS``, or a new local one).
+        ray_actor_options: ``.options(...)`` of every Ray actor (one per host of each
+            stage mesh), e.g. ``{"num_gpus": 8}`` on GPU nodes (the actor then uses the GPUs
+            Ray gives it instead of simulated host devices) or ``{"resources": {...}}``.
         per_microbatch_statistics: a pipelined step that reads statistics of the whole
             batch (BatchNorm, a branch on a batch-dependent value, running statistics) is
             refused (``BatchCouplingError``) unless this accepts that each microbatch
@@ -801,6 +813,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         time_limit=time_limit, num_microbatches=num_microbatches, schedule=schedule,
         executor=executor, stages=stages, accumulate=accumulate, batch_args=batch_args,
         timeout=timeout, transport=transport, ray_address=ray_address,
+        ray_actor_options=ray_actor_options,
         per_microbatch_statistics=per_microbatch_statistics, min_split_flops=min_split_flops)
     if fn is None:
         return lambda f: ParallelStep(f, options)

@@ -284,6 +284,20 @@ class StageActor:
         ray = import_ray()
         return {r: ray.put(v) for r, v in values.items()}
 
+    def save_part(self, directory: str, names: Mapping[str, tuple[int, int]]) -> int:
+        """Write the kept results ``names`` (name -> (step, ref)) as one orbax checkpoint,
+        every host of the stage its own shards (``runtime.checkpoint``). Bytes held here."""
+        from rhino.runtime.checkpoint import write_part
+
+        missing = [n for n, k in names.items() if tuple(k) not in self.kept]
+        if missing:
+            raise ExecutorError(f"{self.where}: expected kept results for {missing}, found "
+                                f"none (released)", stage=self.stage)
+        values = {n: self.kept[tuple(k)] for n, k in names.items()}
+        write_part(directory, values)
+        return sum(int(np.prod(s.data.shape)) * s.data.dtype.itemsize
+                   for x in values.values() for s in x.addressable_shards)
+
     def fetch(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
         """The kept results ``keys`` ((step, ref)) as numpy (every host of the stage takes
         part; the first returns them)."""

@@ -228,8 +228,11 @@ class RayExecutor:
                 opts = {"num_cpus": 1, "max_concurrency": ACTOR_CONCURRENCY,
                         "scheduling_strategy": "SPREAD", "max_restarts": 0}
                 opts.update(actor_options or {})
-                if not opts.get("num_gpus") and "runtime_env" not in (actor_options or {}):
-                    opts["runtime_env"] = {"env_vars": {"XLA_FLAGS": xla_flags(n // h)}}
+                if not opts.get("num_gpus"):   # simulated host devices, unless set
+                    env = dict(opts.get("runtime_env") or {})
+                    env["env_vars"] = {"XLA_FLAGS": xla_flags(n // h),
+                                       **(env.get("env_vars") or {})}
+                    opts["runtime_env"] = env
                 self._cpus += h * float(opts.get("num_cpus") or 0)
                 group = [cls.options(**opts).remote(spec.stage, r, h) for r in range(h)]
                 self.groups.append(group)
@@ -508,6 +511,17 @@ class RayExecutor:
                         values[(s, *k)] = v
                         self.fetched_bytes += v.nbytes
             return [values[(h.stage, h.step, h.ref)] for h in handles]
+
+    def save_part(self, directory: str, stage: int,
+                  names: Mapping[str, tuple[int, int]]) -> None:
+        """``stage``'s actors write the results ``names`` (name -> (step, ref)) as one
+        orbax checkpoint at ``directory`` (``runtime.checkpoint``)."""
+        with self._lock:
+            self._usable()
+            group = self.groups[stage]
+            self._collect([a.save_part.remote(directory, dict(names)) for a in group],
+                          f"writing checkpoint part {directory}", self.timeout,
+                          [(stage, r) for r in range(len(group))])
 
     def collectives(self) -> list[dict]:
         """Per stage, its first host's ``StageWorker.collectives()`` (compiled programs)."""

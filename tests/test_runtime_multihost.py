@@ -8,6 +8,7 @@ started once for the module). Needs ray (skipped otherwise).
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -152,3 +153,93 @@ def test_remote_results_live_until_dropped(ray_cluster):
         after = ray.get(ex.groups[0][0].describe.remote())["kept"]
         n = len(jax.tree_util.tree_leaves(out))
         assert before >= 3 * n - 3 and after <= n + 2, (before, after, n)
+
+
+def test_lost_host_then_restore_continues_with_no_step_lost(ray_cluster, tmp_path):
+    """GPT over 2 hosts (2x4 SPMD), a checkpoint after every step written by the actors.
+    One host's actor is killed during step 6 of 10: the step fails naming the stage and
+    host, the actors are released; a new step restored from step 5's checkpoint finishes
+    the run, and losses and final state equal an uninterrupted run. The checkpoint then
+    restores onto 8 local devices and onto one device, exactly."""
+    import signal
+    import threading
+
+    m = get_model("gpt", **GPT)
+    params, opt = m.init(jax.random.PRNGKey(0))
+    batches = _batches(m, 10)
+    p2, o2, want = _train(jax.jit(m.step), m, params, opt, batches)
+
+    def make():
+        return rhino.auto_parallel(m.step, cluster="2x4", stages=1, executor="ray",
+                                   timeout=60.0)
+
+    losses: list[float] = []
+    step = make()
+    p, o = params, opt
+    try:
+        for i in range(10):
+            if i == 5:   # step 6: SIGKILL host 1's actor while it runs
+                ex = step._last.run.executor
+                pid = ex._describe[1]["pid"]
+                threading.Timer(0.02, os.kill, (pid, signal.SIGKILL)).start()
+                with pytest.raises(ExecutorError) as err:
+                    for _ in range(50):  # the kill lands in this step or the next call
+                        step(p, o, batches[i])
+                assert re.search(r"stage 0 \(host [01]\): the actor died", str(err.value)), \
+                    str(err.value)
+                assert all(not _alive(a) for a in ex.actors)
+                break
+            p, o, loss = step(p, o, batches[i])
+            losses.append(float(loss))
+            rhino.save_checkpoint(str(tmp_path / f"step{i + 1}"), (p, o))
+    finally:
+        step.close()
+    assert len(losses) == 5
+    p, o = rhino.restore_checkpoint(str(tmp_path / "step5"), like=(params, opt))
+    with make() as step:
+        for i in range(5, 10):
+            p, o, loss = step(p, o, batches[i])
+            losses.append(float(loss))
+        final = _leaves((p, o))
+    np.testing.assert_allclose(losses, want, rtol=1e-4, atol=5e-5)
+    for a, b in zip(final, _leaves((p2, o2))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+    # Step 5's checkpoint onto 8 local devices (sharded) and onto one device: same bits.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+    on8 = rhino.restore_checkpoint(str(tmp_path / "step5"),
+                                   shardings=NamedSharding(mesh, PartitionSpec()))
+    on1 = rhino.restore_checkpoint(str(tmp_path / "step5"))
+    assert jax.tree_util.tree_structure(on1) == jax.tree_util.tree_structure((params, opt))
+    for a, b in zip(jax.tree_util.tree_leaves(on8), jax.tree_util.tree_leaves(on1)):
+        assert len(a.sharding.device_set) == 8 and len(b.sharding.device_set) == 1
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(rhino.CheckpointError, match="expected a new directory"):
+        rhino.save_checkpoint(str(tmp_path / "step5"), (params, opt))
+    with pytest.raises(rhino.CheckpointError, match=r"leaf .*saved as"):
+        rhino.restore_checkpoint(str(tmp_path / "step5"), like=(opt, params))
+
+
+def _alive(actor) -> bool:
+    try:
+        ray.get(actor.describe.remote(), timeout=10)
+        return True
+    except Exception:  # noqa: BLE001 - dead, killed or gone
+        return False
+
+
+def test_a_cluster_with_too_few_nodes_is_refused_before_any_actor(ray_cluster, monkeypatch):
+    import types
+
+    import rhino.runtime.ray_executor as rx
+    from rhino.cluster import Cluster
+
+    monkeypatch.setattr(rx, "init", lambda *a, **k: rx.RayInfo("10.0.0.1:6379", 2, 8.0))
+    specs = [types.SimpleNamespace(mesh_shape=(4,), stage=s) for s in range(2)]
+    cpus = ray.available_resources().get("CPU", 0.0)
+    with pytest.raises(ExecutorError, match=r"has 4 hosts, the Ray cluster 2 alive nodes"):
+        RayExecutor(specs, Cluster(4, 2), timeout=30.0)
+    with pytest.raises(ExecutorError, match=r"stage 0: expected a number of hosts dividing"):
+        RayExecutor(specs, Cluster(1, 4), timeout=30.0, hosts=[3, 1])
+    assert ray.available_resources().get("CPU", 0.0) == cpus   # no actor was started
