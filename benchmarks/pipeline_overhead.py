@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     rp, ro, rloss = ref(params, opt, batch)
     losses = [(float(loss), float(rloss))]
     sched = make_schedule(args.schedule, args.stages, args.microbatches)
-    rows = []
+    rows, driver = [], []
     for k in range(args.warmup + args.steps):
         p, o, loss = step(p, o, batch)
         rp, ro, rloss = ref(rp, ro, batch)
@@ -99,6 +99,9 @@ def main(argv=None) -> int:
         if k >= args.warmup:
             cp = critical_path_s(step.last_records, args.stages, args.microbatches, sched)
             rows.append((step.last_step_s, cp))
+            ex = step._entry((params, opt, batch)).run.executor
+            if getattr(ex, "last_stage_s", None):   # Ray: the driver's share of the step
+                driver.append(step.last_step_s - max(ex.last_stage_s))
     ref_times = []
     for _ in range(5):
         t = time.perf_counter()
@@ -119,6 +122,9 @@ def main(argv=None) -> int:
           f"(step - critical path) / step, min {min(over) * 100:.2f} %, "
           f"max {max(over) * 100:.2f} %")
     print(f"overhead  median {statistics.median([s - c for s, c in rows]) * 1e3:8.2f} ms")
+    if driver:
+        print(f"of which on the driver (step - slowest actor's run_step) median "
+              f"{statistics.median(driver) * 1e3:.2f} ms")
     print(f"single-device jax.jit step median {statistics.median(ref_times) * 1e3:.2f} ms")
     transport = getattr(step._entry((params, opt, batch)).run.executor, "transport", None)
     if hasattr(transport, "moved_bytes"):

@@ -50,11 +50,10 @@ from rhino.errors import OptionsError, RhinoError, format_bytes
 from rhino.hlo_passes import HloGraph, ingest
 from rhino.hlo_passes.annotate import ScopedFunction
 from rhino.hlo_passes.lower import (SpmdLowering, StageLowering, TraceMismatch,
-                                    check_batch_coupling, compile_spmd,
-                                    lower_spmd, lower_stages, microbatch_abstract,
-                                    microbatch_divisors)
+                                    compile_spmd,
+                                    lower_spmd, lower_stages, microbatch_divisors)
 from rhino.pipeline.api import make_cluster
-from rhino.pipeline.at_microbatch import replan_at_microbatch
+from rhino.pipeline.at_microbatch import lower_at_microbatch
 from rhino.pipeline.coarsen import classify_ops
 from rhino.pipeline.gradient import BoundaryOptions, find_gradient_boundary
 from rhino.pipeline.search import PipelineOptions, plan_pipeline_graph
@@ -449,8 +448,11 @@ class ParallelStep:
                 for; plans the step if it has not been planned yet.
 
         Raises:
-            RhinoError: the Ray executor (actors own their state), or ``init_fn``'s leaves do
-                not match the step's leading argument leaves in shape and dtype.
+            RhinoError: ``init_fn``'s leaves do not match the step's leading argument leaves
+                in shape and dtype.
+
+        With the Ray executor the leaves are made on the actors (each stage the leaves it
+        reads, on its devices) and come back as ``RemoteArray`` handles.
         """
         from rhino.runtime.sharded_init import distributed_init
 
@@ -466,6 +468,10 @@ class ParallelStep:
                         if k < len(ex) else "-")
                 raise RhinoError(f"distributed_init: leaf {k} of init_fn's result should be "
                                  f"the step's argument leaf {k}: expected {want}, found {found}")
+        init_state = getattr(getattr(entry.run, "executor", None), "init_state", None)
+        if init_state is not None:    # Ray: each stage's actors make the leaves it reads
+            return jax.tree_util.tree_unflatten(tree, init_state(init_fn, init_args,
+                                                                 len(leaves)))
         shardings = entry.run.shardings(len(leaves))
         return distributed_init(init_fn, *init_args,
                                 shardings=jax.tree_util.tree_unflatten(tree, shardings))
@@ -646,26 +652,6 @@ class _Builder:
         compiled = compile_spmd(lowered, self.graph, self.abstract)
         return DirectRun(lowered, compiled, spmd.compiled_memory(compiled))
 
-    def _lower_at_microbatch(self, plan: Plan, boundary: Any) -> tuple[Plan, StageLowering]:
-        """The step traced and planned at microbatch shapes, with ``plan``'s split
-        (``rhino.pipeline.at_microbatch``): (the plan the stages run, their lowering)."""
-        o = self.o
-        if not o.per_microbatch_statistics:
-            check_batch_coupling(self.fn, self.traced, self.graph, plan, self.abstract,
-                                 classify_ops(self.graph, boundary).role,
-                                 boundary.batch_params, o.accumulate)
-        _, abstract_mb = microbatch_abstract(self.traced, self.graph, self.abstract,
-                                             boundary.batch_params, plan.num_microbatches)
-        traced = ScopedFunction(self.fn, *abstract_mb)
-        graph = ingest(traced, *abstract_mb)
-        micro = replan_at_microbatch(graph, plan, self._pipeline_options(
-            plan.num_microbatches), self.progress)
-        boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
-        roles = classify_ops(graph, boundary).role
-        return micro, lower_stages(self.fn, traced, graph, micro, abstract_mb, roles,
-                                   boundary.batch_params, o.accumulate,
-                                   o.per_microbatch_statistics, whole=self.traced)
-
     def _stage_devices(self, plan: Plan, ids: Sequence[int]) -> list:
         need = max(ids) + 1
         if len(self.devices) < need:
@@ -687,7 +673,11 @@ class _Builder:
             replanned = None
         except TraceMismatch as e:
             self.progress(f"re-planning the stages at microbatch shapes ({e})")
-            plan, lowering = self._lower_at_microbatch(plan, boundary)
+            o = self.o
+            plan, lowering = lower_at_microbatch(
+                self.fn, self.traced, graph, self.abstract, plan, boundary,
+                self._pipeline_options(plan.num_microbatches), o.accumulate,
+                o.per_microbatch_statistics, self.progress)
             replanned = plan
         specs = [WorkerSpec(self.fn, lowering.abstract_mb, lowering.assignment,
                             lowering.batch_refs, plan.num_stages, plan.num_microbatches,
@@ -700,7 +690,7 @@ class _Builder:
 
             executor = RayExecutor(specs, plan.cluster, timeout=o.timeout,
                                    address=o.ray_address, actor_options=o.ray_actor_options,
-                                   hosts=[len(st.hosts) for st in plan.stages])
+                                   host_ids=[st.hosts for st in plan.stages])
         else:
             workers = [spec.build(self._stage_devices(plan, st.devices), lowering.split)
                        for spec, st in zip(specs, plan.stages)]

@@ -17,14 +17,19 @@ Built so far (pure pieces first, each testable without a cluster)::
                      destination tile.
     spmd.py          SPMD execution facts: device meshes, compiled shardings checked against
                      the plan, collectives counted, compiled memory read.
+    transport.py     the Transport protocol, LocalTransport, ExecutorError and root_cause
+                     (which stage to blame first).
     executor.py      per-stage instruction lists from a schedule (run / send / recv),
-                     StageWorker (one stage's mesh, programs, state), Transport,
-                     LocalExecutor (one thread per stage over disjoint local devices),
-                     ExecutorError and root_cause (which stage to blame first).
+                     StageWorker (one stage's mesh, programs, state), LocalExecutor (one
+                     thread per stage over disjoint local devices).
     threads.py       daemon threads and bounded, interruptible waits: a stuck stage never
                      holds up close(), Ctrl-C or the interpreter's exit.
-    ray_executor.py  the Ray executor (one actor per stage mesh, object-store transport)
-                     and ``init`` (``rhino.init``); imports ray lazily.
+    ray_cluster.py   ``init`` (``rhino.init``): reaching a Ray cluster; imports ray lazily.
+    ray_actor.py     StageActor: one host of one stage mesh; the hosts of a multi-host mesh
+                     form one jax.distributed job; results kept on the actor.
+    ray_executor.py  the Ray executor (actors per host of every stage mesh, object-store
+                     transport, state on the actors as RemoteArray handles, fetch).
+    checkpoint.py    orbax checkpoints written where the state lives, restored anywhere.
     cross_mesh.py    004's resharding as the local executor's transport between stages.
     sharded_init.py  distributed initialization: state created on its stage's devices,
                      equal to a single-device init with the same seed (§6.3).

@@ -75,8 +75,6 @@ def save_checkpoint(path: str, tree: Any) -> str:
     """
     import jax
 
-    from rhino.runtime.ray_executor import RemoteArray
-
     path = os.path.abspath(path)
     if os.path.exists(path):
         raise CheckpointError(f"save_checkpoint: expected a new directory, found {path} "
@@ -88,7 +86,7 @@ def save_checkpoint(path: str, tree: Any) -> str:
     leaves = []
     for k, (keypath, x) in enumerate(flat):
         name = f"leaf{k}"
-        if isinstance(x, RemoteArray):
+        if getattr(x, "rhino_remote", False):   # a RemoteArray: its actors write it
             key = (id(x.executor), x.stage)
             executors[id(x.executor)] = x.executor
             remote.setdefault(key, {})[name] = (x.step, x.ref)

@@ -40,21 +40,24 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import enum
-import threading
 import time
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from rhino.errors import RhinoError
 from rhino.runtime.schedules import Schedule, make_schedule
 from rhino.hlo_passes.unroll import trace
 from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_sum, flatten,
                                              split_step, task_function)
 from rhino.runtime import threads
+from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
+                                     Transport, root_cause)
 from rhino.runtime.timeline import TaskRecord
+
+__all__ = ["ExecutorError", "Failure", "LocalTransport", "StepTransport", "Transport",
+           "root_cause", "Instr", "instructions", "WorkerSpec", "StageWorker",
+           "LocalExecutor", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 600.0
 ABORT_GRACE_S = 10.0
@@ -62,54 +65,6 @@ ABORT_GRACE_S = 10.0
 CLOSE_GRACE_S = 2.0
 """How long ``close()`` (and an interrupted step) waits for stage threads to stop."""
 
-
-class Failure(enum.IntEnum):
-    """What went wrong on a stage, in the order ``root_cause`` blames them (lowest first)."""
-
-    PROGRAM = 0   # the stage's own program (or its actor) failed
-    STALLED = 1   # the stage did not finish in time (stuck in a program or a wait)
-    TIMEOUT = 2   # the stage waited in vain for a value from another stage
-    ABORTED = 3   # the stage was stopped because another stage failed
-
-
-class ExecutorError(RhinoError):
-    """A pipeline step failed or timed out on a stage.
-
-    Attributes:
-        stage: the stage the message is about (None: the executor as a whole).
-        failure: a ``Failure`` (None: not a stage's failure, e.g. bad arguments).
-        at: when it happened (``time.time()``), to order failures of equal kind.
-    """
-
-    def __init__(self, message: str, *, stage: int | None = None,
-                 failure: Failure | None = None):
-        super().__init__(message)
-        self.stage, self.failure, self.at = stage, failure, time.time()
-
-
-def root_cause(errors: Sequence[ExecutorError]) -> ExecutorError:
-    """One error for a failed step: the root cause's message (see ``Failure``; equal kinds:
-    the earliest, then the lowest stage) with the other stages' messages appended.
-
-    >>> a = ExecutorError("stage 0, recv v1@0←1: timed out", stage=0, failure=Failure.TIMEOUT)
-    >>> b = ExecutorError("stage 1, F0: ValueError: x", stage=1, failure=Failure.PROGRAM)
-    >>> str(root_cause([a, b]))
-    'stage 1, F0: ValueError: x (other stages: stage 0, recv v1@0←1: timed out)'
-    """
-    def rank(e: ExecutorError) -> tuple:
-        failure = e.failure if e.failure is not None else Failure.PROGRAM
-        return (int(failure), e.at, -1 if e.stage is None else e.stage)
-
-    ordered = sorted(errors, key=rank)
-    root = ordered[0]
-    if len(ordered) == 1:
-        return root
-    others = "; ".join(str(e) for e in ordered[1:])
-    out = ExecutorError(f"{root} (other stages: {others})", stage=root.stage,
-                        failure=root.failure)
-    out.at = root.at
-    out.__cause__ = root
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,94 +133,6 @@ def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr
                 out.extend(Instr("send", ref=r, peer=d, acc=True) for d in dsts)
     return out
 
-
-class Transport(Protocol):
-    """Moves values between stages (an NCCL transport would implement the same). Keys are
-    ``(step, ref, microbatch)`` (see ``StepTransport``)."""
-
-    def send(self, src: int, dst: int, key: tuple, value: Any) -> None: ...
-
-    def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any: ...
-
-
-class LocalTransport:
-    """In-process mailboxes, one per stage, keyed by ``(source stage, (step, ref,
-    microbatch))``; ``abort`` poisons one step and wakes every receiver waiting in it."""
-
-    def __init__(self, num_stages: int):
-        self._boxes: list[dict] = [dict() for _ in range(num_stages)]
-        self._cond = threading.Condition()
-        self._aborted: dict[int, str] = {}
-
-    def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
-        with self._cond:
-            if key[0] in self._aborted:
-                return  # nobody will take it
-            self._boxes[dst][(src, key)] = value
-            self._cond.notify_all()
-
-    def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
-        step = key[0]
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while (src, key) not in self._boxes[dst]:
-                if step in self._aborted:
-                    raise ExecutorError(f"aborted: {self._aborted[step]}",
-                                        failure=Failure.ABORTED)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no value {_key_label(key)} from stage {src} after "
-                                       f"{timeout:g} s")
-                self._cond.wait(min(left, threads.WAIT_SLICE_S))
-            return self._boxes[dst].pop((src, key))
-
-    def abort(self, step: int, why: str) -> None:
-        """Poison ``step``: its waiting and future ``recv`` calls raise at once."""
-        with self._cond:
-            self._aborted.setdefault(step, why)
-            for box in self._boxes:
-                for k in [k for k in box if k[1][0] == step]:
-                    del box[k]
-            self._cond.notify_all()
-
-    def start(self, step: int) -> None:
-        """Forget the values and aborts of the steps before ``step``."""
-        with self._cond:
-            for box in self._boxes:
-                for k in [k for k in box if k[1][0] < step]:
-                    del box[k]
-            for s in [s for s in self._aborted if s < step]:
-                del self._aborted[s]
-
-    def reset(self) -> None:
-        """Forget every value and abort."""
-        with self._cond:
-            self._aborted.clear()
-            for b in self._boxes:
-                b.clear()
-
-
-def _key_label(key: tuple) -> str:
-    step, ref, mb = key
-    return f"v{ref}@{'' if mb is None else mb} of step {step}"
-
-
-class StepTransport:
-    """A transport as one step sees it: every key gets the step number in front, so that a
-    stage thread still busy with an earlier step never mixes its values into a later one.
-
-    Args:
-        transport: the executor's transport; step: the step number.
-    """
-
-    def __init__(self, transport: Transport, step: int):
-        self.transport, self.step = transport, step
-
-    def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
-        self.transport.send(src, dst, (self.step, *key), value)
-
-    def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
-        return self.transport.recv(dst, src, (self.step, *key), timeout)
 
 
 @dataclasses.dataclass(frozen=True)

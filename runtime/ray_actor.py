@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.runtime.executor import ExecutorError, Failure
+from rhino.runtime.transport import ExecutorError, Failure
 from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray
 
 
@@ -52,6 +52,33 @@ def host_value(x: Any) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedKey:
+    """A typed PRNG key array on its way to an actor: its bits and implementation."""
+
+    data: np.ndarray
+    impl: str
+
+
+def pack_key(x: Any) -> Any:
+    """Typed key arrays as ``PackedKey``, other jax arrays as numpy; the rest unchanged."""
+    import jax
+
+    if isinstance(x, jax.Array):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return PackedKey(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
+        return np.asarray(x)
+    return x
+
+
+def unpack_key(x: Any) -> Any:
+    import jax
+
+    if isinstance(x, PackedKey):
+        return jax.random.wrap_key_data(x.data, impl=x.impl)
+    return x
 
 
 class RayTransport:
@@ -199,7 +226,8 @@ class StageActor:
                 "args": self.args, "outputs": self.outputs, "pid": os.getpid(),
                 "host": socket.gethostname(), "devices": jax.local_device_count(),
                 "global_devices": jax.device_count(), "kept": len(self.kept),
-                "platform": jax.devices()[0].platform}
+                "platform": jax.devices()[0].platform,
+                "node": import_ray().get_runtime_context().get_node_id()}
 
     def set_peers(self, peers: Sequence[Sequence[Any]]) -> None:
         self.peers = [list(g) for g in peers]
@@ -283,6 +311,32 @@ class StageActor:
             return {}
         ray = import_ray()
         return {r: ray.put(v) for r, v in values.items()}
+
+    def init_state(self, blob: bytes, refs: Sequence[int]) -> dict[int, tuple]:
+        """Create the step's argument leaves ``refs`` (those this stage reads) from the
+        user's ``init_fn(*init_args)`` (pickled in ``blob``) directly on this stage's devices
+        with their planned shardings (``runtime.sharded_init``); kept as step 0's results.
+        Returns ref -> (shape, dtype name) (from the first host)."""
+        import jax
+
+        from rhino.runtime.sharded_init import distributed_init
+
+        init_fn, args = import_ray().cloudpickle.loads(blob)
+        args = jax.tree_util.tree_map(lambda x: unpack_key(x), args,
+                                      is_leaf=lambda x: isinstance(x, PackedKey))
+        refs = list(refs)
+
+        def mine(*a):
+            leaves = jax.tree_util.tree_leaves(init_fn(*a))
+            return [leaves[k] for k in refs]
+
+        values = distributed_init(mine, *args,
+                                  shardings=[self.worker.sharding(k) for k in refs])
+        for k, v in zip(refs, values):
+            self.kept[(0, k)] = v
+        if self.rank != 0:
+            return {}
+        return {k: (tuple(v.shape), str(v.dtype)) for k, v in zip(refs, values)}
 
     def save_part(self, directory: str, names: Mapping[str, tuple[int, int]]) -> int:
         """Write the kept results ``names`` (name -> (step, ref)) as one orbax checkpoint,

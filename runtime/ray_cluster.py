@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from rhino.runtime import threads
-from rhino.runtime.executor import ExecutorError
+from rhino.runtime.transport import ExecutorError
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 ACTOR_CONCURRENCY = 8

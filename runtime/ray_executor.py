@@ -173,6 +173,10 @@ class RayExecutor:
         connect_timeout: seconds to reach the cluster (``init``; default
             ``min(timeout, CONNECT_TIMEOUT_S)``).
         hosts: host processes per stage (default ``hosts_per_stage``).
+        host_ids: per stage, the plan's host of each of its actors (``StagePlan.hosts``;
+            default: stage by stage, 0, 1, ...). On a Ray cluster of several nodes, one
+            placement group bundle per plan host (``STRICT_SPREAD``: each on its own node)
+            holds that host's actors, unless ``actor_options`` sets a scheduling strategy.
         keep_state: results with dimensions stay on the actors (``RemoteArray``).
 
     Usable as a context manager (``close()`` on exit). An executor that failed for good (a
@@ -193,14 +197,22 @@ class RayExecutor:
                  timeout: float = DEFAULT_TIMEOUT_S, address: str | None = None,
                  actor_options: Mapping[str, Any] | None = None, reuse_state: bool = True,
                  connect_timeout: float | None = None, hosts: Sequence[int] | None = None,
-                 keep_state: bool = True):
+                 keep_state: bool = True, host_ids: Sequence[Sequence[int]] | None = None):
         ray = import_ray()
         self.info = init(address, timeout=connect_timeout or min(timeout, CONNECT_TIMEOUT_S))
         self.specs = list(specs)
         self.cluster = cluster
         self.timeout = timeout
         self.reuse_state, self.keep_state = reuse_state, keep_state
-        self.hosts = list(hosts) if hosts is not None else hosts_per_stage(self.specs, cluster)
+        if host_ids is not None:
+            self.hosts = [len(h) for h in host_ids]
+        else:
+            self.hosts = list(hosts) if hosts is not None else hosts_per_stage(self.specs,
+                                                                               cluster)
+            first = np.cumsum([0] + self.hosts)
+            host_ids = [range(first[s], first[s] + h) for s, h in enumerate(self.hosts)]
+        self.host_ids = [tuple(int(x) for x in h) for h in host_ids]
+        self.placement_group = None
         self.last_records: list = []
         self.last_step_s = 0.0
         self.last_stage_s: list[float] = []
@@ -221,6 +233,7 @@ class RayExecutor:
         self.actors, self.groups, self.owners = [], [], []
         self._cpus = 0.0
         try:
+            placed = self._placement(ray, actor_options or {}, timeout)
             per_host = []
             for s, spec in enumerate(self.specs):
                 n, h = int(np.prod(spec.mesh_shape)), self.hosts[s]
@@ -228,13 +241,16 @@ class RayExecutor:
                 opts = {"num_cpus": 1, "max_concurrency": ACTOR_CONCURRENCY,
                         "scheduling_strategy": "SPREAD", "max_restarts": 0}
                 opts.update(actor_options or {})
+                if placed(s, 0):
+                    del opts["scheduling_strategy"]     # the placement group's instead
                 if not opts.get("num_gpus"):   # simulated host devices, unless set
                     env = dict(opts.get("runtime_env") or {})
                     env["env_vars"] = {"XLA_FLAGS": xla_flags(n // h),
                                        **(env.get("env_vars") or {})}
                     opts["runtime_env"] = env
                 self._cpus += h * float(opts.get("num_cpus") or 0)
-                group = [cls.options(**opts).remote(spec.stage, r, h) for r in range(h)]
+                group = [cls.options(**opts, **placed(s, r)).remote(spec.stage, r, h)
+                         for r in range(h)]
                 self.groups.append(group)
                 self.actors.extend(group)
                 self.owners.extend((s, r) for r in range(h))
@@ -275,11 +291,40 @@ class RayExecutor:
                 raise ExecutorError(f"stage {s}: expected a number of hosts dividing its "
                                     f"{n} devices, found {h}", stage=s)
         nodes = self.info.nodes
-        need = getattr(self.cluster, "hosts", None) or max(self.hosts)
+        need = len({h for ids in self.host_ids for h in ids})
         if nodes > 1 and nodes < need:
-            raise ExecutorError(f"the plan's cluster {self.cluster} has {need} hosts, the Ray "
-                                f"cluster {nodes} alive nodes; expected one node per host (or "
-                                f"a single node, where hosts are simulated by actors)")
+            raise ExecutorError(f"the plan (cluster {self.cluster}) runs on {need} hosts, the "
+                                f"Ray cluster has {nodes} alive nodes; expected one node per "
+                                f"host (or a single node, where hosts are simulated by actors)")
+
+    def _placement(self, ray, options: Mapping[str, Any], timeout: float):
+        """``(stage, rank) -> extra actor options``: on a cluster of several nodes, a
+        placement group with one bundle per plan host, each on its own node."""
+        if self.info.nodes <= 1 or "scheduling_strategy" in options:
+            return lambda s, r: {}
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        plan_hosts = sorted({h for ids in self.host_ids for h in ids})
+        bundle = {h: k for k, h in enumerate(plan_hosts)}
+        need: list[dict[str, float]] = [{} for _ in plan_hosts]
+        for ids in self.host_ids:
+            for h in ids:
+                b = need[bundle[h]]
+                for key, opt in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+                    amount = float(options.get(opt, 1 if opt == "num_cpus" else 0) or 0)
+                    if amount:
+                        b[key] = b.get(key, 0.0) + amount
+        pg = placement_group([b or {"CPU": 0.01} for b in need], strategy="STRICT_SPREAD")
+        self.placement_group = pg
+        ready, _ = ray.wait([pg.ready()], timeout=timeout)
+        if not ready:
+            raise ExecutorError(f"placing the plan's {len(plan_hosts)} hosts on "
+                                f"{self.info.nodes} Ray nodes (one host per node, "
+                                f"{need[0]} each) did not succeed within {timeout:.0f} s: "
+                                f"expected nodes with those free resources")
+        return lambda s, r: {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle[self.host_ids[s][r]])}
 
     def _label(self, owner: tuple[int, int]) -> str:
         s, r = owner
@@ -512,6 +557,39 @@ class RayExecutor:
                         self.fetched_bytes += v.nbytes
             return [values[(h.stage, h.step, h.ref)] for h in handles]
 
+    def init_state(self, init_fn: Any, init_args: tuple, num_leaves: int) -> list[Any]:
+        """The step's first ``num_leaves`` argument leaves made by ``init_fn(*init_args)``
+        on the actors, each stage its own with its shardings (§6.3; nothing created on the
+        driver but leaves no stage reads): ``RemoteArray`` handles in leaf order."""
+        import jax
+
+        from rhino.runtime.ray_actor import pack_key
+
+        ray = import_ray()
+        with self._lock:
+            self._usable()
+            args = jax.tree_util.tree_map(pack_key, tuple(init_args))
+            blob = ray.cloudpickle.dumps((init_fn, args))
+            calls, owners = [], []
+            for s, group in enumerate(self.groups):
+                refs = tuple(k for k in self._args[s] if k < num_leaves)
+                if refs:
+                    calls += [a.init_state.remote(blob, refs) for a in group]
+                    owners += [(s, r) for r in range(len(group))]
+            got = self._collect(calls, "initializing the state", 2 * self.timeout, owners)
+            out: list[Any] = [None] * num_leaves
+            for (s, rank), d in zip(owners, got):
+                for k, (shape, dtype) in (d.items() if rank == 0 else ()):
+                    if out[k] is None:
+                        out[k] = RemoteArray(self, s, k, 0, shape, dtype)
+            unread = [k for k, x in enumerate(out) if x is None]
+            if unread:   # no stage reads them: any value does; made here
+                leaves = jax.jit(lambda *a: [jax.tree_util.tree_leaves(init_fn(*a))[k]
+                                             for k in unread])(*init_args)
+                for k, v in zip(unread, leaves):
+                    out[k] = v
+            return out
+
     def save_part(self, directory: str, stage: int,
                   names: Mapping[str, tuple[int, int]]) -> None:
         """``stage``'s actors write the results ``names`` (name -> (step, ref)) as one
@@ -619,6 +697,10 @@ class RayExecutor:
         self._closed = True
         try:
             self._kill_actors()
+            if self.placement_group is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.placement_group)
         finally:
             self._puts.clear()
             self._returned.clear()

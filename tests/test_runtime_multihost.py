@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -238,8 +239,67 @@ def test_a_cluster_with_too_few_nodes_is_refused_before_any_actor(ray_cluster, m
     monkeypatch.setattr(rx, "init", lambda *a, **k: rx.RayInfo("10.0.0.1:6379", 2, 8.0))
     specs = [types.SimpleNamespace(mesh_shape=(4,), stage=s) for s in range(2)]
     cpus = ray.available_resources().get("CPU", 0.0)
-    with pytest.raises(ExecutorError, match=r"has 4 hosts, the Ray cluster 2 alive nodes"):
+    with pytest.raises(ExecutorError, match=r"runs on 4 hosts, the Ray cluster has 2 alive "
+                                            r"nodes"):
         RayExecutor(specs, Cluster(4, 2), timeout=30.0)
     with pytest.raises(ExecutorError, match=r"stage 0: expected a number of hosts dividing"):
         RayExecutor(specs, Cluster(1, 4), timeout=30.0, hosts=[3, 1])
     assert ray.available_resources().get("CPU", 0.0) == cpus   # no actor was started
+
+
+def test_distributed_init_makes_the_state_on_the_actors(ray_cluster):
+    """§6.3 on Ray: the state is created by each stage's actors with its shardings (stages
+    spanning 2 hosts), equal to one-device init; the first step sends only the batch."""
+    m = get_model("gpt", **GPT)
+    key = jax.random.PRNGKey(0)
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    abstract = jax.eval_shape(m.init, key)
+    with rhino.auto_parallel(m.step, cluster="4x2", stages=2, num_microbatches=4,
+                             executor="ray", timeout=120.0) as step:
+        params, opt = step.distributed_init(m.init, key, example_args=(*abstract, batch))
+        ex = step._entry((*abstract, batch)).run.executor
+        assert all(isinstance(x, RemoteArray) for x in jax.tree_util.tree_leaves((params, opt)))
+        assert ex.fetched_bytes == 0
+        p1, o1, l1 = step(params, opt, batch)
+        batch_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(batch))
+        assert ex.last_sent_bytes <= batch_bytes + 64, ex.last_sent_bytes
+        want = jax.jit(m.init)(key)
+        for a, b in zip(_leaves((params, opt)), _leaves(want)):
+            np.testing.assert_array_equal(a, b)
+        p2, o2, l2 = jax.jit(m.step)(*want, batch)
+        np.testing.assert_allclose(float(l1), float(l2), rtol=1e-4, atol=5e-5)
+        for a, b in zip(_leaves((p1, o1)), _leaves((p2, o2))):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+
+
+def test_on_several_nodes_each_plan_host_is_a_node_of_its_own(ray_cluster):
+    """A Ray cluster of 2 nodes (``ray.cluster_utils``, both on this machine): the 2x2 plan's
+    two hosts go to the two nodes through a placement group; the step matches jax.jit.
+    (Runs last in this module: it replaces the module's Ray instance.)"""
+    from ray.cluster_utils import Cluster as RayCluster
+
+    ray.shutdown()
+    nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    nodes.add_node(num_cpus=2)
+    try:
+        init(nodes.address, timeout=60.0)
+        deadline = time.monotonic() + 60
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+            assert time.monotonic() < deadline, "the second node never joined"
+            time.sleep(0.5)
+        info = init(nodes.address)
+        assert info.nodes == 2
+        m = get_model("mlp")
+        params, opt = m.init(jax.random.PRNGKey(0))
+        batch = m.make_batch(jax.random.PRNGKey(1))
+        with rhino.auto_parallel(m.step, cluster="2x2", stages=1, executor="ray",
+                                 timeout=120.0) as step:
+            got = step(params, opt, batch)
+            ex = step._last.run.executor
+            assert len({d["node"] for d in ex._describe}) == 2, ex._describe
+            assert ex.placement_group is not None
+            for a, b in zip(_leaves(got), _leaves(jax.jit(m.step)(params, opt, batch))):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        ray.shutdown()
+        nodes.shutdown()

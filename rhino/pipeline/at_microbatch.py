@@ -17,7 +17,7 @@ again on the microbatch program, whose shapes are the ones the stages run::
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 from rhino.errors import LoweringError
 from rhino.hlo_passes.graph import HloGraph
@@ -80,3 +80,31 @@ def _check_same_split(plan: Plan, got: Plan) -> None:
             raise LoweringError(f"re-planning at microbatch shapes: stage {s} reads other "
                                 f"weights than the whole-batch plan's stage {s} "
                                 f"({len(diff)} differ, e.g. {diff[0]})")
+
+
+def lower_at_microbatch(fn: Callable, traced: Any, graph: HloGraph, abstract: tuple,
+                        plan: Plan, boundary: Any, options: PipelineOptions,
+                        accumulate: Any, per_microbatch_statistics: bool,
+                        progress: Callable[[str], None] | None = None) -> tuple[Plan, Any]:
+    """The step traced and planned at microbatch shapes, with ``plan``'s split:
+    (the plan the stages run, their ``StageLowering``). Batch coupling is checked on the
+    whole-batch trace first (at one example the batch axis looks like any size-1 axis)."""
+    from rhino.hlo_passes import ingest
+    from rhino.hlo_passes.annotate import ScopedFunction
+    from rhino.hlo_passes.lower import check_batch_coupling, lower_stages, microbatch_abstract
+    from rhino.pipeline.coarsen import classify_ops
+
+    if not per_microbatch_statistics:
+        check_batch_coupling(fn, traced, graph, plan, abstract,
+                             classify_ops(graph, boundary).role, boundary.batch_params,
+                             accumulate)
+    _, abstract_mb = microbatch_abstract(traced, graph, abstract, boundary.batch_params,
+                                         plan.num_microbatches)
+    traced_mb = ScopedFunction(fn, *abstract_mb)
+    graph_mb = ingest(traced_mb, *abstract_mb)
+    micro = replan_at_microbatch(graph_mb, plan, options, progress)
+    boundary_mb = find_gradient_boundary(graph_mb, BoundaryOptions(options.batch_args))
+    roles = classify_ops(graph_mb, boundary_mb).role
+    return micro, lower_stages(fn, traced_mb, graph_mb, micro, abstract_mb, roles,
+                               boundary_mb.batch_params, accumulate,
+                               per_microbatch_statistics, whole=traced)
