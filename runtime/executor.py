@@ -183,6 +183,16 @@ class WorkerSpec:
                            self.measure)
 
 
+def place(x: Any, sharding: Any) -> Any:
+    """``x`` with ``sharding``. On a mesh spanning processes, a host value is placed by each
+    process from its own copy, reading only the shards its devices hold (other rows may
+    differ between processes: ``jax.device_put`` would refuse that)."""
+    if sharding.is_fully_addressable or isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def _zeros(shape: tuple[int, ...], dtype: Any) -> Any:
     """Zeros of ``shape`` (numpy; for a typed PRNG key dtype, keys made of zero bits)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -299,10 +309,13 @@ class StageWorker:
                     slices.append(host[k * size:(k + 1) * size])
                     targets.append(self.sharding(r))
             elif self._state_src.get(r) is not x:  # the object itself is kept: no id reuse
-                self._state[r] = jax.device_put(x, self.sharding(r))
+                self._state[r] = place(x, self.sharding(r))
                 self._state_src[r] = x
         # One call places every microbatch slice (fewer dispatches than one per slice).
-        batch = dict(zip(keys, jax.device_put(slices, targets))) if keys else {}
+        if keys and not self._replicated.is_fully_addressable:   # a multi-process mesh
+            batch = {k: place(x, t) for k, x, t in zip(keys, slices, targets)}
+        else:
+            batch = dict(zip(keys, jax.device_put(slices, targets))) if keys else {}
         return self._state, batch
 
     def run_step(self, args: Mapping[int, Any], transport: Transport,
@@ -387,7 +400,7 @@ class StageWorker:
         is the result of a failed program (it ran asynchronously on the sending stage),
         the sender is blamed, not this stage."""
         try:
-            return jax.device_put(x, self.sharding(ins.ref))
+            return place(x, self.sharding(ins.ref))
         except Exception as e:
             try:
                 _ready_at(x, timeout=CLOSE_GRACE_S)

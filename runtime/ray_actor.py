@@ -81,6 +81,26 @@ def unpack_key(x: Any) -> Any:
     return x
 
 
+def take_rows(x: np.ndarray, rows: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The rows ``[a, b)`` of ``x``, one after the other.
+
+    >>> take_rows(np.arange(6), ((0, 2), (4, 5))).tolist()
+    [0, 1, 4]
+    """
+    return np.concatenate([x[a:b] for a, b in rows], axis=0)
+
+
+def _whole(part: np.ndarray, n: int, rows: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``take_rows``' inverse: ``n`` rows, ``part``'s where they came from, zeros elsewhere."""
+    part = np.asarray(part)
+    out = np.zeros((n, *part.shape[1:]), part.dtype)
+    k = 0
+    for a, b in rows:
+        out[a:b] = part[k:k + b - a]
+        k += b - a
+    return out
+
+
 class RayTransport:
     """The ``Transport`` of one actor for one step (see the module docstring).
 
@@ -217,7 +237,35 @@ class StageActor:
         self.outputs = tuple(o.ref for o in split.outputs if o.producer is not None
                              and o.producer[1] == self.stage and o.source in ("task", "acc"))
         self.args = split.stage_args(self.stage)
+        self.rows = self._batch_rows(split) if self.hosts > 1 else {}
         return self.describe()
+
+    def _batch_rows(self, split: Any) -> dict[int, tuple[tuple[int, int], ...]]:
+        """Per batch argument whose rows this host's devices do not all need: the rows
+        (``[start, stop)`` ranges of the whole batch) they do need, microbatch by microbatch;
+        the driver then sends only those (``run_step``'s ``partial``)."""
+        m = split.num_microbatches
+        out = {}
+        for r in split.batch_refs:
+            if r not in self.args:
+                continue
+            shape = tuple(split.flat.avals[r].shape)
+            size = shape[0]
+            spans = set()
+            for index in self.worker.sharding(r).addressable_devices_indices_map(
+                    shape).values():
+                start, stop, _ = (index[0] if index else slice(None)).indices(size)
+                spans.add((start, stop))
+            merged: list[list[int]] = []
+            for a, b in sorted(spans):
+                if merged and a <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], b)
+                else:
+                    merged.append([a, b])
+            if merged != [[0, size]]:
+                out[r] = tuple((k * size + a, k * size + b) for k in range(m)
+                               for a, b in merged)
+        return out
 
     def describe(self) -> dict:
         import jax
@@ -227,7 +275,8 @@ class StageActor:
                 "host": socket.gethostname(), "devices": jax.local_device_count(),
                 "global_devices": jax.device_count(), "kept": len(self.kept),
                 "platform": jax.devices()[0].platform,
-                "node": import_ray().get_runtime_context().get_node_id()}
+                "node": import_ray().get_runtime_context().get_node_id(),
+                "rows": getattr(self, "rows", {})}
 
     def set_peers(self, peers: Sequence[Sequence[Any]]) -> None:
         self.peers = [list(g) for g in peers]
@@ -256,11 +305,14 @@ class StageActor:
 
     def run_step(self, step: int, timeout: float, kept: Mapping[int, tuple[int, int]],
                  release: Sequence[tuple[int, int]], drop_steps: Sequence[int],
-                 keep_arrays: bool, refs: Sequence[int], *values: Any) -> tuple:
+                 keep_arrays: bool, partial: Mapping[int, int], refs: Sequence[int],
+                 *values: Any) -> tuple:
         """One step: ``refs[i] -> values[i]`` (resolved by Ray) and ``kept``: argument ref
-        -> (step, ref) of a result this actor kept. First drops the results ``release``
-        names, those of ``drop_steps`` (failed elsewhere) and 0-d ones older than the last
-        step.
+        -> (step, ref) of a result this actor kept. ``partial``: batch arguments sent as
+        only this host's rows (``describe()["rows"]``), ref -> the whole batch's size; the
+        other rows are zeros here (no device of this host reads them). First drops the
+        results ``release`` names, those of ``drop_steps`` (failed elsewhere) and 0-d ones
+        older than the last step.
 
         Returns:
             (results sent back: ref -> numpy (0-d ones only with ``keep_arrays``), the
@@ -277,6 +329,8 @@ class StageActor:
             self.kept.pop(k, None)
             self.inline.discard(k)
         args = dict(zip(refs, values))
+        for r, n in partial.items():
+            args[r] = _whole(args[r], n, self.rows[r])
         missing = [r for r, k in kept.items() if tuple(k) not in self.kept]
         if missing:
             raise ExecutorError(f"{self.where}: the driver referred to kept results for "
@@ -311,6 +365,15 @@ class StageActor:
             return {}
         ray = import_ray()
         return {r: ray.put(v) for r, v in values.items()}
+
+    def share_each(self, keys: Sequence[tuple[int, int]]) -> Any:
+        """The kept results ``keys`` as numpy, one return value each (called with
+        ``num_returns=len(keys)``: the driver hands the ``ObjectRef``s on to the reading
+        stage at once, without waiting). Only for a stage on one host: no collective, so it
+        may run beside this actor's next step."""
+        values = self.fetch(keys)
+        out = tuple(values[tuple(k)] for k in keys)
+        return out if len(out) > 1 else out[0]
 
     def init_state(self, blob: bytes, refs: Sequence[int]) -> dict[int, tuple]:
         """Create the step's argument leaves ``refs`` (those this stage reads) from the

@@ -387,21 +387,26 @@ class RayExecutor:
                 f"{len(self.actors)} actors ask for {self._cpus:g}: close executors you no "
                 f"longer use (step.close())")
 
-    def _put(self, ray, x: Any, keep: dict) -> Any:
-        """``x`` in the object store; a jax array (immutable) passed again as the same object
-        reuses its ``ObjectRef``. ``keep`` collects this step's reusable entries. A
-        ``RemoteArray`` is fetched first."""
+    def _put(self, ray, x: Any, keep: dict, rows: tuple | None = None) -> Any:
+        """``x`` (or only its ``rows``, ``[a, b)`` ranges) in the object store; a jax array
+        (immutable) passed again as the same object reuses its ``ObjectRef``. ``keep``
+        collects this step's reusable entries. A ``RemoteArray`` is fetched first."""
         import jax
 
-        hit = keep.get(id(x)) or self._puts.get(id(x))
+        from rhino.runtime.ray_actor import take_rows
+
+        key = (id(x), rows)
+        hit = keep.get(key) or self._puts.get(key)
         if hit is not None and hit[0] is x:
-            keep[id(x)] = hit
+            keep[key] = hit
             return hit[1]
         host = x.fetch() if isinstance(x, RemoteArray) else np.asarray(x)
+        if rows is not None:
+            host = take_rows(host, rows)
         self.last_sent_bytes += host.nbytes
         ref = ray.put(host)
         if isinstance(x, (jax.Array, RemoteArray)):
-            keep[id(x)] = (x, ref)
+            keep[key] = (x, ref)
         return ref
 
     def _kept_ref(self, x: Any, stage: int) -> tuple[int, int] | None:
@@ -449,9 +454,10 @@ class RayExecutor:
         keep: dict[int, tuple[Any, Any]] = {}
         self.last_sent_bytes = self.last_received_bytes = self.last_kept = 0
         shared = self._share(flat_args)
-        per_stage = []
-        for s in range(len(self.groups)):
-            kept, refs, values = {}, [], []
+        per_actor = []
+        for n, (s, _) in enumerate(self.owners):
+            kept, refs, values, partial = {}, [], [], {}
+            rows = self._describe[n].get("rows") or {}
             for r in self._args[s]:
                 x = flat_args[r]
                 k = self._kept_ref(x, s)
@@ -462,8 +468,14 @@ class RayExecutor:
                 refs.append(r)
                 mine = isinstance(x, RemoteArray) and x.executor is self
                 key = (x.stage, x.step, x.ref) if mine else None
-                values.append(shared[key] if key in shared else self._put(ray, x, keep))
-            per_stage.append((kept, tuple(refs), values))
+                if key in shared:
+                    values.append(shared[key])
+                elif r in rows and not mine:     # this host's rows of the batch only
+                    partial[r] = int(np.shape(x)[0])
+                    values.append(self._put(ray, x, keep, tuple(rows[r])))
+                else:
+                    values.append(self._put(ray, x, keep))
+            per_actor.append((kept, partial, tuple(refs), values))
         self._step += 1
         step = self._step
         release: dict[int, list[tuple[int, int]]] = {}
@@ -471,9 +483,10 @@ class RayExecutor:
             s, k, r = self._dropped.pop()
             release.setdefault(s, []).append((k, r))
         failed, self._failed_steps = self._failed_steps, []
-        calls = [a.run_step.remote(step, self.timeout, per_stage[s][0], release.get(s, []),
-                                   failed, self.keep_state, per_stage[s][1], *per_stage[s][2])
-                 for a, (s, _) in zip(self.actors, self.owners)]
+        calls = [a.run_step.remote(step, self.timeout, kept, release.get(s, []), failed,
+                                   self.keep_state, partial, refs, *values)
+                 for a, (s, _), (kept, partial, refs, values)
+                 in zip(self.actors, self.owners, per_actor)]
         self._puts = keep
         self._inflight = calls
         try:
@@ -517,16 +530,27 @@ class RayExecutor:
                 if isinstance(x, RemoteArray) and x.executor is self and \
                         self._kept_ref(x, s) is None:
                     wanted.setdefault(x.stage, set()).add((x.step, x.ref))
-        if not wanted:
-            return {}
+        out: dict[tuple[int, int, int], Any] = {}
         calls, owners = [], []
         for s, keys in sorted(wanted.items()):
+            keys = sorted(keys)
+            if len(self.groups[s]) == 1:
+                # One host: ObjectRefs of the values at once, passed on without waiting
+                # (the reading stage's call starts when they are ready).
+                refs = self.groups[s][0].share_each.options(
+                    num_returns=len(keys)).remote(tuple(keys))
+                refs = refs if len(keys) > 1 else [refs]
+                out.update({(s, *k): r for k, r in zip(keys, refs)})
+                continue
             for rank, a in enumerate(self.groups[s]):
-                calls.append(a.share.remote(tuple(sorted(keys))))
+                calls.append(a.share.remote(tuple(keys)))
                 owners.append((s, rank))
-        got = self._collect(calls, "sharing results with other stages", self.timeout, owners)
-        return {(s, *k): ref for (s, rank), d in zip(owners, got) if rank == 0
-                for k, ref in d.items()}
+        if calls:   # several hosts gather the value together: wait for them here
+            got = self._collect(calls, "sharing results with other stages", self.timeout,
+                                owners)
+            out.update({(s, *k): ref for (s, rank), d in zip(owners, got) if rank == 0
+                        for k, ref in d.items()})
+        return out
 
     def fetch(self, handles: Sequence[RemoteArray]) -> list[np.ndarray]:
         """The values of ``handles`` (this executor's, of its last step) as numpy.
