@@ -410,6 +410,8 @@ class Plan:
         controller weighed several candidates."""
         if self.num_stages == 1 and self.stages[0].spmd is not None:
             text = self.stages[0].spmd.report()
+            if self.decision.startswith("SPMD on mesh ") and len(self.candidates) <= 1:
+                text += f"\n  mesh chosen       {self.decision}"   # weighed mesh shapes
             if len(self.candidates) > 1:
                 text += "\n" + "\n".join(self._controller_lines(max_candidates))
             return text

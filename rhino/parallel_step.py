@@ -555,6 +555,10 @@ class _Builder:
         o = self.o
         mesh = o.mesh if o.mesh is not None else AbstractMesh(
             o.mesh_shape or (len(self.devices),))
+        return self._cost_for(mesh)
+
+    def _cost_for(self, mesh: AbstractMesh) -> tuple[AbstractMesh, CostModel]:
+        o = self.o
         on = self.devices[:mesh.num_devices]
         if isinstance(o.cost, CostModel):
             cost = o.cost
@@ -576,9 +580,44 @@ class _Builder:
                    else figures_for_devices(self.devices))
         return make_cluster(o.cluster, figures)
 
+    def _mesh_shapes(self) -> list[tuple[int, ...]]:
+        """Mesh shapes weighed when none is given: the 1-D mesh of every device, and where
+        that count is not a power of two (6, 12, ...: a dimension of 1024 does not split
+        6 ways) its 2-D factorizations, so that the factor 2 can still split it."""
+        o, n = self.o, len(self.devices)
+        if o.mesh is not None or o.mesh_shape is not None or o.annotations or \
+                n <= 2 or n & (n - 1) == 0:
+            return []
+        return [(n,)] + [(a, n // a) for a in range(2, n // 2 + 1) if n % a == 0]
+
+    def _choose_mesh(self, shapes: list[tuple[int, ...]]) -> tuple[AbstractMesh, str]:
+        """The shape whose plan has the least estimated step time, and why."""
+        o, graph = self.o, self.graph
+        tried = []
+        for shape in shapes:
+            mesh, cost = self._cost_for(AbstractMesh(shape))
+            opts = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
+                               build=BuildOptions(strided_interior_only=True,
+                                                  partial_passthrough=False,
+                                                  min_split_flops=o.min_split_flops))
+            sp = plan_graph(graph, mesh, cost, opts, self.progress)
+            tried.append((sp.compute_s + sp.communication_s, shape, mesh))
+        best = min(tried, key=lambda t: t[0])
+        others = ", ".join(f"{sh} {t * 1e3:.3f} ms" for t, sh, _ in tried if sh != best[1])
+        why = (f"SPMD on mesh {best[1]}: least estimated step time ({best[0] * 1e3:.3f} ms) "
+               f"of the shapes of {len(self.devices)} devices (others: {others})")
+        self.progress(why)
+        return best[2], why
+
     def _spmd_on_mesh(self) -> _Entry:
         o, graph = self.o, self.graph
-        mesh, cost = self._mesh()
+        shapes = self._mesh_shapes()
+        why = None
+        if shapes:
+            chosen, why = self._choose_mesh(shapes)
+            mesh, cost = self._cost_for(chosen)
+        else:
+            mesh, cost = self._mesh()
         options = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
                               build=BuildOptions(strided_interior_only=True,
                                                  pinned=annotation_pins(graph, o.annotations,
@@ -587,8 +626,9 @@ class _Builder:
                                                  min_split_flops=o.min_split_flops))
 
         def make_plan(opts: PlanOptions) -> Plan:
-            return Plan.from_spmd(plan_graph(graph, mesh, cost, opts, self.progress),
+            plan = Plan.from_spmd(plan_graph(graph, mesh, cost, opts, self.progress),
                                   graph.total_flops)
+            return dataclasses.replace(plan, decision=why) if why else plan
 
         if o.executor is not ExecutorKind.LOCAL:
             if o.memory_budget is not None:
@@ -607,7 +647,8 @@ class _Builder:
                                   self.progress, argument_lower_bound(graph, mesh))
         spmd_plan, run = fit.compiled
         run.budget, run.pressure = fit.budget, fit.pressure
-        return self._entry(Plan.from_spmd(spmd_plan, graph.total_flops), run)
+        plan = Plan.from_spmd(spmd_plan, graph.total_flops)
+        return self._entry(dataclasses.replace(plan, decision=why) if why else plan, run)
 
     def _pipeline_plan(self) -> Plan:
         o = self.o

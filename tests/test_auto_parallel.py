@@ -467,3 +467,32 @@ def test_a_cond_around_the_update_keeps_the_state_sharded():
         s2, l2 = par(s2, np.asarray(xi))
         np.testing.assert_allclose(np.asarray(s2), np.asarray(s1), rtol=1e-5, atol=1e-6)
         assert np.array_equal(np.asarray(s2), before) == (i >= 2), i
+
+
+def test_six_devices_weigh_2d_meshes_so_even_dimensions_split():
+    """6 devices, every dimension divisible by 2 but not by 3 (nor 6): the 1-D mesh (6,)
+    can split nothing, so rhino also weighs (2, 3) and (3, 2) and takes the cheapest; the
+    weights end up split over the axis of 2 and the step matches jax.jit."""
+    def step(w1, w2, x, y):
+        def loss(w1, w2):
+            return jnp.mean((jnp.tanh(x @ w1) @ w2 - y) ** 2)
+        value, (g1, g2) = jax.value_and_grad(loss, argnums=(0, 1))(w1, w2)
+        return w1 - 0.1 * g1, w2 - 0.1 * g2, value
+
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    args = (jax.random.normal(k[0], (128, 256)) * 0.1, jax.random.normal(k[1], (256, 64)) * 0.1,
+            jax.random.normal(k[2], (16, 128)), jax.random.normal(k[3], (16, 64)))
+    want = jax.jit(step)(*args)
+    six = jax.devices()[:6]
+    flat = rhino.auto_parallel(step, devices=six, mesh_shape=(6,), report=False)
+    auto = rhino.auto_parallel(step, devices=six, report=False)
+    assert all(p.spec.is_replicated for p in flat.plan_for(*args).spmd.params)
+    plan = auto.plan_for(*args)
+    assert plan.spmd.mesh.shape in ((2, 3), (3, 2))
+    assert not all(p.spec.is_replicated for p in plan.spmd.params)
+    assert plan.spmd.compute_s + plan.spmd.communication_s < \
+        flat.plan_for(*args).spmd.compute_s
+    assert "mesh chosen       SPMD on mesh" in auto.report_for(*args)
+    got = auto(*[a.copy() for a in args])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
