@@ -32,13 +32,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import threading
 import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.runtime.transport import ExecutorError, Failure
+from rhino.runtime.transport import ExecutorError, Failure, LocalTransport
 from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray
 
 
@@ -130,45 +129,23 @@ class RayTransport:
 
 class Mailbox:
     """Values delivered to one stage, per (step, source stage, key); ``abort`` poisons a
-    step so that every waiting ``take`` raises at once."""
+    step so that every waiting ``take`` raises at once: a ``LocalTransport`` of one stage."""
 
     def __init__(self):
-        self._cond = threading.Condition()
-        self._box: dict[tuple, Any] = {}
-        self._aborted: dict[int, str] = {}
+        self._box = LocalTransport(1)
 
     def put(self, step: int, src: int, key: tuple, value: Any) -> None:
-        with self._cond:
-            self._box[(step, src, key)] = value
-            self._cond.notify_all()
+        self._box.send(src, 0, (step, *key), value)
 
     def take(self, step: int, src: int, key: tuple, timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        k = (step, src, key)
-        with self._cond:
-            while k not in self._box:
-                if step in self._aborted:
-                    raise ExecutorError(f"aborted: {self._aborted[step]}",
-                                        failure=Failure.ABORTED)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no value {key} from stage {src} after "
-                                       f"{timeout:.0f} s")
-                self._cond.wait(left)
-            return self._box.pop(k)
+        return self._box.recv(0, src, (step, *key), timeout)
 
     def abort(self, step: int, why: str) -> None:
-        with self._cond:
-            self._aborted[step] = why
-            self._cond.notify_all()
+        self._box.abort(step, why)
 
     def start(self, step: int) -> None:
         """Forget the values and aborts of earlier steps."""
-        with self._cond:
-            for k in [k for k in self._box if k[0] < step]:
-                del self._box[k]
-            for s in [s for s in self._aborted if s < step]:
-                del self._aborted[s]
+        self._box.start(step)
 
 
 class StageActor:

@@ -22,3 +22,16 @@ def segment_solver_stats(monkeypatch) -> list[dict]:
         seen.append(self.stats)
     monkeypatch.setattr(hierarchical._SegmentSolver, "__init__", spy)
     return seen
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray instance with 4 CPUs for one test module (skipped without ray)."""
+    ray = pytest.importorskip("ray")
+    from rhino.runtime.ray_executor import init
+
+    if ray.is_initialized():
+        ray.shutdown()
+    info = init(num_cpus=4, log_to_driver=False)
+    yield info
+    ray.shutdown()

@@ -26,15 +26,6 @@ from rhino.runtime.ray_executor import RayExecutor, RemoteArray, fetch, init  # 
 GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    info = init(num_cpus=4, log_to_driver=False)
-    yield info
-    ray.shutdown()
-
-
 def _leaves(tree):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(fetch(tree))]
 
@@ -45,6 +36,16 @@ def _train(step, m, params, opt, batches):
         params, opt, loss = step(params, opt, b)
         losses.append(float(loss))
     return params, opt, losses
+
+
+def _train_both(step, m, params, opt, batches):
+    """Train with ``step`` and with single-device jax.jit: equal losses and final state."""
+    p1, o1, l1 = _train(step, m, params, opt, batches)
+    p2, o2, l2 = _train(jax.jit(m.step), m, params, opt, batches)
+    np.testing.assert_allclose(l1, l2, rtol=1e-4, atol=5e-5)
+    for a, b in zip(_leaves((p1, o1)), _leaves((p2, o2))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+    return p1, o1
 
 
 def _batches(m, n):
@@ -62,11 +63,7 @@ def test_whole_cluster_spmd_spans_two_hosts_and_matches_one_device(ray_cluster):
     step = rhino.auto_parallel(m.step, cluster="2x4", stages=1, executor="ray",
                                timeout=120.0)
     try:
-        p1, o1, l1 = _train(step, m, params, opt, batches)
-        p2, o2, l2 = _train(jax.jit(m.step), m, params, opt, batches)
-        np.testing.assert_allclose(l1, l2, rtol=1e-4, atol=5e-5)
-        for a, b in zip(_leaves((p1, o1)), _leaves((p2, o2))):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+        p1, o1 = _train_both(step, m, params, opt, batches)
         ex = step._last.run.executor
         assert isinstance(ex, RayExecutor) and ex.owners == [(0, 0), (0, 1)]
         d = ex._describe
@@ -109,11 +106,7 @@ def test_pipeline_stages_each_spanning_two_hosts_match_one_device(ray_cluster, m
     step = rhino.auto_parallel(m.step, cluster="4x2", stages=2, num_microbatches=4,
                                executor="ray", timeout=120.0)
     try:
-        p1, o1, l1 = _train(step, m, params, opt, batches)
-        p2, o2, l2 = _train(jax.jit(m.step), m, params, opt, batches)
-        np.testing.assert_allclose(l1, l2, rtol=1e-4, atol=5e-5)
-        for a, b in zip(_leaves((p1, o1)), _leaves((p2, o2))):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+        p1, o1 = _train_both(step, m, params, opt, batches)
         ex = step._last.run.executor
         assert ex.owners == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert [x["global_devices"] for x in ex._describe] == [4, 4, 4, 4]

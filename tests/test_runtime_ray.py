@@ -33,15 +33,6 @@ GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    info = init(num_cpus=4, log_to_driver=False)
-    yield info
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def gpt():
     m = get_model("gpt", **GPT)
     params, opt = m.init(jax.random.PRNGKey(0))
