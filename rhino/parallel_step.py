@@ -63,7 +63,8 @@ from rhino.planner.build import BuildOptions
 from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.planning import annotation_pins, argument_lower_bound, fit_compiled_memory
+from rhino.planning import (annotation_pins, argument_lower_bound, choose_mesh,
+                            fit_compiled_memory, mesh_shapes_to_weigh)
 from rhino.step_arguments import abstract_args, check_arity, signature
 from rhino.progress import Progress
 from rhino.runtime import spmd
@@ -580,41 +581,17 @@ class _Builder:
                    else figures_for_devices(self.devices))
         return make_cluster(o.cluster, figures)
 
-    def _mesh_shapes(self) -> list[tuple[int, ...]]:
-        """Mesh shapes weighed when none is given: the 1-D mesh of every device, and where
-        that count is not a power of two (6, 12, ...: a dimension of 1024 does not split
-        6 ways) its 2-D factorizations, so that the factor 2 can still split it."""
-        o, n = self.o, len(self.devices)
-        if o.mesh is not None or o.mesh_shape is not None or o.annotations or \
-                n <= 2 or n & (n - 1) == 0:
-            return []
-        return [(n,)] + [(a, n // a) for a in range(2, n // 2 + 1) if n % a == 0]
-
-    def _choose_mesh(self, shapes: list[tuple[int, ...]]) -> tuple[AbstractMesh, str]:
-        """The shape whose plan has the least estimated step time, and why."""
-        o, graph = self.o, self.graph
-        tried = []
-        for shape in shapes:
-            mesh, cost = self._cost_for(AbstractMesh(shape))
-            opts = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
-                               build=BuildOptions(strided_interior_only=True,
-                                                  partial_passthrough=False,
-                                                  min_split_flops=o.min_split_flops))
-            sp = plan_graph(graph, mesh, cost, opts, self.progress)
-            tried.append((sp.compute_s + sp.communication_s, shape, mesh))
-        best = min(tried, key=lambda t: t[0])
-        others = ", ".join(f"{sh} {t * 1e3:.3f} ms" for t, sh, _ in tried if sh != best[1])
-        why = (f"SPMD on mesh {best[1]}: least estimated step time ({best[0] * 1e3:.3f} ms) "
-               f"of the shapes of {len(self.devices)} devices (others: {others})")
-        self.progress(why)
-        return best[2], why
-
     def _spmd_on_mesh(self) -> _Entry:
         o, graph = self.o, self.graph
-        shapes = self._mesh_shapes()
+        n = len(self.devices)
+        shapes = ([] if o.mesh is not None or o.mesh_shape is not None or o.annotations
+                  else mesh_shapes_to_weigh(n))
         why = None
-        if shapes:
-            chosen, why = self._choose_mesh(shapes)
+        if len(shapes) > 1:
+            chosen, why = choose_mesh(graph, shapes, self._cost_for, PlanOptions(
+                opt_level=o.opt_level, time_limit=o.time_limit, build=BuildOptions(
+                    strided_interior_only=True, partial_passthrough=False,
+                    min_split_flops=o.min_split_flops)), self.progress)
             mesh, cost = self._cost_for(chosen)
         else:
             mesh, cost = self._mesh()

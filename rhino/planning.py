@@ -182,6 +182,40 @@ class MemoryFit:
     pressure: float
 
 
+def mesh_shapes_to_weigh(n: int) -> list[tuple[int, ...]]:
+    """Mesh shapes worth weighing for ``n`` devices when none is given: the 1-D mesh, and
+    where ``n`` is not a power of two (6, 12, ...: a dimension of 1024 does not split 6
+    ways) its 2-D factorizations too, so that a factor of 2 can still split it.
+
+    >>> mesh_shapes_to_weigh(8), mesh_shapes_to_weigh(6)
+    ([(8,)], [(6,), (2, 3), (3, 2)])
+    """
+    if n <= 2 or n & (n - 1) == 0:
+        return [(n,)]
+    return [(n,)] + [(a, n // a) for a in range(2, n // 2 + 1) if n % a == 0]
+
+
+def choose_mesh(graph: HloGraph, shapes: Sequence[tuple[int, ...]],
+                cost_for: Callable[[AbstractMesh], tuple[AbstractMesh, CostModel]],
+                options: PlanOptions, progress: Callable[[str], None] | None = None
+                ) -> tuple[AbstractMesh, str]:
+    """The shape whose SPMD plan has the least estimated step time, and why (a sentence
+    naming the others' estimates)."""
+    tried = []
+    for shape in shapes:
+        mesh, cost = cost_for(AbstractMesh(shape))
+        sp = plan_graph(graph, mesh, cost, options, progress)
+        tried.append((sp.compute_s + sp.communication_s, tuple(shape), mesh))
+    best = min(tried, key=lambda t: t[0])
+    others = ", ".join(f"{sh} {t * 1e3:.3f} ms" for t, sh, _ in tried if sh != best[1])
+    n = best[2].num_devices
+    why = (f"SPMD on mesh {best[1]}: least estimated step time ({best[0] * 1e3:.3f} ms) "
+           f"of the shapes of {n} devices (others: {others})")
+    if progress is not None:
+        progress(why)
+    return best[2], why
+
+
 def argument_lower_bound(graph: HloGraph, mesh: AbstractMesh) -> int:
     """Per-device bytes of the compiled program's arguments under *any* plan: each entry
     parameter the program reads, split over every device of the mesh (a shard holds at
