@@ -264,9 +264,8 @@ class RayExecutor:
                 [a.setup.remote(blobs[s], per_host[s], coord.get(s), timeout)
                  for a, (s, _) in zip(self.actors, self.owners)],
                 "starting the stage", timeout, self.owners, close=True)
-            peers = self._collect([a.set_peers.remote(self.groups) for a in self.actors],
-                                  "introducing the stages", timeout, self.owners, close=True)
-            del peers
+            self._collect([a.set_peers.remote(self.groups) for a in self.actors],
+                          "introducing the stages", timeout, self.owners, close=True)
             self.warm_up_s = self._collect([a.warm_up.remote(timeout) for a in self.actors],
                                            "warming up the stage", 2 * timeout, self.owners,
                                            close=True)
