@@ -570,10 +570,16 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
         else:
             memory.append(np.zeros(len(strats)))
     labels = []
+    seen_labels: dict[int, tuple[str, ...]] = {}   # repeated layers share strategy tuples
     for i, strats in enumerate(strategies):
+        if i not in by_op and id(strats) in seen_labels:
+            labels.append(seen_labels[id(strats)])
+            continue
         pend = set(by_op[i].pending) if i in by_op else ()
         labels.append(tuple(_choice_label(s, mesh) + (" (left pending)" if j in pend else "")
                             for j, s in enumerate(strats)))
+        if i not in by_op:
+            seen_labels[id(strats)] = labels[-1]
     problem = ShardingProblem(tuple(op.name for op in graph.ops), tuple(labels), tuple(costs),
                               edges, tuple(memory))
     partition = _partition(graph)

@@ -448,15 +448,15 @@ class _Generator:
         for asg in assignments(loops, mesh, fn):
             out = spec_of(out_rank, -1, loops, asg, self.intern)
             ins = tuple(spec_of(r, k, loops, asg, self.intern) for k, r in enumerate(ranks))
-            key = (out, ins)
-            if key in seen:
+            pair = (out, ins)
+            if pair in seen:
                 continue
             share = 1
             for li, (axes, _) in asg.items():
                 if loops[li].shares_work:
                     share *= mesh.group_size(axes)
             cost = op.flops / (rate * share)
-            seen[key] = Strategy(out, ins, cost, 0.0, _label(op.opcode, loops, asg, mesh))
+            seen[pair] = Strategy(out, ins, cost, 0.0, _label(op.opcode, loops, asg, mesh))
         if not seen:  # cannot happen: the empty assignment is always valid
             return self.replicated(op, "no valid assignment")
         self.enumerated[key] = tuple(seen.values())
@@ -476,6 +476,15 @@ class _Generator:
 
     def _reshape(self, op: Op, x: TensorType, y: TensorType) -> tuple[Strategy, ...]:
         mesh, rate = self.mesh, self._rate(op)
+        # A function of the two types, FLOPs, rate and the strides hinted on either side
+        # (what ``_tensor_specs`` reads): the reshapes of repeated layers are done once.
+        src, dst = op.operands[0], op.id
+        key = ("reshape", op.opcode, op.flops, rate, x, y,
+               tuple(tuple(sorted(self._hint_set(src, d))) for d in range(x.rank)),
+               tuple(tuple(sorted(self._hint_set(dst, d))) for d in range(y.rank)))
+        hit = self.enumerated.get(key)
+        if hit is not None:
+            return hit
         pairs: dict[tuple, None] = {}
         for s in self._tensor_specs(x, op.operands[0], True):
             t = map_reshape(s, x.dims, y.dims, mesh)
@@ -493,7 +502,8 @@ class _Generator:
             lab = "R" if t.is_replicated else t.to_str(mesh)
             out.append(Strategy(t, (s,), op.flops / (rate * share), 0.0,
                                 f"{op.opcode}[{lab}]"))
-        return tuple(out)
+        self.enumerated[key] = tuple(out)
+        return self.enumerated[key]
 
 
 def _is_strided(spec: ShardingSpec) -> bool:
