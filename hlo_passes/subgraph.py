@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Iterable
+from typing import Any, Iterable
 
 from .graph import ArgInfo, HloGraph, Op, shape_str
 
@@ -201,8 +201,10 @@ def structural_key(graph: HloGraph, extra: str = "") -> str:
     applies to the other op by op. Used to plan repeated pipeline stages once.
     """
     h = hashlib.sha256()
+    barriers: dict[Any, int] = {}   # remat barrier names, by first appearance (one per layer)
     for op in graph.ops:
-        attrs = sorted((k, repr(v)) for k, v in op.attrs.items() if k not in _NAMING_ATTRS)
+        attrs = sorted((k, repr(barriers.setdefault(v, len(barriers)) if k == "barrier" else v))
+                       for k, v in op.attrs.items() if k not in _NAMING_ATTRS)
         kind = ""
         if op.opcode == "parameter" and op.arg is not None:
             kind = "cut" if op.arg.path.startswith(CUT_PREFIX) else "arg"
