@@ -171,8 +171,10 @@ def test_plan_module_doctest():
     assert doctest.testmod(plan_module).failed == 0
 
 
-def test_identical_stages_are_planned_once_and_renamed():
-    m = get_model("gpt", layers=4, hidden=32, heads=2, seq=8, vocab=32, batch=4)
+@pytest.mark.parametrize("remat", [False, True])
+def test_identical_stages_are_planned_once_and_renamed(remat):
+    # With remat, each layer's barrier has its own name; the copies behind it still match.
+    m = get_model("gpt", layers=4, hidden=32, heads=2, seq=8, vocab=32, batch=4, remat=remat)
     g = rhino.ingest(m.step, *m.example_args())
     # Volume first (the paper's objective): equal cuts in every layer gap.
     p = rhino.plan_pipeline(g, cluster="1x4", options=dataclasses.replace(
@@ -184,3 +186,64 @@ def test_identical_stages_are_planned_once_and_renamed():
         assert set(s.ops) <= planned, s.index
         assert {w for w in s.weights} <= {q.path for q in s.spmd.params}
     assert p.stages[1].weights != p.stages[2].weights
+
+
+def test_process_workers_find_the_serial_plan_and_keep_a_mesh_on_one_worker():
+    """The forked planning workers (the default above 3000 ops) give the serial search's
+    plan; plans for one stage mesh go to one worker, so that a split's first, middle and
+    last stages share the worker's memo of exact segment tables."""
+    m = get_model("gpt", layers=4, hidden=32, heads=2, seq=8, vocab=32, batch=4)
+    g = rhino.ingest(m.step, *m.example_args())
+    opts = dict(cluster="2x4", epsilon=0.3)
+    serial = rhino.plan_pipeline(g, options=dataclasses.replace(FAST, executor="serial"),
+                                 **opts)
+    forked = rhino.plan_pipeline(g, options=dataclasses.replace(FAST, executor="process",
+                                                                workers=2), **opts)
+    assert forked.report() .split("search")[0] == serial.report().split("search")[0]
+    assert [c.step_s for c in forked.candidates] == [c.step_s for c in serial.candidates]
+
+
+def test_an_idle_worker_takes_its_own_meshes_first_and_never_waits():
+    import concurrent.futures as cf
+
+    from rhino.pipeline.search import _SpmdPool
+    from rhino.planner.cost_model import CostModel
+    from rhino.planner.mesh import AbstractMesh
+
+    class Worker:                        # stands in for a one-process pool
+        def __init__(self):
+            self.jobs = []
+
+        def submit(self, fn, graph, *rest):
+            self.jobs.append((graph, cf.Future()))
+            return self.jobs[-1][1]
+
+        def shutdown(self, **_):
+            pass
+
+    pool = _SpmdPool(1, "serial")
+    pool.workers, pool.busy, pool.processes = [Worker(), Worker()], [False, False], True
+    m = get_model("mlp", batch=8, hidden=8, layers=1)
+    g = rhino.ingest(m.step, *m.example_args())
+    a, b = AbstractMesh((8,)), AbstractMesh((2, 4))
+    ca, cb = CostModel.uniform(1), CostModel.uniform(2)
+    w0, w1 = pool.workers
+    fa = pool.submit(g, a, ca, rhino.PlanOptions(), "a1")[0]
+    fb = pool.submit(g, b, cb, rhino.PlanOptions(), "b1")[0]
+    assert [len(w0.jobs), len(w1.jobs)] == [1, 1]          # a on worker 0, b on worker 1
+    fb2 = pool.submit(g, b, cb, rhino.PlanOptions(), "b2")[0]
+    fa2 = pool.submit(g, a, ca, rhino.PlanOptions(), "a2")[0]
+    assert pool.waiting and not fb2.done()
+    w0.jobs[0][1].set_result((None, "first", 1.0))          # worker 0 frees: takes a2, its mesh
+    assert fa.result() == (None, "first", 1.0)
+    assert len(w0.jobs) == 2 and len(pool.waiting) == 1
+    w0.jobs[1][1].set_result((None, "second", 1.0))         # only b2 is left: worker 0 takes it
+    assert fa2.result()[1] == "second" and len(w0.jobs) == 3 and not pool.waiting
+    w0.jobs[2][1].set_exception(RuntimeError("worker died"))
+    with pytest.raises(RuntimeError, match="worker died"):
+        fb2.result()
+    fc = pool.submit(g, a, ca, rhino.PlanOptions(), "a3")[0]   # idle worker 0 at once
+    assert len(w0.jobs) == 4
+    pool.close()
+    w1.jobs[0][1].cancel()
+    assert fb.cancelled() and not fc.done()

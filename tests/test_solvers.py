@@ -401,3 +401,30 @@ def test_o2_infinite_skip_edges(seed):
     o2, o3 = solve_o2(prob, part), solve_o3(prob, mip_rel_gap=1e-9)
     assert np.isfinite(o2.objective) and o2.objective == prob.objective(o2.choice)
     assert o3.objective <= o2.objective + 1e-9
+
+
+def test_o2_shares_exact_segment_results_between_solves(segment_solver_stats):
+    """Exact tables and decodes are memoised per process by the segment's cost data: a
+    second solve of the same problem (a split's stages repeat layers; memory fitting
+    re-solves) builds none, and finds the same choice."""
+    rng = np.random.default_rng(8)
+    prob, part = _k4_chain(rng)
+    hierarchical._EXACT.clear()
+    first, second = solve_o2(prob, part), solve_o2(prob, part)
+    a, b = segment_solver_stats[-2:]
+    assert a["tables"] >= 2 and a["decodes"] >= 1
+    assert b["tables"] == 0 and b["decodes"] == 0 and b["table_hits"] >= a["tables"]
+    assert tuple(first.choice) == tuple(second.choice)
+    assert first.objective == second.objective
+
+
+def test_the_shared_memo_forgets_results_made_under_other_budgets(monkeypatch,
+                                                                   segment_solver_stats):
+    rng = np.random.default_rng(8)
+    prob, part = _k4_chain(rng)
+    solve_o2(prob, part)
+    monkeypatch.setattr(hierarchical, "_EXACT_WORK", 0)
+    monkeypatch.setattr(hierarchical, "_HARD_DECODE_WORK", 0)
+    solve_o2(prob, part)
+    st = segment_solver_stats[-1]
+    assert st["approx_tables"] >= 2 and st["budget_exceeded"] == 1   # no exact tables reused

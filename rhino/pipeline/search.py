@@ -201,25 +201,65 @@ class _SpmdPool:
     """Runs SPMD plans in parallel, planning structurally identical stages once.
 
     ``process`` workers are forked (the planner is pure Python: threads would share one
-    core under the GIL); ``thread`` and ``serial`` run in this process.
+    core under the GIL); ``thread`` and ``serial`` run in this process. The forked workers
+    are pools of one process each, fed from one queue here: a worker that falls idle takes
+    the oldest waiting plan for a stage mesh it has planned before, else one for a new
+    mesh, else the oldest. A split's first, middle and last stages hold the same layers, and
+    the planner memoises exact segment tables per process (``hierarchical._EXACT``), so
+    keeping a mesh on one worker shares that work without leaving a worker idle.
     """
 
     def __init__(self, workers: int, executor: str):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()   # a future done early runs its callback in _dispatch
         self.futures: dict[tuple, tuple[cf.Future, HloGraph]] = {}
         self.seconds = 0.0
         self.counted: set[int] = set()     # futures whose seconds are in ``seconds``
         self.made = 0
         self.processes = False
+        self.pool: cf.Executor | None = None
+        self.workers: list[Any] = []
+        self.busy: list[bool] = []
+        self.waiting: list[tuple[tuple, tuple, cf.Future]] = []   # (home key, args, future)
+        self.home: dict[tuple, int] = {}   # (mesh, cost) -> the worker that planned it
         if executor == "process" and workers > 1:
             import multiprocessing as mp
-            self.pool: cf.Executor | None = cf.ProcessPoolExecutor(
-                workers, mp_context=mp.get_context("fork"))
+            self.workers = [cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork"))
+                            for _ in range(workers)]
+            self.busy = [False] * workers
             self.processes = True
-        elif executor == "serial" or workers <= 1:
-            self.pool = None
-        else:
+        elif executor != "serial" and workers > 1:
             self.pool = cf.ThreadPoolExecutor(workers)
+
+    def _dispatch(self) -> None:
+        """Give every idle worker a waiting plan (called holding ``lock``)."""
+        for w in range(len(self.workers)):
+            if self.busy[w] or not self.waiting:
+                continue
+            homes = [self.home.get(h) for h, _, _ in self.waiting]
+            pick = next((j for j, x in enumerate(homes) if x == w),
+                        next((j for j, x in enumerate(homes) if x is None), 0))
+            h, args, outer = self.waiting.pop(pick)
+            self.home.setdefault(h, w)
+            self.busy[w] = True
+            # Workers fork lazily here. JAX warns at every fork of a process that
+            # imported it; the workers only run the pure-Python planner, never JAX.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+                inner = self.workers[w].submit(_plan_task_in_worker, *args)
+            inner.add_done_callback(self._finished(w, outer))
+
+    def _finished(self, w: int, outer: cf.Future) -> Callable[[cf.Future], None]:
+        def done(inner: cf.Future) -> None:
+            with self.lock:
+                self.busy[w] = False
+                self._dispatch()
+            if inner.cancelled():
+                outer.cancel()
+            elif inner.exception() is not None:
+                outer.set_exception(inner.exception())
+            else:
+                outer.set_result(inner.result())
+        return done
 
     def submit(self, graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
                options: PlanOptions, extra: str = "") -> tuple[cf.Future, HloGraph]:
@@ -227,16 +267,14 @@ class _SpmdPool:
         with self.lock:
             got = self.futures.get(key)
             if got is None:
-                if self.pool is None:
-                    fut: cf.Future = cf.Future()
+                if self.processes:
+                    fut = cf.Future()
+                    self.waiting.append(((mesh, cost), (graph, mesh, cost, _picklable(options)),
+                                         fut))
+                    self._dispatch()
+                elif self.pool is None:
+                    fut = cf.Future()
                     fut.set_result(_plan_task(graph, mesh, cost, options))
-                elif self.processes:
-                    # Workers fork lazily here. JAX warns at every fork of a process that
-                    # imported it; the workers only run the pure-Python planner, never JAX.
-                    with warnings.catch_warnings():
-                        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
-                        fut = self.pool.submit(_plan_task_in_worker, graph, mesh, cost,
-                                               _picklable(options))
                 else:
                     fut = self.pool.submit(_plan_task, graph, mesh, cost, options)
                 got = (fut, graph)
@@ -257,8 +295,12 @@ class _SpmdPool:
         return plan, err
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+        with self.lock:
+            for _, _, fut in self.waiting:
+                fut.cancel()
+            self.waiting.clear()
+        for pool in self.workers + ([self.pool] if self.pool is not None else []):
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ------------------------------------------------------------------------------ stages

@@ -386,6 +386,58 @@ def _make_segment(nodes: list[int], npiv: int, costs: list[np.ndarray],
     return _Segment(tuple(nodes), npiv, tuple(costs), tuple(edges), h.digest(), shape_key)
 
 
+class _ExactMemo:
+    """Exact segment results shared by every solve in this process, keyed by the segment's
+    cost-data hash (a pure function of it): exact tables with their conditioning hints,
+    shapes whose exact table exceeded the budget, and decodes that needed no time-limited
+    ILP (or whose ILP proved optimality). The plans of one search repeat segments across
+    solves: a split's first, middle and last stages hold the same layers, and memory fitting
+    re-solves one problem. Bounded to ``limit`` bytes of arrays, oldest dropped first.
+    Approximate tables are not shared: they depend on the solve's deadline."""
+
+    def __init__(self, limit: int = 256 << 20):
+        self.limit, self.used = limit, 0
+        self.tables: dict[bytes, tuple[np.ndarray, tuple | None]] = {}
+        self.decoded: dict[tuple, tuple[float, np.ndarray]] = {}
+        self.hard: set[bytes] = set()
+        self.budgets: tuple = ()
+
+    def check(self) -> None:
+        """Forget everything if the work budgets that shaped it have changed."""
+        budgets = (_EXACT_WORK, _NODE_WORK, _HARD_DECODE_WORK, _ELIM_MAX_FACTOR,
+                   _SEGMENT_MAX_PAIR)
+        if budgets != self.budgets:
+            self.clear()
+            self.budgets = budgets
+
+    def _room(self, nbytes: int) -> None:
+        self.used += nbytes
+        while self.used > self.limit and (self.tables or self.decoded):
+            d = self.tables if self.tables else self.decoded
+            v = d.pop(next(iter(d), None), None)     # (threads may race here: harmless)
+            if v is not None:
+                self.used -= v[0].nbytes if d is self.tables else v[1].nbytes
+
+    def put_table(self, key: bytes, table: np.ndarray, hint: tuple | None) -> None:
+        if key not in self.tables:
+            self.tables[key] = (table, hint)
+            self._room(table.nbytes)
+
+    def put_decode(self, key: tuple, val: float, choice: np.ndarray) -> None:
+        if key not in self.decoded:
+            self.decoded[key] = (val, choice.copy())
+            self._room(choice.nbytes)
+
+    def clear(self) -> None:
+        self.tables.clear()
+        self.decoded.clear()
+        self.hard.clear()
+        self.used = 0
+
+
+_EXACT = _ExactMemo()
+
+
 class _SegmentSolver:
     """Tables and decodings of segments, memoised by the segment's cost-data hash.
 
@@ -408,13 +460,24 @@ class _SegmentSolver:
                            tuple[float, np.ndarray]] = {}
         self.stats = {"tables": 0, "table_hits": 0, "approx_tables": 0, "budget_exceeded": 0,
                       "decodes": 0, "decode_ilps": 0, "decode_icm": 0}
+        _EXACT.check()
 
     def table(self, seg: _Segment) -> np.ndarray:
         if seg.key in self.tables:
             self.stats["table_hits"] += 1
             return self.tables[seg.key]
+        shared = _EXACT.tables.get(seg.key)
+        if shared is not None:
+            self.stats["table_hits"] += 1
+            t, hint = shared
+            if hint is not None:
+                self.hints[seg.key] = hint
+            self.tables[seg.key] = t
+            return t
         self.stats["tables"] += 1
         t = None
+        if seg.shape_key in _EXACT.hard:
+            self.hard.add(seg.shape_key)
         if seg.shape_key not in self.hard:
             g = PairwiseGraph.from_parts(seg.costs, seg.edges)
             try:
@@ -422,9 +485,11 @@ class _SegmentSolver:
                                  [_EXACT_WORK])
                 if hint is not None:
                     self.hints[seg.key] = hint
+                _EXACT.put_table(seg.key, t, hint)
             except _Budget:
                 self.stats["budget_exceeded"] += 1
                 self.hard.add(seg.shape_key)
+                _EXACT.hard.add(seg.shape_key)
         if t is None:
             self.stats["approx_tables"] += 1
             t = _approx_table(seg, self.deadline)
@@ -442,7 +507,12 @@ class _SegmentSolver:
         key = (seg.key, tuple(int(f) for f in fixed), exact)
         if key in self.decoded:
             return self.decoded[key]
+        shared = _EXACT.decoded.get(key[:2])
+        if shared is not None:
+            self.decoded[key] = shared
+            return shared
         self.stats["decodes"] += 1
+        pure = True      # the hints come from exact tables; the budgets are fixed
         n = len(seg.costs)
         g = PairwiseGraph.from_parts(seg.costs, seg.edges)
         alive = [True] * n
@@ -477,14 +547,18 @@ class _SegmentSolver:
                     sol = solve_ilp(sub, time_limit=left, mip_rel_gap=self.mip_rel_gap,
                                     reduce=False)
                     choice[core], val = sol.choice, val + sol.objective
+                    pure = pure and sol.status == SolverStatus.OPTIMAL
                 except InfeasibleProblemError:
                     val = np.inf
             else:
                 self.stats["decode_icm"] += 1
                 guess = improve_local(sub, [int(np.argmin(c)) for c in sub.costs])
                 choice[core], val = guess, val + sub.objective(guess)
+                pure = False
         back_substitute(log, choice)
         self.decoded[key] = (val, choice)
+        if pure and np.isfinite(val):
+            _EXACT.put_decode(key[:2], val, choice)
         return val, choice
 
 
