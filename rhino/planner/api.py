@@ -181,22 +181,25 @@ def _fit_memory(built: BuiltProblem, options: PlanOptions, progress: Callable[[s
     if not attempt(len(order)):
         raise InfeasiblePlanError(best_seen, budget, f"even with all {len(order)} "
                                   f"parameters sharded on mesh {mesh}")
-    lo, hi = 0, 1
-    while hi < len(order) and not attempt(hi):
-        lo, hi = hi, min(2 * hi, len(order))
-    if hi >= len(order) and (hi not in results or results[hi][1].peak > budget):
-        if hi not in results and not attempt(hi):
-            raise InfeasiblePlanError(best_seen, budget, f"even with all {len(order)} "
-                                      f"parameters sharded on mesh {mesh}")
-        if results[hi][1].peak > budget:
-            raise InfeasiblePlanError(best_seen, budget, f"even with all {len(order)} "
-                                      f"parameters sharded on mesh {mesh}")
+    # The least k that fits, between k = 0 (the plan above, over budget) and every
+    # parameter (fits). The peak falls roughly with the bytes forced sharded, so the next k
+    # is where those bytes interpolate the budget between the bracket's ends (regula falsi
+    # in bytes; the Illinois rule halves the weight of an end kept twice in a row, so a
+    # step-shaped peak cannot pin the guesses to one side). A 48-layer GPT on 64 devices
+    # took 18 solves by doubling then halving the count.
+    cum = np.cumsum([0] + [graph.ops[p].out_bytes for p in order], dtype=float)
+    lo, hi = 0, len(order)
+    f_lo, f_hi = mem.peak - budget, results[hi][1].peak - budget    # > 0, <= 0
+    kept = 0                                                         # +1 lo kept, -1 hi kept
     while hi - lo > 1:
-        mid = (lo + hi) // 2
+        want = cum[lo] + f_lo / (f_lo - f_hi) * (cum[hi] - cum[lo]) if f_lo > f_hi else 0
+        mid = min(max(int(np.searchsorted(cum, want)), lo + 1), hi - 1)
         if attempt(mid):
-            hi = mid
+            hi, f_hi = mid, results[mid][1].peak - budget
+            f_lo, kept = (f_lo / 2 if kept == 1 else f_lo), 1
         else:
-            lo = mid
+            lo, f_lo = mid, results[mid][1].peak - budget
+            f_hi, kept = (f_hi / 2 if kept == -1 else f_hi), -1
     s, m = results[hi]
     return s, m, hi, rounds
 
