@@ -244,6 +244,14 @@ def test_an_idle_worker_takes_its_own_meshes_first_and_never_waits():
         fb2.result()
     fc = pool.submit(g, a, ca, rhino.PlanOptions(), "a3")[0]   # idle worker 0 at once
     assert len(w0.jobs) == 4
+    # Both busy: a later wave waits behind an earlier one, and a pruned wave is dropped.
+    late = pool.submit(g, a, ca, rhino.PlanOptions(), "late", 8)
+    early = pool.submit(g, b, cb, rhino.PlanOptions(), "early", 2)
+    assert [q[3] for q in pool.waiting] == [early[0], late[0]]
+    made = pool.made
+    pool.withdraw([late])
+    assert late[0].cancelled() and pool.made == made - 1
+    assert pool.submit(g, a, ca, rhino.PlanOptions(), "late", 8)[0] is not late[0]
     pool.close()
     w1.jobs[0][1].cancel()
     assert fb.cancelled() and not fc.done()

@@ -219,7 +219,8 @@ class _SpmdPool:
         self.pool: cf.Executor | None = None
         self.workers: list[Any] = []
         self.busy: list[bool] = []
-        self.waiting: list[tuple[tuple, tuple, cf.Future]] = []   # (home key, args, future)
+        # (priority, home key, args, future), kept sorted by priority (stable)
+        self.waiting: list[tuple[int, tuple, tuple, cf.Future]] = []
         self.home: dict[tuple, int] = {}   # (mesh, cost) -> the worker that planned it
         if executor == "process" and workers > 1:
             import multiprocessing as mp
@@ -235,10 +236,11 @@ class _SpmdPool:
         for w in range(len(self.workers)):
             if self.busy[w] or not self.waiting:
                 continue
-            homes = [self.home.get(h) for h, _, _ in self.waiting]
+            first = self.waiting[0][0]
+            homes = [self.home.get(h) for prio, h, _, _ in self.waiting if prio == first]
             pick = next((j for j, x in enumerate(homes) if x == w),
                         next((j for j, x in enumerate(homes) if x is None), 0))
-            h, args, outer = self.waiting.pop(pick)
+            _, h, args, outer = self.waiting.pop(pick)
             self.home.setdefault(h, w)
             self.busy[w] = True
             # Workers fork lazily here. JAX warns at every fork of a process that
@@ -262,15 +264,20 @@ class _SpmdPool:
         return done
 
     def submit(self, graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
-               options: PlanOptions, extra: str = "") -> tuple[cf.Future, HloGraph]:
+               options: PlanOptions, extra: str = "", priority: int = 0
+               ) -> tuple[cf.Future, HloGraph]:
+        """A handle on the plan (``result``); with process workers, queued plans start in
+        ``priority`` order (lowest first), then in submission order."""
         key = (structural_key(graph, extra), mesh, cost, repr(options))
         with self.lock:
             got = self.futures.get(key)
             if got is None:
                 if self.processes:
                     fut = cf.Future()
-                    self.waiting.append(((mesh, cost), (graph, mesh, cost, _picklable(options)),
-                                         fut))
+                    at = next((j for j, q in enumerate(self.waiting) if q[0] > priority),
+                              len(self.waiting))
+                    self.waiting.insert(at, (priority, (mesh, cost),
+                                             (graph, mesh, cost, _picklable(options)), fut))
                     self._dispatch()
                 elif self.pool is None:
                     fut = cf.Future()
@@ -294,9 +301,22 @@ class _SpmdPool:
             plan = _rename_plan(plan, src, graph)
         return plan, err
 
+    def withdraw(self, handles: Sequence[tuple[cf.Future, HloGraph]]) -> None:
+        """Drop the plans of ``handles`` that have not started (a pruned wave's); those
+        running finish and are ignored."""
+        with self.lock:
+            futs = {id(h[0]) for h in handles}
+            dropped = {id(q[3]) for q in self.waiting if id(q[3]) in futs}
+            self.waiting = [q for q in self.waiting if id(q[3]) not in dropped]
+            for key, (fut, _) in list(self.futures.items()):
+                if id(fut) in dropped:
+                    fut.cancel()
+                    del self.futures[key]
+                    self.made -= 1
+
     def close(self) -> None:
         with self.lock:
-            for _, _, fut in self.waiting:
+            for _, _, _, fut in self.waiting:
                 fut.cancel()
             self.waiting.clear()
         for pool in self.workers + ([self.pool] if self.pool is not None else []):
@@ -678,10 +698,14 @@ class _Search:
 
     def _cost_all(self, pool: "_SpmdPool") -> list[_Costed]:
         """SPMD plans and costs, in waves of equal stage count by increasing lower bound; a
-        wave whose lower bound exceeds the best step found is pruned without planning."""
+        wave whose lower bound exceeds the best step found is pruned. With process workers
+        every wave's plans are queued at the start, wave by wave, so a worker that finishes
+        its part of one wave starts on the next; a pruned wave's plans that have not
+        started are dropped."""
         graph, b = self.graph, self.boundary
         cg_ops = list(b.compute) if b is not None else None
         by_k: dict[int, _Costed] = {}
+        waves = []
         for p in sorted({sp.num_stages for sp in self.splits}):
             wave = [k for k, sp in enumerate(self.splits) if sp.num_stages == p]
             lb = _lower_bound(graph, None if p == 1 else cg_ops, p,
@@ -689,14 +713,21 @@ class _Search:
             a = self.assignments.get(p)
             if p > 1 and not isinstance(a, StageAssignment):
                 by_k.update({k: self._unplanned(k, str(a), lb) for k in wave})
-            elif self.options.prune and lb > self.best_step:
+            else:    # in this process (serial, threads) a wave is planned when reached
+                waves.append((p, wave, lb, self._submit_wave(pool, p, wave, lb)
+                              if pool.processes else None))
+        for p, wave, lb, queued in waves:
+            if self.options.prune and lb > self.best_step:
+                if queued is not None:
+                    pool.withdraw([h for hs in queued[0].values() for h in hs.values()])
                 note = (f"pruned: at least {1e3 * lb:.3f} ms (compute over all devices with "
                         f"the 1F1B bubble) > best {1e3 * self.best_step:.3f} ms")
                 by_k.update({k: self._unplanned(k, note, lb) for k in wave})
                 self.say(f"pruned {len(wave)} candidates with {p} stages (lower bound "
                          f"{1e3 * lb:.3f} ms > best {1e3 * self.best_step:.3f} ms)")
             else:
-                by_k.update(self._cost_wave(pool, p, wave, lb))
+                handles, refused = queued or self._submit_wave(pool, p, wave, lb)
+                by_k.update(self._finish_wave(pool, p, wave, lb, handles, refused))
         return [by_k[k] for k in range(len(self.splits))]
 
     def _unplanned(self, k: int, note: str, lb: float) -> _Costed:
@@ -720,8 +751,10 @@ class _Search:
             raise got
         return got
 
-    def _cost_wave(self, pool: "_SpmdPool", p: int, wave: list[int], lb: float
-                   ) -> dict[int, _Costed]:
+    def _submit_wave(self, pool: "_SpmdPool", p: int, wave: list[int], lb: float
+                     ) -> tuple[dict[int, dict[int, Any]], dict[int, _Costed]]:
+        """Queue the SPMD plans of one wave: handles per split and stage, and the splits
+        refused before planning (an annotation their mesh cannot hold)."""
         jobs, refused = [], {}
         for k in wave:
             sp = self.splits[k]
@@ -746,7 +779,12 @@ class _Search:
         handles: dict[int, dict[int, Any]] = {}
         for k, s_idx, g_, mesh, cost, opts, extra in sorted(
                 jobs, key=lambda j: -len(j[2].ops) * j[3].ndim):
-            handles.setdefault(k, {})[s_idx] = pool.submit(g_, mesh, cost, opts, extra)
+            handles.setdefault(k, {})[s_idx] = pool.submit(g_, mesh, cost, opts, extra, p)
+        return handles, refused
+
+    def _finish_wave(self, pool: "_SpmdPool", p: int, wave: list[int], lb: float,
+                     handles: dict[int, dict[int, Any]], refused: dict[int, _Costed]
+                     ) -> dict[int, _Costed]:
         out = {}
         for k in wave:
             if k in refused:
@@ -790,7 +828,7 @@ class _Search:
                     got, _ = pool.result(pool.submit(
                         ws[st].sub.graph, mesh, cost,
                         self._stage_options(ws[st], self.budget, self._pins(mesh)),
-                        repr(ws[st].carried)), ws[st].sub.graph)
+                        repr(ws[st].carried), p), ws[st].sub.graph)
                     if got is not None:
                         plans[st] = got
             c = self._cost_stages(sp, p, plans, lb)
