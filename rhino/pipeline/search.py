@@ -8,7 +8,9 @@ Phases (the paper's Fig. 2: enumerate mesh configurations, plan each in parallel
              (in parallel; identical stages planned once) ; p = 1: SPMD plan of the graph;
              in waves of increasing p: a wave whose lower bound ``(m + p - 1) / m ·
              Σ FLOPs / (F · N)`` (``F`` the FLOP/s of each op's dtype) exceeds the best
-             step found is pruned unplanned
+             step found is pruned (with process workers every wave is queued up front,
+             so workers never idle at a wave's end; a pruned wave's unstarted plans are
+             dropped)
           ─► per candidate: profiles, transfers, 1F1B step, memory (cost.py); a stage over
              the memory budget is re-planned with the SPMD planner's memory constraint
           ─► controller: the feasible candidate with the least estimated step time
