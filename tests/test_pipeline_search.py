@@ -206,7 +206,7 @@ def test_process_workers_find_the_serial_plan_and_keep_a_mesh_on_one_worker():
 def test_an_idle_worker_takes_its_own_meshes_first_and_never_waits():
     import concurrent.futures as cf
 
-    from rhino.pipeline.search import _SpmdPool
+    from rhino.pipeline.spmd_pool import SpmdPool
     from rhino.planner.cost_model import CostModel
     from rhino.planner.mesh import AbstractMesh
 
@@ -221,7 +221,7 @@ def test_an_idle_worker_takes_its_own_meshes_first_and_never_waits():
         def shutdown(self, **_):
             pass
 
-    pool = _SpmdPool(1, "serial")
+    pool = SpmdPool(1, "serial")
     pool.workers, pool.busy, pool.processes = [Worker(), Worker()], [False, False], True
     m = get_model("mlp", batch=8, hidden=8, layers=1)
     g = rhino.ingest(m.step, *m.example_args())
