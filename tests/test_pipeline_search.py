@@ -3,6 +3,7 @@
 import dataclasses
 import doctest
 import json
+import re
 
 import pytest
 
@@ -117,6 +118,33 @@ def test_controller_fits_a_model_too_big_to_replicate():
     assert p.winner.memory <= budget and p.winner.feasible
     with pytest.raises(InfeasiblePlanError, match="budget"):
         rhino.plan_pipeline(g, cluster="1x2", memory_bytes=2 * 2**20, options=FAST)
+
+
+def test_a_candidate_already_slower_without_a_memory_limit_is_not_fitted():
+    """Fitting a plan to the budget only adds constraints: a candidate over budget whose
+    unconstrained step is no faster than the best feasible one is left unfitted (its note
+    says why); without pruning it is fitted, and the winner is the same."""
+    m = get_model("gpt", layers=2, hidden=256, heads=4, seq=16, vocab=2048, batch=8)
+    g = rhino.ingest(m.step, *m.example_args())
+    kw = dict(cluster="1x4", memory_bytes=12 * 2**20)
+    said: list[str] = []
+    p = rhino.plan_pipeline(g, options=FAST, progress=said.append, **kw)
+    q = rhino.plan_pipeline(g, options=dataclasses.replace(FAST, prune=False), **kw)
+    assert p.winner.label == q.winner.label and p.step_s == pytest.approx(q.step_s)
+    assert p.winner.feasible and p.winner.memory <= 12 * 2**20
+    skipped = [c for c in p.candidates if "not fitted" in c.note]
+    assert [c.num_stages for c in skipped] == [4]
+    c = skipped[0]
+    assert not c.feasible and c.memory > 12 * 2**20
+    shown = float(re.search(r"its plan takes ([\d.]+) ms >= best ([\d.]+) ms", c.note)[1])
+    assert shown >= 1e3 * p.step_s
+    # The unpruned search fitted it (and it still did not fit).
+    (c4,) = [c for c in q.candidates if c.num_stages == 4]
+    assert not c4.feasible and "not fitted" not in c4.note
+    # The SPMD candidate was fitted in both (its no-limit plan is the fastest of all).
+    assert all("even with all" in c.note for c in (*p.candidates, *q.candidates)
+               if c.num_stages == 1)
+    assert "memory: fitting 1 of 2 candidates over the budget" in "\n".join(said)
 
 
 def test_plan_json_round_trip_and_report(gpt_graph):

@@ -11,8 +11,11 @@ Phases (the paper's Fig. 2: enumerate mesh configurations, plan each in parallel
              step found is pruned (with process workers every wave is queued up front,
              so workers never idle at a wave's end; a pruned wave's unstarted plans are
              dropped)
-          ─► per candidate: profiles, transfers, 1F1B step, memory (cost.py); a stage over
-             the memory budget is re-planned with the SPMD planner's memory constraint
+          ─► per candidate: profiles, transfers, 1F1B step, memory (cost.py)
+          ─► candidates over the memory budget, once every wave is costed: re-planned with
+             the SPMD planner's memory constraint (the whole graph, or the stages over
+             budget), unless their plan with no limit is already no faster than the best
+             feasible step (a limit only adds constraints)
           ─► controller: the feasible candidate with the least estimated step time
 
 Example:
@@ -91,7 +94,9 @@ class PipelineOptions:
             and the graph has over 3000 ops, else threads.
         keep_spmd: keep each stage's ``SpmdPlan`` in the result.
         prune: skip the candidates of a stage count whose lower bound (perfectly scaled
-            compute with the 1F1B bubble) exceeds the best step already found.
+            compute with the 1F1B bubble) exceeds the best step already found, and do not
+            fit to the memory budget a candidate whose plan with no memory limit is
+            already no faster than the best feasible step.
         microbatch_divisors: op id -> {dim: m} for the dimensions that carry the batch
             (``auto_parallel`` finds them by tracing the step at microbatch shapes): stage
             plans only split them into shards a microbatch divides (``BuildOptions.divisors``).
@@ -214,6 +219,7 @@ class _Costed:
     cross: list[CrossTensor] | None = None
     assignment: StageAssignment | None = None
     works: list[_StageWork] | None = None
+    free_step: float | None = None   # over the budget: the step estimated with no memory limit
 
 
 def _cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: StageAssignment,
@@ -289,7 +295,8 @@ def _cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: Stage
                      transfer_s=m * estimates[b].send_s, bubble_s=parts["fill"],
                      apply_s=parts["apply"], memory=int(peak), note=note,
                      lower_bound_s=lower_bound)
-    return _Costed(cand, split, plans, profiles, estimates, memories, cross, a, works)
+    return _Costed(cand, split, plans, profiles, estimates, memories, cross, a, works,
+                   parts["step"] if over else None)
 
 
 def _cost_spmd(split: MeshSplit, plan: SpmdPlan | None, err: str,
@@ -305,7 +312,7 @@ def _cost_spmd(split: MeshSplit, plan: SpmdPlan | None, err: str,
                      step_s=plan.step_time_s if feasible else None, compute_s=plan.compute_s,
                      communication_s=plan.communication_s, memory=int(mem), note=note,
                      lower_bound_s=lower_bound)
-    return _Costed(cand, split, plans=[plan])
+    return _Costed(cand, split, plans=[plan], free_step=None if feasible else plan.step_time_s)
 
 
 # ------------------------------------------------------------------------------ controller
@@ -558,6 +565,7 @@ class _Search:
             else:
                 handles, refused = queued or self._submit_wave(pool, p, wave, lb)
                 by_k.update(self._finish_wave(pool, p, wave, lb, handles, refused))
+        self._fit_all(pool, by_k)
         return [by_k[k] for k in range(len(self.splits))]
 
     def _unplanned(self, k: int, note: str, lb: float) -> _Costed:
@@ -596,11 +604,7 @@ class _Search:
                                                note=str(e), lower_bound_s=lb), sp)
                 continue
             if p == 1:
-                opts = dataclasses.replace(self.options.spmd, memory_budget=self.budget)
-                if pins:
-                    opts = dataclasses.replace(opts, build=dataclasses.replace(
-                        opts.build, pinned={**opts.build.pinned, **pins}))
-                jobs.append((k, 0, self.graph, mesh, cost, opts, ""))
+                jobs.append((k, 0, self.graph, mesh, cost, self._spmd_options(pins), ""))
             else:
                 jobs += [(k, w.index, w.sub.graph, mesh, cost,
                           self._stage_options(w, pins=pins), repr(w.carried))
@@ -649,20 +653,84 @@ class _Search:
             return c
         ws = self.works[p]
         plans = [pool.result(h, w.sub.graph)[0] for h, w in zip(hs, ws)]
-        c = self._cost_stages(sp, p, plans, lb)
-        if not c.candidate.feasible and self.budget is not None:
-            # Re-plan the stages over budget with the SPMD memory constraint.
-            mesh, cost = sp.stage_mesh(self.cluster), sp.stage_cost(self.cluster)
-            for st, mem in enumerate(c.memories):
-                if mem.total > self.budget:
-                    got, _ = pool.result(pool.submit(
-                        ws[st].sub.graph, mesh, cost,
-                        self._stage_options(ws[st], self.budget, self._pins(mesh)),
-                        repr(ws[st].carried), p), ws[st].sub.graph)
-                    if got is not None:
-                        plans[st] = got
-            c = self._cost_stages(sp, p, plans, lb)
-        return c
+        return self._cost_stages(sp, p, plans, lb)
+
+    def _fit_all(self, pool: "SpmdPool", by_k: dict[int, _Costed]) -> None:
+        """Re-plan the candidates over the memory budget with the SPMD memory constraint
+        (the whole graph for SPMD, the stages over budget for pipelines), once every wave
+        is costed. A memory limit only adds constraints to a plan, so a candidate whose
+        plan with no limit is already no faster than the best feasible step is not fitted
+        (with ``prune``); its note says so. The rest are fitted in parallel, fastest first;
+        one that has not started when a fitted one beats it is dropped the same way."""
+        over = sorted((k for k, c in by_k.items() if c.free_step is not None),
+                      key=lambda k: by_k[k].free_step)
+        if self.budget is None or not over:
+            return
+        queued: dict[int, list] = {}
+        for k in over:
+            if not self._not_fitted(by_k, k):
+                queued[k] = self._submit_fit(pool, k, by_k[k])
+        if queued:
+            self.say(f"memory: fitting {len(queued)} of {len(over)} candidates over the "
+                     f"budget (the rest are slower than the best even with no limit)")
+        for k, handles in queued.items():
+            if self._not_fitted(by_k, k):
+                pool.withdraw([h for _, h in handles])
+                continue
+            c = by_k[k]
+            sp, p = c.split, c.candidate.num_stages
+            if p == 1:
+                plan, err = pool.result(handles[0][1], self.graph)
+                t = time.perf_counter()
+                got = _cost_spmd(sp, plan, err, self.budget, c.candidate.lower_bound_s)
+                self.cost_s += time.perf_counter() - t
+                if plan is None:    # keep the unconstrained plan's size for the report
+                    got = dataclasses.replace(got, candidate=dataclasses.replace(
+                        c.candidate, note=f"{c.candidate.note}; {err}"))
+            else:
+                plans = list(c.plans)
+                for st, h in handles:
+                    fitted, _ = pool.result(h, c.works[st].sub.graph)
+                    if fitted is not None:
+                        plans[st] = fitted
+                got = self._cost_stages(sp, p, plans, c.candidate.lower_bound_s)
+            by_k[k] = got
+            if got.candidate.feasible:
+                self.best_step = min(self.best_step, got.candidate.step_s)
+
+    def _not_fitted(self, by_k: dict[int, _Costed], k: int) -> bool:
+        """Mark candidate ``k`` not fitted when its no-limit step is no faster than the
+        best (and ``prune`` allows it); True if so."""
+        c = by_k[k]
+        if not self.options.prune or c.free_step < self.best_step:
+            return False
+        ms = 1e3
+        by_k[k] = dataclasses.replace(c, candidate=dataclasses.replace(
+            c.candidate, note=f"{c.candidate.note}; not fitted: with no memory limit its "
+            f"plan takes {ms * c.free_step:.3f} ms >= best {ms * self.best_step:.3f} ms, "
+            f"and a memory limit only adds constraints"))
+        return True
+
+    def _submit_fit(self, pool: "SpmdPool", k: int, c: _Costed) -> list:
+        """(stage, handle) of the memory-constrained plans of candidate ``k``."""
+        sp, p = c.split, c.candidate.num_stages
+        mesh, cost = sp.stage_mesh(self.cluster), sp.stage_cost(self.cluster)
+        pins = self._pins(mesh)
+        if p == 1:
+            return [(0, pool.submit(self.graph, mesh, cost,
+                                    self._spmd_options(pins, self.budget), "", p))]
+        return [(st, pool.submit(c.works[st].sub.graph, mesh, cost,
+                                 self._stage_options(c.works[st], self.budget, pins),
+                                 repr(c.works[st].carried), p))
+                for st, mem in enumerate(c.memories) if mem.total > self.budget]
+
+    def _spmd_options(self, pins: dict, budget: int | None = None) -> PlanOptions:
+        """The options of a whole-graph (SPMD candidate) plan."""
+        opts = dataclasses.replace(self.options.spmd, memory_budget=budget)
+        if pins:
+            opts = dataclasses.replace(opts, build=dataclasses.replace(
+                opts.build, pinned={**opts.build.pinned, **pins}))
+        return opts
 
     def _cost_stages(self, sp: MeshSplit, p: int, plans: list, lb: float) -> _Costed:
         b = self.boundary
