@@ -145,6 +145,7 @@ def test_a_candidate_already_slower_without_a_memory_limit_is_not_fitted():
     assert all("even with all" in c.note for c in (*p.candidates, *q.candidates)
                if c.num_stages == 1)
     assert "memory: fitting 1 of 2 candidates over the budget" in "\n".join(said)
+    assert "every pipeline candidate is over the memory budget and not faster" in p.decision
 
 
 def test_plan_json_round_trip_and_report(gpt_graph):

@@ -341,6 +341,10 @@ def _decision(winner: Candidate, cands: Sequence[Candidate]) -> str:
             lb = min(c.lower_bound_s for c in others)
             parts.append(f"every {kind} candidate pruned: even with perfect scaling its "
                          f"compute and 1F1B bubble take at least {ms * lb:.3f} ms")
+        elif others and all("not fitted" in c.note for c in others):
+            fast = min(others, key=lambda c: c.memory)
+            parts.append(f"every {kind} candidate is over the memory budget and not faster "
+                         f"even with no memory limit (the smallest: {fast.note})")
         elif others:
             parts.append(f"no {kind} candidate fits ({others[0].note})")
     return "; ".join(parts)
