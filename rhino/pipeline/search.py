@@ -674,9 +674,8 @@ class _Search:
         for k in over:
             if not self._not_fitted(by_k, k):
                 queued[k] = self._submit_fit(pool, k, by_k[k])
-        if queued:
-            self.say(f"memory: fitting {len(queued)} of {len(over)} candidates over the "
-                     f"budget (the rest are slower than the best even with no limit)")
+        self.say(f"memory: fitting {len(queued)} of {len(over)} candidates over the budget "
+                 f"(the rest are no faster than the best even with no limit)")
         for k, handles in queued.items():
             if self._not_fitted(by_k, k):
                 pool.withdraw([h for _, h in handles])
