@@ -120,16 +120,19 @@ def test_controller_fits_a_model_too_big_to_replicate():
         rhino.plan_pipeline(g, cluster="1x2", memory_bytes=2 * 2**20, options=FAST)
 
 
-def test_a_candidate_already_slower_without_a_memory_limit_is_not_fitted():
+@pytest.mark.parametrize("executor", ["thread", "serial"])
+def test_a_candidate_already_slower_without_a_memory_limit_is_not_fitted(executor):
     """Fitting a plan to the budget only adds constraints: a candidate over budget whose
     unconstrained step is no faster than the best feasible one is left unfitted (its note
-    says why); without pruning it is fitted, and the winner is the same."""
+    says why); without pruning it is fitted, and the winner is the same. Parallel workers
+    queue the fits at once, a serial search one at a time."""
     m = get_model("gpt", layers=2, hidden=256, heads=4, seq=16, vocab=2048, batch=8)
     g = rhino.ingest(m.step, *m.example_args())
     kw = dict(cluster="1x4", memory_bytes=12 * 2**20)
+    opts = dataclasses.replace(FAST, executor=executor)
     said: list[str] = []
-    p = rhino.plan_pipeline(g, options=FAST, progress=said.append, **kw)
-    q = rhino.plan_pipeline(g, options=dataclasses.replace(FAST, prune=False), **kw)
+    p = rhino.plan_pipeline(g, options=opts, progress=said.append, **kw)
+    q = rhino.plan_pipeline(g, options=dataclasses.replace(opts, prune=False), **kw)
     assert p.winner.label == q.winner.label and p.step_s == pytest.approx(q.step_s)
     assert p.winner.feasible and p.winner.memory <= 12 * 2**20
     skipped = [c for c in p.candidates if "not fitted" in c.note]

@@ -664,22 +664,24 @@ class _Search:
         (the whole graph for SPMD, the stages over budget for pipelines), once every wave
         is costed. A memory limit only adds constraints to a plan, so a candidate whose
         plan with no limit is already no faster than the best feasible step is not fitted
-        (with ``prune``); its note says so. The rest are fitted in parallel, fastest first;
-        one that has not started when a fitted one beats it is dropped the same way."""
+        (with ``prune``); its note says so. The rest are fitted fastest first (all queued
+        at once with parallel workers); one not yet started when a fitted one beats it is
+        dropped the same way."""
         over = sorted((k for k, c in by_k.items() if c.free_step is not None),
                       key=lambda k: by_k[k].free_step)
         if self.budget is None or not over:
             return
-        queued: dict[int, list] = {}
-        for k in over:
-            if not self._not_fitted(by_k, k):
-                queued[k] = self._submit_fit(pool, k, by_k[k])
-        self.say(f"memory: fitting {len(queued)} of {len(over)} candidates over the budget "
+        todo = [k for k in over if not self._not_fitted(by_k, k)]
+        self.say(f"memory: fitting {len(todo)} of {len(over)} candidates over the budget "
                  f"(the rest are no faster than the best even with no limit)")
-        for k, handles in queued.items():
+        # In parallel, every fit is queued now; serially, each when reached, after the
+        # fits before it may have lowered the best step.
+        queued = {k: self._submit_fit(pool, k, by_k[k]) for k in todo} if pool.parallel else {}
+        for k in todo:
             if self._not_fitted(by_k, k):
-                pool.withdraw([h for _, h in handles])
+                pool.withdraw([h for _, h in queued.get(k, [])])
                 continue
+            handles = queued.get(k) or self._submit_fit(pool, k, by_k[k])
             c = by_k[k]
             sp, p = c.split, c.candidate.num_stages
             if p == 1:

@@ -98,6 +98,11 @@ class SpmdPool:
         elif executor != "serial" and workers > 1:
             self.pool = cf.ThreadPoolExecutor(workers)
 
+    @property
+    def parallel(self) -> bool:
+        """Whether submitted plans run beside this thread (else ``submit`` plans at once)."""
+        return self.processes or self.pool is not None
+
     def _dispatch(self) -> None:
         """Give every idle worker a waiting plan (called holding ``lock``)."""
         for w in range(len(self.workers)):
