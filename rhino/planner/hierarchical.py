@@ -455,7 +455,6 @@ class _SegmentSolver:
         self.time_limit, self.mip_rel_gap, self.deadline = time_limit, mip_rel_gap, deadline
         self.tables: dict[bytes, np.ndarray] = {}
         self.hints: dict[bytes, tuple] = {}  # conditioning choices of exact tables
-        self.hard: set[bytes] = set()   # shape keys whose exact table exceeded the budget
         self.decoded: dict[tuple[bytes, tuple[int, ...], bool],
                            tuple[float, np.ndarray]] = {}
         self.stats = {"tables": 0, "table_hits": 0, "approx_tables": 0, "budget_exceeded": 0,
@@ -476,9 +475,7 @@ class _SegmentSolver:
             return t
         self.stats["tables"] += 1
         t = None
-        if seg.shape_key in _EXACT.hard:
-            self.hard.add(seg.shape_key)
-        if seg.shape_key not in self.hard:
+        if seg.shape_key not in _EXACT.hard:   # shapes whose exact table exceeded the budget
             g = PairwiseGraph.from_parts(seg.costs, seg.edges)
             try:
                 t, hint = _table(g, [True] * len(seg.costs), tuple(range(seg.npiv)), 0.0,
@@ -488,7 +485,6 @@ class _SegmentSolver:
                 _EXACT.put_table(seg.key, t, hint)
             except _Budget:
                 self.stats["budget_exceeded"] += 1
-                self.hard.add(seg.shape_key)
                 _EXACT.hard.add(seg.shape_key)
         if t is None:
             self.stats["approx_tables"] += 1
@@ -527,7 +523,7 @@ class _SegmentSolver:
         val += reduce_graph(g, alive, frozenset(), _SEGMENT_MAX_PAIR, log)
         core = [i for i in range(n) if alive[i]]
         if core:
-            budget = [_HARD_DECODE_WORK if seg.shape_key in self.hard else _EXACT_WORK]
+            budget = [_HARD_DECODE_WORK if seg.shape_key in _EXACT.hard else _EXACT_WORK]
             try:
                 sub_val, sub_choice = _condition(g, alive, budget)
                 choice[core] = sub_choice[core]
