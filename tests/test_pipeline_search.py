@@ -17,6 +17,7 @@ from rhino import parallel_plan as plan_module
 from rhino.cluster import Cluster, enumerate_splits
 from rhino.pipeline.cost import in_flight, pipeline_step, transfer_seconds
 from rhino.parallel_plan import Plan
+from rhino.pipeline import search as search_module
 from rhino.pipeline.search import PipelineOptions
 
 FAST = PipelineOptions(two_d=False, executor="thread")
@@ -147,8 +148,35 @@ def test_a_candidate_already_slower_without_a_memory_limit_is_not_fitted(executo
     # The SPMD candidate was fitted in both (its no-limit plan is the fastest of all).
     assert all("even with all" in c.note for c in (*p.candidates, *q.candidates)
                if c.num_stages == 1)
-    assert "memory: fitting 1 of 2 candidates over the budget" in "\n".join(said)
+    assert "memory: fitting 1 of 1 candidates over the budget" in "\n".join(said)   # SPMD
+    assert "memory: fitting 0 of 1 candidates over the budget" in "\n".join(said)   # pp=4
     assert "every pipeline candidate is over the memory budget and not faster" in p.decision
+
+
+def test_a_candidate_fitted_before_a_wave_can_prune_it(monkeypatch):
+    """An over-budget candidate whose no-limit step is under a wave's lower bound is fitted
+    before that wave: fitted, it may beat every plan the wave could make and prune it."""
+    m = get_model("gpt", layers=2, hidden=512, heads=4, seq=16, vocab=2048, batch=8)
+    g = rhino.ingest(m.step, *m.example_args())
+    real = search_module._cost_spmd
+
+    def over_unless_fitted(split, plan, err, budget, lower_bound=0.0):
+        c = real(split, plan, err, budget, lower_bound)
+        if plan is not None and plan.memory_budget is None:   # planned with no limit
+            c = dataclasses.replace(c, free_step=plan.step_time_s, candidate=dataclasses.replace(
+                c.candidate, feasible=False, step_s=None, note="needs more (test)"))
+        return c
+
+    monkeypatch.setattr(search_module, "_cost_spmd", over_unless_fitted)
+    said: list[str] = []
+    p = rhino.plan_pipeline(g, cluster="1x4", memory_bytes=2**30, progress=said.append,
+                            options=dataclasses.replace(FAST, executor="serial"))
+    assert p.kind == "spmd" and p.winner.feasible and "needs more" not in p.winner.note
+    assert [c.num_stages for c in p.candidates if c.note.startswith("pruned")] == [2, 4]
+    fit = said.index("memory: fitting 1 of 1 candidates over the budget (the rest are no "
+                     "faster than the best even with no limit)")
+    assert fit < next(i for i, s in enumerate(said) if s.startswith("pruned 1 candidates "
+                                                                    "with 2 stages"))
 
 
 def test_plan_json_round_trip_and_report(gpt_graph):

@@ -542,7 +542,8 @@ class _Search:
         wave whose lower bound exceeds the best step found is pruned. With process workers
         every wave's plans are queued at the start, wave by wave, so a worker that finishes
         its part of one wave starts on the next; a pruned wave's plans that have not
-        started are dropped."""
+        started are dropped. Candidates over the memory budget are fitted by ``_fit_all``:
+        before a wave those that could beat it, the rest at the end."""
         graph, b = self.graph, self.boundary
         cg_ops = list(b.compute) if b is not None else None
         by_k: dict[int, _Costed] = {}
@@ -558,6 +559,7 @@ class _Search:
                 waves.append((p, wave, lb, self._submit_wave(pool, p, wave, lb)
                               if pool.processes else None))
         for p, wave, lb, queued in waves:
+            self._fit_all(pool, by_k, below=lb)    # those that could beat this whole wave
             if self.options.prune and lb > self.best_step:
                 if queued is not None:
                     pool.withdraw([h for hs in queued[0].values() for h in hs.values()])
@@ -659,15 +661,19 @@ class _Search:
         plans = [pool.result(h, w.sub.graph)[0] for h, w in zip(hs, ws)]
         return self._cost_stages(sp, p, plans, lb)
 
-    def _fit_all(self, pool: "SpmdPool", by_k: dict[int, _Costed]) -> None:
-        """Re-plan the candidates over the memory budget with the SPMD memory constraint
-        (the whole graph for SPMD, the stages over budget for pipelines), once every wave
-        is costed. A memory limit only adds constraints to a plan, so a candidate whose
-        plan with no limit is already no faster than the best feasible step is not fitted
-        (with ``prune``); its note says so. The rest are fitted fastest first (all queued
-        at once with parallel workers); one not yet started when a fitted one beats it is
-        dropped the same way."""
-        over = sorted((k for k, c in by_k.items() if c.free_step is not None),
+    def _fit_all(self, pool: "SpmdPool", by_k: dict[int, _Costed],
+                 below: float = float("inf")) -> None:
+        """Re-plan the candidates over the memory budget whose step with no memory limit is
+        under ``below`` with the SPMD memory constraint (the whole graph for SPMD, the
+        stages over budget for pipelines). The search calls it before each wave with the
+        wave's lower bound (a fitted candidate that fast may prune the wave) and at the
+        end for the rest. A memory limit only adds constraints to a plan, so a candidate
+        whose plan with no limit is already no faster than the best feasible step is not
+        fitted (with ``prune``); its note says so. The rest are fitted fastest first (all
+        queued at once with parallel workers); one not yet started when a fitted one
+        beats it is dropped the same way."""
+        over = sorted((k for k, c in by_k.items()
+                       if c.free_step is not None and c.free_step < below),
                       key=lambda k: by_k[k].free_step)
         if self.budget is None or not over:
             return
@@ -699,7 +705,7 @@ class _Search:
                     if fitted is not None:
                         plans[st] = fitted
                 got = self._cost_stages(sp, p, plans, c.candidate.lower_bound_s)
-            by_k[k] = got
+            by_k[k] = dataclasses.replace(got, free_step=None)    # fitted: done with it
             if got.candidate.feasible:
                 self.best_step = min(self.best_step, got.candidate.step_s)
 
@@ -710,7 +716,7 @@ class _Search:
         if not self.options.prune or c.free_step < self.best_step:
             return False
         ms = 1e3
-        by_k[k] = dataclasses.replace(c, candidate=dataclasses.replace(
+        by_k[k] = dataclasses.replace(c, free_step=None, candidate=dataclasses.replace(
             c.candidate, note=f"{c.candidate.note}; not fitted: with no memory limit its "
             f"plan takes {ms * c.free_step:.3f} ms >= best {ms * self.best_step:.3f} ms, "
             f"and a memory limit only adds constraints"))
