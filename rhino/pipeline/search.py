@@ -342,9 +342,9 @@ def _decision(winner: Candidate, cands: Sequence[Candidate]) -> str:
             parts.append(f"every {kind} candidate pruned: even with perfect scaling its "
                          f"compute and 1F1B bubble take at least {ms * lb:.3f} ms")
         elif others and all("not fitted" in c.note for c in others):
-            fast = min(others, key=lambda c: c.memory)
+            smallest = min(others, key=lambda c: c.memory)
             parts.append(f"every {kind} candidate is over the memory budget and not faster "
-                         f"even with no memory limit (the smallest: {fast.note})")
+                         f"even with no memory limit (the smallest: {smallest.note})")
         elif others:
             parts.append(f"no {kind} candidate fits ({others[0].note})")
     return "; ".join(parts)
@@ -652,14 +652,19 @@ class _Search:
                     ) -> _Costed:
         sp = self.splits[k]
         if p == 1:
-            plan, err = pool.result(hs[0], self.graph)
-            t = time.perf_counter()
-            c = _cost_spmd(sp, plan, err, self.budget, lb)
-            self.cost_s += time.perf_counter() - t
-            return c
+            return self._cost_whole(pool, sp, hs[0], lb)[0]
         ws = self.works[p]
         plans = [pool.result(h, w.sub.graph)[0] for h, w in zip(hs, ws)]
         return self._cost_stages(sp, p, plans, lb)
+
+    def _cost_whole(self, pool: "SpmdPool", sp: MeshSplit, handle: Any, lb: float
+                    ) -> tuple[_Costed, str]:
+        """An SPMD candidate costed from its whole-graph plan (and the planner's error)."""
+        plan, err = pool.result(handle, self.graph)
+        t = time.perf_counter()
+        c = _cost_spmd(sp, plan, err, self.budget, lb)
+        self.cost_s += time.perf_counter() - t
+        return c, err
 
     def _fit_all(self, pool: "SpmdPool", by_k: dict[int, _Costed],
                  below: float = float("inf")) -> None:
@@ -691,11 +696,8 @@ class _Search:
             c = by_k[k]
             sp, p = c.split, c.candidate.num_stages
             if p == 1:
-                plan, err = pool.result(handles[0][1], self.graph)
-                t = time.perf_counter()
-                got = _cost_spmd(sp, plan, err, self.budget, c.candidate.lower_bound_s)
-                self.cost_s += time.perf_counter() - t
-                if plan is None:    # keep the unconstrained plan's size for the report
+                got, err = self._cost_whole(pool, sp, handles[0][1], c.candidate.lower_bound_s)
+                if got.plans is None:    # keep the unconstrained plan's size for the report
                     got = dataclasses.replace(got, candidate=dataclasses.replace(
                         c.candidate, note=f"{c.candidate.note}; {err}"))
             else:

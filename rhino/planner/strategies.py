@@ -486,11 +486,11 @@ class _Generator:
         if hit is not None:
             return hit
         pairs: dict[tuple, None] = {}
-        for s in self._tensor_specs(x, op.operands[0], True):
+        for s in self._tensor_specs(x, src, True):
             t = map_reshape(s, x.dims, y.dims, mesh)
             if t is not None:
                 pairs[(t, s)] = None
-        for t in self._tensor_specs(y, op.id, True):
+        for t in self._tensor_specs(y, dst, True):
             s = map_reshape(t, y.dims, x.dims, mesh)
             if s is not None:
                 pairs[(t, s)] = None
