@@ -17,6 +17,7 @@ rendering.
         --png benchmarks/pipeline_timeline.png
     python benchmarks/pipeline_overhead.py --model gpt --executor ray
     python benchmarks/pipeline_overhead.py --model gpt --transport broadcast   # 004 §3
+    python benchmarks/pipeline_overhead.py --model gpt --executor ray --transport direct
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--executor", default="local", choices=["local", "ray"])
-    ap.add_argument("--transport", default="device_put",
-                    choices=["device_put", "broadcast", "send_recv"],
-                    help="how the local executor moves values between stage meshes")
+    ap.add_argument("--transport", default=None,
+                    choices=["device_put", "broadcast", "send_recv", "object_store", "direct"],
+                    help="how values move between stage meshes (local executor: device_put, "
+                         "broadcast, send_recv; Ray: object_store, direct); default: the "
+                         "executor's default")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--png", default=None)
@@ -113,7 +116,8 @@ def main(argv=None) -> int:
     over = [(s - c) / s for s, c in rows]
     print(f"model {args.model} (layers {args.layers}, hidden {args.hidden}, batch "
           f"{args.batch}), cluster {args.cluster}, {args.stages} stages, {args.microbatches} "
-          f"microbatches, {args.schedule}, executor {args.executor}")
+          f"microbatches, {args.schedule}, executor {args.executor}, "
+          f"transport {args.transport or 'default'}")
     print(f"first call (plan + split + compile + step): {first_s:.1f} s")
     print(f"step      median {statistics.median(steps) * 1e3:8.2f} ms  "
           f"(min {min(steps) * 1e3:.2f}, max {max(steps) * 1e3:.2f})")

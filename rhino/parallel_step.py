@@ -123,7 +123,7 @@ class StepOptions:
     accumulate: Accumulate = Accumulate.MEAN
     batch_args: tuple[str, ...] | None = None
     timeout: float = DEFAULT_TIMEOUT_S
-    transport: TransportKind = TransportKind.DEVICE_PUT
+    transport: TransportKind | None = None
     ray_address: str | None = None
     ray_actor_options: Mapping[str, Any] | None = None
     per_microbatch_statistics: bool = False
@@ -147,6 +147,9 @@ class StepOptions:
             put("schedule", ScheduleKind.parse(self.schedule, "schedule"))
         put("executor", ExecutorKind.parse(self.executor, "executor"))
         put("accumulate", Accumulate.parse(self.accumulate, "accumulate"))
+        if self.transport is None:
+            put("transport", TransportKind.OBJECT_STORE if self.executor is ExecutorKind.RAY
+                else TransportKind.DEVICE_PUT)
         put("transport", TransportKind.parse(self.transport, "transport"))
         if self.ray_actor_options is not None:
             if not isinstance(self.ray_actor_options, Mapping):
@@ -215,10 +218,11 @@ class StepOptions:
         if self.plan is not None and self.stages is not None:
             raise OptionsError("auto_parallel: a plan fixes its stages; pass plan= or "
                                "stages=, not both")
-        if self.transport is not TransportKind.DEVICE_PUT and \
-                self.executor is not ExecutorKind.LOCAL:
-            raise OptionsError(f"transport {self.transport}: expected with the local "
-                               f"executor, found executor {self.executor}")
+        if self.transport.executor is not self.executor:
+            fits = [str(t) for t in TransportKind if t.executor is self.executor]
+            raise OptionsError(f"transport: expected one of {fits} with executor "
+                               f"'{self.executor}', found '{self.transport}' (a transport "
+                               f"of the {self.transport.executor} executor)")
 
 
 @dataclasses.dataclass
@@ -609,7 +613,8 @@ class _Builder:
 
             executor = RayExecutor(specs, plan.cluster, timeout=o.timeout,
                                    address=o.ray_address, actor_options=o.ray_actor_options,
-                                   host_ids=[st.hosts for st in plan.stages])
+                                   host_ids=[st.hosts for st in plan.stages],
+                                   transport=o.transport.value)
         else:
             workers = [spec.build(self._stage_devices(plan, st.devices), lowering.split)
                        for spec, st in zip(specs, plan.stages)]
@@ -635,7 +640,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   executor: str = "local",
                   stages: int | Mapping[str, int] | None = None, accumulate: str = "mean",
                   batch_args: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                  transport: str = "device_put", ray_address: str | None = None,
+                  transport: str | None = None, ray_address: str | None = None,
                   ray_actor_options: Mapping[str, Any] | None = None,
                   per_microbatch_statistics: bool = False,
                   min_split_flops: float | None = None):
@@ -692,8 +697,11 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             (e.g. ``("batch['tokens']", "batch['labels']")``); default: non-state arguments.
             PRNG keys are never split into microbatches.
         timeout: seconds any wait of a pipeline executor may take.
-        transport: between stage meshes of the local executor: ``"device_put"`` or 004's
-            cross-mesh resharding, ``"broadcast"`` / ``"send_recv"``.
+        transport: how values move between stage meshes. Local executor:
+            ``"device_put"`` (default) or 004's cross-mesh resharding, ``"broadcast"`` /
+            ``"send_recv"``. Ray executor: ``"object_store"`` (default; a put and an actor
+            call per value) or ``"direct"`` (one TCP connection per pair of actors, no
+            object store; the nodes must reach each other on any port).
         ray_address: the Ray cluster for ``executor="ray"`` (default: ``rhino.init``'s,
             ``$RAY_ADDRESS``, or a new local one).
         ray_actor_options: ``.options(...)`` of every Ray actor (one per host of each

@@ -108,6 +108,14 @@ class TransportKind(_Text):
     DEVICE_PUT = "device_put"      # XLA's copy onto the receiver's sharding (one process)
     BROADCAST = "broadcast"        # 004's cross-mesh resharding, broadcast unit tasks
     SEND_RECV = "send_recv"        # 004's unit tasks as point-to-point sends
+    OBJECT_STORE = "object_store"  # Ray: a put and an actor call per value
+    DIRECT = "direct"              # Ray: a TCP connection per pair of actors
+
+    @property
+    def executor(self) -> "ExecutorKind":
+        """The executor this transport belongs to."""
+        ray = (TransportKind.OBJECT_STORE, TransportKind.DIRECT)
+        return ExecutorKind.RAY if self in ray else ExecutorKind.LOCAL
 
 
 class Accumulate(_Text):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -242,6 +243,7 @@ class StageWorker:
         self._results = frozenset(o.ref for o in split.outputs if o.source == "task")
         # A daemon thread: one stuck program never holds up the interpreter's exit.
         self._watch = threads.SerialWorker(f"rhino-stage{stage}-timer")
+        self._sender: threads.SerialWorker | None = None   # see run_step (background sends)
         self._state: dict[int, Any] = {}
         self._state_src: dict[int, int] = {}
         self._seen: dict[tuple[str, bool], Any] = {}  # program -> its abstract arguments
@@ -338,6 +340,11 @@ class StageWorker:
         left: dict[tuple[int, Any], int] = {}
         accs: dict[int, Any] = {}
         records: list[TaskRecord] = []
+        # A transport whose send waits for the value (to copy it to the host) sends on a
+        # thread of its own, in order, so this thread dispatches the next task meanwhile.
+        background = getattr(transport, "send_in_background", False)
+        if background and self._sender is None:
+            self._sender = threads.SerialWorker(f"rhino-stage{self.stage}-sender")
         for n, ins in enumerate(self.instrs):
             try:
                 if ins.op == "recv":
@@ -356,24 +363,31 @@ class StageWorker:
                     records.append(_Pending(rec, self._watch.submit(_ready_at, x),
                                             ins.peer) if self.measure else rec)
                 elif ins.op == "send":
-                    t0 = time.perf_counter()
                     x = accs[ins.ref] if ins.acc else values[(ins.ref, ins.microbatch)]
-                    transport.send(self.stage, ins.peer, ins.key, x)
+                    if background:
+                        sending = self._sender.submit(self._send, transport, ins, x)
+                        sending.add_done_callback(functools.partial(
+                            self._stop_if_failed, transport, ins))
+                        records.append(_Sending(ins, sending))
+                    else:
+                        records.append(self._send(transport, ins, x))
                     k = (ins.ref, ins.microbatch)
                     if not ins.acc and left.get(k, 1) <= 0 and not self._awaited(k) and \
                             self._last_send[ins.key] == n:
                         values.pop(k, None)
-                    records.append(TaskRecord(self.stage, ins.label(), t0, time.perf_counter(),
-                                              ins.microbatch, "send"))
                 else:
                     records.append(self._run(ins, state, batch, values, left, accs, timeout))
-            except ExecutorError as e:
-                if e.stage is not None:  # already says where (a peer's failed value)
-                    raise
-                raise self._error(ins, str(e), e.failure or Failure.PROGRAM) from e
-            except TimeoutError as e:
-                raise self._error(ins, f"timed out: {e}", Failure.TIMEOUT) from e
-            except Exception as e:  # a program failed: say where
+            except Exception as e:
+                failed = self._failed_send(records)   # the root cause, if there is one
+                if failed is not None:
+                    raise failed from e
+                if isinstance(e, ExecutorError):
+                    if e.stage is not None:  # already says where (a peer's failed value)
+                        raise
+                    raise self._error(ins, str(e), e.failure or Failure.PROGRAM) from e
+                if isinstance(e, TimeoutError):
+                    raise self._error(ins, f"timed out: {e}", Failure.TIMEOUT) from e
+                # a program failed: say where
                 raise self._error(ins, f"{type(e).__name__}: {e}", Failure.PROGRAM) from e
         outs: dict[int, Any] = {}
         for o in self.split.outputs:
@@ -390,6 +404,12 @@ class StageWorker:
         except Exception as e:  # a program failed while running asynchronously
             raise ExecutorError(f"stage {self.stage}: {type(e).__name__}: {e}",
                                 stage=self.stage, failure=Failure.PROGRAM) from e
+
+    def _send(self, transport: Transport, ins: Instr, x: Any) -> TaskRecord:
+        t0 = time.perf_counter()
+        transport.send(self.stage, ins.peer, ins.key, x)
+        return TaskRecord(self.stage, ins.label(), t0, time.perf_counter(), ins.microbatch,
+                          "send")
 
     def _error(self, ins: Instr, what: str, failure: Failure) -> ExecutorError:
         return ExecutorError(f"stage {self.stage}, {ins.label()}: {what}", stage=self.stage,
@@ -469,6 +489,9 @@ class StageWorker:
         prev_end = inputs_ready = float("-inf")
         deadline = time.monotonic() + timeout
         for r in records:
+            if isinstance(r, _Sending):
+                out.append(self._sent(r, max(0.0, deadline - time.monotonic())))
+                continue
             if not isinstance(r, _Pending):
                 out.append(r)
                 continue
@@ -494,18 +517,62 @@ class StageWorker:
             out.append(r)
         return out
 
+    def _stop_if_failed(self, transport: Transport, ins: Instr, done: cf.Future) -> None:
+        """A background send that failed stops the stage's waits in this step
+        (``stop_waits``, where the transport has it), so the stage reports the failure at
+        once instead of waiting for values that may depend on it. (A done-callback: the
+        future is settled before the waits wake.)"""
+        e = done.exception()
+        stop = getattr(transport, "stop_waits", None)
+        if e is not None and stop is not None:
+            stop(f"stage {self.stage}, {ins.label()} failed: {type(e).__name__}: {e}")
+
+    def _failed_send(self, records: list) -> ExecutorError | None:
+        """The named error of the first background send that has failed, if any."""
+        for r in records:
+            if isinstance(r, _Sending) and r.done.done() and r.done.exception() is not None:
+                try:
+                    self._sent(r, 0.0)
+                except ExecutorError as e:
+                    return e
+        return None
+
+    def _sent(self, r: "_Sending", timeout: float) -> TaskRecord:
+        """The record of a send made in the background; its failure, named."""
+        try:
+            return r.done.result(timeout=timeout)
+        except (TimeoutError, cf.TimeoutError) as e:
+            raise self._error(r.ins, f"not sent within {timeout:g} s", Failure.TIMEOUT) from e
+        except ExecutorError as e:
+            if e.stage is not None:
+                raise
+            raise self._error(r.ins, str(e), e.failure or Failure.PROGRAM) from e
+        except Exception as e:
+            raise self._error(r.ins, f"{type(e).__name__}: {e}", Failure.PROGRAM) from e
+
     def idle(self, timeout: float) -> bool:
         """Whether every program this stage dispatched has finished (its timer thread has
         seen them all end), waiting up to ``timeout`` seconds."""
         return self._watch.wait_idle(timeout)
 
     def close(self) -> None:
-        """Stop the timer thread (after the calls already queued; never waits)."""
+        """Stop the timer and sender threads (after the calls already queued; never
+        waits)."""
         self._watch.shutdown()
+        if self._sender is not None:
+            self._sender.shutdown()
 
     def _awaited(self, key) -> bool:
         """A step result (never released early)."""
         return key[0] in self._results
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sending:
+    """A send made on the sender thread: ``done`` gives its record."""
+
+    ins: Instr
+    done: cf.Future
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,10 @@ same stage programs on the one global mesh (multi-controller SPMD)::
   hosts); the first actor puts it in the object store once and delivers the reference to
   every actor of the receiving stage (Ray fetches it once per receiving node). Each
   receiving actor places its own shards.
+* With direct channels (``transport="direct"``, ``listen``): the first actor streams the
+  host array to every actor of the receiving stage over TCP (``runtime.channels``); on a
+  stage of one host it does so on the stage worker's sender thread, and the receiver
+  places a value on its devices as it arrives.
 * Results stay in the actors (``kept``, by (step, ref)). What goes back to the driver per
   step: 0-d results (losses, counters, metrics) as numpy, kept one step more (the driver may
   pass them back), and the shape and dtype of the others, kept until the driver releases
@@ -37,6 +41,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from rhino.runtime.channels import ChannelServer, Channels
+from rhino.runtime.executor import place
 from rhino.runtime.transport import ExecutorError, Failure, LocalTransport
 from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray
 
@@ -109,12 +115,23 @@ class RayTransport:
     """
 
     def __init__(self, mailbox: "Mailbox", peers: Sequence[Sequence[Any]], rank: int,
-                 step: int):
+                 step: int, channels: Channels | None = None,
+                 addresses: Sequence[Sequence[str]] = (), timeout: float = 60.0,
+                 hosts: int = 1):
         self.mailbox, self.peers, self.rank, self.step = mailbox, peers, rank, step
+        self.channels, self.addresses, self.timeout = channels, addresses, timeout
+        # A send waits for the value (to copy it to the host): the stage worker sends on a
+        # thread of its own, except where making the host value is a collective of the
+        # stage's job (its processes must enter those in the same order).
+        self.send_in_background = channels is not None and hosts == 1
 
     def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
         host = host_value(value)
         if self.rank != 0:
+            return
+        if self.channels is not None:   # transport="direct": straight to each receiver
+            for address in self.addresses[dst]:
+                self.channels.send(address, self.step, src, key, host, self.timeout)
             return
         if host.nbytes > INLINE_BYTES:
             # A top-level ObjectRef argument: Ray fetches it to the receiver's node before
@@ -125,6 +142,10 @@ class RayTransport:
 
     def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
         return self.mailbox.take(self.step, src, key, timeout)
+
+    def stop_waits(self, why: str) -> None:
+        """Wake this actor's waits of the step (a background send failed)."""
+        self.mailbox.abort(self.step, why)
 
 
 class Mailbox:
@@ -161,6 +182,9 @@ class StageActor:
         self.worker = None
         self.mailbox = Mailbox()
         self.peers: list[list[Any]] = []
+        self.addresses: list[list[str]] = []     # per stage, its actors' channel servers
+        self.channels: Channels | None = None    # transport="direct" only
+        self.server: ChannelServer | None = None
         self.kept: dict[tuple[int, int], Any] = {}  # (step, ref) -> a result (jax array)
         self.inline: set[tuple[int, int]] = set()    # those sent back whole
         self.args: tuple[int, ...] = ()
@@ -253,10 +277,38 @@ class StageActor:
                 "global_devices": jax.device_count(), "kept": len(self.kept),
                 "platform": jax.devices()[0].platform,
                 "node": import_ray().get_runtime_context().get_node_id(),
-                "rows": getattr(self, "rows", {})}
+                "rows": getattr(self, "rows", {}),
+                "sent_directly": self.channels.sent_bytes if self.channels else 0}
 
-    def set_peers(self, peers: Sequence[Sequence[Any]]) -> None:
+    def listen(self, token: bytes) -> str:
+        """Receive values over direct channels (``transport="direct"``): a server on a
+        free port of this node that accepts connections starting with ``token``. Its
+        ``ip:port``."""
+        ip = import_ray().util.get_node_ip_address()
+        self.server = ChannelServer(token, self._arrived, ip)
+        self.channels = Channels(token)
+        return self.server.address
+
+    def _arrived(self, step: int, src: int, key: tuple, value: Any) -> None:
+        """A value from a direct channel. On a stage of one host it is placed on the
+        stage's devices at once (on the channel's thread), so the copy overlaps the wait
+        for the stage's other values; the stage's ``recv`` then finds it in place."""
+        if self.hosts == 1 and self.worker is not None and isinstance(key[0], int):
+            try:
+                value = place(value, self.worker.sharding(key[0]))
+            except Exception:  # noqa: BLE001 - recv places it again and names the error
+                pass
+        self.mailbox.put(step, src, key, value)
+
+    def set_peers(self, peers: Sequence[Sequence[Any]],
+                  addresses: Sequence[Sequence[str]] = ()) -> None:
+        """Every stage's actors (and, with direct channels, their servers' addresses)."""
         self.peers = [list(g) for g in peers]
+        self.addresses = [list(g) for g in addresses]
+
+    def _transport(self, step: int, timeout: float) -> "RayTransport":
+        return RayTransport(self.mailbox, self.peers, self.rank, step, self.channels,
+                            self.addresses, timeout, self.hosts)
 
     def deliver(self, step: int, src: int, key: tuple, value: Any) -> None:
         self.mailbox.put(step, src, key, value)
@@ -269,7 +321,7 @@ class StageActor:
         and every collective's communicator set up before the first step. Seconds."""
         t0 = time.perf_counter()
         self.mailbox.start(0)
-        transport = RayTransport(self.mailbox, self.peers, self.rank, 0)
+        transport = self._transport(0, timeout)
         outs, _ = self.worker.run_step(self.worker.zero_args(), transport, timeout)
         import jax
 
@@ -282,14 +334,18 @@ class StageActor:
 
     def run_step(self, step: int, timeout: float, kept: Mapping[int, tuple[int, int]],
                  release: Sequence[tuple[int, int]], drop_steps: Sequence[int],
-                 keep_arrays: bool, partial: Mapping[int, int], refs: Sequence[int],
+                 keep_arrays: bool, partial: Mapping[int, int],
+                 push: Sequence[tuple[tuple[int, int], Sequence[int]]],
+                 pull: Mapping[int, tuple[int, int, int]], refs: Sequence[int],
                  *values: Any) -> tuple:
         """One step: ``refs[i] -> values[i]`` (resolved by Ray) and ``kept``: argument ref
         -> (step, ref) of a result this actor kept. ``partial``: batch arguments sent as
         only this host's rows (``describe()["rows"]``), ref -> the whole batch's size; the
         other rows are zeros here (no device of this host reads them). First drops the
         results ``release`` names, those of ``drop_steps`` (failed elsewhere) and 0-d ones
-        older than the last step.
+        older than the last step. ``push``: kept results ((step, ref)) other stages read
+        this step, sent to them first (a tied weight, actor to actor); ``pull``: argument
+        ref -> (stage, step, ref) of such a result from another stage, waited for here.
 
         Returns:
             (results sent back: ref -> numpy (0-d ones only with ``keep_arrays``), the
@@ -313,7 +369,22 @@ class StageActor:
             raise ExecutorError(f"{self.where}: the driver referred to kept results for "
                                 f"arguments {missing}; this actor does not have them")
         args.update({r: self.kept[tuple(k)] for r, k in kept.items()})
-        transport = RayTransport(self.mailbox, self.peers, self.rank, step)
+        transport = self._transport(step, timeout)
+        for k, readers in push:
+            k = tuple(k)
+            if k not in self.kept:
+                raise ExecutorError(f"{self.where}: expected the kept result (step, ref) "
+                                    f"{k} that stage(s) {list(readers)} read, found none "
+                                    f"(released)", stage=self.stage)
+            for dst in readers:
+                transport.send(self.stage, dst, ("arg", *k), self.kept[k])
+        for r, (src, k, ref) in pull.items():
+            try:
+                args[r] = self.mailbox.take(step, src, ("arg", k, ref), timeout)
+            except TimeoutError as e:
+                raise ExecutorError(f"{self.where}: argument #{r} (result v{ref} of step {k} "
+                                    f"on stage {src}) did not come: {e}", stage=self.stage,
+                                    failure=Failure.TIMEOUT) from e
         outs, records = self.worker.run_step(args, transport, timeout)
         jax.block_until_ready(outs)
         host, meta = {}, {}
@@ -332,25 +403,6 @@ class StageActor:
         records = [dataclasses.replace(r, start=r.start + shift, end=r.end + shift)
                    for r in records]
         return host, meta, records, secs
-
-    def share(self, keys: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
-        """The kept results ``keys`` ((step, ref)) put in this node's object store, for
-        another stage to read as arguments without passing through the driver: key ->
-        ``ObjectRef`` (from the first host; every host takes part in gathering)."""
-        values = self.fetch(keys)
-        if self.rank != 0:
-            return {}
-        ray = import_ray()
-        return {r: ray.put(v) for r, v in values.items()}
-
-    def share_each(self, keys: Sequence[tuple[int, int]]) -> Any:
-        """The kept results ``keys`` as numpy, one return value each (called with
-        ``num_returns=len(keys)``: the driver hands the ``ObjectRef``s on to the reading
-        stage at once, without waiting). Only for a stage on one host: no collective, so it
-        may run beside this actor's next step."""
-        values = self.fetch(keys)
-        out = tuple(values[tuple(k)] for k in keys)
-        return out if len(out) > 1 else out[0]
 
     def init_state(self, blob: bytes, refs: Sequence[int]) -> dict[int, tuple]:
         """Create the step's argument leaves ``refs`` (those this stage reads) from the

@@ -1,5 +1,6 @@
 """The Ray executor: one actor per host of every stage's mesh, values between stages through
-the object store, the training state kept on the actors. ``init`` (``runtime.ray_cluster``)
+the object store or over direct TCP channels between the actors (``transport``), the
+training state kept on the actors. ``init`` (``runtime.ray_cluster``)
 connects to (or starts) a Ray cluster; it is exposed as ``rhino.init``.
 
 Only the ``ray_*`` modules (in ``rhino.runtime``) import ray, and only inside functions and
@@ -27,7 +28,11 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
 * ``RayTransport`` implements ``runtime.executor.Transport``: a value goes to the host, into
   the sender's object store (``ray.put``), and its ``ObjectRef`` is passed as a top-level
   argument of each receiver's ``deliver``, so Ray fetches it to the receiver's node before
-  ``deliver`` runs (the copy overlaps the receiver's compute).
+  ``deliver`` runs (the copy overlaps the receiver's compute). With
+  ``transport="direct"`` it streams the value's bytes to each receiving actor over a TCP
+  connection kept between steps (``runtime.channels``) instead.
+* A result one stage keeps and another reads (a tied weight passed back in) is sent by its
+  holder to the readers at the start of the step, through the same transport.
 * State on the workers: results with at least one dimension stay in the actors and come
   back as ``RemoteArray`` handles (shape and dtype; ``np.asarray``, ``rhino.fetch`` or
   ``.fetch()`` bring the value). Passed back in as the next step's arguments they move
@@ -53,6 +58,7 @@ Example:
 from __future__ import annotations
 
 import re
+import secrets
 import sys
 import threading
 import time
@@ -65,6 +71,10 @@ from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError, Failure, ro
 from rhino.runtime.ray_actor import StageActor
 from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
                                        RayInfo, import_ray, init, xla_flags)
+
+RAY_TRANSPORTS = ("object_store", "direct")
+"""How values cross stages on Ray: through the object store and an actor call per value
+(default), or over one TCP connection per pair of actors (``runtime.channels``)."""
 
 __all__ = ["RayExecutor", "RemoteArray", "fetch", "init", "RayInfo", "xla_flags"]
 
@@ -178,6 +188,11 @@ class RayExecutor:
             placement group bundle per plan host (``STRICT_SPREAD``: each on its own node)
             holds that host's actors, unless ``actor_options`` sets a scheduling strategy.
         keep_state: results with dimensions stay on the actors (``RemoteArray``).
+        transport: how values cross stages, one of ``RAY_TRANSPORTS``: ``"object_store"``
+            (a put and a ``deliver`` call per value; Ray moves it between nodes) or
+            ``"direct"`` (each sending actor streams the value's bytes to each receiving
+            actor over a TCP connection kept open between steps; the nodes must reach each
+            other on any port, as ``jax.distributed`` and gloo need too).
 
     Usable as a context manager (``close()`` on exit). An executor that failed for good (a
     dead actor, a stage that did not stop) kills its actors at once.
@@ -197,7 +212,12 @@ class RayExecutor:
                  timeout: float = DEFAULT_TIMEOUT_S, address: str | None = None,
                  actor_options: Mapping[str, Any] | None = None, reuse_state: bool = True,
                  connect_timeout: float | None = None, hosts: Sequence[int] | None = None,
-                 keep_state: bool = True, host_ids: Sequence[Sequence[int]] | None = None):
+                 keep_state: bool = True, host_ids: Sequence[Sequence[int]] | None = None,
+                 transport: str = "object_store"):
+        if transport not in RAY_TRANSPORTS:
+            raise ExecutorError(f"transport: expected one of {RAY_TRANSPORTS} for the Ray "
+                                f"executor, found {transport!r}")
+        self.transport = transport
         ray = import_ray()
         self.info = init(address, timeout=connect_timeout or min(timeout, CONNECT_TIMEOUT_S))
         self.specs = list(specs)
@@ -264,7 +284,14 @@ class RayExecutor:
                 [a.setup.remote(blobs[s], per_host[s], coord.get(s), timeout)
                  for a, (s, _) in zip(self.actors, self.owners)],
                 "starting the stage", timeout, self.owners, close=True)
-            self._collect([a.set_peers.remote(self.groups) for a in self.actors],
+            addresses: list[list[str]] = []
+            if transport == "direct":
+                token = secrets.token_bytes(16)
+                found = iter(self._collect([a.listen.remote(token) for a in self.actors],
+                                           "opening the direct channels", timeout,
+                                           self.owners, close=True))
+                addresses = [[next(found) for _ in g] for g in self.groups]
+            self._collect([a.set_peers.remote(self.groups, addresses) for a in self.actors],
                           "introducing the stages", timeout, self.owners, close=True)
             self.warm_up_s = self._collect([a.warm_up.remote(timeout) for a in self.actors],
                                            "warming up the stage", 2 * timeout, self.owners,
@@ -452,10 +479,12 @@ class RayExecutor:
         t0 = time.perf_counter()
         keep: dict[int, tuple[Any, Any]] = {}
         self.last_sent_bytes = self.last_received_bytes = self.last_kept = 0
-        shared = self._share(flat_args)
+        # A result one stage kept that another stage reads (a tied weight): the holder
+        # sends it to the readers at the start of its step, actor to actor.
+        push: dict[int, dict[tuple[int, int], set[int]]] = {}
         per_actor = []
         for n, (s, _) in enumerate(self.owners):
-            kept, refs, values, partial = {}, [], [], {}
+            kept, refs, values, partial, pull = {}, [], [], {}, {}
             rows = self._describe[n].get("rows") or {}
             for r in self._args[s]:
                 x = flat_args[r]
@@ -464,17 +493,18 @@ class RayExecutor:
                     kept[r] = k
                     self.last_kept += 1
                     continue
-                refs.append(r)
                 mine = isinstance(x, RemoteArray) and x.executor is self
-                key = (x.stage, x.step, x.ref) if mine else None
-                if key in shared:
-                    values.append(shared[key])
-                elif r in rows and not mine:     # this host's rows of the batch only
+                if mine and x.stage != s:
+                    pull[r] = (x.stage, x.step, x.ref)
+                    push.setdefault(x.stage, {}).setdefault((x.step, x.ref), set()).add(s)
+                    continue
+                refs.append(r)
+                if r in rows and not mine:     # this host's rows of the batch only
                     partial[r] = int(np.shape(x)[0])
                     values.append(self._put(ray, x, keep, tuple(rows[r])))
                 else:
                     values.append(self._put(ray, x, keep))
-            per_actor.append((kept, partial, tuple(refs), values))
+            per_actor.append((kept, partial, pull, tuple(refs), values))
         self._step += 1
         step = self._step
         release: dict[int, list[tuple[int, int]]] = {}
@@ -483,8 +513,10 @@ class RayExecutor:
             release.setdefault(s, []).append((k, r))
         failed, self._failed_steps = self._failed_steps, []
         calls = [a.run_step.remote(step, self.timeout, kept, release.get(s, []), failed,
-                                   self.keep_state, partial, refs, *values)
-                 for a, (s, _), (kept, partial, refs, values)
+                                   self.keep_state, partial,
+                                   sorted((k, sorted(d)) for k, d in push.get(s, {}).items()),
+                                   pull, refs, *values)
+                 for a, (s, _), (kept, partial, pull, refs, values)
                  in zip(self.actors, self.owners, per_actor)]
         self._puts = keep
         self._inflight = calls
@@ -517,39 +549,6 @@ class RayExecutor:
         self.last_records = records
         self.last_step_s = time.perf_counter() - t0
         return outs
-
-    def _share(self, flat_args: Sequence[Any]) -> dict[tuple[int, int], Any]:
-        """Results one stage kept last step that another stage reads now (a weight used on
-        several stages): put in the holder's object store by its actors, so they go from
-        actor to actor, not through the driver. (stage, ref) -> ``ObjectRef``."""
-        wanted: dict[int, set[tuple[int, int]]] = {}
-        for s in range(len(self.groups)):
-            for r in self._args[s]:
-                x = flat_args[r]
-                if isinstance(x, RemoteArray) and x.executor is self and \
-                        self._kept_ref(x, s) is None:
-                    wanted.setdefault(x.stage, set()).add((x.step, x.ref))
-        out: dict[tuple[int, int, int], Any] = {}
-        calls, owners = [], []
-        for s, keys in sorted(wanted.items()):
-            keys = sorted(keys)
-            if len(self.groups[s]) == 1:
-                # One host: ObjectRefs of the values at once, passed on without waiting
-                # (the reading stage's call starts when they are ready).
-                refs = self.groups[s][0].share_each.options(
-                    num_returns=len(keys)).remote(tuple(keys))
-                refs = refs if len(keys) > 1 else [refs]
-                out.update({(s, *k): r for k, r in zip(keys, refs)})
-                continue
-            for rank, a in enumerate(self.groups[s]):
-                calls.append(a.share.remote(tuple(keys)))
-                owners.append((s, rank))
-        if calls:   # several hosts gather the value together: wait for them here
-            got = self._collect(calls, "sharing results with other stages", self.timeout,
-                                owners)
-            out.update({(s, *k): ref for (s, rank), d in zip(owners, got) if rank == 0
-                        for k, ref in d.items()})
-        return out
 
     def fetch(self, handles: Sequence[RemoteArray]) -> list[np.ndarray]:
         """The values of ``handles`` (this executor's, of its last step) as numpy.

@@ -159,3 +159,15 @@ class StepTransport:
     def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
         return self.transport.recv(dst, src, (self.step, *key), timeout)
 
+    @property
+    def send_in_background(self) -> bool:
+        """Whether the stage should send on a thread of its own (the transport says)."""
+        return getattr(self.transport, "send_in_background", False)
+
+    def stop_waits(self, why: str) -> None:
+        """Wake every wait of this step (a background send failed), where the transport
+        can (``abort``)."""
+        abort = getattr(self.transport, "abort", None)
+        if abort is not None:
+            abort(self.step, why)
+

@@ -133,6 +133,11 @@ def test_options_are_checked_when_the_step_is_built():
         rhino.auto_parallel(f, cluster="2x4", timeout=-1)
     with pytest.raises(rhino.OptionsError, match="transport"):
         rhino.auto_parallel(f, cluster="2x4", transport="pigeon")
+    with pytest.raises(rhino.OptionsError, match=r"transport: expected one of \['object_store'"
+                       r", 'direct'\] with executor 'ray', found 'broadcast'"):
+        rhino.auto_parallel(f, cluster="2x4", executor="ray", transport="broadcast")
+    with pytest.raises(rhino.OptionsError, match="found 'direct' .a transport of the ray"):
+        rhino.auto_parallel(f, cluster="2x4", transport="direct")
     with pytest.raises(rhino.OptionsError, match="cluster"):
         rhino.auto_parallel(f, cluster="2by4")
     with pytest.raises(rhino.OptionsError, match="stages"):

@@ -94,17 +94,20 @@ def test_whole_cluster_spmd_spans_two_hosts_and_matches_one_device(ray_cluster):
         np.asarray(jax.tree_util.tree_leaves(p1)[0])
 
 
-@pytest.mark.parametrize("model", ["gpt", pytest.param("unet", marks=pytest.mark.slow)])
-def test_pipeline_stages_each_spanning_two_hosts_match_one_device(ray_cluster, model):
+@pytest.mark.parametrize("model,transport", [
+    ("gpt", "object_store"), ("gpt", "direct"),
+    pytest.param("unet", "object_store", marks=pytest.mark.slow)])
+def test_pipeline_stages_each_spanning_two_hosts_match_one_device(ray_cluster, model,
+                                                                  transport):
     """Cluster 4x2, 2 stages × 4 devices: each stage 2 actors × 2 devices (4 actors);
     values cross stages gathered by the sending job and placed by each receiving host.
-    GPT ties its embedding (read by both stages: shared actor to actor, not through the
-    driver)."""
+    GPT ties its embedding (read by both stages: sent actor to actor at the start of the
+    step, not through the driver). ``direct``: over TCP channels between the actors."""
     m = get_model("unet", batch=16) if model == "unet" else get_model("gpt", **GPT)
     params, opt = m.init(jax.random.PRNGKey(0))
     batches = _batches(m, 4)
     step = rhino.auto_parallel(m.step, cluster="4x2", stages=2, num_microbatches=4,
-                               executor="ray", timeout=120.0)
+                               executor="ray", timeout=120.0, transport=transport)
     try:
         p1, o1 = _train_both(step, m, params, opt, batches)
         ex = step._last.run.executor
@@ -116,6 +119,15 @@ def test_pipeline_stages_each_spanning_two_hosts_match_one_device(ray_cluster, m
         # The batch, plus 0-d values one stage returned and the other reads (Adam's count).
         assert batch_bytes <= ex.last_sent_bytes <= batch_bytes + 64, ex.last_sent_bytes
         assert 0 < ex.last_received_bytes <= 64, ex.last_received_bytes
+        # Only the first host of a stage sends; with direct channels, to every receiving
+        # host (both stages send: activations forward, gradients and the tied embedding
+        # back); through the object store, nothing goes over the channels.
+        sent = [d["sent_directly"] for d in ray.get([a.describe.remote()
+                                                     for a in ex.actors])]
+        if transport == "direct":
+            assert sent[0] > 0 and sent[2] > 0 and sent[1] == sent[3] == 0, sent
+        else:
+            assert sent == [0, 0, 0, 0], sent
     finally:
         step.close()
 

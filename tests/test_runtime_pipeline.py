@@ -4,9 +4,11 @@ Every pipelined run is checked against single-device ``jax.jit`` of the same ste
 """
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 
@@ -323,6 +325,34 @@ def test_a_lost_value_times_out_naming_stage_and_instruction(gpt_run):
     ex.transport = _Lossy(2)
     with pytest.raises(ExecutorError, match=r"stage 0, recv v\d+@0←1: timed out"):
         ex.run(jax.tree_util.tree_leaves((params, opt, batch)))
+    ex.close()
+
+
+class _FailingInBackground(LocalTransport):
+    """Sends on the stage's sender thread (as the Ray actors' direct channels do); every
+    value for stage 1 fails."""
+
+    send_in_background = True
+
+    def send(self, src, dst, key, value):
+        if dst == 1:
+            raise ConnectionError("the receiver is gone")
+        super().send(src, dst, key, value)
+
+
+def test_a_background_send_that_fails_is_the_named_root_cause_at_once(gpt_run):
+    """The failure of a send made on the sender thread stops the stage's waits: the step
+    fails with that send named, not after the other stages' timeouts."""
+    step = gpt_run["step"]
+    params, opt, batch = gpt_run["params"]
+    entry = step._entry((params, opt, batch))
+    ex = LocalExecutor(entry.run.executor.workers, timeout=60.0)
+    ex.transport = _FailingInBackground(2)
+    t0 = time.monotonic()
+    with pytest.raises(ExecutorError,
+                       match=r"^stage 0, send v\d+@0→1: ConnectionError: the receiver is gone"):
+        ex.run(jax.tree_util.tree_leaves((params, opt, batch)))
+    assert time.monotonic() - t0 < 30
     ex.close()
 
 

@@ -175,11 +175,14 @@ def test_stalled_stage_times_out_naming_the_stages(gpt_ray, gpt):
         ex.close()
 
 
-def test_killed_actor_raises_naming_the_stage(gpt_ray, gpt):
+@pytest.mark.parametrize("transport", ["object_store", "direct"])
+def test_killed_actor_raises_naming_the_stage(gpt_ray, gpt, transport):
+    """Stage 1's actor killed mid-run: the step fails naming it, within seconds, whether
+    stage 0 was sending to it through the object store or over a direct channel."""
     m, params, opt, batch = gpt
     specs, cluster = _specs(gpt_ray, (params, opt, batch))
     flat = jax.tree_util.tree_leaves((params, opt, batch))
-    ex = RayExecutor(specs, cluster, timeout=60.0)
+    ex = RayExecutor(specs, cluster, timeout=60.0, transport=transport)
     try:
         box: dict = {}
 
@@ -225,12 +228,14 @@ def test_actor_that_cannot_start_is_named(gpt_ray, gpt):
 
 def test_unet_on_two_actors_matches_one_device(ray_cluster):
     """UNet (skip tensors cross the stage boundary), 2 stage actors × 4 devices, 4
-    microbatches, 10 steps: losses and final state equal single-device ``jax.jit``."""
+    microbatches, 10 steps: losses and final state equal single-device ``jax.jit``. The
+    values cross over direct channels (``transport="direct"``: sent on each stage's sender
+    thread, placed on arrival); GPT (``gpt_ray``) covers the object store."""
     m = get_model("unet", batch=16)
     params, opt = m.init(jax.random.PRNGKey(0))
     batch = m.make_batch(jax.random.PRNGKey(1))
     step = rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
-                               executor="ray", timeout=120)
+                               executor="ray", timeout=120, transport="direct")
     ref = jax.jit(m.step)
     try:
         p1, o1, p2, o2 = params, opt, params, opt
@@ -245,5 +250,9 @@ def test_unet_on_two_actors_matches_one_device(ray_cluster):
         ex = step._last.run.executor
         assert isinstance(ex, RayExecutor) and len(ex.actors) == 2
         assert step.plan_for(params, opt, batch).num_stages == 2
+        sent = [d["sent_directly"] for d in ray.get([a.describe.remote()
+                                                     for a in ex.actors])]
+        assert all(b > 0 for b in sent), sent   # both stages sent over their channels
+        assert {r.kind for r in step.last_records} >= {"send", "recv"}
     finally:
         step.close()
