@@ -29,7 +29,7 @@ Example:
     >>> [g.ops[c].opcode for c in a.critical]
     ['dot', 'dot']
     >>> a.num_segments
-    1
+    2
 """
 
 from __future__ import annotations

@@ -59,8 +59,8 @@ def partition_spec(spec: ShardingSpec, axis_names: Sequence[str], what: str = "v
         LoweringError: a strided or partial spec, naming ``what``.
 
     Example:
-        >>> partition_spec(ShardingSpec.parse("S[x]·R·S[y,z]"), ("x", "y", "z"))
-        PartitionSpec('x', None, ('y', 'z'))
+        >>> tuple(partition_spec(ShardingSpec.parse("S[x]·R·S[y,z]"), ("x", "y", "z")))
+        ('x', None, ('y', 'z'))
     """
     from jax.sharding import PartitionSpec
 

@@ -1,4 +1,4 @@
-"""SPMD execution facts: the device mesh, the compiled shardings checked against the plan
+r"""SPMD execution facts: the device mesh, the compiled shardings checked against the plan
 before anything runs, the collectives of a compiled program counted, its memory read.
 (Writing a plan into the program is ``hlo_passes.lower``.)
 

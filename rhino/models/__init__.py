@@ -69,7 +69,7 @@ def describe_models() -> str:
     """Every zoo model with its options (defaults) and presets, as text.
 
     Example:
-        >>> print(describe_models().splitlines()[0])   # doctest: +ELLIPSIS
+        >>> print(describe_models().splitlines()[0])   # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
         mlp   options: learning_rate=0.001, ...
     """
     import dataclasses
