@@ -17,8 +17,11 @@ Pass order::
         ▼
         │ split_step       roles re-derived on the jaxpr (free = batch-independent); stage
         │                  repairs so that forward data flows to later stages and backward
-        │                  data to earlier ones; per task its equations (plus the free
-        │                  equations it needs, recomputed), inputs, outputs, accumulators
+        │                  data to earlier ones; a sum of gradient parts from two
+        │                  stages (a tied weight) moved to apply-gradients, so each part
+        │                  is accumulated where it is made and crosses once per step;
+        │                  per task its equations (plus the free equations it needs,
+        │                  recomputed), inputs, outputs, accumulators
         ▼
     StepSplit            tasks F/B/A per stage; compile_task() builds a jitted program
 
@@ -39,8 +42,10 @@ Example:
     ...     return w - 0.1 * g, loss
     >>> flat = flatten(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))
     >>> sp = split_step(flat, {}, batch_refs=(1,), num_stages=1, num_microbatches=2)
-    >>> sorted(t.label for t in sp.tasks.values() if t.eqns)
-    ['A0', 'B0', 'F0']
+    >>> sorted(t.label for t in sp.tasks.values() if t.eqns)   # no assignment: all forward
+    ['F0']
+    >>> [o.source for o in sp.outputs]   # new weights and loss, summed over microbatches
+    ['acc', 'acc']
 """
 
 from __future__ import annotations
@@ -344,6 +349,8 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
             s = any_in[0] if any_in else 0
         stage[i] = s
 
+    _sink_cross_stage_sums(flat, role, stage, prod)
+
     # Values each equation reads, and the free equations each task recomputes.
     task_eqns: dict[tuple[str, int], list[int]] = {(k, s): [] for k in TaskKind
                                                    for s in range(num_stages)}
@@ -484,6 +491,76 @@ def _batch_rng(flat: FlatProgram, role: Sequence[Role],
 def _source(eqn: Any) -> str:
     """``file:line`` of the user code that made ``eqn`` (or its primitive's name)."""
     return eqn_source(eqn) or eqn.primitive.name
+
+
+_SUMS = frozenset({"add", "add_any", "sub"})
+_LINEAR = frozenset({"neg", "convert_element_type", "reshape", "transpose", "copy", "squeeze",
+                     "expand_dims", "broadcast_in_dim", "reduce_sum"})
+
+
+def _sink_cross_stage_sums(flat: FlatProgram, role: list, stage: list,
+                           prod: Mapping[int, int]) -> None:
+    """Move to apply-gradients the sums of gradients that come from two stages.
+
+    A weight read on two stages (a tied embedding) gets its gradient as a sum of both
+    stages' parts; the sum lands on the earlier stage's backward task, so the later stage
+    would send its part every microbatch. The sum and what follows it up to
+    apply-gradients are linear, so summing over microbatches first gives the same value:
+    moved to ``A`` (same stage), each part is accumulated where it is made and crosses
+    once per step. Moved: an ``add``/``add_any`` of backward values of which one comes from
+    another stage, with the chain of linear equations after it on its stage, when every
+    value of that chain is read only by apply-gradients or the chain, none is a step
+    result, and every operand is a backward value or the chain's (literals: scaling only).
+    ``role`` is updated in place."""
+    consumers: dict[int, list[int]] = {}
+    for i, fe in enumerate(flat.eqns):
+        for x in fe.ins:
+            if isinstance(x, int):
+                consumers.setdefault(x, []).append(i)
+    results = {x for x in flat.outs if isinstance(x, int)}
+
+    def gradient(x: Any, moving: set[int]) -> bool:
+        return isinstance(x, int) and x in prod and (
+            prod[x] in moving or role[prod[x]] == Role.BACKWARD)
+
+    def linear(i: int, moving: set[int]) -> bool:
+        fe = flat.eqns[i]
+        name = fe.eqn.primitive.name
+        if name in _SUMS or name in _LINEAR or (name == "integer_pow"
+                                                and fe.eqn.params.get("y") == 1):
+            return all(gradient(x, moving) for x in fe.ins)
+        if name in ("mul", "div"):   # scaling by a literal
+            a, b = fe.ins
+            return (gradient(a, moving) and isinstance(b, Lit)) or \
+                (name == "mul" and isinstance(a, Lit) and gradient(b, moving))
+        return False
+
+    for i, fe in enumerate(flat.eqns):
+        if role[i] != Role.BACKWARD or fe.eqn.primitive.name not in ("add", "add_any"):
+            continue
+        s = stage[i]
+        if not any(isinstance(x, int) and x in prod and role[prod[x]] == Role.BACKWARD
+                   and stage[prod[x]] != s for x in fe.ins):
+            continue
+        moving, todo, ok = {i}, [i], True
+        while todo and ok:
+            j = todo.pop()
+            ok = linear(j, moving)
+            for r in flat.eqns[j].outs:
+                if r is None or not ok:
+                    continue
+                ok = r not in results
+                for c in consumers.get(r, ()):
+                    if c in moving or role[c] == Role.APPLY:
+                        continue
+                    if role[c] == Role.BACKWARD and stage[c] == s:
+                        moving.add(c)
+                        todo.append(c)
+                    else:
+                        ok = False
+        if ok:
+            for j in moving:
+                role[j] = Role.APPLY
 
 
 def _check_direction(dst: tuple[str, int], src: tuple[str, int], path) -> None:

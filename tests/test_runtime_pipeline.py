@@ -203,6 +203,28 @@ def test_gpt_pipeline_matches_single_device(gpt_run):
     assert len({frozenset(d) for d in devs}) == 2
 
 
+def test_a_tied_weight_gradient_crosses_stages_once_per_step(gpt_run):
+    """GPT ties its embedding: its gradient is the LM head's part (stage 1) plus the
+    embedding's part (stage 0). That sum and what follows it up to Adam are linear, so the
+    split moves them to apply-gradients: stage 1 sums its part over the microbatches and
+    sends it once per step (an ``acc`` value), not every microbatch (losses: the test
+    above)."""
+    step = gpt_run["step"]
+    params, opt, batch = gpt_run["params"]
+    run = step._entry((params, opt, batch)).run
+    split = run.lowering.split
+    wte = tuple(params["wte"].shape)
+    shape = lambda i: tuple(split.flat.avals[i.ref].shape)   # noqa: E731
+    per_mb = [i.ref for i in split.task("B", 0).inputs
+              if i.source == "task" and i.producer == ("B", 1) and shape(i) == wte]
+    once = [i.ref for i in split.task("A", 0).inputs
+            if i.source == "acc" and i.producer == ("B", 1) and shape(i) == wte]
+    assert per_mb == [] and len(once) == 1, (per_mb, once)
+    sends = [ins for ins in run.executor.workers[1].instrs
+             if ins.op == "send" and ins.ref == once[0]]
+    assert len(sends) == 1 and sends[0].acc, sends
+
+
 def test_microbatches_of_one_example_are_planned_at_their_shape():
     """The zoo's default batch (4) in 4 microbatches: at one example the step traces to
     other equations (JAX leaves out broadcasts that change nothing, and autodiff their
