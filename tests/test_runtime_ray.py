@@ -175,7 +175,8 @@ def test_stalled_stage_times_out_naming_the_stages(gpt_ray, gpt):
         ex.close()
 
 
-@pytest.mark.parametrize("transport", ["object_store", "direct"])
+@pytest.mark.parametrize("transport", [
+    "object_store", pytest.param("direct", marks=pytest.mark.slow)])
 def test_killed_actor_raises_naming_the_stage(gpt_ray, gpt, transport):
     """Stage 1's actor killed mid-run: the step fails naming it, within seconds, whether
     stage 0 was sending to it through the object store or over a direct channel."""
