@@ -116,9 +116,13 @@ def _seconds(out: str, prefix: str) -> float:
 
 
 # ----------------------------------------------------------------------------- hangs
+# A host callback blocks the stage thread when XLA runs it there (the usual case), or one
+# of XLA's threads when the program already runs asynchronously (seen once in a full
+# suite run): then the stage's timer names the task, as for a program stuck in XLA.
 @pytest.mark.parametrize("mode,says", [
-    ("callback", ": stage 1: the step did not finish within 4 s"),   # stuck in Python
-    ("loop", ": stage 1, F0: its results were not ready within 2 s"),  # stuck in XLA
+    ("callback", r": stage 1(: the step did not finish within 4 s|, F0: its results were "
+                 r"not ready within 2 s)"),   # stuck in Python
+    ("loop", r": stage 1, F0: its results were not ready within 2 s"),  # stuck in XLA
 ])
 def test_stuck_stage_fails_the_step_and_never_holds_up_close_or_exit(tmp_path, mode, says):
     """A stage stuck in its program: the step fails within 2 × timeout naming that stage,
@@ -132,7 +136,7 @@ def test_stuck_stage_fails_the_step_and_never_holds_up_close_or_exit(tmp_path, m
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     text = out.stdout
     assert _seconds(text, "raised after") < 2 * 2 + 2, text
-    assert says in text, text
+    assert re.search(says, text), text
     assert "(other stages: stage 0, recv v" in text, text      # the waiting peer comes after
     assert _seconds(text, "again after") < 2 + 5, text
     # (stage 0 too when its timer still waits for the value stage 1 never computed)
