@@ -379,16 +379,10 @@ class StageWorker:
                     records.append(self._run(ins, state, batch, values, left, accs, timeout))
             except Exception as e:
                 failed = self._failed_send(records)   # the root cause, if there is one
-                if failed is not None:
-                    raise failed from e
-                if isinstance(e, ExecutorError):
-                    if e.stage is not None:  # already says where (a peer's failed value)
-                        raise
-                    raise self._error(ins, str(e), e.failure or Failure.PROGRAM) from e
-                if isinstance(e, TimeoutError):
-                    raise self._error(ins, f"timed out: {e}", Failure.TIMEOUT) from e
-                # a program failed: say where
-                raise self._error(ins, f"{type(e).__name__}: {e}", Failure.PROGRAM) from e
+                named = failed if failed is not None else self._name_error(ins, e)
+                if named is e:
+                    raise
+                raise named from e
         outs: dict[int, Any] = {}
         for o in self.split.outputs:
             if o.producer is None or o.producer[1] != self.stage:
@@ -410,6 +404,17 @@ class StageWorker:
         transport.send(self.stage, ins.peer, ins.key, x)
         return TaskRecord(self.stage, ins.label(), t0, time.perf_counter(), ins.microbatch,
                           "send")
+
+    def _name_error(self, ins: Instr, e: Exception) -> ExecutorError:
+        """``e`` as an error naming this stage and ``ins``; one that already names a stage
+        (a peer's failed value) as it is."""
+        if isinstance(e, ExecutorError):
+            if e.stage is not None:
+                return e
+            return self._error(ins, str(e), e.failure or Failure.PROGRAM)
+        if isinstance(e, TimeoutError):
+            return self._error(ins, f"timed out: {e}", Failure.TIMEOUT)
+        return self._error(ins, f"{type(e).__name__}: {e}", Failure.PROGRAM)  # a program
 
     def _error(self, ins: Instr, what: str, failure: Failure) -> ExecutorError:
         return ExecutorError(f"stage {self.stage}, {ins.label()}: {what}", stage=self.stage,
@@ -543,12 +548,11 @@ class StageWorker:
             return r.done.result(timeout=timeout)
         except (TimeoutError, cf.TimeoutError) as e:
             raise self._error(r.ins, f"not sent within {timeout:g} s", Failure.TIMEOUT) from e
-        except ExecutorError as e:
-            if e.stage is not None:
-                raise
-            raise self._error(r.ins, str(e), e.failure or Failure.PROGRAM) from e
         except Exception as e:
-            raise self._error(r.ins, f"{type(e).__name__}: {e}", Failure.PROGRAM) from e
+            named = self._name_error(r.ins, e)
+            if named is e:
+                raise
+            raise named from e
 
     def idle(self, timeout: float) -> bool:
         """Whether every program this stage dispatched has finished (its timer thread has
