@@ -75,9 +75,11 @@ def test_demo_spmd_and_pipelined(capsys):
 
 
 def test_demo_memory_budget(capsys):
-    # The MLP's time-optimal plan peaks at ~194 KiB compiled; 170 KB needs more pressure.
+    # The MLP's time-optimal plan peaks at ~194 KiB compiled; 175 KB needs more pressure
+    # (μ=0.1 gives 170 KiB; with O2's block moves μ=0.3 finds a faster plan of 173 KiB,
+    # where without them it gave 145 KiB: the activation weight only approximates XLA's peak).
     assert main(["demo", "--model", "mlp:batch=64,hidden=128", "--steps", "2",
-                 "--memory-budget", "170000"]) == 0
+                 "--memory-budget", "175000"]) == 0
     out = capsys.readouterr().out
     assert "compiled memory" in out and "met at memory pressure" in out
     assert "matches single-device training" in out

@@ -5,7 +5,8 @@ Pipeline of ``solve_o2``::
     problem ──(1) exact reductions, pivots kept──► core (cones folded into their roots)
     core ──(2) segment tables: reductions, elimination, conditioning ──(3) chain DP──► A
     core ──TRW message passing (skip edges)──► B
-    A, B ──skip-edge passes + ICM──► best core choice ──back-substitution + ICM──► Solution
+    A, B ──skip-edge passes + ICM──► the better one ──block moves + ICM──► core choice
+    core choice ──back-substitution + ICM──► Solution
 
 Level 1 (cones). The paper fixes each cone root's choice and picks its members by DP over the
 cone (a forest once the root is fixed), ignoring the members' edges that leave the cone. We
@@ -57,8 +58,11 @@ second candidate (B) comes from tree-reweighted min-sum message passing on the w
 (``solvers.solve_trw``), which sees every edge. Each candidate is then refined by passes that
 turn every skip edge into unary costs at the current choice of its other endpoint and re-run
 the chain DP (a pass is kept only if it lowers the true objective), and by iterated
-conditional modes (ICM) on the core and finally on all nodes. ICM and the passes only ever
-lower the true objective. The returned ``Solution.objective`` is always
+conditional modes (ICM) on the core. The better candidate then gets exact moves of every
+node's neighbourhood (``solvers.improve_blocks``: up to 8 nodes within 2 edges re-chosen
+jointly, since a group such as a QKV projection's dot, reshape and slices can only move
+together), ICM on the core again, and finally ICM on all nodes. ICM, the block moves and
+the passes only ever lower the true objective. The returned ``Solution.objective`` is always
 ``problem.objective(choice)`` and its status is ``"heuristic"``.
 
 Example:
@@ -85,8 +89,8 @@ import numpy as np
 from rhino.milp import SolverStatus
 from rhino.planner.problem import Edge, ShardingProblem, Solution
 from rhino.planner.solvers import (
-    InfeasibleProblemError, PairwiseGraph, back_substitute, improve_local, reduce_exact,
-    reduce_graph,
+    InfeasibleProblemError, PairwiseGraph, back_substitute, improve_blocks, improve_local,
+    reduce_exact, reduce_graph,
     solve_ilp, solve_trw)
 
 __all__ = ["Partition", "solve_o2", "solve_o3"]
@@ -728,6 +732,12 @@ def _chain_passes(prob: ShardingProblem, chain: _Chain, solver: _SegmentSolver,
     return best
 
 
+def _polish(core: ShardingProblem, choice: Sequence[int], deadline: float) -> tuple[int, ...]:
+    """Exact moves of every node's 2-edge neighbourhood (up to 8 nodes), then ICM."""
+    choice = improve_blocks(core, choice, deadline=deadline)
+    return improve_local(core, choice, max_sweeps=20, deadline=deadline)
+
+
 def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: float = 60.0,
              mip_rel_gap: float = 1e-4) -> Solution:
     """O2: exact reductions -> segment tables -> chain DP, plus TRW for skip edges -> ICM.
@@ -775,7 +785,7 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
             if trw is not None:
                 start = _chain_passes(core, chain, solver, trw, deadline)
                 cands.append(improve_local(core, start, max_sweeps=20, deadline=deadline))
-    best = min(cands, key=core.objective) if cands else ()
+    best = _polish(core, min(cands, key=core.objective), deadline) if cands else ()
     choice = improve_local(problem, red.expand(best), max_sweeps=3, deadline=deadline)
     obj = problem.objective(choice)
     if not np.isfinite(obj):
