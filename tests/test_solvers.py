@@ -210,6 +210,17 @@ def test_block_moves_switch_a_group_that_only_pays_off_together():
     assert _same(prob.objective(improve_blocks(prob, start)), o3)
 
 
+def test_block_moves_leave_an_infinite_cost_that_only_a_group_can_leave():
+    """Neighbours must agree (infinity otherwise) and the start's first choice of ``a`` is
+    forbidden: every single-node move keeps the cost infinite, the group's is finite."""
+    agree = np.array([[0.0, np.inf], [np.inf, 0.0]])
+    prob = ShardingProblem(("a", "b", "c"), (("x", "y"),) * 3,
+                           (np.array([np.inf, 1.0]), np.zeros(2), np.zeros(2)),
+                           (Edge(0, 1, agree), Edge(1, 2, agree)))
+    assert improve_local(prob, (0, 0, 0)) == (0, 0, 0)
+    assert improve_blocks(prob, (0, 0, 0)) == (1, 1, 1)
+
+
 # ---- 3. O2 vs O3 -----------------------------------------------------------------------------
 def _chain_case(rng, n, every, extra):
     """A path 0-1-...-n-1 (plus some i->i+2 edges inside segments); single-node cones."""

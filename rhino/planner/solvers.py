@@ -3,7 +3,8 @@
 Exact: ``solve_brute_force`` (tiny problems), ``solve_tree_dp`` (forests), ``reduce_exact``
 (PBQP reductions R0/R1/R2 with back-substitution) and ``solve_ilp`` (highspy MILP).
 Heuristic: ``solve_trw`` (tree-reweighted message passing), ``improve_local`` (ICM) and
-``improve_blocks`` (exact moves of small neighbourhoods); the hierarchical O2 solver (``rhino.planner.hierarchical``) combines them.
+``improve_blocks`` (exact moves of small neighbourhoods); the hierarchical O2 solver
+(``rhino.planner.hierarchical``) combines them.
 
 Pipeline of ``solve_ilp``::
 
@@ -50,7 +51,8 @@ from rhino.planner.problem import Edge, ShardingProblem, Solution
 
 __all__ = [
     "InfeasibleProblemError", "SolverTimeLimitWarning", "Reduced", "solve_brute_force",
-    "reduce_exact", "solve_ilp", "solve_tree_dp", "solve_trw", "improve_local", "improve_blocks",
+    "reduce_exact", "solve_ilp", "solve_tree_dp", "solve_trw", "improve_local",
+    "improve_blocks",
 ]
 
 _BRUTE_FORCE_LIMIT = 2_000_000
@@ -430,7 +432,8 @@ def improve_blocks(problem: ShardingProblem, choice: Sequence[int], *, radius: i
                     continue
                 new = red.expand(solve_brute_force(red.core).choice if sizes else ())
                 after = sub.objective(new)
-            if not (after < before and before - after > 1e-12 * abs(before)):
+            if not (after < before and (not np.isfinite(before)
+                                        or before - after > 1e-12 * abs(before))):
                 continue
             for u, a, b in zip(ball, old, new):
                 if a != b:
@@ -493,8 +496,8 @@ def _neighbourhood(adj: list[dict[int, np.ndarray]], free: list[bool], c: int,
 
 def _block_parts(problem: ShardingProblem, adj: list[dict[int, np.ndarray]],
                  finite: dict[int, bool], fin: list[np.ndarray], inf: list[np.ndarray],
-                 cur: np.ndarray,
-                 ball: list[int]) -> tuple[list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
+                 cur: np.ndarray, ball: list[int]
+                 ) -> tuple[list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
     """The problem over ``ball`` with every other node fixed at ``cur``: unary costs (the
     edges to fixed nodes folded in, from the running sums ``fin``/``inf``) and the edges
     inside, keyed by ``(a, b)`` positions in ``ball`` with ``a < b``. Its cost differs from
