@@ -16,10 +16,11 @@ import pytest
 
 from rhino.milp import SolverError
 from rhino.planner import hierarchical
+from rhino.planner.blocks import improve_blocks
 from rhino.planner.hierarchical import Partition, solve_o2, solve_o3
 from rhino.planner.problem import Edge, ShardingProblem
 from rhino.planner.solvers import (
-    InfeasibleProblemError, SolverTimeLimitWarning, improve_blocks, improve_local, reduce_exact,
+    InfeasibleProblemError, SolverTimeLimitWarning, improve_local, reduce_exact,
     solve_brute_force, solve_ilp, solve_tree_dp, solve_trw)
 
 _BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "solver_micro.py"

@@ -59,7 +59,7 @@ second candidate (B) comes from tree-reweighted min-sum message passing on the w
 turn every skip edge into unary costs at the current choice of its other endpoint and re-run
 the chain DP (a pass is kept only if it lowers the true objective), and by iterated
 conditional modes (ICM) on the core. The better candidate then gets exact moves of every
-node's neighbourhood (``solvers.improve_blocks``: up to 8 nodes within 2 edges re-chosen
+node's neighbourhood (``blocks.improve_blocks``: up to 8 nodes within 2 edges re-chosen
 jointly, since a group such as a QKV projection's dot, reshape and slices can only move
 together), ICM on the core again, and finally ICM on all nodes. ICM, the block moves and
 the passes only ever lower the true objective. The returned ``Solution.objective`` is always
@@ -87,11 +87,11 @@ from typing import Sequence
 import numpy as np
 
 from rhino.milp import SolverStatus
+from rhino.planner.blocks import improve_blocks
 from rhino.planner.problem import Edge, ShardingProblem, Solution
 from rhino.planner.solvers import (
-    InfeasibleProblemError, PairwiseGraph, back_substitute, improve_blocks, improve_local,
-    reduce_exact, reduce_graph,
-    solve_ilp, solve_trw)
+    InfeasibleProblemError, PairwiseGraph, back_substitute, improve_local, reduce_exact,
+    reduce_graph, solve_ilp, solve_trw)
 
 __all__ = ["Partition", "solve_o2", "solve_o3"]
 
