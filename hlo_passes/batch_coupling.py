@@ -24,7 +24,9 @@ gradients) are what microbatching sums: not reported. Other primitives (elementw
 gathers, scatters, convolutions) keep the batch where their result has the per-example
 input's batch dimension, and make a statistic where it is gone (a scatter into a weight
 gradient, say). A dimension that merely has the microbatch's size is taken for the batch:
-the analysis errs towards per-example values there.
+the analysis errs towards per-example values there. An unrolled scan's iteration index
+reads a maximum of the carry (``unroll._index_after``) but is the same on any batch: those
+equations are skipped.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -43,6 +45,7 @@ import numbers
 from typing import Any, Collection, Sequence
 
 from rhino._jax_private import eqn_source
+from rhino.hlo_passes.unroll import INDEX_SCOPE
 from rhino.vocabulary import Role
 
 _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
@@ -101,7 +104,7 @@ def find_batch_coupling(flat: Any, batch_refs: Sequence[int],
         if roles is not None and roles[i] is Role.APPLY:
             continue
         ins = [state.get(x) if isinstance(x, int) else None for x in fe.ins]
-        if all(v is None for v in ins):
+        if all(v is None for v in ins) or _scan_index(fe.eqn):
             continue
         out, issue = _rule(fe.eqn, ins)
         if issue is not None:
@@ -119,6 +122,12 @@ def find_batch_coupling(flat: Any, batch_refs: Sequence[int],
                                   "microbatch (e.g. running statistics)", "result",
                                   None, (), v if isinstance(v, Statistic) else None))
     return found
+
+
+def _scan_index(eqn: Any) -> bool:
+    """An unrolled scan's iteration index, read from the carry only to order the
+    iteration's slices (``unroll._index_after``): the same on any batch."""
+    return INDEX_SCOPE in str(eqn.source_info.name_stack)
 
 
 def _rule(eqn: Any, ins: list) -> tuple[list, str | None]:

@@ -334,13 +334,12 @@ def test_remat_keeps_the_weights_sharded():
 def test_a_scan_over_layers_is_planned_like_the_unrolled_step(remat, monkeypatch):
     """GPT written with ``lax.scan`` over stacked layers (and with ``jax.checkpoint`` in the
     scanned body): the scan is written out layer by layer (``hlo_passes.unroll``), so the
-    stacked weights, their gradients and Adam state get planned specs. The plan's bytes are
-    within 5% of the unrolled GPT's; the compiled peak within 25% (O2 keeps some stacked
-    attention weights replicated that the unrolled plan shards: a known gap, recorded in
-    benchmarks/RESULTS.md; with remat the unrolled plan's peak fell from 23.0 to 21.6 MB
-    when O2 gained block moves, the scan's stayed at 26.5 MB) and under half of the loop
-    kept opaque (everything it touched replicated); collectives as predicted; losses equal
-    jax.jit's."""
+    stacked weights, their gradients and Adam state get planned specs. The plan's bytes and
+    the compiled peak are within 5% of the unrolled GPT's (issue 15, acceptance 1; the
+    peak was 8% over, 22% with remat, while the backward scan's weight slices were merged
+    into the forward's and held across the pass: see ``unroll._index_after``) and the peak
+    under half of the loop kept opaque (everything it touched replicated); collectives as
+    predicted; losses equal jax.jit's."""
     from rhino.hlo_passes import unroll
     got = {}
     for scan in (False, True, "loop"):
@@ -360,7 +359,7 @@ def test_a_scan_over_layers_is_planned_like_the_unrolled_step(remat, monkeypatch
                      step.memory_for(params, opt, batch)["peak"], (m, step, params, opt, batch))
     (b0, p0, _), (b1, p1, run), (_, p_loop, _) = got[False], got[True], got["loop"]
     assert abs(b1 - b0) <= 0.05 * b0, (b0, b1)
-    assert p1 <= 1.25 * p0 and p1 < 0.5 * p_loop, (p0, p1, p_loop)
+    assert p1 <= 1.05 * p0 and p1 < 0.5 * p_loop, (p0, p1, p_loop)
     m, step, params, opt, batch = run
     _, want = _train(m, jax.jit(m.step), 2, params, opt, batch)
     _, have = _train(m, step, 2, params, opt, batch)

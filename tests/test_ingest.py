@@ -137,6 +137,38 @@ def test_a_scan_past_the_unroll_limit_stays_an_opaque_while(monkeypatch):
     rhino.analyze(g)  # analyses run on graphs with opaque nodes
 
 
+def test_an_unrolled_scan_reads_each_layer_when_its_iteration_starts(monkeypatch):
+    """The forward and backward scans each read their own slice of a stacked weight, at an
+    index tied to the carry (``unroll._index_after``): XLA neither merges the backward's
+    slices into the forward's nor takes them all at the start, so they are not all held
+    across the forward/backward boundary. With constant indices (the old unroller) the
+    compiled program holds at least 3 more layer slices at its peak; values equal
+    ``jax.jit`` of the scan either way."""
+    from rhino.hlo_passes import unroll
+    layers, d = 6, 256
+
+    def loss(w, x):
+        h, _ = jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)
+        return jnp.sum(h * h)
+
+    step = jax.grad(loss, argnums=(0, 1))
+    w = jax.random.normal(jax.random.PRNGKey(0), (layers, d, d)) / 16
+    x = jax.random.normal(jax.random.PRNGKey(1), (256, d))
+
+    def unrolled_temp():
+        closed = unroll.trace(step, w, x)
+        assert not any(e.primitive.name == "scan" for e in closed.jaxpr.eqns)
+        run = jax.jit(lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a))
+        for got, want in zip(run(w, x), jax.jit(step)(w, x)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        return run.lower(w, x).compile().memory_analysis().temp_size_in_bytes
+
+    tied = unrolled_temp()
+    monkeypatch.setattr(unroll, "_index_after", lambda i, length, carry: i)
+    constant = unrolled_temp()
+    assert tied + 3 * d * d * 4 <= constant, (tied, constant)
+
+
 def test_malformed_files(tmp_path):
     bad = tmp_path / "bad.hlo"
     bad.write_text("HloModule m\nENTRY e {\n  a = f32[2]{0} parameter(0)\n  b = f32[2 negate(a)\n}\n")
