@@ -158,7 +158,8 @@ def _unroll_scan(eqn: Any, invals: list, sliced: set) -> list[Any]:
     for i in (reversed(range(length)) if p["reverse"] else range(length)):
         at = _index_after(i, length, carry) if any(again) else i
         x_i = [x.pieces[i] if isinstance(x, _Stack)
-               else jax.lax.dynamic_index_in_dim(x, at if tie else i, 0, keepdims=False)
+               else jax.lax.dynamic_index_in_dim(x, at, 0, keepdims=False) if tie
+               else jax.lax.index_in_dim(x, i, 0, keepdims=False)
                for x, tie in zip(xs, again)]
         outs = _eval(body.jaxpr, body.consts, [*consts, *carry, *x_i], sliced)
         carry, ys[i] = [_whole(x) for x in outs[:nk]], [_whole(x) for x in outs[nk:]]
