@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Sequence
 
 from rhino.cluster import Cluster
 from rhino.errors import PlanMismatchError, format_bytes
@@ -503,3 +503,39 @@ class Plan:
             lines.append("  weights read on several stages (sent after each update): " +
                          ", ".join(f"{p} on {list(s)}" for p, s in self.shared_weights))
         return lines
+
+
+def decision_text(winner: Candidate, cands: Sequence[Candidate], kinds: Sequence[str]) -> str:
+    """Why the search chose ``winner``: its step, and for every other kind of candidate
+    (``kinds``) the best one and where its extra time goes, or why there is none."""
+    ms = 1e3
+    parts = [f"{winner.kind} pp={winner.num_stages} × ({'x'.join(map(str, winner.stage_mesh))})"
+             f" has the least estimated step time, {ms * winner.step_s:.3f} ms"]
+    for kind in kinds:
+        if kind == winner.kind:
+            continue
+        others = [c for c in cands if c.kind == kind]
+        feas = [c for c in others if c.feasible]
+        if feas:
+            best = min(feas, key=lambda c: c.step_s)
+            comps = {"compute": best.compute_s - winner.compute_s,
+                     "communication": best.communication_s - winner.communication_s,
+                     "transfers": best.transfer_s - winner.transfer_s,
+                     "bubble": best.bubble_s - winner.bubble_s,
+                     "apply/sync": best.apply_s - winner.apply_s}
+            top = max(comps, key=lambda k: comps[k])
+            parts.append(f"best {kind} pp={best.num_stages} × "
+                         f"({'x'.join(map(str, best.stage_mesh))}) {ms * best.step_s:.3f} ms "
+                         f"({best.step_s / winner.step_s:.2f}×; mostly +{ms * comps[top]:.3f}"
+                         f" ms of {top})")
+        elif others and all(c.note.startswith("pruned") for c in others):
+            lb = min(c.lower_bound_s for c in others)
+            parts.append(f"every {kind} candidate pruned: even with perfect scaling its "
+                         f"compute and 1F1B bubble take at least {ms * lb:.3f} ms")
+        elif others and all("not fitted" in c.note for c in others):
+            smallest = min(others, key=lambda c: c.memory)
+            parts.append(f"every {kind} candidate is over the memory budget and not faster "
+                         f"even with no memory limit (the smallest: {smallest.note})")
+        elif others:
+            parts.append(f"no {kind} candidate fits ({others[0].note})")
+    return "; ".join(parts)

@@ -179,6 +179,36 @@ def test_a_candidate_fitted_before_a_wave_can_prune_it(monkeypatch):
                                                                     "with 2 stages"))
 
 
+@pytest.mark.parametrize("beta_inter", [1e-8, 2e-10])     # a pipeline wins; SPMD wins
+def test_candidates_are_planned_without_window_moves_and_the_winner_with_them(
+        gpt_graph, monkeypatch, beta_inter):
+    """O2's window moves cost about as much again as the rest of O2, so the search plans
+    its candidates without them and re-plans only the chosen one with them, keeping the
+    re-plan when it is no slower; ``PlanOptions(refine=False)`` plans no refinement."""
+    from rhino.pipeline import spmd_pool
+    from rhino.planner.api import PlanOptions
+    real, seen = spmd_pool._plan_task, []
+
+    def record(graph, mesh, cost, options):
+        seen.append(options.refine)
+        return real(graph, mesh, cost, options)
+
+    monkeypatch.setattr(spmd_pool, "_plan_task", record)
+    said: list[str] = []
+    p = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=beta_inter,
+                            progress=said.append, options=FAST)
+    stages = p.num_stages
+    assert seen[-stages:] == [True] * stages and not any(seen[:-stages]), seen
+    assert "refining the chosen plan with O2's window moves" in said
+    kept_out = any(s.startswith("refined plan kept out") for s in said)
+    assert kept_out != ("refined by O2's window moves" in p.winner.note)
+    seen.clear()
+    q = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=beta_inter,
+                            options=dataclasses.replace(FAST, spmd=PlanOptions(refine=False)))
+    assert not any(seen) and (q.kind, q.num_stages) == (p.kind, p.num_stages)
+    assert p.step_s <= q.step_s * (1 + 1e-12)
+
+
 def test_plan_json_round_trip_and_report(gpt_graph):
     p = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=2e-8, options=FAST,
                             microbatches=4)
@@ -240,7 +270,9 @@ def test_identical_stages_are_planned_once_and_renamed(remat):
     p = rhino.plan_pipeline(g, cluster="1x4", options=dataclasses.replace(
         FAST, kinds=("pipeline",), prune=False, balance_weight=0.05), epsilon=0.3)
     assert p.kind == "pipeline" and p.num_stages == 4
-    assert p.search.spmd_plans < 4          # the two middle stages share one plan
+    # The two middle stages share one plan, among the candidates' plans and again among
+    # the chosen one's re-planned with O2's window moves: 3 + 3, not 4 + 4.
+    assert p.search.spmd_plans < 2 * 4
     for s in p.stages:
         planned = {o.name for o in s.spmd.ops}
         assert set(s.ops) <= planned, s.index

@@ -22,6 +22,7 @@ from rhino.planner.problem import Edge, ShardingProblem
 from rhino.planner.solvers import (
     InfeasibleProblemError, SolverTimeLimitWarning, improve_local, reduce_exact,
     solve_brute_force, solve_ilp, solve_tree_dp, solve_trw)
+from rhino.planner.windows import improve_windows, mirrored_windows
 
 _BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "solver_micro.py"
 
@@ -209,6 +210,86 @@ def test_block_moves_switch_a_group_that_only_pays_off_together():
     assert improve_local(prob, start) == start
     o3 = solve_o3(prob).objective
     assert _same(prob.objective(improve_blocks(prob, start)), o3)
+
+
+def test_mirrored_windows_switch_a_group_split_between_far_segments():
+    """A weight group split across the chain: 5 nodes in segment 1 (forward), 5 in segment
+    4 (backward, linked to segment 1 by a skip edge), and a parameter in segment 0 tied to
+    both ends; all 11 must agree (30 per disagreeing edge), and only the parameter gains
+    from switching (-20, the others pay 1 each). No block move (8 nodes, 2 edges around
+    one) and no single move pays; the window (segment 1, its mirror 4, their neighbours,
+    the parameter within reach in segment 0) switches the whole group, the optimum."""
+    agree = np.array([[0.0, 30.0], [30.0, 0.0]])
+    fwd, bwd, param = list(range(5)), list(range(5, 10)), 10
+    pivots = [11, 12, 13, 14]
+    n = 15
+    costs = [np.array([0.0, 1.0]) for _ in range(10)] + [np.array([0.0, -20.0])]
+    costs += [np.zeros(1) for _ in pivots]
+    edges = [Edge(a, a + 1, agree) for a in fwd[:-1]] + [Edge(b, b + 1, agree)
+                                                       for b in bwd[:-1]]
+    edges += [Edge(fwd[-1], bwd[0], agree), Edge(param, fwd[0], agree),
+              Edge(param, bwd[-1], agree)]
+    prob = ShardingProblem(tuple(f"n{i}" for i in range(n)),
+                           tuple(("a", "b") if i < 11 else ("p",) for i in range(n)),
+                           tuple(costs), tuple(edges))
+    seg_of = [1] * 5 + [4] * 5 + [0] + [1, 2, 3, 4]
+    start = (0,) * n
+    assert improve_blocks(prob, improve_local(prob, start)) == start
+    windows = mirrored_windows(prob, seg_of, pivots)
+    assert any(set(fwd + bwd + [param]) <= set(w) for w in windows), windows
+    got = improve_windows(prob, start, seg_of, pivots)
+    assert got[:11] == (1,) * 11
+    assert _same(prob.objective(got), solve_brute_force(prob).objective)
+
+
+def _layered_groups(layers: int) -> tuple[ShardingProblem, list[int], list[int]]:
+    """``layers`` copies of the group above: layer i's forward nodes in segment i, its
+    backward nodes in the mirror segment 2 * layers + 1 - i, its parameter in segment 0;
+    plus a segment-0 constant every layer reads (a hub, neutral to every choice)."""
+    agree = np.array([[0.0, 30.0], [30.0, 0.0]])
+    k = 2 * layers
+    costs: list[np.ndarray] = []
+    edges: list[Edge] = []
+    seg_of: list[int] = []
+    hub = 11 * layers
+    for i in range(1, layers + 1):
+        base = len(costs)
+        costs += [np.array([0.0, 1.0]) for _ in range(10)] + [np.array([0.0, -20.0])]
+        seg_of += [i] * 5 + [k + 1 - i] * 5 + [0]
+        edges += [Edge(base + a, base + a + 1, agree) for a in range(9)]
+        edges += [Edge(base + 10, base, agree), Edge(base + 10, base + 9, agree),
+                  Edge(hub, base, np.zeros((2, 2))), Edge(hub, base + 9, np.zeros((2, 2)))]
+    costs.append(np.array([0.0, 0.0]))
+    seg_of.append(0)
+    pivots = list(range(len(costs), len(costs) + k))
+    costs += [np.zeros(1) for _ in pivots]
+    seg_of += list(range(1, k + 1))
+    n = len(costs)
+    prob = ShardingProblem(tuple(f"n{i}" for i in range(n)),
+                           tuple(("a", "b")[:len(c)] for c in costs), tuple(costs), tuple(edges))
+    return prob, seg_of, pivots
+
+
+def test_mirrored_windows_solve_equal_layers_once_and_leave_hubs_fixed(monkeypatch):
+    """Six equal layers: every layer's group switches (the optimum, -10 per layer), the
+    constant read by all of them joins no window, and windows that are equal problems (the
+    first and last pairs of layers, the two in the middle) are solved once: 2 message
+    passings for 4 windows."""
+    import rhino.planner.windows as windows
+    prob, seg_of, pivots = _layered_groups(8)
+    hub = 88
+    found = windows.mirrored_windows(prob, seg_of, pivots, cap=45)
+    assert not any(hub in w for w in found), found
+    for i in range(8):
+        assert any(set(range(11 * i, 11 * i + 11)) <= set(w) for w in found), (i, found)
+    calls = []
+    monkeypatch.setattr(windows, "solve_trw",
+                        lambda sub, **kw: calls.append(sub) or solve_trw(sub, **kw))
+    start = (0,) * prob.num_nodes
+    got = windows.improve_windows(prob, start, seg_of, pivots, cap=45)
+    assert got[:88] == (1,) * 88
+    assert _same(prob.objective(got), prob.objective(start) - 80)
+    assert len(calls) < len(found), len(calls)
 
 
 def test_block_moves_leave_an_infinite_cost_that_only_a_group_can_leave():

@@ -47,7 +47,7 @@ from rhino.pipeline.cost import (StageProfile, gather_seconds, in_flight, pipeli
 from rhino.pipeline.gradient import (BoundaryOptions, GradientBoundary, find_gradient_boundary,
                                      gradient_weights)
 from rhino.parallel_plan import (Candidate, CrossTensor, Plan, SearchTimes, StageEstimate,
-                        StageMemory, StagePlan)
+                                 StageMemory, StagePlan, decision_text)
 from rhino.pipeline.stage_ilp import StageAssignmentError, StageOptions
 from rhino.pipeline.stages import StageAssignment, assign_given_stages, assign_stages
 from rhino.planner.api import PlanOptions
@@ -316,40 +316,6 @@ def _cost_spmd(split: MeshSplit, plan: SpmdPlan | None, err: str,
 
 
 # ------------------------------------------------------------------------------ controller
-def _decision(winner: Candidate, cands: Sequence[Candidate]) -> str:
-    ms = 1e3
-    parts = [f"{winner.kind} pp={winner.num_stages} × ({'x'.join(map(str, winner.stage_mesh))})"
-             f" has the least estimated step time, {ms * winner.step_s:.3f} ms"]
-    for kind in KINDS:
-        if kind == winner.kind:
-            continue
-        others = [c for c in cands if c.kind == kind]
-        feas = [c for c in others if c.feasible]
-        if feas:
-            best = min(feas, key=lambda c: c.step_s)
-            comps = {"compute": best.compute_s - winner.compute_s,
-                     "communication": best.communication_s - winner.communication_s,
-                     "transfers": best.transfer_s - winner.transfer_s,
-                     "bubble": best.bubble_s - winner.bubble_s,
-                     "apply/sync": best.apply_s - winner.apply_s}
-            top = max(comps, key=lambda k: comps[k])
-            parts.append(f"best {kind} pp={best.num_stages} × "
-                         f"({'x'.join(map(str, best.stage_mesh))}) {ms * best.step_s:.3f} ms "
-                         f"({best.step_s / winner.step_s:.2f}×; mostly +{ms * comps[top]:.3f}"
-                         f" ms of {top})")
-        elif others and all(c.note.startswith("pruned") for c in others):
-            lb = min(c.lower_bound_s for c in others)
-            parts.append(f"every {kind} candidate pruned: even with perfect scaling its "
-                         f"compute and 1F1B bubble take at least {ms * lb:.3f} ms")
-        elif others and all("not fitted" in c.note for c in others):
-            smallest = min(others, key=lambda c: c.memory)
-            parts.append(f"every {kind} candidate is over the memory budget and not faster "
-                         f"even with no memory limit (the smallest: {smallest.note})")
-        elif others:
-            parts.append(f"no {kind} candidate fits ({others[0].note})")
-    return "; ".join(parts)
-
-
 def _no_plan(costed: Sequence[_Costed], cluster: Cluster, budget: int | None) -> RhinoError:
     """The error for a search with no feasible candidate, carrying the real reasons: memory
     (``InfeasiblePlanError``) when some candidate was planned and was only too big,
@@ -436,7 +402,9 @@ class _Search:
         self.works: dict[int, list[_StageWork]] = {}
         self.ilp_s = self.cost_s = 0.0
         self.best_step = float("inf")
-        self.spmd_opts = dataclasses.replace(options.spmd, memory_budget=None)
+        # Candidates are planned without O2's window moves; the chosen one gets them
+        # (``_refine``).
+        self.spmd_opts = dataclasses.replace(options.spmd, memory_budget=None, refine=False)
         self._pin_cache: dict = {}
 
     def _splits(self) -> list[MeshSplit]:
@@ -471,12 +439,14 @@ class _Search:
             self.say(f"SPMD plans for {len(self.splits)} candidate splits ({executor}, "
                      f"{workers} workers)")
             costed = self._cost_all(pool)
+            feasible = [c for c in costed if c.candidate.feasible]
+            if not feasible:
+                raise _no_plan(costed, self.cluster, self.budget)
+            best = min(feasible, key=lambda c: (c.candidate.step_s, c.candidate.num_stages))
+            at = next(j for j, c in enumerate(costed) if c is best)
+            costed[at] = best = self._refine(pool, best)
         finally:
             pool.close()
-        feasible = [c for c in costed if c.candidate.feasible]
-        if not feasible:
-            raise _no_plan(costed, self.cluster, self.budget)
-        best = min(feasible, key=lambda c: (c.candidate.step_s, c.candidate.num_stages))
         times = SearchTimes(ingest_s, boundary_s, coarsen_s, self.ilp_s, pool.seconds,
                             self.cost_s, time.perf_counter() - t_start + ingest_s,
                             len(costed), pool.made)
@@ -737,9 +707,43 @@ class _Search:
                                  repr(c.works[st].carried), p))
                 for st, mem in enumerate(c.memories) if mem.total > self.budget]
 
+    def _refine(self, pool: "SpmdPool", best: _Costed) -> _Costed:
+        """The chosen candidate re-planned with O2's window moves (``PlanOptions.refine``),
+        each plan with the memory budget it was planned for; kept if feasible and no slower
+        by the search's estimate (a stage plan's objective weighs its parts otherwise than
+        the pipeline's step does)."""
+        o = self.options.spmd
+        if not o.refine or o.opt_level != "O2" or not best.plans:
+            return best
+        sp, p = best.split, best.candidate.num_stages
+        mesh, cost = sp.stage_mesh(self.cluster), sp.stage_cost(self.cluster)
+        pins = self._pins(mesh)
+        self.say("refining the chosen plan with O2's window moves")
+        lb = best.candidate.lower_bound_s
+        if p == 1:
+            opts = self._spmd_options(pins, best.plans[0].memory_budget)
+            got = self._cost_whole(pool, sp, pool.submit(
+                self.graph, mesh, cost, dataclasses.replace(opts, refine=True), "", p), lb)[0]
+        else:
+            hs = [pool.submit(w.sub.graph, mesh, cost, dataclasses.replace(
+                self._stage_options(w, pl.memory_budget, pins), refine=True),
+                repr(w.carried), p) for w, pl in zip(best.works, best.plans)]
+            plans = [pool.result(h, w.sub.graph)[0] for h, w in zip(hs, best.works)]
+            if any(pl is None for pl in plans):
+                return best
+            got = self._cost_stages(sp, p, plans, lb)
+        if not got.candidate.feasible or got.candidate.step_s > best.candidate.step_s:
+            self.say(f"refined plan kept out (est. {1e3 * got.candidate.step_s:.3f} ms)")
+            return best
+        ms = 1e3 * best.candidate.step_s
+        note = "; ".join(x for x in (got.candidate.note, f"refined by O2's window moves "
+                                     f"(est. {ms:.3f} ms before)") if x)
+        return dataclasses.replace(got, free_step=best.free_step,
+                                   candidate=dataclasses.replace(got.candidate, note=note))
+
     def _spmd_options(self, pins: dict, budget: int | None = None) -> PlanOptions:
         """The options of a whole-graph (SPMD candidate) plan."""
-        opts = dataclasses.replace(self.options.spmd, memory_budget=budget)
+        opts = dataclasses.replace(self.spmd_opts, memory_budget=budget)
         if pins:
             opts = dataclasses.replace(opts, build=dataclasses.replace(
                 opts.build, pinned={**opts.build.pinned, **pins}))
@@ -759,7 +763,7 @@ def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
                 times: SearchTimes, budget: int | None) -> Plan:
     sp = best.split
     summary = boundary.summary(graph) if boundary is not None else {}
-    decision = _decision(best.candidate, cands)
+    decision = decision_text(best.candidate, cands, KINDS)
     if sp.num_stages == 1:
         plan = Plan.from_spmd(best.plans[0], graph.total_flops, cluster,
                               sp.devices(cluster, 0), cands, decision, times, summary)

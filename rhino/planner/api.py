@@ -56,6 +56,10 @@ class PlanOptions:
         mip_rel_gap: relative MIP gap at which ILP solves stop.
         build: options of the problem builder (strides, pins, forced sharding, carry).
         validate: run the independent validator on the result (raises on mismatch).
+        refine: O2 ends with its mirrored-window moves (``planner/windows.py``: weight
+            groups split between a layer's forward and its backward). They take about as
+            long again as the rest of O2 on a layered step; the pipeline search plans its
+            candidates without them and refines the chosen one. O3 ignores it.
         memory_tiebreak: each parameter choice also costs ``memory_tiebreak × min β ×
             local bytes`` during the search, so that among plans of equal time the one
             keeping less per device wins (e.g. a batch split rather than replicated and
@@ -74,6 +78,7 @@ class PlanOptions:
     mip_rel_gap: float = 1e-4
     build: BuildOptions = BuildOptions()
     validate: bool = True
+    refine: bool = True
     memory_tiebreak: float = 1e-3
     activation_tiebreak: float = 0.0
 
@@ -108,7 +113,7 @@ def _solve(built: BuiltProblem, problem: ShardingProblem, options: PlanOptions) 
         sol = solve_o3(problem, time_limit=options.time_limit, mip_rel_gap=options.mip_rel_gap)
     else:
         sol = solve_o2(problem, built.partition, time_limit=options.time_limit,
-                       mip_rel_gap=options.mip_rel_gap)
+                       mip_rel_gap=options.mip_rel_gap, windows=options.refine)
     return dataclasses.replace(sol, objective=built.problem.objective(sol.choice))
 
 

@@ -5,7 +5,8 @@ Pipeline of ``solve_o2``::
     problem ──(1) exact reductions, pivots kept──► core (cones folded into their roots)
     core ──(2) segment tables: reductions, elimination, conditioning ──(3) chain DP──► A
     core ──TRW message passing (skip edges)──► B
-    A, B ──skip-edge passes + ICM──► the better one ──block moves + ICM──► core choice
+    A, B ──skip-edge passes + ICM──► the better one ──block moves + ICM──► C
+    C ──mirrored-window moves + ICM (where the chain has skip edges)──► core choice
     core choice ──back-substitution + ICM──► Solution
 
 Level 1 (cones). The paper fixes each cone root's choice and picks its members by DP over the
@@ -61,8 +62,9 @@ the chain DP (a pass is kept only if it lowers the true objective), and by itera
 conditional modes (ICM) on the core. The better candidate then gets exact moves of every
 node's neighbourhood (``blocks.improve_blocks``: up to 8 nodes within 2 edges re-chosen
 jointly, since a group such as a QKV projection's dot, reshape and slices can only move
-together), ICM on the core again, and finally ICM on all nodes. ICM, the block moves and
-the passes only ever lower the true objective. The returned ``Solution.objective`` is always
+together), ICM; where the chain has skip edges, joint re-choices of forward layer k with
+backward layer k and their parameters (``windows.improve_windows``), ICM; finally ICM on
+all nodes. ICM, the block and window moves and the passes never raise the true objective. The returned ``Solution.objective`` is always
 ``problem.objective(choice)`` and its status is ``"heuristic"``.
 
 Example:
@@ -92,6 +94,7 @@ from rhino.planner.problem import Edge, ShardingProblem, Solution
 from rhino.planner.solvers import (
     InfeasibleProblemError, PairwiseGraph, back_substitute, improve_local, reduce_exact,
     reduce_graph, solve_ilp, solve_trw)
+from rhino.planner.windows import improve_windows
 
 __all__ = ["Partition", "solve_o2", "solve_o3"]
 
@@ -732,14 +735,8 @@ def _chain_passes(prob: ShardingProblem, chain: _Chain, solver: _SegmentSolver,
     return best
 
 
-def _polish(core: ShardingProblem, choice: Sequence[int], deadline: float) -> tuple[int, ...]:
-    """Exact moves of every node's 2-edge neighbourhood (up to 8 nodes), then ICM."""
-    choice = improve_blocks(core, choice, deadline=deadline)
-    return improve_local(core, choice, max_sweeps=20, deadline=deadline)
-
-
 def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: float = 60.0,
-             mip_rel_gap: float = 1e-4) -> Solution:
+             mip_rel_gap: float = 1e-4, windows: bool = True) -> Solution:
     """O2: exact reductions -> segment tables -> chain DP, plus TRW for skip edges -> ICM.
 
     Args:
@@ -748,6 +745,9 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
         time_limit: soft limit in seconds: message passing gets half of what is left after
             the chain, refinement stops when it is spent, and it caps every fallback ILP.
         mip_rel_gap: relative gap of fallback ILPs.
+        windows: end with the mirrored-window moves (``windows.improve_windows``) where the
+            chain has skip edges; they cost about as much again as the rest of O2 on a
+            layered training step.
 
     Returns:
         A ``Solution`` with status ``"heuristic"`` and ``objective ==
@@ -785,7 +785,14 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
             if trw is not None:
                 start = _chain_passes(core, chain, solver, trw, deadline)
                 cands.append(improve_local(core, start, max_sweeps=20, deadline=deadline))
-    best = _polish(core, min(cands, key=core.objective), deadline) if cands else ()
+    best = min(cands, key=core.objective) if cands else ()
+    if cands:   # block moves, then mirrored windows (module docstring); ICM after each
+        best = improve_local(core, improve_blocks(core, best, deadline=deadline),
+                             max_sweeps=20, deadline=deadline)
+    if cands and windows and chain.skip_edges and time.perf_counter() < deadline:
+        best = improve_local(core, improve_windows(core, best, seg, chain.pivots,
+                                                   deadline=deadline),
+                             max_sweeps=20, deadline=deadline)
     choice = improve_local(problem, red.expand(best), max_sweeps=3, deadline=deadline)
     obj = problem.objective(choice)
     if not np.isfinite(obj):
