@@ -493,10 +493,12 @@ class _Builder:
                   else mesh_shapes_to_weigh(n))
         why = None
         if len(shapes) > 1:
+            # The shapes are weighed without O2's window moves; the chosen one's plan
+            # below has them (as the pipeline search does).
             chosen, why = choose_mesh(graph, shapes, self._cost_for, PlanOptions(
-                opt_level=o.opt_level, time_limit=o.time_limit, build=BuildOptions(
-                    strided_interior_only=True, partial_passthrough=False,
-                    min_split_flops=o.min_split_flops)), self.progress)
+                opt_level=o.opt_level, time_limit=o.time_limit, refine=False,
+                build=BuildOptions(strided_interior_only=True, partial_passthrough=False,
+                                   min_split_flops=o.min_split_flops)), self.progress)
             mesh, cost = self._cost_for(chosen)
         else:
             mesh, cost = self._mesh()

@@ -209,7 +209,8 @@ def choose_mesh(graph: HloGraph, shapes: Sequence[tuple[int, ...]],
     best = min(tried, key=lambda t: t[0])
     others = ", ".join(f"{sh} {t * 1e3:.3f} ms" for t, sh, _ in tried if sh != best[1])
     n = best[2].num_devices
-    why = (f"SPMD on mesh {best[1]}: least estimated step time ({best[0] * 1e3:.3f} ms) "
+    how = "" if options.refine or options.opt_level != "O2" else ", before window moves"
+    why = (f"SPMD on mesh {best[1]}: least estimated step time ({best[0] * 1e3:.3f} ms{how}) "
            f"of the shapes of {n} devices (others: {others})")
     if progress is not None:
         progress(why)

@@ -494,6 +494,8 @@ def test_six_devices_weigh_2d_meshes_so_even_dimensions_split():
     assert plan.spmd.compute_s + plan.spmd.communication_s < \
         flat.plan_for(*args).spmd.compute_s
     assert "mesh chosen       SPMD on mesh" in auto.report_for(*args)
+    # The shapes are weighed without O2's window moves, the chosen one planned with them.
+    assert "ms, before window moves) of the shapes of 6 devices" in auto.report_for(*args)
     got = auto(*[a.copy() for a in args])
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

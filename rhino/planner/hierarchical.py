@@ -64,8 +64,9 @@ node's neighbourhood (``blocks.improve_blocks``: up to 8 nodes within 2 edges re
 jointly, since a group such as a QKV projection's dot, reshape and slices can only move
 together), ICM; where the chain has skip edges, joint re-choices of forward layer k with
 backward layer k and their parameters (``windows.improve_windows``), ICM; finally ICM on
-all nodes. ICM, the block and window moves and the passes never raise the true objective. The returned ``Solution.objective`` is always
-``problem.objective(choice)`` and its status is ``"heuristic"``.
+all nodes. ICM, the block and window moves and the passes never raise the true objective.
+The returned ``Solution.objective`` is always ``problem.objective(choice)``; its status is
+``"heuristic"``.
 
 Example:
     >>> import numpy as np
@@ -745,9 +746,8 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
         time_limit: soft limit in seconds: message passing gets half of what is left after
             the chain, refinement stops when it is spent, and it caps every fallback ILP.
         mip_rel_gap: relative gap of fallback ILPs.
-        windows: end with the mirrored-window moves (``windows.improve_windows``) where the
-            chain has skip edges; they cost about as much again as the rest of O2 on a
-            layered training step.
+        windows: end with the mirrored-window moves (``windows.improve_windows``); on a
+            layered training step they cost about as much again as the rest of O2.
 
     Returns:
         A ``Solution`` with status ``"heuristic"`` and ``objective ==
