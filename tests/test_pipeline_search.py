@@ -209,6 +209,23 @@ def test_candidates_are_planned_without_window_moves_and_the_winner_with_them(
     assert p.step_s <= q.step_s * (1 + 1e-12)
 
 
+def test_a_refinement_that_cannot_be_planned_keeps_the_chosen_plan(gpt_graph, monkeypatch):
+    from rhino.pipeline import spmd_pool
+    real = spmd_pool._plan_task
+
+    def refuse_refined(graph, mesh, cost, options):
+        if options.refine:
+            return None, "refused (test)", 0.0
+        return real(graph, mesh, cost, options)
+
+    monkeypatch.setattr(spmd_pool, "_plan_task", refuse_refined)
+    said: list[str] = []
+    p = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=2e-10,
+                            progress=said.append, options=FAST)
+    assert p.kind == "spmd" and p.winner.feasible and "refined" not in p.winner.note
+    assert "refined plan kept out (refused (test))" in said
+
+
 def test_plan_json_round_trip_and_report(gpt_graph):
     p = rhino.plan_pipeline(gpt_graph, cluster="2x2", beta_inter=2e-8, options=FAST,
                             microbatches=4)

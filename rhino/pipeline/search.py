@@ -732,10 +732,12 @@ class _Search:
             if any(pl is None for pl in plans):
                 return best
             got = self._cost_stages(sp, p, plans, lb)
-        if not got.candidate.feasible or got.candidate.step_s > best.candidate.step_s:
-            self.say(f"refined plan kept out (est. {1e3 * got.candidate.step_s:.3f} ms)")
-            return best
         ms = 1e3 * best.candidate.step_s
+        if not got.candidate.feasible or got.candidate.step_s > best.candidate.step_s:
+            why = (f"est. {1e3 * got.candidate.step_s:.3f} ms, not below {ms:.3f} ms"
+                   if got.candidate.feasible else got.candidate.note)
+            self.say(f"refined plan kept out ({why})")
+            return best
         note = "; ".join(x for x in (got.candidate.note, f"refined by O2's window moves "
                                      f"(est. {ms:.3f} ms before)") if x)
         return dataclasses.replace(got, free_step=best.free_step,
