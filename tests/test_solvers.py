@@ -575,3 +575,11 @@ def test_o2_equals_o3_where_a_group_must_move_together():
                              PlanOptions(opt_level=level)).search.objective
            for level in ("O2", "O3")}
     assert obj["O2"] <= obj["O3"] * (1 + 1e-6), obj
+
+
+def test_plan_options_refine_must_be_a_bool():
+    from rhino.errors import OptionsError
+    from rhino.planner.api import PlanOptions
+    assert PlanOptions().refine is True and PlanOptions(refine=False).refine is False
+    with pytest.raises(OptionsError, match="refine: expected True or False, found 'no'"):
+        PlanOptions(refine="no")

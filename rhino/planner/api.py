@@ -90,6 +90,8 @@ class PlanOptions:
                              f"{self.memory_budget!r}")
         if not self.time_limit > 0:
             raise OptionsError(f"time_limit: expected > 0 seconds, found {self.time_limit!r}")
+        if not isinstance(self.refine, bool):
+            raise OptionsError(f"refine: expected True or False, found {self.refine!r}")
         for name in ("memory_tiebreak", "activation_tiebreak"):
             if not getattr(self, name) >= 0:
                 raise OptionsError(f"{name}: expected a weight >= 0, found "
