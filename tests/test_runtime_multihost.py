@@ -24,6 +24,12 @@ from rhino.runtime.executor import ExecutorError, LocalTransport  # noqa: E402
 from rhino.runtime.ray_executor import RayExecutor, RemoteArray, fetch, init  # noqa: E402
 
 GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
+# Trained state against jax.jit: 10% of one Adam step (lr 1e-3). An element whose gradient
+# is near Adam's eps (1e-8) moves by lr * g / (|g| + eps), so the order of a sum alone moves
+# it by a good part of a step: layers[3]['w2'][71, 39] has |g| = 7.5e-9 at step 1, and its
+# value after it is 5.2e-5 from a float64 run under the 2x4 SPMD plan (2.7e-5 under the
+# plan before O2's window moves, 2.8e-6 under jax.jit). The losses keep rtol 1e-4.
+STATE_ATOL = 1e-4
 
 
 def _leaves(tree):
@@ -44,7 +50,7 @@ def _train_both(step, m, params, opt, batches):
     p2, o2, l2 = _train(jax.jit(m.step), m, params, opt, batches)
     np.testing.assert_allclose(l1, l2, rtol=1e-4, atol=5e-5)
     for a, b in zip(_leaves((p1, o1)), _leaves((p2, o2))):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=STATE_ATOL)
     return p1, o1
 
 
@@ -215,7 +221,7 @@ def test_lost_host_then_restore_continues_with_no_step_lost(ray_cluster, tmp_pat
         final = _leaves((p, o))
     np.testing.assert_allclose(losses, want, rtol=1e-4, atol=5e-5)
     for a, b in zip(final, _leaves((p2, o2))):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=STATE_ATOL)
     # Step 5's checkpoint onto 8 local devices (sharded) and onto one device: same bits.
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -291,7 +297,7 @@ def test_distributed_init_makes_the_state_on_the_actors(ray_cluster):
         p2, o2, l2 = jax.jit(m.step)(*want, batch)
         np.testing.assert_allclose(float(l1), float(l2), rtol=1e-4, atol=5e-5)
         for a, b in zip(_leaves((p1, o1)), _leaves((p2, o2))):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=STATE_ATOL)
 
 
 def test_on_several_nodes_each_plan_host_is_a_node_of_its_own(ray_cluster):
