@@ -199,7 +199,7 @@ def improve_windows(problem: ShardingProblem, choice: Sequence[int], seg_of: Seq
 
 
 class _Digests:
-    """Content keys of folded window problems, with each cost array hashed once."""
+    """Content keys of folded window problems, with each inner edge's costs hashed once."""
 
     def __init__(self, problem: ShardingProblem):
         self.problem = problem
