@@ -19,7 +19,7 @@ import numpy as np
 from rhino.planner.problem import Edge, ShardingProblem
 from rhino.planner.solvers import reduce_exact, solve_brute_force
 
-__all__ = ["improve_blocks"]
+__all__ = ["improve_blocks", "not_worse"]
 
 _BLOCK_STATES = 200_000  # largest reduced neighbourhood ``improve_blocks`` enumerates
 
@@ -73,7 +73,7 @@ def improve_blocks(problem: ShardingProblem, choice: Sequence[int], *, radius: i
             if c not in todo:
                 continue
             if deadline is not None and time.perf_counter() > deadline:
-                return _not_worse(problem, choice, cur)
+                return not_worse(problem, choice, cur)
             ball, parent = _neighbourhood(adj, free, c, radius, max_nodes)
             if len(ball) < 2:
                 continue
@@ -109,7 +109,7 @@ def improve_blocks(problem: ShardingProblem, choice: Sequence[int], *, radius: i
         todo = set()
         for u in moved:
             todo.update(_neighbourhood(adj, free, u, radius + 1, n)[0])
-    return _not_worse(problem, choice, cur)
+    return not_worse(problem, choice, cur)
 
 
 def _add_column(fin: np.ndarray, inf: np.ndarray, col: np.ndarray, sign: int,
@@ -128,7 +128,7 @@ def _add_column(fin: np.ndarray, inf: np.ndarray, col: np.ndarray, sign: int,
         fin -= col
 
 
-def _not_worse(problem: ShardingProblem, start: Sequence[int], cur: np.ndarray
+def not_worse(problem: ShardingProblem, start: Sequence[int], cur: np.ndarray
                ) -> tuple[int, ...]:
     """``cur``, unless rounding in the running sums let it end above ``start``."""
     out = tuple(int(x) for x in cur)

@@ -5,8 +5,7 @@ Pipeline of ``solve_o2``::
     problem ──(1) exact reductions, pivots kept──► core (cones folded into their roots)
     core ──(2) segment tables: reductions, elimination, conditioning ──(3) chain DP──► A
     core ──TRW message passing (skip edges)──► B
-    A, B ──skip-edge passes + ICM──► the better one ──block moves + ICM──► C
-    C ──mirrored-window moves + ICM (where the chain has skip edges)──► core choice
+    A, B ──skip-edge passes + ICM──► the better one ──block, window moves + ICM──► core choice
     core choice ──back-substitution + ICM──► Solution
 
 Level 1 (cones). The paper fixes each cone root's choice and picks its members by DP over the
@@ -789,10 +788,8 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
     if cands:   # block moves, then mirrored windows (module docstring); ICM after each
         best = improve_local(core, improve_blocks(core, best, deadline=deadline),
                              max_sweeps=20, deadline=deadline)
-    if cands and windows and chain.skip_edges and time.perf_counter() < deadline:
-        best = improve_local(core, improve_windows(core, best, seg, chain.pivots,
-                                                   deadline=deadline),
-                             max_sweeps=20, deadline=deadline)
+        if windows and chain.skip_edges and time.perf_counter() < deadline:
+            best = improve_windows(core, best, seg, chain.pivots, deadline=deadline)
     choice = improve_local(problem, red.expand(best), max_sweeps=3, deadline=deadline)
     obj = problem.objective(choice)
     if not np.isfinite(obj):

@@ -46,6 +46,7 @@ from typing import Sequence
 
 import numpy as np
 
+from rhino.planner.blocks import not_worse
 from rhino.planner.problem import Edge, ShardingProblem
 from rhino.planner.solvers import InfeasibleProblemError, improve_local, solve_trw
 
@@ -157,7 +158,7 @@ def improve_windows(problem: ShardingProblem, choice: Sequence[int], seg_of: Seq
         deadline: ``time.perf_counter()`` value after which no window is started.
 
     Returns:
-        A choice whose objective is at most ``problem.objective(choice)``.
+        A choice whose objective is at most ``problem.objective(choice)``, after ICM.
     """
     start = np.array([int(c) for c in choice], dtype=np.int64)
     cur = start.copy()
@@ -193,9 +194,8 @@ def improve_windows(problem: ShardingProblem, choice: Sequence[int], seg_of: Seq
         if not moved:
             break
     # The moves were accepted on window objectives; the whole one decides (rounding).
-    if problem.objective(cur) > problem.objective(start):
-        return tuple(int(c) for c in start)
-    return tuple(int(c) for c in cur)
+    return improve_local(problem, not_worse(problem, start, cur), max_sweeps=20,
+                         deadline=deadline)
 
 
 class _Digests:
