@@ -188,6 +188,8 @@ def place(x: Any, sharding: Any) -> Any:
     """``x`` with ``sharding``. On a mesh spanning processes, a host value is placed by each
     process from its own copy, reading only the shards its devices hold (other rows may
     differ between processes: ``jax.device_put`` would refuse that)."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x    # what device_put returns too, without its ~20 µs of dispatch
     if sharding.is_fully_addressable or isinstance(x, jax.Array):
         return jax.device_put(x, sharding)
     host = np.asarray(x)
