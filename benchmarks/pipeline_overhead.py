@@ -62,6 +62,9 @@ def main(argv=None) -> int:
                     help="how values move between stage meshes (local executor: device_put, "
                          "broadcast, send_recv; Ray: object_store, direct); default: the "
                          "executor's default")
+    ap.add_argument("--pin-cpus", default="auto", choices=["auto", "on", "off"],
+                    help="Ray: actors simulating hosts split this machine's cores "
+                         "(auto_parallel's ray_pin_cpus: None, True, False)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--png", default=None)
@@ -86,7 +89,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     step = rhino.auto_parallel(m.step, cluster=args.cluster, stages=args.stages,
                                num_microbatches=args.microbatches, schedule=args.schedule,
-                               executor=args.executor, transport=args.transport)
+                               executor=args.executor, transport=args.transport,
+                               **({} if args.executor != "ray" else {"ray_pin_cpus": {
+                                   "auto": None, "on": True, "off": False}[args.pin_cpus]}))
     p, o = params, opt
     p, o, loss = step(p, o, batch)
     first_s = time.perf_counter() - t0
@@ -117,7 +122,8 @@ def main(argv=None) -> int:
     print(f"model {args.model} (layers {args.layers}, hidden {args.hidden}, batch "
           f"{args.batch}), cluster {args.cluster}, {args.stages} stages, {args.microbatches} "
           f"microbatches, {args.schedule}, executor {args.executor}, "
-          f"transport {args.transport or 'default'}")
+          f"transport {args.transport or 'default'}"
+          + (f", pin cpus {args.pin_cpus}" if args.executor == "ray" else ""))
     print(f"first call (plan + split + compile + step): {first_s:.1f} s")
     print(f"step      median {statistics.median(steps) * 1e3:8.2f} ms  "
           f"(min {min(steps) * 1e3:.2f}, max {max(steps) * 1e3:.2f})")

@@ -126,6 +126,7 @@ class StepOptions:
     transport: TransportKind | None = None
     ray_address: str | None = None
     ray_actor_options: Mapping[str, Any] | None = None
+    ray_pin_cpus: bool | None = None
     per_microbatch_statistics: bool = False
     min_split_flops: float | None = None
     progress_after_s: float = 2.0
@@ -157,6 +158,13 @@ class StepOptions:
                                    f"options, found {type(self.ray_actor_options).__name__}")
             if self.executor is not ExecutorKind.RAY:
                 raise OptionsError(f"ray_actor_options: only for executor='ray', found "
+                                   f"executor {self.executor}")
+        if self.ray_pin_cpus is not None:
+            if not isinstance(self.ray_pin_cpus, bool):
+                raise OptionsError(f"ray_pin_cpus: expected True, False or None, found "
+                                   f"{self.ray_pin_cpus!r}")
+            if self.executor is not ExecutorKind.RAY:
+                raise OptionsError(f"ray_pin_cpus: only for executor='ray', found "
                                    f"executor {self.executor}")
         if self.mesh_shape is not None:
             put("mesh_shape", tuple(_positive("mesh_shape entries", s, int)
@@ -616,7 +624,7 @@ class _Builder:
             executor = RayExecutor(specs, plan.cluster, timeout=o.timeout,
                                    address=o.ray_address, actor_options=o.ray_actor_options,
                                    host_ids=[st.hosts for st in plan.stages],
-                                   transport=o.transport.value)
+                                   transport=o.transport.value, pin_cpus=o.ray_pin_cpus)
         else:
             workers = [spec.build(self._stage_devices(plan, st.devices), lowering.split)
                        for spec, st in zip(specs, plan.stages)]
@@ -644,6 +652,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   batch_args: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                   transport: str | None = None, ray_address: str | None = None,
                   ray_actor_options: Mapping[str, Any] | None = None,
+                  ray_pin_cpus: bool | None = None,
                   per_microbatch_statistics: bool = False,
                   min_split_flops: float | None = None):
     """Run a one-device training step over many devices, automatically.
@@ -709,6 +718,9 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         ray_actor_options: ``.options(...)`` of every Ray actor (one per host of each
             stage mesh), e.g. ``{"num_gpus": 8}`` on GPU nodes (the actor then uses the GPUs
             Ray gives it instead of simulated host devices) or ``{"resources": {...}}``.
+        ray_pin_cpus: actors simulating hosts on one node split its cores, one share each
+            (None, default: where there are enough cores; True: required; False: never;
+            ``RayExecutor``'s ``pin_cpus``).
         per_microbatch_statistics: a pipelined step that reads statistics of the whole
             batch (BatchNorm, a branch on a batch-dependent value, running statistics) is
             refused (``BatchCouplingError``) unless this accepts that each microbatch
@@ -732,7 +744,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         time_limit=time_limit, num_microbatches=num_microbatches, schedule=schedule,
         executor=executor, stages=stages, accumulate=accumulate, batch_args=batch_args,
         timeout=timeout, transport=transport, ray_address=ray_address,
-        ray_actor_options=ray_actor_options,
+        ray_actor_options=ray_actor_options, ray_pin_cpus=ray_pin_cpus,
         per_microbatch_statistics=per_microbatch_statistics, min_split_flops=min_split_flops)
     if fn is None:
         return lambda f: ParallelStep(f, options)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import socket
 import time
 from typing import Any, Mapping, Sequence
@@ -57,6 +58,20 @@ def host_value(x: Any) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _cores() -> tuple[int, ...]:
+    return tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+
+
+def pin_process(cpus: Sequence[int]) -> None:
+    """Every thread of this process (and so every thread it starts later) onto ``cpus``
+    (Linux: an affinity is per thread)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), set(cpus))
+        except (ProcessLookupError, PermissionError):  # ended meanwhile / not ours
+            pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,10 +214,18 @@ class StageActor:
             port = s.getsockname()[1]
         return f"{ip}:{port}"
 
+    def node_cpus(self) -> tuple[str, tuple[int, ...]]:
+        """This actor's node and the cores it may run on (none where the OS cannot say)."""
+        return import_ray().get_runtime_context().get_node_id(), _cores()
+
     def setup(self, spec_blob: bytes, devices: int, coordinator: str | None,
-              timeout: float) -> dict:
-        """Join the stage's job (several hosts), build the stage worker on this host's
-        ``devices`` devices (of the global mesh), compile its programs; ``describe()``."""
+              timeout: float, cpus: Sequence[int] | None = None) -> dict:
+        """Keep to ``cpus`` (if given; before JAX starts its backend, whose thread pools
+        are sized to them), join the stage's job (several hosts), build the stage worker on
+        this host's ``devices`` devices (of the global mesh), compile its programs;
+        ``describe()``."""
+        if cpus:
+            pin_process(cpus)
         import jax
 
         if self.hosts > 1:
@@ -277,7 +300,7 @@ class StageActor:
                 "global_devices": jax.device_count(), "kept": len(self.kept),
                 "platform": jax.devices()[0].platform,
                 "node": import_ray().get_runtime_context().get_node_id(),
-                "rows": getattr(self, "rows", {}),
+                "rows": getattr(self, "rows", {}), "cpus": _cores(),
                 "sent_directly": self.channels.sent_bytes if self.channels else 0}
 
     def listen(self, token: bytes) -> str:
@@ -290,9 +313,10 @@ class StageActor:
         return self.server.address
 
     def _arrived(self, step: int, src: int, key: tuple, value: Any) -> None:
-        """A value from a direct channel. On a stage of one host it is placed on the
-        stage's devices at once (on the channel's thread), so the copy overlaps the wait
-        for the stage's other values; the stage's ``recv`` then finds it in place."""
+        """A value from another stage (a direct channel or ``deliver``). On a stage of one
+        host it is placed on the stage's devices at once (on the channel's or the call's
+        thread), so the copy overlaps the wait for the stage's other values; the stage's
+        ``recv`` then finds it in place."""
         if self.hosts == 1 and self.worker is not None and isinstance(key[0], int):
             try:
                 value = place(value, self.worker.sharding(key[0]))
@@ -311,7 +335,9 @@ class StageActor:
                             self.addresses, timeout, self.hosts)
 
     def deliver(self, step: int, src: int, key: tuple, value: Any) -> None:
-        self.mailbox.put(step, src, key, value)
+        """A value through the object store (``transport="object_store"``): as
+        ``_arrived``."""
+        self._arrived(step, src, key, value)
 
     def abort(self, step: int, why: str) -> None:
         self.mailbox.abort(step, why)
@@ -332,12 +358,19 @@ class StageActor:
         """Per compiled program of this stage, ``kind -> (count, bytes)``."""
         return self.worker.collectives()
 
-    def run_step(self, step: int, timeout: float, kept: Mapping[int, tuple[int, int]],
-                 release: Sequence[tuple[int, int]], drop_steps: Sequence[int],
-                 keep_arrays: bool, partial: Mapping[int, int],
-                 push: Sequence[tuple[tuple[int, int], Sequence[int]]],
-                 pull: Mapping[int, tuple[int, int, int]], refs: Sequence[int],
-                 *values: Any) -> tuple:
+    def run_step(self, control: bytes, *values: Any) -> bytes:
+        """``_step`` with its arguments but ``values`` pickled in ``control`` (one blob is
+        far cheaper for Ray to pass than a few hundred small entries); its answer pickled
+        the same way."""
+        return pickle.dumps(self._step(*pickle.loads(control), *values),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _step(self, step: int, timeout: float, kept: Mapping[int, tuple[int, int]],
+              release: Sequence[tuple[int, int]], drop_steps: Sequence[int],
+              keep_arrays: bool, partial: Mapping[int, int],
+              push: Sequence[tuple[tuple[int, int], Sequence[int]]],
+              pull: Mapping[int, tuple[int, int, int]], refs: Sequence[int],
+              want_meta: bool, *values: Any) -> tuple:
         """One step: ``refs[i] -> values[i]`` (resolved by Ray) and ``kept``: argument ref
         -> (step, ref) of a result this actor kept. ``partial``: batch arguments sent as
         only this host's rows (``describe()["rows"]``), ref -> the whole batch's size; the
@@ -349,14 +382,16 @@ class StageActor:
 
         Returns:
             (results sent back: ref -> numpy (0-d ones only with ``keep_arrays``), the
-            others' ref -> (shape, dtype name), task records on the ``time.time()`` clock,
-            seconds the stage spent); the host values only from the stage's first host.
+            others' ref -> (shape, dtype name) if ``want_meta`` (they do not change between
+            steps) else None, task records on the ``time.time()`` clock, seconds the stage
+            spent); the host values only from the stage's first host.
         """
         import jax
 
         self.mailbox.start(step)
         t0 = time.perf_counter()
-        gone = set(release) | {k for k in self.kept if k[0] in set(drop_steps)} | \
+        dropped = set(drop_steps)
+        gone = set(release) | {k for k in self.kept if k[0] in dropped} | \
             {k for k in self.inline if k[0] < step - 1}
         for k in gone:
             self.kept.pop(k, None)
@@ -396,6 +431,7 @@ class StageActor:
                 host[r] = host_value(x)
                 self.inline.add((step, r))
         secs = time.perf_counter() - t0
+        meta = meta if want_meta else None
         if self.rank != 0:
             return {}, meta, [], secs
         # perf_counter is per machine: move the records to the wall clock.

@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from rhino.runtime import threads
 from rhino.runtime.transport import ExecutorError
@@ -205,3 +205,40 @@ def xla_flags(devices: int, base: str | None = None) -> str:
     return " ".join(kept + [f"{DEVICE_COUNT_FLAG}={devices}"])
 
 
+
+
+def share_cores(found: Sequence[tuple[str, Sequence[int]]], simulated: Sequence[bool],
+                pin: bool | None, labels: Sequence[str]) -> list[tuple[int, ...] | None]:
+    """Per actor, the cores it keeps to, or None: the actors that simulate hosts
+    (``simulated``) on one node (``found``: per actor, its node and the cores it may use)
+    take equal runs of the node's cores, in actor order, as hosts do not share theirs. An
+    actor alone on its node keeps every core. Where a node has fewer cores than such actors,
+    nobody there is pinned (``pin=None``) or it is an error (``pin=True``).
+
+    >>> share_cores([("a", (0, 1, 2, 3)), ("a", (0, 1, 2, 3)), ("b", (0, 1))],
+    ...             [True, True, True], None, ["s0", "s1", "s2"])
+    [(0, 1), (2, 3), None]
+
+    Raises:
+        ExecutorError: ``pin=True`` and a node with fewer cores than its simulating actors.
+    """
+    by_node: dict[str, list[int]] = {}
+    for n, (node, _) in enumerate(found):
+        if simulated[n]:
+            by_node.setdefault(node, []).append(n)
+    out: list[tuple[int, ...] | None] = [None] * len(found)
+    for node, actors in by_node.items():
+        cores = sorted(found[actors[0]][1])
+        if len(actors) < 2:
+            continue
+        if len(cores) < len(actors):
+            if pin:
+                raise ExecutorError(f"pin_cpus=True: expected at least one core per actor on "
+                                    f"node {node[:12]}, found {len(cores)} cores for "
+                                    f"{len(actors)} actors ("
+                                    f"{', '.join(labels[n] for n in actors)})")
+            continue
+        k = len(cores) // len(actors)
+        for i, n in enumerate(actors):
+            out[n] = tuple(cores[i * k:(i + 1) * k])
+    return out

@@ -57,6 +57,7 @@ Example:
 
 from __future__ import annotations
 
+import pickle
 import re
 import secrets
 import sys
@@ -70,11 +71,16 @@ from rhino.runtime import threads
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError, Failure, root_cause
 from rhino.runtime.ray_actor import StageActor
 from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
-                                       RayInfo, import_ray, init, xla_flags)
+                                       RayInfo, import_ray, init, share_cores, xla_flags)
 
 RAY_TRANSPORTS = ("object_store", "direct")
 """How values cross stages on Ray: through the object store and an actor call per value
 (default), or over one TCP connection per pair of actors (``runtime.channels``)."""
+
+SMALL_ARG_BYTES = 256
+"""Host values up to this size (scalars: a step counter, a learning rate) go inside the
+actor call; larger ones are put in the object store once, shared by every actor reading
+them."""
 
 __all__ = ["RayExecutor", "RemoteArray", "fetch", "init", "RayInfo", "xla_flags"]
 
@@ -193,6 +199,11 @@ class RayExecutor:
             ``"direct"`` (each sending actor streams the value's bytes to each receiving
             actor over a TCP connection kept open between steps; the nodes must reach each
             other on any port, as ``jax.distributed`` and gloo need too).
+        pin_cpus: actors that simulate hosts (forced host devices, no ``num_gpus``) and
+            share a node split its cores, as hosts do not share theirs: each actor's threads
+            (XLA's included, sized to them) keep to its own share. None (default): where the
+            node has at least as many cores as such actors; True: also, and a node with
+            fewer is an error; False: never (each actor may use every core).
 
     Usable as a context manager (``close()`` on exit). An executor that failed for good (a
     dead actor, a stage that did not stop) kills its actors at once.
@@ -213,7 +224,7 @@ class RayExecutor:
                  actor_options: Mapping[str, Any] | None = None, reuse_state: bool = True,
                  connect_timeout: float | None = None, hosts: Sequence[int] | None = None,
                  keep_state: bool = True, host_ids: Sequence[Sequence[int]] | None = None,
-                 transport: str = "object_store"):
+                 transport: str = "object_store", pin_cpus: bool | None = None):
         if transport not in RAY_TRANSPORTS:
             raise ExecutorError(f"transport: expected one of {RAY_TRANSPORTS} for the Ray "
                                 f"executor, found {transport!r}")
@@ -248,10 +259,13 @@ class RayExecutor:
         self._returned: dict[int, tuple[Any, int, int, int]] = {}
         self._dropped: list[tuple[int, int, int]] = []  # (stage, step, ref) handles dropped
         self._failed_steps: list[int] = []               # their results are dropped too
+        # per actor: the shapes and dtypes of the results it keeps (the same every step)
+        self._meta: dict[int, dict[int, tuple]] = {}
         self._check_plan(ray)
         cls = ray.remote(StageActor)
         self.actors, self.groups, self.owners = [], [], []
         self._cpus = 0.0
+        simulated: list[bool] = []
         try:
             placed = self._placement(ray, actor_options or {}, timeout)
             per_host = []
@@ -274,6 +288,8 @@ class RayExecutor:
                 self.groups.append(group)
                 self.actors.extend(group)
                 self.owners.extend((s, r) for r in range(h))
+                simulated += [not opts.get("num_gpus")] * h
+            self.pinned = self._share_cpus(pin_cpus, simulated, timeout)
             multi = [s for s, g in enumerate(self.groups) if len(g) > 1]
             found = self._collect([self.groups[s][0].coordinator.remote() for s in multi],
                                   "finding a coordinator port", timeout,
@@ -281,8 +297,8 @@ class RayExecutor:
             coord = dict(zip(multi, found))
             blobs = [ray.cloudpickle.dumps(spec) for spec in self.specs]
             self._describe = self._collect(
-                [a.setup.remote(blobs[s], per_host[s], coord.get(s), timeout)
-                 for a, (s, _) in zip(self.actors, self.owners)],
+                [a.setup.remote(blobs[s], per_host[s], coord.get(s), timeout, cpus)
+                 for a, (s, _), cpus in zip(self.actors, self.owners, self.pinned)],
                 "starting the stage", timeout, self.owners, close=True)
             addresses: list[list[str]] = []
             if transport == "direct":
@@ -322,6 +338,15 @@ class RayExecutor:
             raise ExecutorError(f"the plan (cluster {self.cluster}) runs on {need} hosts, the "
                                 f"Ray cluster has {nodes} alive nodes; expected one node per "
                                 f"host (or a single node, where hosts are simulated by actors)")
+
+    def _share_cpus(self, pin: bool | None, simulated: Sequence[bool],
+                    timeout: float) -> list[tuple[int, ...] | None]:
+        """Per actor, the cores it keeps to (``pin_cpus``; ``share_cores``), or None."""
+        if pin is False:
+            return [None] * len(self.actors)
+        found = self._collect([a.node_cpus.remote() for a in self.actors],
+                              "reading the nodes' cores", timeout, self.owners, close=True)
+        return share_cores(found, simulated, pin, [self._label(o) for o in self.owners])
 
     def _placement(self, ray, options: Mapping[str, Any], timeout: float):
         """``(stage, rank) -> extra actor options``: on a cluster of several nodes, a
@@ -414,9 +439,10 @@ class RayExecutor:
                 f"longer use (step.close())")
 
     def _put(self, ray, x: Any, keep: dict, rows: tuple | None = None) -> Any:
-        """``x`` (or only its ``rows``, ``[a, b)`` ranges) in the object store; a jax array
-        (immutable) passed again as the same object reuses its ``ObjectRef``. ``keep``
-        collects this step's reusable entries. A ``RemoteArray`` is fetched first."""
+        """``x`` (or only its ``rows``, ``[a, b)`` ranges) in the object store, or up to
+        ``SMALL_ARG_BYTES`` as numpy to go inside the call; a jax array (immutable) passed
+        again as the same object reuses its ``ObjectRef``. ``keep`` collects this step's
+        reusable entries. A ``RemoteArray`` is fetched first."""
         import jax
 
         from rhino.runtime.ray_actor import take_rows
@@ -425,12 +451,15 @@ class RayExecutor:
         hit = keep.get(key) or self._puts.get(key)
         if hit is not None and hit[0] is x:
             keep[key] = hit
+            if isinstance(hit[1], np.ndarray):     # passed inside the call again
+                self.last_sent_bytes += hit[1].nbytes
             return hit[1]
         host = x.fetch() if isinstance(x, RemoteArray) else np.asarray(x)
         if rows is not None:
             host = take_rows(host, rows)
         self.last_sent_bytes += host.nbytes
-        ref = ray.put(host)
+        # A small value goes inside the call itself (a put is a round trip of its own).
+        ref = host if host.nbytes <= SMALL_ARG_BYTES else ray.put(host)
         if isinstance(x, (jax.Array, RemoteArray)):
             keep[key] = (x, ref)
         return ref
@@ -512,12 +541,15 @@ class RayExecutor:
             s, k, r = self._dropped.pop()
             release.setdefault(s, []).append((k, r))
         failed, self._failed_steps = self._failed_steps, []
-        calls = [a.run_step.remote(step, self.timeout, kept, release.get(s, []), failed,
-                                   self.keep_state, partial,
-                                   sorted((k, sorted(d)) for k, d in push.get(s, {}).items()),
-                                   pull, refs, *values)
-                 for a, (s, _), (kept, partial, pull, refs, values)
-                 in zip(self.actors, self.owners, per_actor)]
+        # What an actor needs besides the values goes as one pickled blob: Ray would
+        # serialize each of its ~3 entries per state leaf on its own (a few ms per step).
+        calls = [a.run_step.remote(pickle.dumps(
+                     (step, self.timeout, kept, release.get(s, []), failed, self.keep_state,
+                      partial, sorted((k, sorted(d)) for k, d in push.get(s, {}).items()),
+                      pull, refs, n not in self._meta), protocol=pickle.HIGHEST_PROTOCOL),
+                     *values)
+                 for n, (a, (s, _), (kept, partial, pull, refs, values))
+                 in enumerate(zip(self.actors, self.owners, per_actor))]
         self._puts = keep
         self._inflight = calls
         try:
@@ -533,7 +565,9 @@ class RayExecutor:
         returned: dict[int, tuple[Any, int, int, int]] = {}
         records = []
         self.last_stage_s = [0.0] * len(self.groups)
-        for (s, rank), (host, meta, rec, secs) in zip(self.owners, results):
+        for n, ((s, rank), blob) in enumerate(zip(self.owners, results)):
+            host, meta, rec, secs = pickle.loads(blob)
+            meta = self._meta.setdefault(n, meta)
             self.last_stage_s[s] = max(self.last_stage_s[s], secs)
             if rank:
                 continue

@@ -138,6 +138,11 @@ def test_options_are_checked_when_the_step_is_built():
         rhino.auto_parallel(f, cluster="2x4", executor="ray", transport="broadcast")
     with pytest.raises(rhino.OptionsError, match="found 'direct' .a transport of the ray"):
         rhino.auto_parallel(f, cluster="2x4", transport="direct")
+    with pytest.raises(rhino.OptionsError, match="ray_pin_cpus: expected True, False or "
+                                                 "None, found 'yes'"):
+        rhino.auto_parallel(f, cluster="2x4", executor="ray", ray_pin_cpus="yes")
+    with pytest.raises(rhino.OptionsError, match="ray_pin_cpus: only for executor='ray'"):
+        rhino.auto_parallel(f, cluster="2x4", ray_pin_cpus=True)
     with pytest.raises(rhino.OptionsError, match="cluster"):
         rhino.auto_parallel(f, cluster="2by4")
     with pytest.raises(rhino.OptionsError, match="stages"):

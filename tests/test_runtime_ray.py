@@ -25,6 +25,7 @@ import rhino  # noqa: E402
 from rhino.models import get_model  # noqa: E402
 from rhino.runtime.executor import ExecutorError  # noqa: E402
 from rhino.runtime.ray_actor import Mailbox  # noqa: E402
+from rhino.runtime.ray_cluster import share_cores  # noqa: E402
 from rhino.runtime.ray_executor import (RayExecutor, RayInfo, init,  # noqa: E402
                                         xla_flags)
 
@@ -61,6 +62,23 @@ def test_xla_flags_replace_the_device_count():
     assert xla_flags(4, "--xla_force_host_platform_device_count=8 --xla_foo=1") == \
         "--xla_foo=1 --xla_force_host_platform_device_count=4"
     assert xla_flags(2, "") == "--xla_force_host_platform_device_count=2"
+
+
+def test_actors_simulating_hosts_on_one_node_split_its_cores():
+    found = [("a", (3, 2, 1, 0))] * 2 + [("b", (0, 1))] + [("c", (0, 1, 2))] * 2
+    # Node a: two simulating actors take (0, 1) and (2, 3); b: alone, keeps every core;
+    # c: one actor on GPUs (not simulating), so the other is alone there.
+    assert share_cores(found, [True, True, True, True, False], None, list("vwxyz")) == \
+        [(0, 1), (2, 3), None, None, None]
+    assert share_cores([("a", (0, 1, 2))] * 3, [True] * 3, None, list("xyz")) == \
+        [(0,), (1,), (2,)]
+    # Fewer cores than actors: nobody is pinned, or, when pinning was asked for, an error
+    # naming the node's actors.
+    assert share_cores([("a", (0, 1))] * 3, [True] * 3, None, list("xyz")) == [None] * 3
+    with pytest.raises(ExecutorError, match=r"pin_cpus=True: expected at least one core per "
+                                            r"actor on node a, found 2 cores for 3 actors "
+                                            r"\(x, y, z\)"):
+        share_cores([("a", (0, 1))] * 3, [True] * 3, True, list("xyz"))
 
 
 def test_mailbox_times_out_and_aborts_per_step():
@@ -107,6 +125,12 @@ def test_gpt_on_two_actors_matches_one_device(gpt_ray, gpt):
     # 2 actors × 4 devices, in two processes.
     assert [d["devices"] for d in ex._describe] == [4, 4]
     assert ex._describe[0]["pid"] != ex._describe[1]["pid"] != os.getpid()
+    # The two simulated hosts keep to their own halves of this machine's cores.
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        half = len(cores) // 2
+        assert [d["cpus"] for d in ex._describe] == [tuple(cores[:half]),
+                                                      tuple(cores[half:2 * half])]
     # Steady state: the state each actor returned is not sent again, only what another
     # stage produced (small) and nothing of the unchanged batch.
     assert ex.last_kept > 0
@@ -231,12 +255,14 @@ def test_unet_on_two_actors_matches_one_device(ray_cluster):
     """UNet (skip tensors cross the stage boundary), 2 stage actors × 4 devices, 4
     microbatches, 10 steps: losses and final state equal single-device ``jax.jit``. The
     values cross over direct channels (``transport="direct"``: sent on each stage's sender
-    thread, placed on arrival); GPT (``gpt_ray``) covers the object store."""
+    thread, placed on arrival); GPT (``gpt_ray``) covers the object store. The actors are
+    not pinned to cores here (``ray_pin_cpus=False``)."""
     m = get_model("unet", batch=16)
     params, opt = m.init(jax.random.PRNGKey(0))
     batch = m.make_batch(jax.random.PRNGKey(1))
     step = rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
-                               executor="ray", timeout=120, transport="direct")
+                               executor="ray", timeout=120, transport="direct",
+                               ray_pin_cpus=False)
     ref = jax.jit(m.step)
     try:
         p1, o1, p2, o2 = params, opt, params, opt
@@ -254,6 +280,7 @@ def test_unet_on_two_actors_matches_one_device(ray_cluster):
         sent = [d["sent_directly"] for d in ray.get([a.describe.remote()
                                                      for a in ex.actors])]
         assert all(b > 0 for b in sent), sent   # both stages sent over their channels
+        assert [d["cpus"] for d in ex._describe] == [tuple(sorted(os.sched_getaffinity(0)))] * 2
         assert {r.kind for r in step.last_records} >= {"send", "recv"}
     finally:
         step.close()
