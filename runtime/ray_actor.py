@@ -9,9 +9,11 @@ same stage programs on the one global mesh (multi-controller SPMD)::
     stage 0 (mesh 2x4 over 2 hosts):  actor (0, host 0) ─┐ one jax.distributed job,
                                       actor (0, host 1) ─┘ one mesh of 8 devices
 
-* Set-up is two calls: ``coordinator()`` on the first actor of a multi-host stage (its node's
-  address and a free port), then ``setup(...)`` on every actor at once: joining the job
-  (bounded by ``timeout``), unpickling the ``WorkerSpec`` only after that (a step that
+* Set-up is three calls: ``node_cpus()`` on every actor (its node and cores, for the
+  driver to split a node's cores between the actors simulating hosts there),
+  ``coordinator()`` on the first actor of a multi-host stage (its node's address and a free
+  port), then ``setup(...)`` on every actor at once: keeping to its cores (``pin_process``,
+  before JAX starts its backend), joining the job (bounded by ``timeout``), unpickling the ``WorkerSpec`` only after that (a step that
   closes over arrays would otherwise start the backend first), building the
   ``StageWorker`` and compiling its programs, so the first step is not a compile.
 * Sending a value to another stage: every actor of the sending stage takes part in making
@@ -24,9 +26,11 @@ same stage programs on the one global mesh (multi-controller SPMD)::
   stage of one host it does so on the stage worker's sender thread, and the receiver
   places a value on its devices as it arrives.
 * Results stay in the actors (``kept``, by (step, ref)). What goes back to the driver per
-  step: 0-d results (losses, counters, metrics) as numpy, kept one step more (the driver may
-  pass them back), and the shape and dtype of the others, kept until the driver releases
-  them (its handle was dropped, or the step failed elsewhere); ``fetch`` returns them.
+  step (one pickled blob each way, ``run_step``): 0-d results (losses, counters, metrics)
+  as numpy, kept one step more (the driver may pass them back), and, until the driver has
+  them, the shapes and dtypes of the others. Those others are kept until the driver
+  releases them (its handle was dropped, or the step failed elsewhere); ``fetch`` returns
+  them.
 * Collectives of one job must be entered in the same order by all its processes: the driver
   runs one step or one fetch at a time per executor, and an actor runs them on one thread.
 """

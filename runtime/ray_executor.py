@@ -18,7 +18,8 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
 
 * Start (``runtime.ray_actor``): actors are created (``XLA_FLAGS`` with
   ``--xla_force_host_platform_device_count`` = that host's devices reaches each through
-  ``runtime_env``; not on GPU actors, ``num_gpus`` in ``actor_options``), the hosts of a
+  ``runtime_env``; not on GPU actors, ``num_gpus`` in ``actor_options``), actors that
+  simulate hosts on one node split its cores (``pin_cpus``), the hosts of a
   multi-host stage join their ``jax.distributed`` job, each builds its ``StageWorker`` and
   the stages run once on zeros, so every program is compiled and every collective set up
   before the first step. A Ray cluster of several nodes but fewer than the plan's hosts is
@@ -216,7 +217,7 @@ class RayExecutor:
         driver put in the object store for it / received from it; fetched_bytes: bytes
         ``fetch`` brought so far;
         last_kept: arguments an actor reused instead; warm_up_s: the zeros step per actor;
-        info: the ``RayInfo``.
+        pinned: per actor, the cores it keeps to (None: not pinned); info: the ``RayInfo``.
     """
 
     def __init__(self, specs: Sequence[Any], cluster: Any = None,
