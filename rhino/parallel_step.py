@@ -152,20 +152,18 @@ class StepOptions:
             put("transport", TransportKind.OBJECT_STORE if self.executor is ExecutorKind.RAY
                 else TransportKind.DEVICE_PUT)
         put("transport", TransportKind.parse(self.transport, "transport"))
-        if self.ray_actor_options is not None:
-            if not isinstance(self.ray_actor_options, Mapping):
-                raise OptionsError(f"ray_actor_options: expected a mapping of Ray actor "
-                                   f"options, found {type(self.ray_actor_options).__name__}")
+        for name, value, kind, expected in (
+                ("ray_actor_options", self.ray_actor_options, Mapping,
+                 "a mapping of Ray actor options"),
+                ("ray_pin_cpus", self.ray_pin_cpus, bool, "True, False or None")):
+            if value is None:
+                continue
+            if not isinstance(value, kind):
+                found = type(value).__name__ if kind is Mapping else repr(value)
+                raise OptionsError(f"{name}: expected {expected}, found {found}")
             if self.executor is not ExecutorKind.RAY:
-                raise OptionsError(f"ray_actor_options: only for executor='ray', found "
-                                   f"executor {self.executor}")
-        if self.ray_pin_cpus is not None:
-            if not isinstance(self.ray_pin_cpus, bool):
-                raise OptionsError(f"ray_pin_cpus: expected True, False or None, found "
-                                   f"{self.ray_pin_cpus!r}")
-            if self.executor is not ExecutorKind.RAY:
-                raise OptionsError(f"ray_pin_cpus: only for executor='ray', found "
-                                   f"executor {self.executor}")
+                raise OptionsError(f"{name}: only for executor='ray', found executor "
+                                   f"{self.executor}")
         if self.mesh_shape is not None:
             put("mesh_shape", tuple(_positive("mesh_shape entries", s, int)
                                     for s in self.mesh_shape))
