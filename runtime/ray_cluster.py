@@ -205,8 +205,6 @@ def xla_flags(devices: int, base: str | None = None) -> str:
     return " ".join(kept + [f"{DEVICE_COUNT_FLAG}={devices}"])
 
 
-
-
 def share_cores(found: Sequence[tuple[str, Sequence[int]]], simulated: Sequence[bool],
                 pin: bool | None, labels: Sequence[str]) -> list[tuple[int, ...] | None]:
     """Per actor, the cores it keeps to, or None: the actors that simulate hosts
