@@ -73,6 +73,7 @@ from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError, Failure, ro
 from rhino.runtime.ray_actor import StageActor
 from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
                                        RayInfo, import_ray, init, share_cores, xla_flags)
+from rhino.runtime.remote_array import RemoteArray, fetch
 
 RAY_TRANSPORTS = ("object_store", "direct")
 """How values cross stages on Ray: through the object store and an actor call per value
@@ -84,81 +85,6 @@ actor call; larger ones are put in the object store once, shared by every actor 
 them."""
 
 __all__ = ["RayExecutor", "RemoteArray", "fetch", "init", "RayInfo", "xla_flags"]
-
-
-class RemoteArray:
-    """A step result kept on the Ray actors of one stage (see the module docstring).
-
-    ``np.asarray(x)``, ``x.fetch()`` or ``rhino.fetch(tree)`` bring its value to the driver;
-    passed to the same step again it stays where it is. The actors keep the value until
-    this handle is dropped (garbage-collected) or the step is closed.
-
-    Attributes:
-        shape, dtype: the value's; stage: the stage holding it; step: the executor step
-            that produced it.
-    """
-
-    __slots__ = ("executor", "stage", "ref", "step", "shape", "dtype")
-    weak_type = False
-    rhino_remote = True     # how rhino.step_arguments recognises one without importing this
-
-    def __init__(self, executor: "RayExecutor", stage: int, ref: int, step: int,
-                 shape: tuple[int, ...], dtype: Any):
-        self.executor, self.stage, self.ref, self.step = executor, stage, ref, step
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape))
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-    def fetch(self) -> np.ndarray:
-        return self.executor.fetch([self])[0]
-
-    def __del__(self) -> None:
-        try:
-            self.executor._dropped.append((self.stage, self.step, self.ref))
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        a = self.fetch()
-        return a if dtype is None else a.astype(dtype)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __repr__(self) -> str:
-        return (f"RemoteArray(shape={self.shape}, dtype={self.dtype.name}, stage "
-                f"{self.stage}, step {self.step})")
-
-
-def fetch(tree: Any) -> Any:
-    """``tree`` with every ``RemoteArray`` leaf replaced by its value (numpy), one request
-    per executor; other leaves as they are.
-
-    >>> fetch({"a": 1.0})
-    {'a': 1.0}
-    """
-    import jax
-
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    by_exec: dict[int, list[int]] = {}
-    for k, x in enumerate(leaves):
-        if isinstance(x, RemoteArray):
-            by_exec.setdefault(id(x.executor), []).append(k)
-    for ks in by_exec.values():
-        got = leaves[ks[0]].executor.fetch([leaves[k] for k in ks])
-        for k, v in zip(ks, got):
-            leaves[k] = v
-    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def hosts_per_stage(specs: Sequence[Any], cluster: Any) -> list[int]:
@@ -584,6 +510,10 @@ class RayExecutor:
         self.last_records = records
         self.last_step_s = time.perf_counter() - t0
         return outs
+
+    def release(self, stage: int, step: int, ref: int) -> None:
+        """A handle was dropped: its actors free the value at the next step."""
+        self._dropped.append((stage, step, ref))
 
     def fetch(self, handles: Sequence[RemoteArray]) -> list[np.ndarray]:
         """The values of ``handles`` (this executor's, of its last step) as numpy.
