@@ -9,8 +9,6 @@ modules without ``__init__.py`` stops the build instead of silently missing from
 
 from pathlib import Path
 
-from setuptools import setup
-
 ROOTS = {"rhino": "rhino", "rhino.hlo_passes": "hlo_passes", "rhino.runtime": "runtime"}
 
 
@@ -34,4 +32,6 @@ def discover_packages(top: Path) -> list[str]:
 
 
 if __name__ == "__main__":
+    from setuptools import setup  # here: discovery is importable without setuptools
+
     setup(packages=discover_packages(Path(__file__).resolve().parent), package_dir=ROOTS)

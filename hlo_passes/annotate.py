@@ -25,52 +25,19 @@ import re
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.extend import core as jcore
 
-from rhino._jax_private import eqn_context, jaxpr_env, trace_without_name_stack
 from rhino.errors import RhinoError
+from rhino.jaxpr import primitives as prims
+from rhino.jaxpr import private
+from rhino.jaxpr.interpret import Interpreter, inlined_equations, leaf_equations
 
 from .graph import HloGraph, TensorType
 from .unroll import trace
 
 _EQN_RE = re.compile(r"(?:^|[/(])eqn(\d+)(?=[/)]|$)")
-# Call-like primitives whose body is evaluated inline (param holding the body).
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-           "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr",
-           "remat2": "jaxpr"}
-# jax.checkpoint's primitives: their body is evaluated in named scopes like any call, but
-# under the primitive again, so that XLA still recomputes it in the backward pass (behind
-# an opt-barrier) instead of keeping the forward's values.
-_REMAT = frozenset({"remat", "checkpoint", "remat2"})
 # Hook path suffix of a checkpoint body's inputs (the values behind its opt-barrier):
 # ``hook(path + (BARRIER,), i, x)`` for input i of the checkpoint equation at ``path``.
 BARRIER = -1
-# A ``cond`` whose branches hold none of these (and no effects) is evaluated as both branches
-# and a select: what it computes is the same, both branches are cheap (an update applied or
-# skipped, a scale), and its values get planned specs instead of an opaque conditional that
-# keeps everything it touches replicated. Heavier branches stay a conditional.
-_HEAVY = frozenset({"dot_general", "conv_general_dilated", "while", "scan", "cond", "fft",
-                    "sort", "custom_call", "pure_callback", "io_callback", "debug_callback",
-                    "cumsum", "cumprod", "cummax", "cumlogsumexp", "reduce_precision",
-                    "all_gather", "psum", "ppermute", "all_to_all"})
-
-
-def light_branches(eqn) -> bool:
-    """A ``cond`` equation whose branches are cheap and pure (see ``_HEAVY``)."""
-    if eqn.primitive.name != "cond" or "branches" not in eqn.params:
-        return False
-
-    def light(jaxpr) -> bool:
-        for e in jaxpr.eqns:
-            if e.primitive.name in _HEAVY or getattr(e, "effects", None):
-                return False
-            body = call_body(e)
-            if body is not None and not light(body[0]):
-                return False
-        return True
-
-    return all(light(b.jaxpr) for b in eqn.params["branches"])
 
 # (equation path, index, value) -> the value to use: applied to each output of a leaf
 # equation (out hook) or to each of its inputs before it runs (in hook).
@@ -80,25 +47,44 @@ Hook = Callable[[tuple[int, ...], int, Any], Any]
 Binder = Callable[[Any, list, dict], list]
 
 
-def _bind(eqn, invals: list, params: dict) -> list:
-    outs = eqn.primitive.bind(*invals, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
 class AnnotationError(RhinoError):
     """A plan cannot be mapped onto the program's values."""
 
 
-def call_body(eqn) -> tuple[Any, Sequence[Any]] | None:
-    key = _INLINE.get(eqn.primitive.name)
-    if key is None or key not in eqn.params:
-        return None
-    body = eqn.params[key]
-    if isinstance(body, jcore.ClosedJaxpr):
-        return body.jaxpr, body.consts
-    if isinstance(body, jcore.Jaxpr):
-        return body, ()
-    return None
+class _Scoped(Interpreter):
+    """The step's equations in named scopes ``eqn<i>`` (nested for inlined bodies), with
+    ``in_hook`` on the inputs and ``hook`` on the outputs of every leaf equation, which
+    runs through ``binder`` (default: bind). Checkpoint bodies read their inputs through
+    ``hook(path + (BARRIER,), i, x)``. Without a binder a cheap ``cond`` is evaluated as
+    a select (``Interpreter.cond_as_select``)."""
+
+    scoped = True
+
+    def __init__(self, hook: Hook | None, in_hook: Hook | None, binder: Binder | None):
+        self.hook, self.in_hook, self.binder = hook, in_hook, binder
+        self.select_light_conds = binder is None
+
+    def leaf(self, eqn, path, invals):
+        if self.in_hook is not None:
+            invals = [self.in_hook(path, j, x) for j, x in enumerate(invals)]
+        params = private.bind_params(eqn)
+        with private.eqn_context(eqn):
+            outs = (self.binder(eqn, invals, params) if self.binder is not None
+                    else private.bind(eqn, invals, params))
+        return self._out(path, outs)
+
+    def cond_as_select(self, eqn, path, invals):
+        return self._out(path, super().cond_as_select(eqn, path, invals))
+
+    def remat_body(self, eqn, path, body, args):
+        if self.hook is not None:
+            args = [self.hook(path + (BARRIER,), i, x) for i, x in enumerate(args)]
+        return self.run(body[0], body[1], args, path)
+
+    def _out(self, path, outs):
+        if self.hook is None:
+            return outs
+        return [self.hook(path, k, x) for k, x in enumerate(outs)]
 
 
 def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | None = None,
@@ -107,68 +93,7 @@ def eval_scoped(jaxpr, consts: Sequence[Any], args: Sequence[Any], hook: Hook | 
     """Evaluate ``jaxpr`` with one named scope per equation, calling ``in_hook`` on the
     inputs and ``hook`` on the outputs of every leaf equation, which runs through
     ``binder`` (default: ``bind``)."""
-    env, read = jaxpr_env(jaxpr, consts, args)
-    for i, eqn in enumerate(jaxpr.eqns):
-        p = path + (i,)
-        invals = [read(v) for v in eqn.invars]
-        with jax.named_scope(f"eqn{i}"):
-            body = call_body(eqn)
-            if binder is None and light_branches(eqn):
-                with eqn_context(eqn):
-                    outs = _eval_cond_as_select(eqn, invals)
-                if hook is not None:
-                    outs = [hook(p, k, x) for k, x in enumerate(outs)]
-            elif body is not None:
-                # The call's own name stack (e.g. ``transpose(jvp(...))`` around a nested
-                # jit) goes on for its inlined equations: without it a weight gradient
-                # computed in a nested jit would not look like one.
-                with eqn_context(eqn):
-                    if eqn.primitive.name in _REMAT:
-                        outs = _eval_remat(eqn, body, invals, hook, p, in_hook, binder)
-                    else:
-                        outs = eval_scoped(body[0], body[1], invals, hook, p, in_hook, binder)
-            else:
-                if in_hook is not None:
-                    invals = [in_hook(p, j, x) for j, x in enumerate(invals)]
-                params = eqn.primitive.get_bind_params(eqn.params)
-                with eqn_context(eqn):
-                    outs = (binder or _bind)(eqn, invals, params)
-                if hook is not None:
-                    outs = [hook(p, k, x) for k, x in enumerate(outs)]
-        for v, x in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _eval_remat(eqn, body, invals: list, hook: Hook | None, path: tuple[int, ...],
-                in_hook: Hook | None, binder: Binder | None) -> list[Any]:
-    """A ``jax.checkpoint`` equation: its body evaluated in named scopes (with the hooks),
-    traced to a jaxpr and bound under the same primitive and parameters."""
-    def scoped(*args):
-        if hook is not None:
-            args = [hook(path + (BARRIER,), i, x) for i, x in enumerate(args)]
-        return eval_scoped(body[0], body[1], args, hook, path, in_hook, binder)
-
-    jaxpr, consts = trace_without_name_stack(scoped, invals)
-    params = dict(eqn.params, jaxpr=jaxpr)
-    outs = eqn.primitive.bind(*consts, *invals, **params)
-    return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
-def _eval_cond_as_select(eqn, invals: list) -> list[Any]:
-    """A light ``cond``: every branch evaluated (in scopes ``branch<b>/eqn<j>``), then the
-    branch the index picks selected (the index clamped as ``cond`` clamps it)."""
-    branches = eqn.params["branches"]
-    index, operands = invals[0], invals[1:]
-    results = []
-    for b, branch in enumerate(branches):
-        with jax.named_scope(f"branch{b}"):
-            results.append(eval_scoped(branch.jaxpr, branch.consts, operands))
-    which = jax.lax.clamp(0, jax.lax.convert_element_type(index, "int32"), len(branches) - 1)
-    if len(branches) == 2:
-        which = which.astype(bool)
-    return [jax.lax.select_n(which, *cases) for cases in zip(*results)]
+    return _Scoped(hook, in_hook, binder).run(jaxpr, consts, args, path)
 
 
 class ScopedFunction:
@@ -215,17 +140,7 @@ class ScopedFunction:
 
     def leaf_eqns(self) -> dict[tuple[int, ...], Any]:
         """Every evaluated (non-inlined) equation by its path."""
-        out: dict[tuple[int, ...], Any] = {}
-
-        def walk(jaxpr, path):
-            for i, eqn in enumerate(jaxpr.eqns):
-                body = call_body(eqn)
-                if body is not None:
-                    walk(body[0], path + (i,))
-                else:
-                    out[path + (i,)] = eqn
-        walk(self.closed.jaxpr, ())
-        return out
+        return leaf_equations(self.closed.jaxpr)
 
 
 def eqn_path(op_name: str) -> tuple[int, ...]:
@@ -264,7 +179,7 @@ class EqnMap:
             members = set(ops)
             exported = [i for i in ops if i in outputs or any(u not in members for u in users[i])]
             for k, v in enumerate(eqn.outvars):
-                if isinstance(v, jcore.DropVar):
+                if private.is_dropped(v):
                     continue
                 aval = v.aval
                 want = TensorType(_dtype_name(aval.dtype), tuple(aval.shape))
@@ -283,16 +198,7 @@ class EqnMap:
         """``(checkpoint path + (BARRIER,), i)`` -> the copy op ingestion made for input i
         of a checkpoint equation behind its opt-barrier (whose operands are the bound
         constants first, then the equation's inputs)."""
-        calls: dict[tuple[int, ...], Any] = {}
-
-        def walk(jaxpr, path):
-            for i, eqn in enumerate(jaxpr.eqns):
-                body = call_body(eqn)
-                if body is not None:
-                    if eqn.primitive.name in _REMAT:
-                        calls[path + (i,)] = eqn
-                    walk(body[0], path + (i,))
-        walk(traced.closed.jaxpr, ())
+        calls = {p: e for p, e in inlined_equations(traced.closed.jaxpr) if prims.is_remat(e)}
         for op in graph.ops:
             if op.opcode != "copy" or "barrier" not in op.attrs:
                 continue
@@ -313,7 +219,7 @@ class EqnMap:
         out: dict[tuple[int, ...], list[int | None]] = {}
 
         def read(v):
-            return None if isinstance(v, jcore.Literal) else ids.get(v)
+            return None if private.is_literal(v) else ids.get(v)
 
         def walk(jaxpr, path, args):
             for v, i in zip(jaxpr.invars, args):
@@ -321,9 +227,9 @@ class EqnMap:
             for i, eqn in enumerate(jaxpr.eqns):
                 p = path + (i,)
                 invals = [read(v) for v in eqn.invars]
-                body = call_body(eqn)
+                body = prims.call_body(eqn)
                 if body is not None:
-                    if eqn.primitive.name in _REMAT:   # read behind the opt-barrier
+                    if prims.is_remat(eqn):   # read behind the opt-barrier
                         invals = [self.producer.get((p + (BARRIER,), j), x)
                                   for j, x in enumerate(invals)]
                     res = walk(body[0], p, invals)
@@ -338,7 +244,7 @@ class EqnMap:
                             got = same[0] if len(same) == 1 else None
                         res.append(got)
                 for v, x in zip(eqn.outvars, res):
-                    if not isinstance(v, jcore.DropVar):
+                    if not private.is_dropped(v):
                         ids[v] = x
             return [read(v) for v in jaxpr.outvars]
 

@@ -44,14 +44,13 @@ import dataclasses
 import numbers
 from typing import Any, Collection, Sequence
 
-from rhino._jax_private import eqn_source
 from rhino.hlo_passes.unroll import INDEX_SCOPE
+from rhino.jaxpr import primitives as prims
+from rhino.jaxpr.private import eqn_source, is_literal, name_stack_text
 from rhino.vocabulary import Role
 
-_REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-           "reduce_or", "reduce_xor", "argmax", "argmin", "reduce_precision_sum"}
-_CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
-_BRANCH = {"cond", "while"}
+_REDUCE = set(prims.REDUCTIONS) | prims.ARG_REDUCTIONS
+_BRANCH = {prims.COND, prims.WHILE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +126,7 @@ def find_batch_coupling(flat: Any, batch_refs: Sequence[int],
 def _scan_index(eqn: Any) -> bool:
     """An unrolled scan's iteration index, read from the carry only to order the
     iteration's slices (``unroll._index_after``): the same on any batch."""
-    return INDEX_SCOPE in str(eqn.source_info.name_stack)
+    return INDEX_SCOPE in name_stack_text(eqn)
 
 
 def _rule(eqn: Any, ins: list) -> tuple[list, str | None]:
@@ -141,29 +140,27 @@ def _rule(eqn: Any, ins: list) -> tuple[list, str | None]:
         return [stats[0] if stats else made] * n_out, \
             "a branch whose predicate or index depends on the batch"
     if name in _REDUCE:
-        dims = eqn.params.get("axes", eqn.params.get("dimensions", ()))
-        if "axis" in eqn.params:
-            dims = (eqn.params["axis"],)
+        dims = prims.reduction_axes(eqn)
         if stats or not axes:
             return [stats[0] if stats else made] * n_out, None
         d = axes[0]
         if d in dims:
             return [made] * n_out, None
         return [d - sum(1 for x in dims if x < d)] * n_out, None
-    if name in _CUMULATIVE or name == "sort":
+    if name in prims.CUMULATIVE or name == prims.SORT:
         d = eqn.params.get("axis", eqn.params.get("dimension"))
         if axes and d == axes[0]:
             return [made] * n_out, "a cumulative op or sort along the batch axis"
-    if name == "dot_general":
+    if name == prims.DOT:
         return _dot(eqn, ins, made), None
-    if name == "broadcast_in_dim":
+    if name == prims.BROADCAST:
         v = ins[0]
         out = eqn.params["broadcast_dimensions"][v] if isinstance(v, int) else v
         return [out], None
-    if name == "transpose":
+    if name == prims.TRANSPOSE:
         v = ins[0]
         return [eqn.params["permutation"].index(v) if isinstance(v, int) else v], None
-    if name in ("reshape", "squeeze", "expand_dims"):
+    if name in (prims.RESHAPE, prims.SQUEEZE):
         return [_reshaped(eqn, ins[0], made)], None
     # Everything else (elementwise ops, gathers, scatters, convolutions, ...): a result
     # keeps the batch where it has the per-example input's batch dimension.
@@ -187,16 +184,15 @@ def _keeps(shape: tuple, axis: int, size: int, made: Statistic) -> Any:
 
 def _predicate_depends(eqn: Any, ins: list) -> bool:
     """Whether a ``cond``'s index or a ``while``'s loop condition reads the batch."""
-    if eqn.primitive.name == "cond":
+    if eqn.primitive.name == prims.COND:
         return ins[0] is not None
-    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    cj = eqn.params["cond_jaxpr"].jaxpr
+    nc, nb, cj = prims.while_parts(eqn)
     feeds = ins[:nc] + ins[nc + nb:]
     dep = {v for v, x in zip(cj.invars, feeds) if x is not None}
     for e in cj.eqns:
-        if any(v in dep for v in e.invars if not hasattr(v, "val")):
+        if any(v in dep for v in e.invars if not is_literal(v)):
             dep.update(e.outvars)
-    return any(v in dep for v in cj.outvars if not hasattr(v, "val"))
+    return any(v in dep for v in cj.outvars if not is_literal(v))
 
 
 def _dot(eqn: Any, ins: list, made: Statistic) -> list:

@@ -350,7 +350,7 @@ def graph_from_mlir_text(text: str, path: str = "<string>") -> HloGraph:
             jaxlib converted it to does not validate (line None: the converted text's line is
             given in ``expected``).
     """
-    from rhino._jax_private import stablehlo_text_to_hlo_text
+    from rhino.jaxpr.private import stablehlo_text_to_hlo_text
     _check_conv_dim_numbers(text, path)
     try:
         hlo = stablehlo_text_to_hlo_text(text)
@@ -424,7 +424,7 @@ def graph_from_function(fn: Callable, *args: Any) -> HloGraph:
         head, rest = path[0], path[1:]
         label = names[head.idx] + jax.tree_util.keystr(tuple(rest))
         infos.append(ArgInfo(k, label, bool(getattr(info, "donated", False))))
-    from rhino._jax_private import kept_arg_indices
+    from rhino.jaxpr.private import kept_arg_indices
     kept = kept_arg_indices(lowered)
     if kept is not None and len(kept) != len(infos):
         infos = [ArgInfo(j, infos[i].path, infos[i].donated) for j, i in enumerate(kept)]

@@ -37,7 +37,8 @@ from rhino.errors import BatchCouplingError, LoweringError, PlanMismatchError
 from rhino.hlo_passes.annotate import EqnMap, ScopedFunction, eqn_path
 from rhino.hlo_passes.batch_coupling import find_batch_coupling
 from rhino.hlo_passes.graph import HloGraph, TensorType, shape_str
-from rhino.hlo_passes.stage_programs import (RNG_SHAPED, FlatProgram, StageShardings,
+from rhino.jaxpr import primitives as prims
+from rhino.hlo_passes.stage_programs import (FlatProgram, StageShardings,
                                              StepSplit, assignment_from_ops, flatten,
                                              split_step)
 from rhino.hlo_passes.strided import StridedRealizer
@@ -394,15 +395,15 @@ def rng_shapes(traced: ScopedFunction, whole: ScopedFunction | None = None
     whose bits the microbatches slice (``StepSplit.rng_shapes``). ``whole``: the step
     traced at the whole batch when ``traced`` is at microbatch shapes; random equations
     are matched in program order (tracing never elides one)."""
-    mine = [(p, e) for p, e in traced.leaf_eqns().items() if e.primitive.name in RNG_SHAPED]
+    mine = [(p, e) for p, e in traced.leaf_eqns().items() if prims.rng_shape(e) is not None]
     if whole is None:
-        return {p: tuple(e.params["shape"]) for p, e in mine}
-    full = [e for e in whole.leaf_eqns().values() if e.primitive.name in RNG_SHAPED]
-    if [e.primitive.name for _, e in mine] != [e.primitive.name for e in full]:
+        return {p: prims.rng_shape(e) for p, e in mine}
+    full = [e for e in whole.leaf_eqns().values() if prims.rng_shape(e) is not None]
+    if [prims.name(e) for _, e in mine] != [prims.name(e) for e in full]:
         raise LoweringError(f"the step draws {len(full)} random values at the whole batch "
                             f"and {len(mine)} at microbatch shapes: a pipelined step must "
                             f"draw the same random values at every batch size")
-    return {p: tuple(f.params["shape"]) for (p, _), f in zip(mine, full)}
+    return {p: prims.rng_shape(f) for (p, _), f in zip(mine, full)}
 
 
 def microbatch_abstract(traced: ScopedFunction, graph: HloGraph, abstract: tuple,
@@ -509,7 +510,7 @@ def key_args(traced: ScopedFunction) -> frozenset[int]:
            if jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.prng_key)}
     index = {v: k for k, v in enumerate(jaxpr.invars)}
     for eqn in traced.leaf_eqns().values():
-        if eqn.primitive.name == "random_wrap":
+        if prims.name(eqn) == prims.RANDOM_WRAP:
             out |= {index[v] for v in eqn.invars if v in index}
     return frozenset(out)
 
@@ -523,8 +524,8 @@ class TraceMismatch(LoweringError):
 
 def _check_same_program(traced: ScopedFunction, flat: FlatProgram) -> None:
     """The microbatch-sized trace must have the same equations as the planned one."""
-    full = [(p, e.primitive.name) for p, e in traced.leaf_eqns().items()]
-    mine = [(fe.path, fe.eqn.primitive.name) for fe in flat.eqns]
+    full = [(p, prims.name(e)) for p, e in traced.leaf_eqns().items()]
+    mine = [(fe.path, prims.name(fe.eqn)) for fe in flat.eqns]
     if full != mine:
         first = next((i for i, (a, b) in enumerate(zip(full, mine)) if a != b),
                      min(len(full), len(mine)))

@@ -54,12 +54,15 @@ import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-from jax.extend import core as jcore
 
-from rhino._jax_private import eqn_context, eqn_source
 from rhino.errors import RhinoError
-from rhino.hlo_passes.annotate import call_body
+from rhino.jaxpr import primitives as prims
+from rhino.jaxpr.interpret import FlatEqn, FlatProgram, Lit, flatten
+from rhino.jaxpr.private import bind, bind_params, eqn_context, eqn_source
 from rhino.vocabulary import Accumulate, Role, TaskKind
+
+__all__ = ["FlatEqn", "FlatProgram", "Lit", "flatten", "StageSplitError", "StageShardings",
+           "split_step", "task_function", "finish_sum", "assignment_from_ops", "apply_order"]
 
 
 
@@ -80,88 +83,6 @@ class StageShardings:
 
     values: Mapping[tuple[tuple[int, ...], int], Any] = dataclasses.field(default_factory=dict)
     refs: Mapping[int, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class Lit:
-    """A literal operand."""
-
-    value: Any
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class FlatEqn:
-    """A leaf equation: its path in the nested jaxpr, the equation, operand refs (or
-    literals) and result refs (None for dropped results)."""
-
-    path: tuple[int, ...]
-    eqn: Any
-    ins: tuple[Any, ...]
-    outs: tuple[int | None, ...]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class FlatProgram:
-    """A jaxpr as one list of leaf equations over integer value refs.
-
-    Attributes:
-        eqns: leaf equations in program order.
-        num_args: refs ``0 .. num_args-1`` are the flat arguments.
-        consts: ref -> constant value (closed-over constants of the jaxpr and its bodies).
-        outs: the flat results (ref or ``Lit``).
-        avals: ref -> abstract value (shape, dtype).
-    """
-
-    eqns: tuple[FlatEqn, ...]
-    num_args: int
-    consts: Mapping[int, Any]
-    outs: tuple[Any, ...]
-    avals: Mapping[int, Any]
-
-
-def flatten(closed: Any) -> FlatProgram:
-    """Inline call-like equations of a ClosedJaxpr (see ``hlo_passes.annotate``)."""
-    avals: dict[int, Any] = {}
-    consts: dict[int, Any] = {}
-    eqns: list[FlatEqn] = []
-    counter = [0]
-
-    def new(aval) -> int:
-        r = counter[0]
-        counter[0] += 1
-        avals[r] = aval
-        return r
-
-    def walk(jaxpr, const_vals, args, path) -> list[Any]:
-        env: dict = {}
-
-        def read(v):
-            return Lit(v.val) if isinstance(v, jcore.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, const_vals):
-            r = new(v.aval)
-            consts[r] = x
-            env[v] = r
-        for v, a in zip(jaxpr.invars, args):
-            env[v] = a
-        for i, eqn in enumerate(jaxpr.eqns):
-            p = path + (i,)
-            ins = [read(v) for v in eqn.invars]
-            body = call_body(eqn)
-            if body is not None:
-                res = walk(body[0], body[1], ins, p)
-            else:
-                res = [None if isinstance(v, jcore.DropVar) else new(v.aval)
-                       for v in eqn.outvars]
-                eqns.append(FlatEqn(p, eqn, tuple(ins), tuple(res)))
-            for v, x in zip(eqn.outvars, res):
-                if not isinstance(v, jcore.DropVar):
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
-
-    args = [new(v.aval) for v in closed.jaxpr.invars]
-    outs = walk(closed.jaxpr, closed.consts, args, ())
-    return FlatProgram(tuple(eqns), len(args), consts, tuple(outs), avals)
 
 
 # ------------------------------------------------------------------------------ the split
@@ -451,8 +372,7 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
                      _batch_rng(flat, role, rng_shapes or {}, num_microbatches))
 
 
-# Random primitives whose ``shape`` parameter sets how many values they draw.
-RNG_SHAPED = frozenset({"random_bits", "random_split"})
+RNG_SHAPED = prims.RNG_SHAPED
 
 
 def _batch_rng(flat: FlatProgram, role: Sequence[Role],
@@ -467,9 +387,9 @@ def _batch_rng(flat: FlatProgram, role: Sequence[Role],
     """
     out = {}
     for i, fe in enumerate(flat.eqns):
-        if fe.eqn.primitive.name not in RNG_SHAPED or fe.path not in whole:
+        if prims.rng_shape(fe.eqn) is None or fe.path not in whole:
             continue
-        mine, full = tuple(fe.eqn.params["shape"]), tuple(whole[fe.path])
+        mine, full = prims.rng_shape(fe.eqn), tuple(whole[fe.path])
         if mine == full:
             continue
         where = _source(fe.eqn)
@@ -493,9 +413,6 @@ def _source(eqn: Any) -> str:
     return eqn_source(eqn) or eqn.primitive.name
 
 
-_SUMS = frozenset({"add", "add_any", "sub"})
-_LINEAR = frozenset({"neg", "convert_element_type", "reshape", "transpose", "copy", "squeeze",
-                     "expand_dims", "broadcast_in_dim", "reduce_sum"})
 
 
 def _sink_cross_stage_sums(flat: FlatProgram, role: list, stage: list,
@@ -526,17 +443,17 @@ def _sink_cross_stage_sums(flat: FlatProgram, role: list, stage: list,
     def linear(i: int, moving: set[int]) -> bool:
         fe = flat.eqns[i]
         name = fe.eqn.primitive.name
-        if name in _SUMS or name in _LINEAR or (name == "integer_pow"
-                                                and fe.eqn.params.get("y") == 1):
+        if name in prims.SUMS or name in prims.LINEAR_UNARY or (
+                name == prims.INTEGER_POW and fe.eqn.params.get("y") == 1):
             return all(gradient(x, moving) for x in fe.ins)
-        if name in ("mul", "div"):   # scaling by a literal
+        if name in (prims.MUL, prims.DIV):   # scaling by a literal
             a, b = fe.ins
             return (gradient(a, moving) and isinstance(b, Lit)) or \
-                (name == "mul" and isinstance(a, Lit) and gradient(b, moving))
+                (name == prims.MUL and isinstance(a, Lit) and gradient(b, moving))
         return False
 
     for i, fe in enumerate(flat.eqns):
-        if role[i] != Role.BACKWARD or fe.eqn.primitive.name not in ("add", "add_any"):
+        if role[i] != Role.BACKWARD or fe.eqn.primitive.name not in prims.ADDS:
             continue
         s = stage[i]
         if not any(isinstance(x, int) and x in prod and role[prod[x]] == Role.BACKWARD
@@ -637,17 +554,15 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
             env[spec.ref] = finish_sum(split, spec.ref, x) if spec.source == "acc" else x
         for fe in eqns:
             invals = [x.value if isinstance(x, Lit) else env[x] for x in fe.ins]
-            params = fe.eqn.primitive.get_bind_params(fe.eqn.params)
+            params = bind_params(fe.eqn)
             full = split.rng_shapes.get(fe.path)
             if full is not None:
                 params = dict(params, shape=tuple(full))
             with eqn_context(fe.eqn):
-                outs = fe.eqn.primitive.bind(*invals, **params)
+                outs = bind(fe.eqn, invals, params)
             if full is not None:
                 size = full[0] // split.num_microbatches
-                outs = jax.lax.dynamic_slice_in_dim(outs, mb * size, size, axis=0)
-            if not fe.eqn.primitive.multiple_results:
-                outs = [outs]
+                outs = [jax.lax.dynamic_slice_in_dim(outs[0], mb * size, size, axis=0)]
             for k, (r, x) in enumerate(zip(fe.outs, outs)):
                 if r is not None:
                     env[r] = constrain(fe.path, k, x) if constrain is not None else x

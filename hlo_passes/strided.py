@@ -32,18 +32,13 @@ import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 from rhino.errors import RhinoError
+from rhino.jaxpr import primitives as prims
+from rhino.jaxpr.private import bind
 from rhino.planner.spec import ShardingSpec
 
 # jaxpr primitives applied element by element, whose operands (other than scalars) all
 # have the result's shape.
-ELEMENTWISE = frozenset({
-    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "exp", "exp2", "log",
-    "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "sqrt", "rsqrt", "cbrt", "pow",
-    "integer_pow", "abs", "sign", "select_n", "convert_element_type", "square", "erf",
-    "erf_inv", "and", "or", "not", "xor", "eq", "ne", "lt", "le", "gt", "ge", "copy", "copy_p",
-    "floor", "ceil", "round", "is_finite", "atan2", "clamp", "nextafter", "reciprocal",
-    "stop_gradient", "real", "imag", "conj",
-})
+ELEMENTWISE = prims.ELEMENTWISE
 
 
 def is_strided(spec: Any) -> bool:
@@ -135,10 +130,9 @@ class StridedRealizer:
         """Run ``eqn``; split inputs stay split through elementwise equations and are read
         directly by reshapes (see the module docstring)."""
         splits = [v for v in invals if isinstance(v, Split)]
-        prim = eqn.primitive
         if splits:
             first = splits[0]
-            name = prim.name
+            name = prims.name(eqn)
             if name in ELEMENTWISE and all(s.shape == first.shape and
                                            s.array.shape == first.array.shape for s in splits):
                 args = []
@@ -152,16 +146,13 @@ class StridedRealizer:
                     else:
                         break
                 else:
-                    outs = prim.bind(*args, **params)
-                    outs = list(outs) if prim.multiple_results else [outs]
+                    outs = bind(eqn, args, params)
                     return [Split(o, first.shape) if tuple(o.shape) == first.array.shape
                             else o for o in outs]
-            elif name == "reshape" and len(invals) == 1:
-                out = prim.bind(first.array, **params)
-                return [out]
+            elif name == prims.RESHAPE and len(invals) == 1:
+                return bind(eqn, [first.array], params)
             invals = [unsplit(v) for v in invals]
-        outs = prim.bind(*invals, **params)
-        return list(outs) if prim.multiple_results else [outs]
+        return bind(eqn, invals, params)
 
     def hooks(self, out_specs: Mapping[tuple, ShardingSpec],
               in_specs: Mapping[tuple, ShardingSpec]

@@ -13,7 +13,7 @@ when the iteration starts: ``_index_after``) and rebuilt by stacking::
 
 It computes what the scan computes (the same equations, in the same order per iteration);
 XLA folds the slices of a stack back into its pieces. Every equation keeps its source line
-and name stack (``_jax_private.eqn_context``), so gradient ops still look like gradient ops
+and name stack (``rhino.jaxpr.private.eqn_context``), so gradient ops still look like gradient ops
 and errors name the user's line. Longer scans (a loop over time steps, say) stay loops.
 ``trace`` is the one way rhino traces a step: the planned program, the microbatch programs
 of a pipeline and the programs a Ray actor rebuilds all unroll alike.
@@ -26,17 +26,15 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
-from rhino._jax_private import eqn_context, jaxpr_env, trace_without_name_stack
+from rhino.jaxpr import primitives as prims
+from rhino.jaxpr import private
+from rhino.jaxpr.interpret import Interpreter, any_equation
 
 # Scans of more iterations stay loops (planned as one opaque op, replicated).
 UNROLL_LIMIT = 128
 # The name scope of the equations that compute an iteration's index (``_index_after``).
 INDEX_SCOPE = "rhino_scan_index"
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-          "core_call": "call_jaxpr"}
-_REMAT = frozenset({"remat", "checkpoint", "remat2"})
 
 
 def trace(fn: Callable, *args: Any, return_shape: bool = False) -> Any:
@@ -61,34 +59,18 @@ def unrolled_function(fn: Callable, *args: Any) -> Callable | None:
     @functools.wraps(fn)
     def run(*a: Any) -> Any:
         flat = jax.tree_util.tree_leaves(a)
-        outs = jax.core.eval_jaxpr(unrolled.jaxpr, unrolled.consts, *flat)
+        outs = private.eval_jaxpr(unrolled.jaxpr, unrolled.consts, *flat)
         return jax.tree_util.tree_unflatten(out_tree, outs)
     return run
 
 
 def _unrollable(eqn: Any) -> bool:
-    return eqn.primitive.name == "scan" and 0 < eqn.params["length"] <= UNROLL_LIMIT
-
-
-def _body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
-    name = eqn.primitive.name
-    key = "jaxpr" if name in _REMAT else _CALLS.get(name)
-    body = eqn.params.get(key) if key else None
-    if isinstance(body, jcore.ClosedJaxpr):
-        return body.jaxpr, body.consts
-    if isinstance(body, jcore.Jaxpr):
-        return body, ()
-    return None
+    info = prims.scan_info(eqn)
+    return info is not None and 0 < info[2] <= UNROLL_LIMIT
 
 
 def _has_scan(jaxpr: Any) -> bool:
-    for eqn in jaxpr.eqns:
-        if _unrollable(eqn):
-            return True
-        body = _body(eqn)
-        if body is not None and _has_scan(body[0]):
-            return True
-    return False
+    return any_equation(jaxpr, _unrollable)
 
 
 class _Stack:
@@ -114,57 +96,51 @@ def eval_unrolled(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> lis
     """Evaluate ``jaxpr`` binding every equation as it is, except scans (unrolled) and
     calls or checkpoints holding one (their bodies evaluated the same way; a checkpoint is
     bound again around its unrolled body, so that XLA still recomputes it)."""
-    return [_whole(x) for x in _eval(jaxpr, consts, args, set())]
+    return [_whole(x) for x in _Unroller().run(jaxpr, consts, args)]
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], sliced: set) -> list[Any]:
-    env, read = jaxpr_env(jaxpr, consts, args)
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        body = _body(eqn)
-        with eqn_context(eqn):
-            if _unrollable(eqn):
-                outs = _unroll_scan(eqn, invals, sliced)
-            elif body is not None and _has_scan(body[0]) and eqn.primitive.name not in _REMAT:
-                outs = _eval(body[0], body[1], invals, sliced)
-            else:
-                outs = _bind_whole(eqn, body, [_whole(x) for x in invals])
-        for v, x in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+class _Unroller(Interpreter):
+    """Scans written out; every other equation bound as it is (a call or checkpoint whose
+    body holds no scan too). ``sliced``: ids of the stacked arrays an unrolled scan read."""
 
+    def __init__(self):
+        self.sliced: set[int] = set()
 
-def _bind_whole(eqn: Any, body: Any, invals: list) -> list[Any]:
-    """An equation bound as it is (a checkpoint around a scan: around its unrolled body)."""
-    if body is not None and eqn.primitive.name in _REMAT and _has_scan(body[0]):
-        inner, cs = trace_without_name_stack(
-            lambda *a: eval_unrolled(body[0], body[1], a), invals)
-        outs = eqn.primitive.bind(*cs, *invals, **dict(eqn.params, jaxpr=inner))
-    else:
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+    def equation(self, eqn, path, invals):
+        body = prims.call_body(eqn)
+        if body is not None and not _has_scan(body[0]):
+            return self.leaf(eqn, path, invals)      # kept as it is: nothing to unroll
+        return super().equation(eqn, path, invals)
 
+    def leaf(self, eqn, path, invals):
+        return super().leaf(eqn, path, [_whole(x) for x in invals])
 
-def _unroll_scan(eqn: Any, invals: list, sliced: set) -> list[Any]:
-    p = eqn.params
-    nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
-    body = p["jaxpr"]
-    consts = [_whole(x) for x in invals[:nc]]
-    carry, xs = [_whole(x) for x in invals[nc:nc + nk]], invals[nc + nk:]
-    ys: list[list[Any] | None] = [None] * length
-    again = [not isinstance(x, _Stack) and id(x) in sliced for x in xs]
-    sliced.update(id(x) for x in xs if not isinstance(x, _Stack))
-    for i in (reversed(range(length)) if p["reverse"] else range(length)):
-        at = _index_after(i, length, carry) if any(again) else i
-        x_i = [x.pieces[i] if isinstance(x, _Stack)
-               else jax.lax.dynamic_index_in_dim(x, at, 0, keepdims=False) if tie
-               else jax.lax.index_in_dim(x, i, 0, keepdims=False)
-               for x, tie in zip(xs, again)]
-        outs = _eval(body.jaxpr, body.consts, [*consts, *carry, *x_i], sliced)
-        carry, ys[i] = [_whole(x) for x in outs[:nk]], [_whole(x) for x in outs[nk:]]
-    return carry + [_Stack([ys[i][k] for i in range(length)])
-                    for k in range(len(eqn.outvars) - nk)]
+    def remat(self, eqn, path, body, invals):
+        return super().remat(eqn, path, body, [_whole(x) for x in invals])
+
+    def remat_body(self, eqn, path, body, args):
+        return [_whole(x) for x in self.run(body[0], body[1], args, path)]
+
+    def unrolls(self, eqn):
+        return _unrollable(eqn)
+
+    def scan(self, eqn, path, invals):
+        nc, nk, length, reverse, (body, body_consts) = prims.scan_info(eqn)
+        consts = [_whole(x) for x in invals[:nc]]
+        carry, xs = [_whole(x) for x in invals[nc:nc + nk]], invals[nc + nk:]
+        ys: list[list[Any] | None] = [None] * length
+        again = [not isinstance(x, _Stack) and id(x) in self.sliced for x in xs]
+        self.sliced.update(id(x) for x in xs if not isinstance(x, _Stack))
+        for i in (reversed(range(length)) if reverse else range(length)):
+            at = _index_after(i, length, carry) if any(again) else i
+            x_i = [x.pieces[i] if isinstance(x, _Stack)
+                   else jax.lax.dynamic_index_in_dim(x, at, 0, keepdims=False) if tie
+                   else jax.lax.index_in_dim(x, i, 0, keepdims=False)
+                   for x, tie in zip(xs, again)]
+            outs = self.run(body, body_consts, [*consts, *carry, *x_i])
+            carry, ys[i] = [_whole(x) for x in outs[:nk]], [_whole(x) for x in outs[nk:]]
+        return carry + [_Stack([ys[i][k] for i in range(length)])
+                        for k in range(len(eqn.outvars) - nk)]
 
 
 def _index_after(i: int, length: int, carry: list[Any]) -> Any:

@@ -359,7 +359,10 @@ def test_a_scan_over_layers_is_planned_like_the_unrolled_step(remat, monkeypatch
                      step.memory_for(params, opt, batch)["peak"], (m, step, params, opt, batch))
     (b0, p0, _), (b1, p1, run), (_, p_loop, _) = got[False], got[True], got["loop"]
     assert abs(b1 - b0) <= 0.05 * b0, (b0, b1)
-    assert p1 <= 1.05 * p0 and p1 < 0.5 * p_loop, (p0, p1, p_loop)
+    # jax 0.12's XLA holds a little more at the scan's peak with remat (measured 1.072x on
+    # 0.12.0.1; 1.026x at most on 0.10.2): see benchmarks/RESULTS.md, scan vs unrolled.
+    bound = 1.05 if tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11) else 1.08
+    assert p1 <= bound * p0 and p1 < 0.5 * p_loop, (p0, p1, p_loop)
     m, step, params, opt, batch = run
     _, want = _train(m, jax.jit(m.step), 2, params, opt, batch)
     _, have = _train(m, step, 2, params, opt, batch)

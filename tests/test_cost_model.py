@@ -267,8 +267,12 @@ def test_cluster_stage_costs_come_from_its_figures():
 def test_plan_pipeline_with_backend():
     m = get_model("mlp", batch=32, hidden=64, layers=2)
     p = rhino.plan(m.step, *m.example_args(), cluster="1x2", max_stages=1, backend="a100")
-    assert p.cluster.backend == "a100" and p.spmd.cost.backend == "a100"
-    assert "a100 devices" in p.report() or p.num_stages == 1
+    a100 = backends.backend_figures("a100")
+    assert p.num_stages == 1 and p.cluster.backend == "a100"
+    assert p.spmd.cost.backend == "a100"
+    assert p.spmd.cost.flops_per_s == pytest.approx(a100.flops_per_s)
+    assert dict(p.spmd.cost.dtype_flops_per_s) == pytest.approx(dict(a100.dtype_flops_per_s))
+    assert p.cluster.memory_bytes == a100.memory_bytes
 
 
 # ------------------------------------------------------------------------------ auto_parallel

@@ -8,7 +8,10 @@ test process's ``XLA_FLAGS`` and ``JAX_PLATFORMS`` are removed, so a block must 
 it needs itself, as a user pasting it would.
 
 The README's test command is what ``.ci/run`` runs (checked here, not run: it would run this
-suite again). Blocks that take minutes (``ray job submit``) run trimmed in the default suite
+suite again). In an environment of unpinned versions (``.ci/latest``: the installed jax is not
+the one ``constraints.txt`` pins) the blocks' ``pip install -c constraints.txt`` run without
+the constraints: with them, the block would turn the environment under test into the pinned
+one halfway through the suite. Blocks that take minutes (``ray job submit``) run trimmed in the default suite
 (``TRIMMED``: fewer steps) and as written under ``-m slow``.
 """
 
@@ -63,6 +66,25 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _pinned_jax() -> str | None:
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.startswith("jax=="):
+            return line.split("==", 1)[1].strip()
+    return None
+
+
+def unpinned() -> bool:
+    """Whether this environment runs other versions than ``constraints.txt`` pins."""
+    import importlib.metadata
+
+    return importlib.metadata.version("jax") != _pinned_jax()
+
+
+def _unpin(code: str) -> str:
+    return code.replace("pip install -c constraints.txt ", "pip install ") if unpinned() \
+        else code
+
+
 def _trim(code: str) -> tuple[str, bool]:
     for marker, subs in TRIMMED.items():
         if marker in code:
@@ -79,7 +101,7 @@ def _run(lang: str, code: str, tmp_path: pathlib.Path, timeout: float):
         script.write_text(code, encoding="utf-8")
         cmd, cwd = [sys.executable, str(script)], tmp_path
     else:
-        cmd, cwd = ["bash", "-euo", "pipefail", "-c", code], REPO
+        cmd, cwd = ["bash", "-euo", "pipefail", "-c", _unpin(code)], REPO
     return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
 
@@ -112,6 +134,16 @@ def test_the_blocks_are_found():
     assert "rhino demo --cluster 2x4 --stages 2" in codes.splitlines()
     assert "pip install -c constraints.txt -e '.[models]' && rhino demo" in codes
     assert "ray job submit" in codes
+
+
+def test_an_unpinned_environment_installs_without_the_pins(monkeypatch):
+    import importlib.metadata
+
+    code = "pip install -c constraints.txt -e '.[models]' && rhino demo"
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1")
+    assert _unpin(code) == "pip install -e '.[models]' && rhino demo"
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: _pinned_jax())
+    assert _unpin(code) == code
 
 
 def test_readme_test_command_is_what_ci_runs():

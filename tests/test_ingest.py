@@ -307,7 +307,7 @@ def test_mlir_errors_carry_the_mlir_line(tmp_path, monkeypatch):
         rhino.ingest(str(f))
     assert ei.value.line == k + 1 and "stablehlo.tanx" in ei.value.found
     # HLO that jaxlib converted but that does not validate: the converted line is named.
-    import rhino._jax_private as jp
+    import rhino.jaxpr.private as jp
     hlo = "HloModule m\nENTRY e {\n  a = f32[2]{0} parameter(0)\n  b = f32[3]{0} negate(a)\n}\n"
     monkeypatch.setattr(jp, "stablehlo_text_to_hlo_text", lambda text: hlo)
     f.write_text("\n".join(lines))

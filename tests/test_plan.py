@@ -123,8 +123,16 @@ def test_cli_plan(tmp_path, capsys):
 
 
 def test_plan_with_cluster_uses_the_controller():
-    m = get_model("gpt", layers=4, hidden=64, heads=4, seq=16, vocab=256, batch=8)
+    """With a cluster, the controller weighs SPMD and pipeline candidates and runs the
+    fastest feasible one; the report lists them with the winner marked."""
+    m = get_model("gpt", layers=2, hidden=64, heads=4, seq=16, vocab=256, batch=8)
     p = rhino.plan(m.step, *m.example_args(), cluster="2x4", microbatches=4, max_stages=2)
-    from rhino.parallel_plan import Plan
-    assert isinstance(p, Plan)
-    assert "candidates" in p.report().lower() or "winner" in p.report().lower()
+    kinds = {c.kind for c in p.candidates}
+    assert "spmd" in kinds and kinds & {"pipeline", "hybrid"}, kinds
+    assert p.num_stages <= 2 and sum(len(st.devices) for st in p.stages) <= 8
+    timed = [c for c in p.candidates if c.feasible and c.step_s is not None]
+    assert p.step_s == pytest.approx(min(c.step_s for c in timed))
+    assert p.winner.kind == p.kind
+    report = p.report()
+    assert f"chosen            {p.kind}" in report and p.decision in report
+    assert sum(1 for line in report.splitlines() if line.lstrip().startswith("*")) == 1

@@ -126,7 +126,10 @@ def test_same_device_set_two_meshes_one_program(meshes):
     out = distributed_init(init, jax.random.key(3), shardings=sh)
     ref = jax.jit(init)(jax.random.key(3))
     for name in "ab":
-        np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(ref[name]))
+        # Equal up to float rounding: the partitioned program may evaluate the normal's
+        # inverse-erf polynomial with other contractions (jax 0.12: 2.4e-7 off).
+        np.testing.assert_allclose(np.asarray(out[name]), np.asarray(ref[name]), rtol=1e-6,
+                                   atol=1e-6)
         assert out[name].sharding == sh[name]
 
 

@@ -1,0 +1,208 @@
+"""The jaxpr primitives rhino treats specially, by name, in one table.
+
+Every primitive name rhino's code refers to is spelled here once; other modules ask by
+meaning (``is_call``, ``ELEMENTWISE``, ``rng_shape``, ...). A primitive JAX renames or adds
+is then a change to this file and its canary test (``tests/test_jaxpr_private.py`` checks
+that every name below is a primitive of the installed JAX, or is listed as one that only
+some releases have).
+
+=================  ===========================================================================
+call               a function call whose body is inlined by the interpreter (``jit``, ...)
+custom             a custom_jvp / custom_vjp function: its primal body is inlined
+remat              ``jax.checkpoint``: its body is evaluated and bound again under it
+hi                 jax ≥ 0.11's ``call_hi_primitive`` (checkpoint / custom_vjp under
+                   ``jax_remat3`` / ``jax_custom_vjp3``): its body is inlined
+scan / cond /      control flow (bodies kept; scans of a bounded length are unrolled)
+while
+=================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from rhino.jaxpr import private
+
+# Call-like primitives -> the parameter holding their body.
+CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+         "core_call": "call_jaxpr"}
+CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+          "custom_vjp_call_jaxpr": "fun_jaxpr"}
+REMAT = {"remat": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
+HI = "call_hi_primitive"
+SCAN, COND, WHILE = "scan", "cond", "while"
+CONTROL_FLOW = frozenset({SCAN, COND, WHILE})
+OPTIMIZATION_BARRIER = "optimization_barrier"
+
+# Names only some supported JAX releases have (the canary does not require them).
+VERSION_DEPENDENT = frozenset({"pjit", "remat", "checkpoint", "core_call", "closed_call",
+                               "custom_vjp_call_jaxpr", "one_minus_square", "copy_p",
+                               "reciprocal", "square", "split", "erf_inv", "sharding_constraint",
+                               "mesh_cast", "reshard", "pvary", "cumlogsumexp",
+                               "expand_dims", "custom_call", "scatter_add", "scatter_mul",
+                               "scatter_min", "scatter_max", "scatter_sub"})
+
+# One result per element from the elements at the same position of every operand (rank-0
+# operands broadcast): slicing the operands slices the result.
+ELEMENTWISE = frozenset({
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "exp", "exp2", "log",
+    "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan",
+    "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt", "pow",
+    "integer_pow", "abs", "sign", "select_n", "convert_element_type", "square", "erf",
+    "erfc", "erf_inv", "lgamma", "digamma", "igamma", "igammac", "igamma_grad_a",
+    "bessel_i0e", "bessel_i1e", "polygamma", "zeta", "and", "or", "not",
+    "xor", "eq", "ne", "lt", "le", "gt", "ge", "copy", "copy_p", "floor", "ceil", "round",
+    "is_finite", "atan2", "clamp", "nextafter", "reciprocal", "real", "imag", "conj",
+    "complex", "shift_left", "shift_right_arithmetic", "shift_right_logical",
+    "population_count", "clz", "reduce_precision", "stop_gradient", "one_minus_square",
+    "mulhi"})
+# Elementwise too, but not arithmetic: values passed on unchanged (a sharding, a name, a
+# barrier), and the counter-based random functions over key data.
+IDENTITY_LIKE = frozenset({"device_put", "sharding_constraint", "mesh_cast", "reshard",
+                           "pvary", "name", OPTIMIZATION_BARRIER})
+RNG_ELEMENTWISE = frozenset({"threefry2x32", "random_fold_in"})
+# Elementwise and linear in their floating operands (a sum of per-part results is the
+# result of the sum): what a partial sum may pass through unreduced.
+LINEAR_ELEMENTWISE = frozenset({"add", "add_any", "sub", "neg", "copy", "copy_p",
+                                "device_put", "sharding_constraint", "mesh_cast", "reshard",
+                                "pvary", "name", "real", "imag", "conj"})
+# Reductions over ``axes``.
+REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
+              "reduce_prod": "prod", "reduce_and": "and", "reduce_or": "or",
+              "reduce_xor": "xor"}
+ARG_REDUCTIONS = frozenset({"argmax", "argmin"})
+CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+# Random primitives whose ``shape`` parameter sets how many values they draw per key.
+RNG_SHAPED = frozenset({"random_bits", "random_split"})
+RANDOM_WRAP, RANDOM_UNWRAP = "random_wrap", "random_unwrap"
+# Heavy or effectful: a ``cond`` holding one is not evaluated as a select.
+HEAVY = frozenset({"dot_general", "conv_general_dilated", WHILE, SCAN, COND, "fft", "sort",
+                   "custom_call", "pure_callback", "io_callback", "debug_callback", "cumsum",
+                   "cumprod", "cummax", "cumlogsumexp", "reduce_precision", "all_gather",
+                   "psum", "ppermute", "all_to_all", HI})
+
+# Names the microbatch layout rules (``rhino.jaxpr.microbatch``) dispatch on.
+DOT, CONV = "dot_general", "conv_general_dilated"
+BROADCAST, RESHAPE, TRANSPOSE, SQUEEZE = "broadcast_in_dim", "reshape", "transpose", "squeeze"
+EXPAND_DIMS = "expand_dims"
+CONVERT = "convert_element_type"
+IOTA = "iota"
+SLICE, DYNAMIC_SLICE, DYNAMIC_UPDATE_SLICE = "slice", "dynamic_slice", "dynamic_update_slice"
+CONCATENATE, PAD, REV, SPLIT = "concatenate", "pad", "rev", "split"
+GATHER = "gather"
+SCATTERS = frozenset({"scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
+                      "scatter-min", "scatter_min", "scatter-max", "scatter_max",
+                      "scatter-sub", "scatter_sub"})
+SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
+SORT, TOP_K = "sort", "top_k"
+SELECT_N = "select_n"
+MUL, DIV, INTEGER_POW = "mul", "div", "integer_pow"
+ADDS = frozenset({"add", "add_any"})
+SUB = "sub"
+# Linear in their (one) operand and moving no value across the batch: a chain of these
+# after a sum of gradient parts can run on the parts' sums instead.
+LINEAR_UNARY = frozenset({"neg", "convert_element_type", "reshape", "transpose", "copy",
+                          "squeeze", "expand_dims", "broadcast_in_dim", "reduce_sum"})
+SUMS = frozenset({"add", "add_any", "sub"})
+REDUCE_WINDOWS = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min",
+                            "reduce_window", "select_and_scatter_add",
+                            "select_and_gather_add", "select_and_scatter"})
+
+
+def name(eqn: Any) -> str:
+    """The primitive's name."""
+    return eqn.primitive.name
+
+
+def call_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+    """``(jaxpr, consts)`` of an equation the interpreter inlines (a call, a custom_jvp /
+    custom_vjp function's primal, a checkpoint, a ``call_hi_primitive``); None for others."""
+    n = eqn.primitive.name
+    if n == HI:
+        return private.hi_body(eqn)
+    key = CALLS.get(n) or CUSTOM.get(n) or REMAT.get(n)
+    if key is None or key not in eqn.params:
+        return None
+    return private.open_body(eqn.params[key])
+
+
+def is_remat(eqn: Any) -> bool:
+    """A ``jax.checkpoint`` equation bound as such (its body recomputed in the backward)."""
+    return eqn.primitive.name in REMAT
+
+
+def is_call(eqn: Any) -> bool:
+    """A plain function call (``jit``): binding its body inline computes the same."""
+    return eqn.primitive.name in CALLS
+
+
+def rng_shape(eqn: Any) -> tuple[int, ...] | None:
+    """The per-key ``shape`` of a random equation that draws values (``RNG_SHAPED``)."""
+    if eqn.primitive.name not in RNG_SHAPED:
+        return None
+    return tuple(eqn.params["shape"])
+
+
+def scan_info(eqn: Any) -> tuple[int, int, int, bool, tuple[Any, Sequence[Any]]] | None:
+    """``(constants, carry, length, reverse, (body jaxpr, body consts))`` of a ``scan``
+    equation (its operands: constants, then carry, then the scanned inputs); None for other
+    equations."""
+    if eqn.primitive.name != SCAN:
+        return None
+    nc, nk, _ = private.scan_parts(eqn)
+    body = private.open_body(eqn.params["jaxpr"])
+    return nc, nk, int(eqn.params["length"]), bool(eqn.params["reverse"]), body
+
+
+def cond_branches(eqn: Any) -> list[tuple[Any, Sequence[Any]]] | None:
+    """The branches of a ``cond`` equation (its first operand is the index)."""
+    if eqn.primitive.name != COND or "branches" not in eqn.params:
+        return None
+    return [private.open_body(b) for b in eqn.params["branches"]]
+
+
+def while_parts(eqn: Any) -> tuple[int, int, Any] | None:
+    """``(cond constants, body constants, cond jaxpr)`` of a ``while`` equation (operands:
+    the cond's constants, the body's constants, then the carry)."""
+    if eqn.primitive.name != WHILE:
+        return None
+    p = eqn.params
+    return p["cond_nconsts"], p["body_nconsts"], private.open_body(p["cond_jaxpr"])[0]
+
+
+def reduction_axes(eqn: Any) -> tuple[int, ...]:
+    """The axes a reduction (``REDUCTIONS``, ``ARG_REDUCTIONS``) reduces over."""
+    p = eqn.params
+    if "axis" in p:
+        return (int(p["axis"]),)
+    return tuple(int(a) for a in p.get("axes", p.get("dimensions", ())))
+
+
+def light_cond(eqn: Any) -> bool:
+    """A ``cond`` whose branches are cheap and pure (none of ``HEAVY``, no effects, also in
+    nested calls): evaluating every branch and selecting computes the same."""
+    branches = cond_branches(eqn)
+    if branches is None:
+        return False
+
+    def light(jaxpr: Any) -> bool:
+        for e in jaxpr.eqns:
+            if e.primitive.name in HEAVY or getattr(e, "effects", None):
+                return False
+            body = call_body(e)
+            if body is not None and not light(body[0]):
+                return False
+        return True
+
+    return all(light(b[0]) for b in branches)
+
+
+def all_names() -> frozenset[str]:
+    """Every primitive name this table spells (for the canary test)."""
+    names = set(CALLS) | set(CUSTOM) | set(REMAT) | {HI, SCAN, COND, WHILE}
+    names |= ELEMENTWISE | IDENTITY_LIKE | RNG_ELEMENTWISE | LINEAR_ELEMENTWISE | set(REDUCTIONS) | ARG_REDUCTIONS | CUMULATIVE
+    names |= RNG_SHAPED | LINEAR_UNARY | SUMS | {RANDOM_WRAP, RANDOM_UNWRAP} | HEAVY | SCATTERS | REDUCE_WINDOWS
+    names |= {DOT, CONV, BROADCAST, RESHAPE, TRANSPOSE, SQUEEZE, CONVERT, IOTA, SLICE,
+              DYNAMIC_SLICE, DYNAMIC_UPDATE_SLICE, CONCATENATE, PAD, REV, SPLIT, GATHER, SORT,
+              TOP_K, SELECT_N, MUL, DIV, INTEGER_POW, SUB, OPTIMIZATION_BARRIER} | ADDS
+    return frozenset(names)
