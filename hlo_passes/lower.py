@@ -15,10 +15,10 @@ One pass for both kinds of plan, used by ``rhino.auto_parallel`` whatever runs t
       │                 with its shardings; ``compile_spmd`` compiles it and checks the
       │                 compiled shardings against the plan)
       └── stages ────── lower_stages: the plan's op stages and roles mapped onto the
-                        step's equations; the step re-traced at microbatch shapes and cut
-                        into per-stage F/B/A programs (``stage_programs.split_step``);
-                        each stage's specs as PartitionSpecs on its programs' values.
-                        -> StageLowering
+                        step's equations; the same trace (whole batch) cut into per-stage
+                        prologue and F/B/A programs, the microbatches a sharding of the
+                        batch over time (``stage_programs.split_step``); each stage's specs
+                        as PartitionSpecs on its programs' values. -> StageLowering
 
 Nothing is dropped silently: a spec that cannot be written (strided where the executor
 cannot hold it, a split a microbatch does not divide) or a planned value the program lacks
@@ -28,27 +28,26 @@ is a ``LoweringError`` / ``PlanMismatchError`` naming the value.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 
 from rhino.errors import BatchCouplingError, LoweringError, PlanMismatchError
 from rhino.hlo_passes.annotate import EqnMap, ScopedFunction, eqn_path
-from rhino.hlo_passes.batch_coupling import find_batch_coupling
 from rhino.hlo_passes.graph import HloGraph, TensorType, shape_str
-from rhino.jaxpr import primitives as prims
-from rhino.hlo_passes.stage_programs import (FlatProgram, StageShardings,
+from rhino.hlo_passes.stage_programs import (FlatProgram, StageShardings, StageSplitError,
                                              StepSplit, assignment_from_ops, flatten,
                                              split_step)
 from rhino.hlo_passes.strided import StridedRealizer
-from rhino.hlo_passes.unroll import trace
+from rhino.jaxpr import primitives as prims
+from rhino.jaxpr.microbatch import MicrobatchLayout
 from rhino.parallel_plan import Plan
 from rhino.planner.build import carried_pairs
 from rhino.planner.collectives import reshard
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.vocabulary import Accumulate, PlanKind
+from rhino.vocabulary import PlanKind
 
 
 # ------------------------------------------------------------------------------ specs
@@ -310,168 +309,139 @@ class StageLowering:
     """A several-stage plan written into the step.
 
     Attributes:
-        split: the per-stage F/B/A programs (``StepSplit``).
-        abstract_mb: the step's arguments with microbatch-sized batch leaves.
+        split: the per-stage programs (``StepSplit``), made from the step traced at the
+            whole batch.
+        abstract: the step's arguments (whole batch).
         assignment: equation path -> (role, stage) (plain data: a Ray actor re-splits the
             step from it).
-        batch_refs: flat argument indices of the batch leaves.
+        batch_refs: flat argument indices of the batch leaves; key_refs: of PRNG keys.
         shardings: per stage its ``StageShardings``.
-        rng_shapes: ``StepSplit.rng_shapes`` (plain data, for actors re-splitting).
+        per_microbatch_statistics: as the split was made.
     """
 
     split: StepSplit
-    abstract_mb: tuple
+    abstract: tuple
     assignment: dict
     batch_refs: tuple[int, ...]
     shardings: tuple[StageShardings, ...]
-    rng_shapes: dict = dataclasses.field(default_factory=dict)
+    key_refs: tuple[int, ...] = ()
+    per_microbatch_statistics: bool = False
 
 
-def microbatch_args(abstract: tuple, batch_refs: Sequence[int], m: int,
-                    paths: Mapping[int, str]) -> tuple:
-    """``abstract`` with every batch leaf's leading dimension divided by ``m``.
+def batch_leaves(traced: ScopedFunction, graph: HloGraph, abstract: tuple,
+                 batch_params: Sequence[int], m: int) -> tuple[int, ...]:
+    """The batch leaves' flat indices (PRNG keys left out), each checked to have a leading
+    dimension ``m`` divides.
 
     Raises:
-        LoweringError: a batch leaf whose leading dimension ``m`` does not divide.
+        LoweringError: a batch leaf ``m`` does not divide, named by its path.
     """
-    leaves, tree = jax.tree_util.tree_flatten(abstract)
-    out = []
-    for k, x in enumerate(leaves):
-        if k in batch_refs:
-            if not x.shape or x.shape[0] % m:
-                raise LoweringError(f"batch argument {paths.get(k, k)}: expected a leading "
-                                    f"dimension divisible by num_microbatches={m}, found "
-                                    f"shape {tuple(x.shape)}")
-            x = jax.ShapeDtypeStruct((x.shape[0] // m,) + tuple(x.shape[1:]), x.dtype)
-        out.append(x)
-    return jax.tree_util.tree_unflatten(tree, out)
+    keys = key_args(traced)
+    leaves = jax.tree_util.tree_leaves(abstract)
+    paths = {graph.ops[q].arg.index: graph.ops[q].arg.path for q in graph.params}
+    refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params
+                        if graph.ops[q].arg.index not in keys))
+    for k in refs:
+        shape = tuple(np.shape(leaves[k]))
+        if not shape or shape[0] % m:
+            raise LoweringError(f"batch argument {paths.get(k, k)}: expected a leading "
+                                f"dimension divisible by num_microbatches={m}, found shape "
+                                f"{shape}; if it is no batch, name the batch arguments "
+                                f"(batch_args=...)")
+    return refs
 
 
-def lower_stages(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
-                 abstract: tuple, roles: Sequence[str], batch_params: Sequence[int],
-                 accumulate: Accumulate, per_microbatch_statistics: bool = False,
-                 whole: ScopedFunction | None = None) -> StageLowering:
+def lower_stages(traced: ScopedFunction, graph: HloGraph, plan: Plan, abstract: tuple,
+                 roles: Sequence[str], batch_params: Sequence[int],
+                 per_microbatch_statistics: bool = False) -> StageLowering:
     """The step cut into the plan's stage programs (see the module docstring).
 
     Args:
-        fn: the step; traced: it traced at the whole-batch ``abstract`` arguments.
-        graph: its HloGraph; roles: the role of every op (``pipeline.coarsen``).
+        traced: the step traced at the whole-batch ``abstract`` arguments (what was
+            planned); graph: its HloGraph; roles: the role of every op (``pipeline.coarsen``).
         batch_params: the graph's batch parameter ops (the gradient boundary's).
-        per_microbatch_statistics: accept batch statistics computed per microbatch
-            (``batch_coupling``) instead of refusing the step.
-        whole: given when ``traced``, ``graph``, ``plan`` and ``abstract`` are already at
-            microbatch shapes (the plan was re-made there, ``rhino.pipeline.at_microbatch``):
-            the step traced at the whole batch, whose random equations give the shapes
-            each microbatch slices its random bits from. The caller checks batch coupling
-            on the whole-batch trace (``check_batch_coupling``): at a microbatch of one
-            example the batch axis cannot be told from other dimensions of size one.
+        per_microbatch_statistics: accept statistics of the whole batch computed per
+            microbatch (``rhino.jaxpr.microbatch``) instead of refusing the step.
 
     Raises:
         PlanMismatchError: the plan is for another program.
-        BatchCouplingError: the step reads statistics of the whole batch (named, with the
-            source line), unless ``per_microbatch_statistics``.
-        LoweringError: a spec a microbatch cannot hold, or a step that traces differently
-            at microbatch shapes.
+        BatchCouplingError: the gradients depend on a value of the whole batch at once
+            (named, with the source line), unless ``per_microbatch_statistics``.
+        LoweringError: a spec a microbatch cannot hold.
     """
     check_plan(plan, graph)
     m = plan.num_microbatches
     assignment = assignment_from_ops(traced, graph, _stage_of(plan, graph), roles)
-    batch_refs, abstract_mb, flat = _microbatch_trace(fn, traced, graph, abstract,
-                                                      batch_params, 1 if whole else m)
-    rng = rng_shapes(traced, whole)
-    split = split_step(flat, assignment, batch_refs, plan.num_stages, m, accumulate, rng)
-    if not per_microbatch_statistics and whole is None:
-        _refuse_batch_coupling(graph, flat, split, m)
+    batch_refs = batch_leaves(traced, graph, abstract, batch_params, m)
+    keys = tuple(sorted(key_args(traced)))
+    flat = flatten(traced.closed)
+    try:
+        split = split_step(flat, assignment, batch_refs, plan.num_stages, m, key_refs=keys,
+                           per_microbatch_statistics=per_microbatch_statistics)
+    except StageSplitError as e:
+        raise LoweringError(str(e)) from e
+    refuse_couplings(split.layout, m)
     emap = EqnMap(traced, graph)
     shardings = tuple(_stage_shardings(st.spmd, st.index, graph, emap, flat, split)
                       for st in plan.stages)
-    return StageLowering(split, abstract_mb, assignment, batch_refs, shardings,
-                         dict(split.rng_shapes))
+    return StageLowering(split, abstract, assignment, batch_refs, shardings, keys,
+                         per_microbatch_statistics)
 
 
-def rng_shapes(traced: ScopedFunction, whole: ScopedFunction | None = None
-               ) -> dict[tuple[int, ...], tuple[int, ...]]:
-    """Equation path in ``traced`` -> the whole batch's shape, for every random equation
-    whose bits the microbatches slice (``StepSplit.rng_shapes``). ``whole``: the step
-    traced at the whole batch when ``traced`` is at microbatch shapes; random equations
-    are matched in program order (tracing never elides one)."""
-    mine = [(p, e) for p, e in traced.leaf_eqns().items() if prims.rng_shape(e) is not None]
-    if whole is None:
-        return {p: prims.rng_shape(e) for p, e in mine}
-    full = [e for e in whole.leaf_eqns().values() if prims.rng_shape(e) is not None]
-    if [prims.name(e) for _, e in mine] != [prims.name(e) for e in full]:
-        raise LoweringError(f"the step draws {len(full)} random values at the whole batch "
-                            f"and {len(mine)} at microbatch shapes: a pipelined step must "
-                            f"draw the same random values at every batch size")
-    return {p: prims.rng_shape(f) for (p, _), f in zip(mine, full)}
-
-
-def microbatch_abstract(traced: ScopedFunction, graph: HloGraph, abstract: tuple,
-                        batch_params: Sequence[int], m: int) -> tuple[tuple[int, ...], tuple]:
-    """(the batch leaves' flat indices (PRNG keys left out), the arguments with every
-    batch leaf's leading dimension divided by ``m``)."""
-    keys = key_args(traced)
-    batch_refs = tuple(sorted(graph.ops[q].arg.index for q in batch_params
-                              if graph.ops[q].arg.index not in keys))
-    paths = {graph.ops[q].arg.index: graph.ops[q].arg.path for q in graph.params}
-    return batch_refs, microbatch_args(abstract, batch_refs, m, paths)
-
-
-def _microbatch_trace(fn: Any, traced: ScopedFunction, graph: HloGraph, abstract: tuple,
-                      batch_params: Sequence[int], m: int
-                      ) -> tuple[tuple[int, ...], tuple, FlatProgram]:
-    """(the batch leaves' flat indices (PRNG keys left out), the microbatch-sized
-    arguments, the step flattened at them), checked to trace to the same equations."""
-    batch_refs, abstract_mb = microbatch_abstract(traced, graph, abstract, batch_params, m)
-    flat = flatten(trace(fn, *abstract_mb))
-    _check_same_program(traced, flat)
-    return batch_refs, abstract_mb, flat
-
-
-def microbatch_divisors(fn: Any, traced: ScopedFunction, graph: HloGraph, abstract: tuple,
-                        batch_params: Sequence[int], m: int) -> dict[int, dict[int, int]]:
-    """Op id -> {dim: m} for every planned value whose dimension carries the batch: the
-    dimensions that shrink by ``m`` when the step is traced at microbatch shapes (values
-    the lowering constrains: equation results and arguments). The pipeline planner then
-    splits them only into shards a microbatch divides.
+def refuse_couplings(layout: MicrobatchLayout, m: int) -> None:
+    """``BatchCouplingError`` naming the first value the gradients need of the whole batch.
 
     Raises:
-        LoweringError: a batch leaf ``m`` does not divide; ``TraceMismatch``: a step that
-            traces to other equations at microbatch shapes.
+        BatchCouplingError: where ``layout`` has a coupling.
     """
-    _, _, flat = _microbatch_trace(fn, traced, graph, abstract, batch_params, m)
+    found = layout.couplings
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise BatchCouplingError(
+            f"the step's gradients depend on statistics of the whole batch, which {m} "
+            f"microbatches cannot compute one by one: {found[0].describe()}{more}. Pass "
+            f"per_microbatch_statistics=True to let each microbatch use its own statistics "
+            f"(as gradient accumulation does), or run the step as one SPMD stage "
+            f"(mesh_shape=..., or stages=1)")
+
+
+def microbatch_divisors(traced: ScopedFunction, graph: HloGraph, abstract: tuple,
+                        batch_params: Sequence[int], m: int, roles: Sequence[str],
+                        per_microbatch_statistics: bool = False
+                        ) -> dict[int, dict[int, int]]:
+    """Op id -> {dim: m} for every planned value a microbatch cuts (its dimension along
+    the batch, ``rhino.jaxpr.microbatch``): values the lowering constrains (equation
+    results) and arguments. The pipeline planner then splits them only into shards a
+    microbatch divides. ``roles``: every op's (``pipeline.coarsen``), as the stage programs
+    will be made.
+
+    Raises:
+        LoweringError: a batch leaf ``m`` does not divide.
+        BatchCouplingError: the gradients need a value of the whole batch (before any
+            pipeline is searched).
+    """
+    refs = batch_leaves(traced, graph, abstract, batch_params, m)
+    flat = flatten(traced.closed)
+    assignment = assignment_from_ops(traced, graph, [0] * len(graph.ops), roles)
+    try:
+        split = split_step(flat, assignment, refs, 1, m, key_refs=tuple(key_args(traced)),
+                           per_microbatch_statistics=per_microbatch_statistics)
+    except StageSplitError as e:
+        raise LoweringError(str(e)) from e
+    refuse_couplings(split.layout, m)
+    dims = split.layout.split_dims()
     ref_of = {(fe.path, k): r for fe in flat.eqns for k, r in enumerate(fe.outs)
               if r is not None}
     out: dict[int, dict[int, int]] = {}
-    pairs = [(op, ref_of[key]) for key, op in EqnMap(traced, graph).producer.items()
-             if key in ref_of]
-    pairs += [(q, graph.ops[q].arg.index) for q in graph.params]
-    for op, ref in pairs:
-        shape = graph.ops[op].shape
-        small = flat.avals[ref].shape
-        if not isinstance(shape, TensorType) or len(shape.dims) != len(small):
-            continue
-        dims = {d: m for d, (a, b) in enumerate(zip(shape.dims, small)) if a == m * b and a != b}
-        if dims:
-            out[op] = dims
+    for key, op in EqnMap(traced, graph).producer.items():
+        r = ref_of.get(key)
+        if r in dims:
+            out[op] = {dims[r]: m}
+    for q in graph.params:
+        r = graph.ops[q].arg.index
+        if r in dims:
+            out[q] = {dims[r]: m}
     return out
-
-
-def check_batch_coupling(fn: Any, traced: ScopedFunction, graph: HloGraph, plan: Plan,
-                         abstract: tuple, roles: Sequence[str], batch_params: Sequence[int],
-                         accumulate: Accumulate) -> None:
-    """``lower_stages``'s batch-coupling check, on the step traced at the whole batch.
-
-    Raises:
-        BatchCouplingError: the step reads statistics of the whole batch (named).
-    """
-    m = plan.num_microbatches
-    assignment = assignment_from_ops(traced, graph, _stage_of(plan, graph), roles)
-    batch_refs, _ = microbatch_abstract(traced, graph, abstract, batch_params, m)
-    flat = flatten(trace(fn, *abstract))
-    _check_same_program(traced, flat)
-    split = split_step(flat, assignment, batch_refs, plan.num_stages, m, accumulate, {})
-    _refuse_batch_coupling(graph, flat, split, m)
 
 
 def _stage_of(plan: Plan, graph: HloGraph) -> list[int]:
@@ -486,22 +456,6 @@ def _stage_of(plan: Plan, graph: HloGraph) -> list[int]:
     return stage_of
 
 
-def _refuse_batch_coupling(graph: HloGraph, flat: FlatProgram, split: StepSplit, m: int
-                           ) -> None:
-    carried_outs = {o for o, _ in carried_pairs(graph)}
-    carried = [r for k, r in enumerate(flat.outs)
-               if isinstance(r, int) and graph.outputs[k] in carried_outs]
-    found = find_batch_coupling(flat, split.batch_refs, split.role, carried)
-    if found:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise BatchCouplingError(
-            f"the step reads statistics of the whole batch, which {m} microbatches would "
-            f"each compute on their own: {found[0].describe()}{more}. Pass "
-            f"per_microbatch_statistics=True to accept per-microbatch statistics (as "
-            f"gradient accumulation does), or run the step as one SPMD stage "
-            f"(mesh_shape=..., or stages=1)")
-
-
 def key_args(traced: ScopedFunction) -> frozenset[int]:
     """Flat arguments that are PRNG keys: a key dtype, or raw key data the step wraps
     (``random_wrap``). A key is the same for every microbatch, never split."""
@@ -513,26 +467,6 @@ def key_args(traced: ScopedFunction) -> frozenset[int]:
         if prims.name(eqn) == prims.RANDOM_WRAP:
             out |= {index[v] for v in eqn.invars if v in index}
     return frozenset(out)
-
-
-class TraceMismatch(LoweringError):
-    """The step traces to other equations at microbatch shapes (JAX leaves out broadcasts
-    that change nothing, e.g. at a microbatch of one example): a plan made on the
-    whole-batch program cannot be written into the microbatch programs as it is;
-    ``auto_parallel`` re-makes the stage plans at microbatch shapes."""
-
-
-def _check_same_program(traced: ScopedFunction, flat: FlatProgram) -> None:
-    """The microbatch-sized trace must have the same equations as the planned one."""
-    full = [(p, prims.name(e)) for p, e in traced.leaf_eqns().items()]
-    mine = [(fe.path, prims.name(fe.eqn)) for fe in flat.eqns]
-    if full != mine:
-        first = next((i for i, (a, b) in enumerate(zip(full, mine)) if a != b),
-                     min(len(full), len(mine)))
-        raise TraceMismatch(f"the step traced with microbatch-sized arguments differs from the "
-                            f"step traced with the whole batch (equation {first}: "
-                            f"{full[first] if first < len(full) else None} vs "
-                            f"{mine[first] if first < len(mine) else None})")
 
 
 def _stage_shardings(plan: SpmdPlan, stage: int, graph: HloGraph, emap: EqnMap,
@@ -549,7 +483,7 @@ def _stage_shardings(plan: SpmdPlan, stage: int, graph: HloGraph, emap: EqnMap,
         if spec is None:
             return None
         ps = partition_spec(spec.without_partial(), names, f"stage {stage}: {what}")
-        shape = flat.avals[ref].shape
+        shape = split.microbatch_shape(ref)
         for d, entry in enumerate(ps):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
             n = int(np.prod([sizes[a] for a in axes])) if axes else 1
@@ -558,7 +492,8 @@ def _stage_shardings(plan: SpmdPlan, stage: int, graph: HloGraph, emap: EqnMap,
                 return None
         return ps
 
-    mine = {i for k in ("F", "B", "A") for i in split.task(k, stage).eqns}
+    mine = {i for (k, s), t in split.tasks.items() if s == stage for i in t.eqns}
+    mine |= set(split.prologues[stage].eqns)
     paths = {flat.eqns[i].path for i in mine}
     values: dict = {}
     refs: dict[int, Any] = {}

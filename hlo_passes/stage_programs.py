@@ -3,33 +3,35 @@
 Rhino §6.1 runs a pipelined step as tasks: ``F(s, mb)`` and ``B(s, mb)`` (the forward and
 backward halves of compute-gradients of stage ``s`` on microbatch ``mb``; the local
 accumulation of Fig. 6b is fused into them) and ``A(s)`` (apply-gradients, once per step).
-This module cuts a one-device step into those programs, at the level of the step's jaxpr.
+This module cuts a one-device step into those programs, at the level of the step's jaxpr
+traced at the *whole* batch: the microbatches are a sharding of the batch over time
+(``rhino.jaxpr.microbatch``), so the programs compute what the step computes on the whole
+batch, by construction.
 
 Pass order::
 
-    step fn + example args (microbatch-sized batch)
-        │ flatten          the jaxpr with call-like equations (pjit, custom_jvp, remat...)
-        │                  inlined, as in hlo_passes.annotate: one flat list of leaf equations,
-        │                  each with its path (e.g. (3, 0)) and integer value refs
+    step traced at the whole batch
+        │ flatten          one flat list of leaf equations (calls inlined), integer refs
         ▼
         │ assignment       path -> (role, stage), from the pipeline plan's op stages through
         │                  the HLO op_name scopes (``assignment_from_ops``) or given by hand
         ▼
-        │ split_step       roles re-derived on the jaxpr (free = batch-independent); stage
-        │                  repairs so that forward data flows to later stages and backward
-        │                  data to earlier ones; a sum of gradient parts from two
-        │                  stages (a tied weight) moved to apply-gradients, so each part
-        │                  is accumulated where it is made and crosses once per step;
+        │ split_step       roles re-derived on the jaxpr; a sum of gradient parts from two
+        │                  stages (a tied weight) moved to apply-gradients; every value's
+        │                  microbatch layout (whole / split / partial / total); per stage a
+        │                  prologue (values computed whole from the batch, once per step),
         │                  per task its equations (plus the free equations it needs,
-        │                  recomputed), inputs, outputs, accumulators
+        │                  recomputed), inputs, outputs and accumulators; apply tasks cut
+        │                  into phases where stages' updates read each other (global-norm
+        │                  clipping, a finite check over every gradient)
         ▼
-    StepSplit            tasks F/B/A per stage; compile_task() builds a jitted program
+    StepSplit            tasks F/B/A per stage; task_function() builds each program
 
-Accumulation over microbatches: every batch-dependent value that leaves compute-gradients
-(gradients for apply-gradients, metrics such as the loss for the step's outputs) is summed
-over the ``m`` microbatches inside the F/B programs and divided by ``m`` where it is read:
-the step's value for a loss that is a *mean* over the batch, and its gradient. A step that
-*sums* over the batch needs ``accumulate="sum"``.
+Per microbatch, F and B read their microbatch's slice of the batch and of the whole values
+cut along the batch, and add what leaves them into accumulators, each by its value's rule:
+a partial sum is summed (``sum(loss) / n`` of each microbatch adds up to the mean over the
+batch, in float32 for lower-precision floats), a maximum kept, a per-example value put in
+its place of the whole batch. Apply-gradients reads the results.
 
 The split is a pure function of the traced jaxpr and the assignment, so a Ray actor rebuilds
 the same programs from the step function, the argument shapes and the assignment (plain
@@ -40,30 +42,35 @@ Example:
     >>> def step(w, x):
     ...     loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
     ...     return w - 0.1 * g, loss
-    >>> flat = flatten(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))
+    >>> flat = flatten(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((8, 4))))
     >>> sp = split_step(flat, {}, batch_refs=(1,), num_stages=1, num_microbatches=2)
-    >>> sorted(t.label for t in sp.tasks.values() if t.eqns)   # no assignment: all forward
-    ['F0']
-    >>> [o.source for o in sp.outputs]   # new weights and loss, summed over microbatches
-    ['acc', 'acc']
+    >>> sorted(t.label for t in sp.tasks.values() if t.eqns)
+    ['A0', 'F0']
+    >>> [o.source for o in sp.outputs]   # new weights once per step; the loss summed
+    ['task', 'acc']
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from rhino.errors import RhinoError
+from rhino.hlo_passes.unroll import INDEX_SCOPE
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.interpret import FlatEqn, FlatProgram, Lit, flatten
-from rhino.jaxpr.private import bind, bind_params, eqn_context, eqn_source
-from rhino.vocabulary import Accumulate, Role, TaskKind
+from rhino.jaxpr.microbatch import (MicrobatchLayout, Place, analyze, ancestors,
+                                    prologue_equations)
+from rhino.jaxpr.private import bind, eqn_context
+from rhino.vocabulary import Role
 
 __all__ = ["FlatEqn", "FlatProgram", "Lit", "flatten", "StageSplitError", "StageShardings",
-           "split_step", "task_function", "finish_sum", "assignment_from_ops", "apply_order"]
-
+           "TaskInput", "TaskSpec", "StepOutput", "StepSplit", "Prologue", "split_step",
+           "task_function", "prologue_function", "finish_acc", "assignment_from_ops",
+           "is_apply"]
 
 
 class StageSplitError(RhinoError):
@@ -85,7 +92,15 @@ class StageShardings:
     refs: Mapping[int, Any] = dataclasses.field(default_factory=dict)
 
 
-# ------------------------------------------------------------------------------ the split
+def is_apply(kind: str) -> bool:
+    """An apply-gradients task kind: ``A``, or a later phase of it (``A1``, ``A2``...)."""
+    return kind.startswith("A")
+
+
+def apply_kind(phase: int) -> str:
+    return "A" if phase == 0 else f"A{phase}"
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskInput:
     """Where a task input comes from.
@@ -93,9 +108,10 @@ class TaskInput:
     Attributes:
         ref: the value.
         source: ``arg`` (a state argument), ``batch`` (a batch argument: the task's
-            microbatch slice), ``task`` (an output of task ``producer`` on the same
+            microbatch slice), ``pre`` (a value of the stage's prologue, whole, or a batch
+            argument whole), ``task`` (an output of task ``producer`` on the same
             microbatch, or of an apply task), ``acc`` (a value accumulated over all
-            microbatches by ``producer``, divided by m for ``mean``).
+            microbatches by ``producer``).
         producer: ``(kind, stage)`` of the producing task, for ``task`` and ``acc``.
     """
 
@@ -109,12 +125,13 @@ class TaskSpec:
     """One stage program.
 
     Attributes:
-        kind: ``F``, ``B`` or ``A``; stage: its stage.
+        kind: ``F``, ``B``, ``A`` (or a later apply phase ``A1``...); stage: its stage.
         eqns: indices into ``FlatProgram.eqns`` in program order (own and recomputed free
             equations).
         inputs: its inputs, in the program's argument order.
         outputs: refs it produces that other tasks or the step's results read.
-        accumulate: refs (among its values) summed over microbatches (F and B only).
+        accumulate: refs (among its values) accumulated over microbatches (F and B only),
+            each by its rule (``StepSplit.acc_rules``).
     """
 
     kind: str
@@ -134,9 +151,26 @@ class TaskSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class Prologue:
+    """What a stage computes once per step before its first microbatch: values computed
+    from the batch (and state) that its tasks read whole, at their whole shapes.
+
+    Attributes:
+        eqns: flat equation indices, in program order.
+        inputs: flat arguments it reads (whole).
+        outputs: refs its tasks (or the step's results) read.
+    """
+
+    eqns: tuple[int, ...] = ()
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class StepOutput:
     """Where a flat result of the step comes from: ``lit`` (value), ``arg`` (ref),
-    ``task`` (an apply task's ref), ``acc`` (accumulated ref of producer)."""
+    ``task`` (an apply task's ref), ``acc`` (accumulated ref of producer), ``pre`` (a
+    prologue value of stage ``producer[1]``)."""
 
     source: str
     ref: int | None = None
@@ -149,43 +183,65 @@ class StepSplit:
     """A step cut into stage programs (see the module docstring).
 
     Attributes:
-        flat: the flattened step (microbatch-sized).
-        num_stages, num_microbatches, accumulate: as asked.
+        flat: the flattened step (whole-batch shapes).
+        num_stages, num_microbatches: as asked.
         tasks: ``(kind, stage) -> TaskSpec`` for every kind and stage (possibly empty).
         outputs: per flat result of the step, its source.
         role, stage: per flat equation, its role and stage (-1 for free equations).
         batch_refs: the flat arguments carrying the batch (split along axis 0).
         consumers: ``ref -> {(kind, stage) of tasks reading it}``.
-        rng_shapes: equation path -> the whole batch's shape, for every random equation
-            (``random_bits``, ``random_split``) whose shape follows the batch: its
-            microbatch program draws the whole batch's values and keeps its microbatch's
-            slice, so random masks (dropout) and per-example keys equal the whole-batch
-            step's (``task_function``).
+        layout: every value's microbatch layout (``rhino.jaxpr.microbatch``).
+        prologues: per stage, its ``Prologue``.
+        acc_rules: accumulated ref -> ``(rule, axis)``: ``sum``, ``max``, ``min``, ``mean``
+            (of per-microbatch statistics, ``per_microbatch_statistics``; axis None) or
+            ``concat`` (the axis its microbatches' chunks make up).
+        apply_phases: per stage, its apply task kinds in order (``A``, ``A1``, ...).
     """
 
     flat: FlatProgram
     num_stages: int
     num_microbatches: int
-    accumulate: str
     tasks: Mapping[tuple[str, int], TaskSpec]
     outputs: tuple[StepOutput, ...]
     role: tuple[str, ...]
     stage: tuple[int, ...]
     batch_refs: tuple[int, ...]
     consumers: Mapping[int, frozenset]
-    rng_shapes: Mapping[tuple[int, ...], tuple[int, ...]] = dataclasses.field(
-        default_factory=dict)
+    layout: MicrobatchLayout
+    prologues: Mapping[int, Prologue]
+    acc_rules: Mapping[int, tuple[str, int | None]]
+    apply_phases: Mapping[int, tuple[str, ...]]
 
     def task(self, kind: str, stage: int) -> TaskSpec:
         return self.tasks[(kind, stage)]
 
     def stage_args(self, stage: int) -> tuple[int, ...]:
-        """Flat arguments (state and batch) any task of ``stage`` reads."""
-        return tuple(sorted({i.ref for k in TaskKind for i in self.tasks[(k, stage)].inputs
-                             if i.source in ("arg", "batch")}))
+        """Flat arguments (state and batch) any task or the prologue of ``stage`` reads."""
+        refs = {i.ref for (k, s), t in self.tasks.items() if s == stage for i in t.inputs
+                if i.source in ("arg", "batch") or (i.source == "pre"
+                                                    and i.ref < self.flat.num_args)}
+        refs |= set(self.prologues[stage].inputs)
+        return tuple(sorted(refs))
+
+    def whole_batch_args(self, stage: int) -> frozenset[int]:
+        """Batch arguments ``stage`` reads whole (its prologue, or whole reads)."""
+        whole = set(self.prologues[stage].inputs)
+        whole |= {i.ref for (k, s), t in self.tasks.items() if s == stage for i in t.inputs
+                  if i.source == "pre" and i.ref < self.flat.num_args}
+        return frozenset(whole & set(self.batch_refs))
+
+    def sliced_batch_args(self, stage: int) -> frozenset[int]:
+        """Batch arguments ``stage``'s tasks read microbatch by microbatch."""
+        return frozenset(i.ref for (k, s), t in self.tasks.items() if s == stage
+                         for i in t.inputs if i.source == "batch")
+
+    def microbatch_shape(self, ref: int) -> tuple[int, ...]:
+        """The shape a task sees of ``ref``: its microbatch chunk's where it is split."""
+        return tuple(self.layout.mb_shapes.get(ref, self.flat.avals[ref].shape))
 
     def summary(self) -> dict[str, Any]:
         counts = {t.label: len(t.eqns) for t in self.tasks.values()}
+        counts.update({f"P{s}": len(p.eqns) for s, p in self.prologues.items() if p.eqns})
         return {"num_stages": self.num_stages, "num_microbatches": self.num_microbatches,
                 "eqns": counts}
 
@@ -195,37 +251,33 @@ def _role_rank(role: str) -> int:
 
 
 def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str, int]],
-               batch_refs: Sequence[int], num_stages: int, num_microbatches: int,
-               accumulate: str = "mean",
-               rng_shapes: Mapping[tuple[int, ...], tuple[int, ...]] | None = None
+               batch_refs: Sequence[int], num_stages: int, num_microbatches: int, *,
+               key_refs: Collection[int] = (), per_microbatch_statistics: bool = False
                ) -> StepSplit:
-    """Cut a flattened step into F/B/A programs per stage.
+    """Cut a flattened step into per-stage programs.
 
     Args:
-        flat: ``flatten(jax.make_jaxpr(step)(*microbatch_args))``.
+        flat: ``flatten(...)`` of the step traced at the whole batch.
         assignment: equation path -> ``(role, stage)`` (role ``fwd``/``bwd``/``ag``/``free``);
             equations missing from it get their role and stage from their operands.
-        batch_refs: flat argument refs that carry the batch.
+        batch_refs: flat argument refs that carry the batch (split along their dimension 0).
         num_stages, num_microbatches: ``p`` and ``m``.
-        accumulate: ``mean`` or ``sum`` over microbatches.
-        rng_shapes: equation path -> shape in the whole-batch trace, for ``random_bits``
-            equations (see ``StepSplit.rng_shapes``).
+        key_refs: flat arguments that are PRNG keys (neither batch nor training state).
+        per_microbatch_statistics: statistics of the whole batch that the gradients need
+            are each microbatch's own (``microbatch.analyze``) instead of refused.
 
     Returns:
-        The ``StepSplit``.
+        The ``StepSplit``; its ``layout.couplings`` lists what needs the whole batch at once
+        (the caller refuses the step: ``hlo_passes.lower``).
 
     Raises:
-        StageSplitError: bad sizes, an assignment naming a stage out of range, apply
-            tasks that depend on each other in a cycle, or an integer value to average.
+        StageSplitError: bad sizes, an assignment naming a stage out of range, or a value
+            no program can be made of (named).
     """
-    if num_stages < 1 or num_microbatches < 1:
+    m = int(num_microbatches)
+    if num_stages < 1 or m < 1:
         raise StageSplitError(f"expected num_stages >= 1 and num_microbatches >= 1, found "
                               f"{num_stages} and {num_microbatches}")
-    try:
-        accumulate = Accumulate(accumulate)
-    except ValueError:
-        raise StageSplitError(f"accumulate: expected one of {[a.value for a in Accumulate]}, "
-                              f"found {accumulate!r}") from None
     bad = [b for b in batch_refs if not 0 <= b < flat.num_args]
     if bad or not batch_refs:
         raise StageSplitError(f"batch arguments: expected flat argument indices in "
@@ -235,9 +287,187 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
             raise StageSplitError(f"assignment of equation {path}: expected a role in "
                                   f"free/fwd/bwd/ag and a stage in [-1, {num_stages}), found "
                                   f"({role!r}, {stage})")
+    for r in batch_refs:
+        shape = tuple(flat.avals[r].shape)
+        if not shape or shape[0] % m:
+            raise StageSplitError(f"batch argument #{r}: expected a leading dimension "
+                                  f"divisible by num_microbatches={m}, found shape {shape}")
     n = len(flat.eqns)
-    dep: dict[int, bool] = {r: (r in set(batch_refs)) for r in range(flat.num_args)}
-    prod: dict[int, int] = {}  # ref -> producing flat eqn
+    batch = set(batch_refs)
+    role, stage, prod = _roles(flat, assignment, batch, num_stages)
+    _sink_cross_stage_sums(flat, role, stage, prod)
+
+    # What compute-gradients hands to apply-gradients (the gradients) must be made per
+    # microbatch: a whole-batch value among what it depends on is a coupling.
+    cg = {i for i in range(n) if role[i] in (Role.FORWARD, Role.BACKWARD)}
+    post = {i for i in range(n) if role[i] == Role.APPLY}
+    handed = {x for i in post for x in flat.eqns[i].ins
+              if isinstance(x, int) and x in prod and prod[x] in cg}
+    feeds = ancestors(flat, handed) & cg
+    state = [r for r in range(flat.num_args) if r not in batch and r not in set(key_refs)]
+    layout = analyze(flat, sorted(batch), m, state_refs=state, post=post,
+                     feeds_gradient=feeds, per_microbatch=cg,
+                     per_microbatch_statistics=per_microbatch_statistics,
+                     batch_free_scope=INDEX_SCOPE)
+    for i in range(n):
+        where = layout.place[i]
+        if where is Place.POST:
+            if role[i] != Role.APPLY:
+                role[i] = Role.APPLY
+                stage[i] = max(stage[i], 0)
+        elif where in (Place.FREE, Place.PROLOGUE):
+            role[i] = Role.FREE
+            stage[i] = -1
+    pre = {i for i in range(n) if layout.place[i] is Place.PROLOGUE}
+    phase = _apply_phases(flat, role, stage, prod)
+
+    def key_of(i: int) -> tuple[str, int]:
+        r = role[i]
+        return (apply_kind(phase[i]), stage[i]) if r == Role.APPLY else (r.task, stage[i])
+
+    task_eqns: dict[tuple[str, int], list[int]] = {}
+    for s in range(num_stages):
+        for k in ("F", "B", "A"):
+            task_eqns[(k, s)] = []
+    for i in range(n):
+        if role[i] != Role.FREE:
+            task_eqns.setdefault(key_of(i), []).append(i)
+    owner: dict[int, tuple[str, int]] = {}
+    for key, idx in task_eqns.items():
+        for i in idx:
+            for r in flat.eqns[i].outs:
+                if r is not None:
+                    owner[r] = key
+
+    def free(x: Any) -> bool:
+        return isinstance(x, int) and x in prod and role[prod[x]] == Role.FREE and \
+            prod[x] not in pre
+
+    def free_closure(refs: list) -> set[int]:
+        seen: set[int] = set()
+        stack = [prod[r] for r in refs if free(r)]
+        while stack:
+            e = stack.pop()
+            if e in seen:
+                continue
+            seen.add(e)
+            stack.extend(prod[x] for x in flat.eqns[e].ins if free(x))
+        return seen
+
+    # The step's results: where each comes from.
+    outputs: list[StepOutput] = []
+    out_free: list[int] = []
+    pre_out: set[int] = set()
+    acc_refs: dict[tuple[str, int], set[int]] = {k: set() for k in task_eqns}
+    for x in flat.outs:
+        if isinstance(x, Lit):
+            outputs.append(StepOutput("lit", value=x.value))
+        elif x in flat.consts:
+            outputs.append(StepOutput("lit", value=flat.consts[x]))
+        elif x < flat.num_args:
+            outputs.append(StepOutput("arg", x))
+        elif prod[x] in pre:
+            outputs.append(StepOutput("pre", x, ("P", 0)))
+            pre_out.add(x)
+        elif free(x):
+            out_free.append(x)
+            outputs.append(StepOutput("task", x, ("A", 0)))
+        elif not is_apply(owner[x][0]):
+            outputs.append(StepOutput("acc", x, owner[x]))
+            acc_refs[owner[x]].add(x)
+        else:
+            outputs.append(StepOutput("task", x, owner[x]))
+    all_eqns = {k: sorted(set(idx) | free_closure(
+        [x for i in idx for x in flat.eqns[i].ins])) for k, idx in task_eqns.items()}
+    all_eqns[("A", 0)] = sorted(set(all_eqns[("A", 0)]) | free_closure(out_free))
+
+    consumers: dict[int, set] = {}
+    inputs_of: dict[tuple[str, int], list[TaskInput]] = {}
+    pre_refs: dict[int, set[int]] = {s: set() for s in range(num_stages)}
+    pre_refs[0] |= pre_out
+    for key, idx in all_eqns.items():
+        kind, s = key
+        made = {r for i in idx for r in flat.eqns[i].outs if r is not None}
+        ins: list[TaskInput] = []
+        seen: set[tuple[int, str]] = set()
+
+        def add(x: int, source: str, producer=None) -> None:
+            if (x, source) not in seen:
+                seen.add((x, source))
+                ins.append(TaskInput(x, source, producer))
+
+        for i in idx:
+            for j, x in enumerate(flat.eqns[i].ins):
+                if not isinstance(x, int) or x in flat.consts:
+                    continue
+                use = layout.use(i, j)
+                whole_read = use is not None and use.kind == "whole"
+                if x < flat.num_args:
+                    if x not in batch:
+                        add(x, "arg")
+                    elif layout.place[i] is Place.MICRO and not whole_read:
+                        add(x, "batch")
+                    else:
+                        add(x, "pre")         # the whole batch argument
+                    continue
+                if whole_read or prod[x] in pre:
+                    if x not in made or whole_read:
+                        add(x, "pre")
+                        pre_refs[s].add(x)
+                    continue
+                if x in made:
+                    continue
+                src = owner[x]
+                _check_direction(key, src, flat.eqns[i].path)
+                if is_apply(kind) and not is_apply(src[0]):
+                    add(x, "acc", src)
+                    acc_refs[src].add(x)
+                else:
+                    add(x, "task", src)
+                consumers.setdefault(x, set()).add(key)
+        inputs_of[key] = ins
+    acc_rules = {r: _acc_rule(layout, r) for refs in acc_refs.values() for r in refs}
+    tasks: dict[tuple[str, int], TaskSpec] = {}
+    for key, idx in all_eqns.items():
+        made = {r for i in idx for r in flat.eqns[i].outs if r is not None}
+        outs = sorted(r for r in made if (consumers.get(r, set()) - {key})
+                      or any(o.ref == r and o.source == "task" for o in outputs))
+        tasks[key] = TaskSpec(key[0], key[1], tuple(idx), tuple(inputs_of[key]), tuple(outs),
+                              tuple(sorted(acc_refs.get(key, ()))))
+    prologues = {}
+    for s in range(num_stages):
+        eqns = prologue_equations(flat, layout, pre_refs[s])
+        args = sorted({x for i in eqns for x in flat.eqns[i].ins
+                       if isinstance(x, int) and x < flat.num_args}
+                      | {x for x in pre_refs[s] if x < flat.num_args})
+        prologues[s] = Prologue(tuple(eqns), tuple(args), tuple(sorted(pre_refs[s])))
+    phases = {s: tuple(sorted({k for (k, t) in tasks if t == s and is_apply(k)},
+                              key=lambda k: int(k[1:] or 0))) for s in range(num_stages)}
+    return StepSplit(flat, num_stages, m, tasks, tuple(outputs), tuple(role), tuple(stage),
+                     tuple(sorted(batch)), {r: frozenset(c) for r, c in consumers.items()},
+                     layout, prologues, acc_rules, phases)
+
+
+def _acc_rule(layout: MicrobatchLayout, ref: int) -> tuple[str, int | None]:
+    lay = layout.layout[ref]
+    if lay.kind == "partial":
+        return (lay.op, None)
+    if lay.kind == "split":
+        return ("concat", lay.axis)
+    if lay.kind == "local":
+        return ("mean", None)       # each microbatch's own (per_microbatch_statistics)
+    raise StageSplitError(f"value #{ref} ({lay}) leaves a per-microbatch task: expected a "
+                          f"partial, split or per-microbatch value")
+
+
+def _roles(flat: FlatProgram, assignment: Mapping, batch: set[int], num_stages: int
+           ) -> tuple[list, list, dict[int, int]]:
+    """Per equation its role and stage: given by ``assignment`` or derived from its
+    operands (forward < backward < apply; forward data flows to later stages, backward
+    data to earlier ones); batch-independent equations are free."""
+    n = len(flat.eqns)
+    dep: dict[int, bool] = {r: (r in batch) for r in range(flat.num_args)}
+    prod: dict[int, int] = {}
     role = [Role.FREE] * n
     stage = [-1] * n
     for i, fe in enumerate(flat.eqns):
@@ -251,7 +481,6 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
             continue
         given = assignment.get(fe.path)
         in_roles = [role[prod[r]] for r in refs if r in prod and role[prod[r]] != Role.FREE]
-        # The role: at least what the operands force (forward < backward < apply).
         ranks = [_role_rank(x) for x in in_roles]
         want = given[0] if given is not None and given[0] != Role.FREE else Role.FORWARD
         r_i = max([_role_rank(want)] + ranks)
@@ -269,150 +498,26 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
         elif s is None:
             s = any_in[0] if any_in else 0
         stage[i] = s
-
-    _sink_cross_stage_sums(flat, role, stage, prod)
-
-    # Values each equation reads, and the free equations each task recomputes.
-    task_eqns: dict[tuple[str, int], list[int]] = {(k, s): [] for k in TaskKind
-                                                   for s in range(num_stages)}
-    for i in range(n):
-        if role[i] != Role.FREE:
-            task_eqns[(role[i].task, stage[i])].append(i)
-    free_needed: dict[tuple[str, int], set[int]] = {k: set() for k in task_eqns}
-
-    def need_free(key, refs):
-        stack = [r for r in refs if r in prod and role[prod[r]] == Role.FREE]
-        seen = free_needed[key]
-        while stack:
-            e = prod[stack.pop()]
-            if e in seen:
-                continue
-            seen.add(e)
-            stack.extend(x for x in flat.eqns[e].ins if isinstance(x, int) and x in prod
-                         and role[prod[x]] == Role.FREE)
-
-    for key, idx in task_eqns.items():
-        need_free(key, [x for i in idx for x in flat.eqns[i].ins if isinstance(x, int)])
-    # Free values among the step's results are computed by A0.
-    out_free = [x for x in flat.outs if isinstance(x, int) and x in prod
-                and role[prod[x]] == Role.FREE]
-    need_free(("A", 0), out_free)
-
-    owner: dict[int, tuple[str, int]] = {}
-    for key, idx in task_eqns.items():
-        for i in idx:
-            for r in flat.eqns[i].outs:
-                if r is not None:
-                    owner[r] = key
-
-    consumers: dict[int, set] = {}
-    acc_refs: dict[tuple[str, int], set[int]] = {k: set() for k in task_eqns}
-    tasks: dict[tuple[str, int], TaskSpec] = {}
-    all_eqns = {k: sorted(set(task_eqns[k]) | free_needed[k]) for k in task_eqns}
-    batch = set(batch_refs)
-    a_deps: dict[int, set[int]] = {s: set() for s in range(num_stages)}
-    inputs_of: dict[tuple[str, int], list[TaskInput]] = {}
-    for key, idx in all_eqns.items():
-        kind, s = key
-        made = {r for i in idx for r in flat.eqns[i].outs if r is not None}
-        ins: list[TaskInput] = []
-        seen: set[int] = set()
-        for i in idx:
-            for x in flat.eqns[i].ins:
-                if not isinstance(x, int) or x in made or x in seen:
-                    continue
-                seen.add(x)
-                if x in flat.consts:
-                    continue  # the program holds it
-                if x < flat.num_args:
-                    ins.append(TaskInput(x, "batch" if x in batch else "arg"))
-                else:
-                    src = owner[x]
-                    _check_direction(key, src, flat.eqns[i].path)
-                    if kind == "A" and src[0] != "A":
-                        ins.append(TaskInput(x, "acc", src))
-                        acc_refs[src].add(x)
-                    else:
-                        ins.append(TaskInput(x, "task", src))
-                        if kind == "A" and src[1] != s:
-                            a_deps[s].add(src[1])
-                    consumers.setdefault(x, set()).add(key)
-        inputs_of[key] = ins
-    outputs: list[StepOutput] = []
-    for x in flat.outs:
-        if isinstance(x, Lit):
-            outputs.append(StepOutput("lit", value=x.value))
-        elif x in flat.consts:
-            outputs.append(StepOutput("lit", value=flat.consts[x]))
-        elif x < flat.num_args:
-            outputs.append(StepOutput("arg", x))
-        elif x in owner and owner[x][0] != "A":
-            outputs.append(StepOutput("acc", x, owner[x]))
-            acc_refs[owner[x]].add(x)
-        else:
-            outputs.append(StepOutput("task", x, owner.get(x, ("A", 0))))
-    for key, refs in acc_refs.items():
-        for r in refs:
-            dt = flat.avals[r].dtype
-            if accumulate == "mean" and not jax.numpy.issubdtype(dt, jax.numpy.inexact):
-                raise StageSplitError(
-                    f"value #{r} ({dt}) is accumulated over microbatches by {key[0]}{key[1]}: "
-                    f"expected a floating-point value to average, found {dt}; use "
-                    f"accumulate='sum' or compute it outside the gradient")
-    _check_acyclic(a_deps)
-    for key, idx in all_eqns.items():
-        made = {r for i in idx for r in flat.eqns[i].outs if r is not None}
-        outs = sorted(r for r in made if (consumers.get(r, set()) - {key})
-                      or any(o.ref == r and o.source == "task" for o in outputs))
-        tasks[key] = TaskSpec(key[0], key[1], tuple(idx), tuple(inputs_of[key]), tuple(outs),
-                              tuple(sorted(acc_refs[key])))
-    return StepSplit(flat, num_stages, num_microbatches, accumulate, tasks, tuple(outputs),
-                     tuple(role), tuple(stage), tuple(sorted(batch)),
-                     {r: frozenset(c) for r, c in consumers.items()},
-                     _batch_rng(flat, role, rng_shapes or {}, num_microbatches))
+    return role, stage, prod
 
 
-RNG_SHAPED = prims.RNG_SHAPED
-
-
-def _batch_rng(flat: FlatProgram, role: Sequence[Role],
-               whole: Mapping[tuple[int, ...], tuple[int, ...]], m: int
-               ) -> dict[tuple[int, ...], tuple[int, ...]]:
-    """The random equations (``RNG_SHAPED``: bits, and key splits such as one key per
-    example) whose shape follows the batch (``StepSplit.rng_shapes``).
-
-    Raises:
-        StageSplitError: such an equation whose shape differs from the whole batch's other
-            than by ``m`` in its leading dimension, or that is not per microbatch.
-    """
-    out = {}
+def _apply_phases(flat: FlatProgram, role: Sequence, stage: Sequence,
+                  prod: Mapping[int, int]) -> dict[int, int]:
+    """Per apply equation its phase: apply-gradients of a stage that reads apply values of
+    another stage runs after them, in a later phase (global-norm clipping: every stage's
+    sum of squares, then the norm, then every stage's update). Phases never wait on each
+    other in a cycle: a value crosses stages only into a later phase."""
+    phase: dict[int, int] = {}
     for i, fe in enumerate(flat.eqns):
-        if prims.rng_shape(fe.eqn) is None or fe.path not in whole:
+        if role[i] != Role.APPLY:
             continue
-        mine, full = prims.rng_shape(fe.eqn), tuple(whole[fe.path])
-        if mine == full:
-            continue
-        where = _source(fe.eqn)
-        if not (mine and len(mine) == len(full) and full[0] == m * mine[0]
-                and mine[1:] == full[1:]):
-            raise StageSplitError(
-                f"random values of shape {full} at {where}: expected the batch as the leading "
-                f"dimension ({m} microbatches of {full[0] // m if full else '?'}), found "
-                f"{mine} per microbatch; a pipelined step draws each microbatch's slice of "
-                f"the whole batch's bits, which needs the batch dimension first")
-        if role[i] is Role.APPLY:
-            raise StageSplitError(f"random values of shape {full} at {where}: expected them "
-                                  f"per microbatch (forward or backward), found them in "
-                                  f"apply-gradients")
-        out[fe.path] = full
-    return out
-
-
-def _source(eqn: Any) -> str:
-    """``file:line`` of the user code that made ``eqn`` (or its primitive's name)."""
-    return eqn_source(eqn) or eqn.primitive.name
-
-
+        ph = 0
+        for x in fe.ins:
+            j = prod.get(x) if isinstance(x, int) else None
+            if j is not None and role[j] == Role.APPLY:
+                ph = max(ph, phase[j] + (stage[j] != stage[i]))
+        phase[i] = ph
+    return phase
 
 
 def _sink_cross_stage_sums(flat: FlatProgram, role: list, stage: list,
@@ -442,9 +547,8 @@ def _sink_cross_stage_sums(flat: FlatProgram, role: list, stage: list,
 
     def linear(i: int, moving: set[int]) -> bool:
         fe = flat.eqns[i]
-        name = fe.eqn.primitive.name
-        if name in prims.SUMS or name in prims.LINEAR_UNARY or (
-                name == prims.INTEGER_POW and fe.eqn.params.get("y") == 1):
+        name = prims.name(fe.eqn)
+        if name in prims.SUMS or name in prims.LINEAR_UNARY or prims.is_identity_pow(fe.eqn):
             return all(gradient(x, moving) for x in fe.ins)
         if name in (prims.MUL, prims.DIV):   # scaling by a literal
             a, b = fe.ins
@@ -453,7 +557,7 @@ def _sink_cross_stage_sums(flat: FlatProgram, role: list, stage: list,
         return False
 
     for i, fe in enumerate(flat.eqns):
-        if role[i] != Role.BACKWARD or fe.eqn.primitive.name not in prims.ADDS:
+        if role[i] != Role.BACKWARD or prims.name(fe.eqn) not in prims.ADDS:
             continue
         s = stage[i]
         if not any(isinstance(x, int) and x in prod and role[prod[x]] == Role.BACKWARD
@@ -481,97 +585,132 @@ def _sink_cross_stage_sums(flat: FlatProgram, role: list, stage: list,
 
 
 def _check_direction(dst: tuple[str, int], src: tuple[str, int], path) -> None:
-    """Forward data flows to later (or the same) stages, backward data to earlier ones."""
+    """Forward data flows to later (or the same) stages, backward data to earlier ones;
+    apply-gradients reads anything, and nothing per microbatch reads it."""
     (dk, ds), (sk, ss) = dst, src
-    ok = {("F", "F"): ss <= ds, ("B", "F"): True, ("B", "B"): ss >= ds,
-          ("A", "F"): True, ("A", "B"): True, ("A", "A"): True}.get((dk, sk), False)
+    if is_apply(dk):
+        return
+    ok = {("F", "F"): ss <= ds, ("B", "F"): True, ("B", "B"): ss >= ds}.get((dk, sk), False)
     if not ok:
         raise StageSplitError(f"equation {path} on task {dk}{ds} reads a value of task "
                               f"{sk}{ss}: no schedule runs that dependency (forward values "
                               f"flow to later stages, gradients to earlier ones)")
 
 
-def _check_acyclic(deps: Mapping[int, set[int]]) -> None:
-    state: dict[int, int] = {}
-
-    def visit(s, chain):
-        if state.get(s) == 1:
-            raise StageSplitError(f"apply-gradients tasks depend on each other in a cycle "
-                                  f"(stages {chain + [s]}): e.g. global-norm clipping over "
-                                  f"weights of several stages is not supported")
-        if state.get(s) == 2:
-            return
-        state[s] = 1
-        for t in deps.get(s, ()):
-            visit(t, chain + [s])
-        state[s] = 2
-
-    for s in deps:
-        visit(s, [])
-
-
-def apply_order(split: StepSplit) -> list[int]:
-    """Stages in an order in which their apply tasks can run (dependencies first)."""
-    deps = {s: {i.producer[1] for i in split.task("A", s).inputs
-                if i.source == "task" and i.producer[0] == "A" and i.producer[1] != s}
-            for s in range(split.num_stages)}
-    order: list[int] = []
-    done: set[int] = set()
-    while len(order) < split.num_stages:
-        for s in sorted(deps, reverse=True):
-            if s not in done and deps[s] <= done:
-                order.append(s)
-                done.add(s)
-                break
-    return order
-
-
 # ------------------------------------------------------------------------------ programs
+def _chunk(x: Any, axis: int, mb: Any, m: int) -> Any:
+    size = x.shape[axis] // m
+    return jax.lax.dynamic_slice_in_dim(x, mb * size, size, axis=axis)
+
+
+def _read(split: StepSplit, i: int, j: int, x: Any, env: Mapping, whole: Mapping, mb: Any
+          ) -> Any:
+    """Operand ``j`` of equation ``i`` as the equation reads it (``microbatch.Use``)."""
+    if isinstance(x, Lit):
+        return x.value
+    use = split.layout.use(i, j)
+    if use is None:
+        return env[x] if x in env else whole[x]
+    m = split.num_microbatches
+    if use.kind == "slice":
+        local = split.layout.layout[x].kind == "local"
+        base = env[x] if local or x not in whole else whole[x]
+        return _chunk(base, use.axis, mb, m)
+    if use.kind == "local":
+        v = env[x]
+        if split.layout.layout[x].op == "sum":
+            v = v * np.asarray(m, dtype=jax.numpy.result_type(v))
+        return v if use.axis is None else _chunk(v, use.axis, mb, m)
+    return whole[x] if x in whole else env[x]        # whole / total / concat
+
+
+def _bind_checked(split: StepSplit, i: int, vals: list) -> list:
+    """Equation ``i`` bound (per microbatch with its rewritten parameters), its
+    per-microbatch results checked against their microbatch shapes."""
+    fe = split.flat.eqns[i]
+    lay = split.layout
+    params = lay.params.get(i)
+    with eqn_context(fe.eqn):
+        outs = bind(fe.eqn, vals, params)
+    if lay.place[i] is Place.MICRO:
+        for r, v in zip(fe.outs, outs):
+            want = lay.mb_shapes.get(r) if r is not None else None
+            if want is not None and tuple(v.shape) != tuple(want):
+                raise StageSplitError(
+                    f"{prims.name(fe.eqn)} at {split.flat.source(fe) or 'an unknown line'}: "
+                    f"expected a result of microbatch shape {tuple(want)}, found "
+                    f"{tuple(v.shape)}")
+    return outs
+
+
 def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
                   constrain: Callable[[tuple[int, ...], int, Any], Any] | None = None
                   ) -> Callable:
     """The Python function of a stage program (to ``jax.jit``).
 
     Signature: ``fn(inputs, accs, mb) -> (outputs, new_accs)``; ``inputs`` in
-    ``task.inputs`` order (``acc`` inputs are the raw sums over microbatches: the program
-    divides them by m for ``mean`` and returns them to their own dtype), ``accs`` in
-    ``task.accumulate`` order (ignored unless ``with_acc``), ``mb`` the microbatch index (an
-    int32 scalar; 0 for apply tasks), ``outputs`` in ``task.outputs`` order, ``new_accs`` =
-    ``accs + value`` (or the value on the first microbatch), summed in float32 for
-    lower-precision floats. ``constrain(path, k, x)`` may apply sharding constraints to
-    results. A ``random_bits`` equation of ``split.rng_shapes`` draws the whole batch's bits
-    and keeps microbatch ``mb``'s slice.
+    ``task.inputs`` order (``acc`` inputs as accumulated: the program finishes them,
+    ``finish_acc``), ``accs`` in ``task.accumulate`` order (ignored unless ``with_acc``),
+    ``mb`` the microbatch index (an int32 scalar; 0 for apply tasks), ``outputs`` in
+    ``task.outputs`` order, ``new_accs`` the accumulators with this microbatch's values
+    added by their rules (``split.acc_rules``; started from this microbatch's without
+    ``with_acc``). Per-microbatch equations read whole values' chunks of microbatch ``mb``
+    and are bound at microbatch shapes. ``constrain(path, k, x)`` may apply sharding
+    constraints to results.
     """
     flat = split.flat
-    eqns = [flat.eqns[i] for i in task.eqns]
-    consts = {x: flat.consts[x] for fe in eqns for x in fe.ins
+    idx = list(task.eqns)
+    consts = {x: flat.consts[x] for i in idx for x in flat.eqns[i].ins
               if isinstance(x, int) and x in flat.consts}
+    m = split.num_microbatches
 
     def fn(inputs, accs, mb):
         env: dict[int, Any] = dict(consts)
+        whole: dict[int, Any] = {}
         for spec, x in zip(task.inputs, inputs):
-            # An accumulated sum becomes the step's value here, inside the program.
-            env[spec.ref] = finish_sum(split, spec.ref, x) if spec.source == "acc" else x
-        for fe in eqns:
-            invals = [x.value if isinstance(x, Lit) else env[x] for x in fe.ins]
-            params = bind_params(fe.eqn)
-            full = split.rng_shapes.get(fe.path)
-            if full is not None:
-                params = dict(params, shape=tuple(full))
-            with eqn_context(fe.eqn):
-                outs = bind(fe.eqn, invals, params)
-            if full is not None:
-                size = full[0] // split.num_microbatches
-                outs = [jax.lax.dynamic_slice_in_dim(outs[0], mb * size, size, axis=0)]
+            if spec.source == "pre":
+                whole[spec.ref] = x
+            elif spec.source == "acc":
+                env[spec.ref] = finish_acc(split, spec.ref, x)
+            else:
+                env[spec.ref] = x
+        for i in idx:
+            fe = flat.eqns[i]
+            vals = [_read(split, i, j, x, env, whole, mb) for j, x in enumerate(fe.ins)]
+            outs = _bind_checked(split, i, vals)
             for k, (r, x) in enumerate(zip(fe.outs, outs)):
                 if r is not None:
                     env[r] = constrain(fe.path, k, x) if constrain is not None else x
         outs = [env[r] for r in task.outputs]
-        if with_acc:
-            new = [a + _wide(env[r]) for r, a in zip(task.accumulate, accs)]
-        else:
-            new = [_wide(env[r]) for r in task.accumulate]
+        new = [_accumulate(split, r, a if with_acc else None, env[r], mb, m)
+               for r, a in zip(task.accumulate, accs if with_acc else
+                               [None] * len(task.accumulate))]
         return outs, new
+
+    return fn
+
+
+def prologue_function(split: StepSplit, stage: int,
+                      constrain: Callable[[tuple[int, ...], int, Any], Any] | None = None
+                      ) -> Callable:
+    """``fn(args) -> outputs``: ``stage``'s prologue (``args`` in ``Prologue.inputs``
+    order, whole; ``outputs`` in ``Prologue.outputs`` order), every equation bound at its
+    whole shapes."""
+    flat = split.flat
+    pro = split.prologues[stage]
+
+    def fn(args):
+        env: dict[int, Any] = dict(zip(pro.inputs, args))
+        for i in pro.eqns:
+            fe = flat.eqns[i]
+            vals = [x.value if isinstance(x, Lit) else
+                    flat.consts[x] if x in flat.consts else env[x] for x in fe.ins]
+            with eqn_context(fe.eqn):
+                outs = bind(fe.eqn, vals)
+            for k, (r, x) in enumerate(zip(fe.outs, outs)):
+                if r is not None:
+                    env[r] = constrain(fe.path, k, x) if constrain is not None else x
+        return [env[r] for r in pro.outputs]
 
     return fn
 
@@ -584,12 +723,32 @@ def _wide(x: Any) -> Any:
     return x
 
 
-def finish_sum(split: StepSplit, ref: int, x: Any) -> Any:
-    """An accumulated sum of value ``ref`` as the step's value: divided by m for ``mean``,
-    in the accumulator's precision, then returned to the value's own dtype."""
-    if split.accumulate == "mean" and split.num_microbatches > 1:
-        x = x * jax.numpy.asarray(1.0 / split.num_microbatches, dtype=x.dtype)
-    return x.astype(split.flat.avals[ref].dtype)
+def _accumulate(split: StepSplit, ref: int, acc: Any, x: Any, mb: Any, m: int) -> Any:
+    """``acc`` with microbatch ``mb``'s value ``x`` added by ``ref``'s rule (``acc`` None:
+    the first microbatch's accumulator)."""
+    rule, axis = split.acc_rules[ref]
+    jnp = jax.numpy
+    if rule == "concat":
+        if acc is None:
+            acc = jnp.zeros(split.flat.avals[ref].shape, x.dtype)
+        start = [0] * x.ndim
+        start[axis] = mb * x.shape[axis]
+        return jax.lax.dynamic_update_slice(acc, x, start)
+    if rule in ("sum", "mean"):
+        return _wide(x) if acc is None else acc + _wide(x)
+    if acc is None:
+        return x
+    return jnp.maximum(acc, x) if rule == "max" else jnp.minimum(acc, x)
+
+
+def finish_acc(split: StepSplit, ref: int, x: Any) -> Any:
+    """An accumulator as the step's value (a sum returned to the value's own dtype)."""
+    rule, _ = split.acc_rules[ref]
+    if rule == "mean":
+        x = x * np.asarray(1.0 / split.num_microbatches, dtype=jax.numpy.result_type(x))
+    if rule in ("sum", "mean"):
+        return x.astype(split.flat.avals[ref].dtype)
+    return x
 
 
 # ------------------------------------------------------------------------------ assignment

@@ -12,7 +12,10 @@ when the iteration starts: ``_index_after``) and rebuilt by stacking::
                               ys = stack(y_0 .. y_{L-1})
 
 It computes what the scan computes (the same equations, in the same order per iteration);
-XLA folds the slices of a stack back into its pieces. Every equation keeps its source line
+XLA folds the slices of a stack back into its pieces. A ``cond`` whose branches are cheap
+and pure (``primitives.light_cond``: an update applied or skipped) is written as every
+branch and a select, which computes the same: its values are then planned (and cut into
+microbatches) like the rest instead of staying inside an opaque conditional. Every equation keeps its source line
 and name stack (``rhino.jaxpr.private.eqn_context``), so gradient ops still look like gradient ops
 and errors name the user's line. Longer scans (a loop over time steps, say) stay loops.
 ``trace`` is the one way rhino traces a step: the planned program, the microbatch programs
@@ -38,7 +41,8 @@ INDEX_SCOPE = "rhino_scan_index"
 
 
 def trace(fn: Callable, *args: Any, return_shape: bool = False) -> Any:
-    """``jax.make_jaxpr(fn)(*args)`` with its scans unrolled (see the module docstring)."""
+    """``jax.make_jaxpr(fn)(*args)`` with its scans unrolled and its cheap conditionals
+    written as both branches and a select (see the module docstring)."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     if _has_scan(closed.jaxpr):
         leaves = jax.tree_util.tree_leaves(args)
@@ -52,7 +56,7 @@ def unrolled_function(fn: Callable, *args: Any) -> Callable | None:
     lowering it whole, e.g. ``rhino.ingest``); None when ``fn`` has no scan to unroll."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     if not _has_scan(closed.jaxpr):
-        return None
+        return None     # nothing to write out
     unrolled = trace(fn, *args)
     out_tree = jax.tree_util.tree_structure(shape)
 
@@ -70,7 +74,9 @@ def _unrollable(eqn: Any) -> bool:
 
 
 def _has_scan(jaxpr: Any) -> bool:
-    return any_equation(jaxpr, _unrollable)
+    """Whether ``jaxpr`` has something to write out: a scan to unroll, or a cheap ``cond``
+    (``primitives.light_cond``) to evaluate as a select."""
+    return any_equation(jaxpr, lambda e: _unrollable(e) or prims.light_cond(e))
 
 
 class _Stack:
@@ -100,8 +106,11 @@ def eval_unrolled(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> lis
 
 
 class _Unroller(Interpreter):
-    """Scans written out; every other equation bound as it is (a call or checkpoint whose
-    body holds no scan too). ``sliced``: ids of the stacked arrays an unrolled scan read."""
+    """Scans written out, cheap conditionals as both branches and a select; every other
+    equation bound as it is (a call or checkpoint whose body holds neither too).
+    ``sliced``: ids of the stacked arrays an unrolled scan read."""
+
+    select_light_conds = True
 
     def __init__(self):
         self.sliced: set[int] = set()

@@ -49,10 +49,9 @@ from rhino.cluster import Cluster
 from rhino.errors import OptionsError, RhinoError
 from rhino.hlo_passes import HloGraph, ingest
 from rhino.hlo_passes.annotate import ScopedFunction
-from rhino.hlo_passes.lower import (TraceMismatch, compile_spmd, lower_spmd, lower_stages,
+from rhino.hlo_passes.lower import (compile_spmd, lower_spmd, lower_stages,
                                     microbatch_divisors)
 from rhino.pipeline.api import make_cluster
-from rhino.pipeline.at_microbatch import lower_at_microbatch
 from rhino.pipeline.coarsen import classify_ops
 from rhino.pipeline.gradient import BoundaryOptions, find_gradient_boundary
 from rhino.pipeline.search import PipelineOptions, plan_pipeline_graph
@@ -69,7 +68,7 @@ from rhino.progress import Progress
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
 from rhino.runtime.runs import DirectRun, StagedRun
-from rhino.vocabulary import Accumulate, ExecutorKind, ScheduleKind, TransportKind
+from rhino.vocabulary import ExecutorKind, ScheduleKind, TransportKind
 
 REPORT_ENV = "RHINO_REPORT"
 DEFAULT_MICROBATCHES = 4
@@ -120,7 +119,7 @@ class StepOptions:
     schedule: ScheduleKind | None = None
     executor: ExecutorKind = ExecutorKind.LOCAL
     stages: int | Mapping[str, int] | None = None
-    accumulate: Accumulate = Accumulate.MEAN
+    accumulate: Any = None
     batch_args: tuple[str, ...] | None = None
     timeout: float = DEFAULT_TIMEOUT_S
     transport: TransportKind | None = None
@@ -147,7 +146,12 @@ class StepOptions:
         if self.schedule is not None:
             put("schedule", ScheduleKind.parse(self.schedule, "schedule"))
         put("executor", ExecutorKind.parse(self.executor, "executor"))
-        put("accumulate", Accumulate.parse(self.accumulate, "accumulate"))
+        if self.accumulate is not None:
+            raise OptionsError(
+                f"accumulate: expected no value, found {self.accumulate!r}: a pipelined step "
+                f"computes what the step computes on the whole batch (a sum over the batch "
+                f"is summed, a mean is the mean, each value by its own rule), so there is "
+                f"nothing to choose; remove the option")
         if self.transport is None:
             put("transport", TransportKind.OBJECT_STORE if self.executor is ExecutorKind.RAY
                 else TransportKind.DEVICE_PUT)
@@ -551,11 +555,10 @@ class _Builder:
         divisors = None
         if count != 1:
             boundary = find_gradient_boundary(self.graph, BoundaryOptions(o.batch_args))
-            try:
-                divisors = microbatch_divisors(self.fn, self.traced, self.graph,
-                                               self.abstract, boundary.batch_params, m)
-            except TraceMismatch:
-                divisors = None     # the stage plans are re-made at microbatch shapes
+            divisors = microbatch_divisors(self.traced, self.graph, self.abstract,
+                                           boundary.batch_params, m,
+                                           classify_ops(self.graph, boundary).role,
+                                           o.per_microbatch_statistics)
         opts = self._pipeline_options(m, count, given, kinds)
         opts = dataclasses.replace(opts, microbatch_divisors=divisors)
         return plan_pipeline_graph(self.graph, self._cluster(), opts, self.progress)
@@ -597,24 +600,14 @@ class _Builder:
         self.progress("splitting the step into stage programs")
         boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
         roles = classify_ops(graph, boundary).role
-        try:
-            lowering = lower_stages(self.fn, self.traced, graph, plan, self.abstract, roles,
-                                    boundary.batch_params, o.accumulate,
-                                    o.per_microbatch_statistics)
-            replanned = None
-        except TraceMismatch as e:
-            self.progress(f"re-planning the stages at microbatch shapes ({e})")
-            o = self.o
-            plan, lowering = lower_at_microbatch(
-                self.fn, self.traced, graph, self.abstract, plan, boundary,
-                self._pipeline_options(plan.num_microbatches), o.accumulate,
-                o.per_microbatch_statistics, self.progress)
-            replanned = plan
-        specs = [WorkerSpec(self.fn, lowering.abstract_mb, lowering.assignment,
+        lowering = lower_stages(self.traced, graph, plan, self.abstract, roles,
+                                boundary.batch_params, o.per_microbatch_statistics)
+        specs = [WorkerSpec(self.fn, lowering.abstract, lowering.assignment,
                             lowering.batch_refs, plan.num_stages, plan.num_microbatches,
-                            o.accumulate.value, plan.schedule.value, st.index,
-                            tuple(st.mesh.shape), tuple(st.mesh.axis_names),
-                            lowering.shardings[st.index], rng_shapes=lowering.rng_shapes)
+                            plan.schedule.value, st.index, tuple(st.mesh.shape),
+                            tuple(st.mesh.axis_names), lowering.shardings[st.index],
+                            key_refs=lowering.key_refs,
+                            per_microbatch_statistics=o.per_microbatch_statistics)
                  for st in plan.stages]
         if o.executor is ExecutorKind.RAY:
             from rhino.runtime.ray_executor import RayExecutor
@@ -634,7 +627,7 @@ class _Builder:
                                                len(workers), plan.cluster.devices_per_host,
                                                strategy=o.transport.value)
             executor = LocalExecutor(workers, o.timeout, transport)
-        return StagedRun(lowering, specs, executor, plan.schedule, replanned)
+        return StagedRun(lowering, specs, executor, plan.schedule)
 
 
 def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None,
@@ -646,7 +639,7 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   report: bool | None = None, donate: bool = True, time_limit: float = 600.0,
                   num_microbatches: int | None = None, schedule: str | None = None,
                   executor: str = "local",
-                  stages: int | Mapping[str, int] | None = None, accumulate: str = "mean",
+                  stages: int | Mapping[str, int] | None = None, accumulate: Any = None,
                   batch_args: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                   transport: str | None = None, ray_address: str | None = None,
                   ray_actor_options: Mapping[str, Any] | None = None,
@@ -700,8 +693,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             see ``rhino.init``).
         stages: the number of pipeline stages (default: the planner's choice), or a
             hand-given split ``{weight pytree path prefix: stage}``.
-        accumulate: ``"mean"`` (default) or ``"sum"``: how batch-dependent values (loss,
-            gradients) combine over microbatches.
+        accumulate: no longer an option (an error if given): a pipelined step computes
+            what the step computes on the whole batch, each value by its own rule.
         batch_args: what carries the batch: argument names, or pytree paths inside them
             (e.g. ``("batch['tokens']", "batch['labels']")``); default: non-state arguments.
             PRNG keys are never split into microbatches.
@@ -719,10 +712,11 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         ray_pin_cpus: actors simulating hosts on one node split its cores, one share each
             (None, default: where there are enough cores; True: required; False: never;
             ``RayExecutor``'s ``pin_cpus``).
-        per_microbatch_statistics: a pipelined step that reads statistics of the whole
-            batch (BatchNorm, a branch on a batch-dependent value, running statistics) is
-            refused (``BatchCouplingError``) unless this accepts that each microbatch
-            computes its own.
+        per_microbatch_statistics: a pipelined step whose gradients depend on a value of
+            the whole batch (BatchNorm statistics, a whole-batch softmax) is refused
+            (``BatchCouplingError``, naming the op and its source line) unless this
+            accepts that each microbatch uses its own estimate of it (as gradient
+            accumulation does).
         min_split_flops: ops of at least this many FLOPs must not run whole on every
             device (their replicated choices are removed): for cost models where compute
             is nearly free next to communication, under which replicating heavy work

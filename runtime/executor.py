@@ -49,8 +49,9 @@ import numpy as np
 
 from rhino.runtime.schedules import Schedule, make_schedule
 from rhino.hlo_passes.unroll import trace
-from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_sum, flatten,
-                                             split_step, task_function)
+from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_acc, flatten,
+                                             is_apply, prologue_function, split_step,
+                                             task_function)
 from rhino.runtime import threads
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
                                      Transport, root_cause)
@@ -109,29 +110,31 @@ def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr
     out: list[Instr] = []
     received: set[tuple] = set()  # a value read by several tasks here is received once
     for t in schedule.stage_tasks(stage):
-        spec = split.task(t.kind, stage)
-        mb = None if t.kind == "A" else t.microbatch
-        for i in spec.inputs:
-            if i.source == "task" and i.producer[1] != stage:
-                ins = Instr("recv", ref=i.ref, microbatch=mb if i.producer[0] != "A"
-                            else None, peer=i.producer[1])
-            elif i.source == "acc" and i.producer[1] != stage:
-                ins = Instr("recv", ref=i.ref, peer=i.producer[1], acc=True)
-            else:
-                continue
-            if ins.key not in received:
-                received.add(ins.key)
-                out.append(ins)
-        out.append(Instr("run", t.kind, mb))
-        for r in spec.outputs:
-            dsts = sorted({s for k, s in split.consumers.get(r, ()) if s != stage
-                           and (k != "A" or t.kind == "A")})
-            out.extend(Instr("send", ref=r, microbatch=mb, peer=d) for d in dsts)
-        if t.kind != "A" and mb == m - 1:
-            for r in spec.accumulate:
-                dsts = sorted({s for k, s in split.consumers.get(r, ()) if k == "A"
-                               and s != stage})
-                out.extend(Instr("send", ref=r, peer=d, acc=True) for d in dsts)
+        kinds = split.apply_phases[stage] if t.kind == "A" else (t.kind,)
+        for kind in kinds:
+            spec = split.task(kind, stage)
+            mb = None if is_apply(kind) else t.microbatch
+            for i in spec.inputs:
+                if i.source == "task" and i.producer[1] != stage:
+                    ins = Instr("recv", ref=i.ref, microbatch=None if is_apply(i.producer[0])
+                                else mb, peer=i.producer[1])
+                elif i.source == "acc" and i.producer[1] != stage:
+                    ins = Instr("recv", ref=i.ref, peer=i.producer[1], acc=True)
+                else:
+                    continue
+                if ins.key not in received:
+                    received.add(ins.key)
+                    out.append(ins)
+            out.append(Instr("run", kind, mb))
+            for r in spec.outputs:
+                dsts = sorted({s for k, s in split.consumers.get(r, ()) if s != stage
+                               and (not is_apply(k) or is_apply(kind))})
+                out.extend(Instr("send", ref=r, microbatch=mb, peer=d) for d in dsts)
+            if not is_apply(kind) and mb == m - 1:
+                for r in spec.accumulate:
+                    dsts = sorted({s for k, s in split.consumers.get(r, ()) if is_apply(k)
+                                   and s != stage})
+                    out.extend(Instr("send", ref=r, peer=d, acc=True) for d in dsts)
     return out
 
 
@@ -142,33 +145,34 @@ class WorkerSpec:
     re-traces the step and re-splits it; the split is deterministic).
 
     Attributes:
-        fn: the step; abstract_mb: its arguments with microbatch-sized batch leaves.
-        assignment: equation path -> (role, stage); batch_refs, num_stages,
-        num_microbatches, accumulate, schedule: as in ``split_step`` / ``make_schedule``.
+        fn: the step; abstract: its arguments (whole batch).
+        assignment: equation path -> (role, stage); batch_refs, key_refs, num_stages,
+        num_microbatches, per_microbatch_statistics, schedule: as in ``split_step`` /
+        ``make_schedule``.
         stage: the stage; mesh_shape, axis_names: its mesh; shardings: its shardings.
         measure: time every task (blocking on its results).
-        rng_shapes: whole-batch shapes of batch-shaped random bits (``split_step``).
     """
 
     fn: Callable
-    abstract_mb: tuple
+    abstract: tuple
     assignment: dict
     batch_refs: tuple[int, ...]
     num_stages: int
     num_microbatches: int
-    accumulate: str
     schedule: str
     stage: int
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     shardings: StageShardings
     measure: bool = True
-    rng_shapes: Mapping = dataclasses.field(default_factory=dict)
+    key_refs: tuple[int, ...] = ()
+    per_microbatch_statistics: bool = False
 
     def split(self) -> StepSplit:
-        flat = flatten(trace(self.fn, *self.abstract_mb))
+        flat = flatten(trace(self.fn, *self.abstract))
         return split_step(flat, self.assignment, self.batch_refs, self.num_stages,
-                          self.num_microbatches, self.accumulate, self.rng_shapes)
+                          self.num_microbatches, key_refs=self.key_refs,
+                          per_microbatch_statistics=self.per_microbatch_statistics)
 
     def build(self, devices: Sequence[Any], split: StepSplit | None = None) -> "StageWorker":
         """The worker on ``devices`` (as many as the mesh has)."""
@@ -234,13 +238,17 @@ class StageWorker:
         self._programs: dict[tuple[str, bool], Any] = {}
         # How many tasks of this stage read each (ref, microbatch) value: released after.
         self._readers: dict[int, int] = {}
-        for k in ("F", "B", "A"):
-            for i in split.task(k, stage).inputs:
+        mine = [t for (k, s), t in split.tasks.items() if s == stage]
+        for t in mine:
+            for i in t.inputs:
                 if i.source in ("task", "batch"):
                     self._readers[i.ref] = self._readers.get(i.ref, 0) + 1
-        for k in ("F", "B", "A"):
-            for r in split.task(k, stage).outputs:
+        for t in mine:
+            for r in t.outputs:
                 self._readers.setdefault(r, 0)
+        self._sliced = split.sliced_batch_args(stage)
+        self._whole = split.whole_batch_args(stage)
+        self._prologue = split.prologues[stage]
         self._last_send = {ins.key: n for n, ins in enumerate(self.instrs) if ins.op == "send"}
         self._results = frozenset(o.ref for o in split.outputs if o.source == "task")
         # A daemon thread: one stuck program never holds up the interpreter's exit.
@@ -270,17 +278,27 @@ class StageWorker:
             self._programs[key] = fn
         return fn
 
+    def prologue_program(self) -> Any:
+        """The stage's prologue, jitted (None when it computes nothing)."""
+        fn = self._programs.get(("P", False))
+        if fn is None and self._prologue.outputs:
+            cons = self._value_sharding
+
+            def constrain(path, k, x):
+                s = cons.get((path, k))
+                return x if s is None else jax.lax.with_sharding_constraint(x, s)
+
+            fn = jax.jit(prologue_function(self.split, self.stage, constrain))
+            self._programs[("P", False)] = fn
+        return fn
+
     def zero_args(self) -> dict[int, Any]:
-        """Zeros for every argument this stage reads (whole-batch shapes for the batch): a
-        step on them compiles every program and sets up every collective (``warm_up``)."""
-        m = self.split.num_microbatches
+        """Zeros for every argument this stage reads (whole-batch shapes): a step on them
+        compiles every program and sets up every collective (``warm_up``)."""
         out: dict[int, Any] = {}
         for r in self.split.stage_args(self.stage):
             aval = self.split.flat.avals[r]
-            shape = tuple(aval.shape)
-            if r in self.split.batch_refs:
-                shape = (shape[0] * m, *shape[1:])
-            out[r] = _zeros(shape, aval.dtype)
+            out[r] = _zeros(tuple(aval.shape), aval.dtype)
         return out
 
     def collectives(self) -> dict[str, dict[str, tuple[int, int]]]:
@@ -295,17 +313,22 @@ class StageWorker:
         return out
 
     # ------------------------------------------------------------------ one step
-    def _place_args(self, args: Mapping[int, Any]) -> tuple[dict, dict]:
-        """State on this mesh (kept across steps when the same array comes back), and the
-        batch cut into microbatches on this mesh."""
+    def _place_args(self, args: Mapping[int, Any]) -> tuple[dict, dict, dict]:
+        """State on this mesh (kept across steps when the same array comes back), the batch
+        cut into microbatches on this mesh, and the batch arguments read whole."""
         m = self.split.num_microbatches
         keys, slices, targets = [], [], []
+        whole: dict[int, Any] = {}
         for r, x in args.items():
             if r in self.split.batch_refs:
                 n = np.shape(x)[0]
                 if n % m:
                     raise ExecutorError(f"batch argument #{r}: expected a leading dimension "
                                         f"divisible by {m} microbatches, found {n}")
+                if r in self._whole:
+                    whole[r] = place(x, self.sharding(r))
+                if r not in self._sliced:
+                    continue
                 host = np.asarray(x)
                 size = n // m
                 for k in range(m):
@@ -320,7 +343,22 @@ class StageWorker:
             batch = {k: place(x, t) for k, x, t in zip(keys, slices, targets)}
         else:
             batch = dict(zip(keys, jax.device_put(slices, targets))) if keys else {}
-        return self._state, batch
+        return self._state, batch, whole
+
+    def _run_prologue(self, state: Mapping[int, Any], whole: dict[int, Any]
+                      ) -> TaskRecord | None:
+        """The stage's prologue on the whole batch: its values join ``whole``."""
+        fn = self.prologue_program()
+        if fn is None:
+            return None
+        args = [whole[r] if r in whole else state[r] for r in self._prologue.inputs]
+        t0 = time.perf_counter()
+        if ("P", False) not in self._seen:
+            self._seen[("P", False)] = jax.tree_util.tree_map(_abstract, (args,))
+        outs = fn(args)
+        whole.update(zip(self._prologue.outputs, outs))
+        done = self._watch.submit(_ready_at, outs) if self.measure else _done_now()
+        return _Pending(TaskRecord(self.stage, "P", t0, t0, None, "prologue"), done)
 
     def run_step(self, args: Mapping[int, Any], transport: Transport,
                  timeout: float = DEFAULT_TIMEOUT_S) -> tuple[dict[int, Any], list[TaskRecord]]:
@@ -337,11 +375,18 @@ class StageWorker:
         Raises:
             ExecutorError: naming this stage and the instruction that failed or timed out.
         """
-        state, batch = self._place_args(args)
+        state, batch, whole = self._place_args(args)
         values: dict[tuple[int, Any], Any] = {}
         left: dict[tuple[int, Any], int] = {}
         accs: dict[int, Any] = {}
         records: list[TaskRecord] = []
+        try:
+            rec = self._run_prologue(state, whole)
+        except Exception as e:
+            raise self._error(Instr("run", "P"), f"{type(e).__name__}: {e}",
+                              Failure.PROGRAM) from e
+        if rec is not None:
+            records.append(rec)
         # A transport whose send waits for the value (to copy it to the host) sends on a
         # thread of its own, in order, so this thread dispatches the next task meanwhile.
         background = getattr(transport, "send_in_background", False)
@@ -378,7 +423,8 @@ class StageWorker:
                             self._last_send[ins.key] == n:
                         values.pop(k, None)
                 else:
-                    records.append(self._run(ins, state, batch, values, left, accs, timeout))
+                    records.append(self._run(ins, state, batch, whole, values, left, accs,
+                                             timeout))
             except Exception as e:
                 failed = self._failed_send(records)   # the root cause, if there is one
                 named = failed if failed is not None else self._name_error(ins, e)
@@ -390,9 +436,11 @@ class StageWorker:
             if o.producer is None or o.producer[1] != self.stage:
                 continue
             if o.source == "acc":
-                outs[o.ref] = finish_sum(self.split, o.ref, accs[o.ref])
+                outs[o.ref] = finish_acc(self.split, o.ref, accs[o.ref])
             elif o.source == "task":
                 outs[o.ref] = values[(o.ref, None)]
+            elif o.source == "pre":
+                outs[o.ref] = whole[o.ref]
         try:
             return outs, self._timed(records, timeout)
         except ExecutorError:
@@ -441,7 +489,7 @@ class StageWorker:
                     f"{ins.label()})", stage=ins.peer, failure=Failure.PROGRAM) from failed
             raise e
 
-    def _run(self, ins: Instr, state, batch, values, left, accs,
+    def _run(self, ins: Instr, state, batch, whole, values, left, accs,
              timeout: float = DEFAULT_TIMEOUT_S) -> TaskRecord:
         task = self.split.task(ins.kind, self.stage)
         mb = ins.microbatch
@@ -452,13 +500,15 @@ class StageWorker:
                 inputs.append(state[i.ref])
             elif i.source == "batch":
                 inputs.append(batch[(i.ref, mb)])
+            elif i.source == "pre":
+                inputs.append(whole[i.ref])
             elif i.source == "acc":
-                inputs.append(accs[i.ref])  # raw sum: the program takes the mean
+                inputs.append(accs[i.ref])  # as accumulated: the program finishes it
             else:
-                key = (i.ref, mb if i.producer[0] != "A" else None)
+                key = (i.ref, None if is_apply(i.producer[0]) else mb)
                 inputs.append(values[key])
                 used.append(key)
-        with_acc = ins.kind != "A" and mb is not None and mb > 0
+        with_acc = not is_apply(ins.kind) and mb is not None and mb > 0
         acc_in = [accs[r] for r in task.accumulate] if with_acc else []
         t0 = time.perf_counter()
         mb_arg = np.int32(0 if mb is None else mb)
@@ -476,7 +526,7 @@ class StageWorker:
         elif self.measure:
             _ready_at(new, timeout=timeout)
             done = _done_now()
-        key_mb = None if ins.kind == "A" else mb
+        key_mb = None if is_apply(ins.kind) else mb
         for r, x in zip(task.outputs, outs):
             values[(r, key_mb)] = x
             left[(r, key_mb)] = self._readers.get(r, 0)
@@ -485,7 +535,7 @@ class StageWorker:
             left[key] -= 1
             if left[key] <= 0 and not self._awaited(key):
                 values.pop(key, None)
-        kind = {"F": "forward", "B": "backward", "A": "apply"}[ins.kind]
+        kind = {"F": "forward", "B": "backward"}.get(ins.kind, "apply")
         return _Pending(TaskRecord(self.stage, ins.label(), t0, t0, mb, kind), done)
 
     def _timed(self, records: list, timeout: float) -> list[TaskRecord]:

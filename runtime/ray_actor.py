@@ -274,10 +274,11 @@ class StageActor:
         the driver then sends only those (``run_step``'s ``partial``)."""
         m = split.num_microbatches
         out = {}
-        for r in split.batch_refs:
-            if r not in self.args:
+        whole = split.whole_batch_args(self.stage)
+        for r in split.sliced_batch_args(self.stage):
+            if r not in self.args or r in whole:     # read whole: every row is needed
                 continue
-            shape = tuple(split.flat.avals[r].shape)
+            shape = split.microbatch_shape(r)
             size = shape[0]
             spans = set()
             for index in self.worker.sharding(r).addressable_devices_indices_map(

@@ -10,7 +10,6 @@ import jax
 
 from rhino.errors import RhinoError, format_bytes
 from rhino.hlo_passes.lower import SpmdLowering, StageLowering
-from rhino.parallel_plan import Plan
 from rhino.runtime.executor import WorkerSpec
 from rhino.vocabulary import ScheduleKind
 
@@ -73,10 +72,9 @@ class StagedRun:
     """Stage programs under a static schedule, by a local or a Ray executor."""
 
     def __init__(self, lowering: StageLowering, specs: list[WorkerSpec], executor: Any,
-                 schedule: ScheduleKind, replanned: Plan | None = None):
+                 schedule: ScheduleKind):
         self.lowering, self.specs, self.executor, self.schedule = (lowering, specs, executor,
                                                                    schedule)
-        self.replanned = replanned      # the stage plans re-made at microbatch shapes
 
     def __call__(self, args: tuple) -> list:
         flat = jax.tree_util.tree_leaves(args)
@@ -92,12 +90,22 @@ class StagedRun:
         return res
 
     def report_lines(self) -> list[str]:
-        if self.replanned is None:
-            return []
-        shapes = sorted({tuple(x.shape) for k, x in enumerate(jax.tree_util.tree_leaves(
-            self.lowering.abstract_mb)) if k in self.lowering.batch_refs})
-        return [f"  stage plans       re-made at microbatch shapes {shapes}: the step traces "
-                f"to other equations there (same split, meshes and weights per stage)"]
+        sp = self.lowering.split
+        lay = sp.layout
+        pro = {s: p for s, p in sp.prologues.items() if p.eqns}
+        lines = [f"  microbatches      {sp.num_microbatches}, a sharding of the batch over "
+                 f"time: {sum(1 for x in lay.place if x.value == 'micro')} equations per "
+                 f"microbatch, {sum(1 for x in lay.place if x.value == 'post')} once per "
+                 f"step after them"]
+        if pro:
+            lines.append("  prologue          values computed once per step from the whole "
+                         "batch: " + ", ".join(f"stage {s} {len(p.outputs)} ({len(p.eqns)} "
+                                               f"equations)" for s, p in sorted(pro.items())))
+        if lay.local:
+            lines.append(f"  statistics        {len(lay.local)} equations read each "
+                         f"microbatch's own estimate of a whole-batch statistic "
+                         f"(per_microbatch_statistics)")
+        return lines
 
     def shardings(self, leaves: int) -> list:
         workers = getattr(self.executor, "workers", None)

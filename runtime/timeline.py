@@ -32,16 +32,16 @@ from typing import Any, Mapping
 
 from rhino.errors import RhinoError
 
-KINDS = ("forward", "backward", "apply", "send", "recv", "other")
+KINDS = ("prologue", "forward", "backward", "apply", "send", "recv", "other")
 """Task kinds a `TaskRecord` may have."""
 
 COMM_KINDS = frozenset({"send", "recv"})
 
-COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "apply": "#55A868", "send": "#C44E52",
+COLORS = {"prologue": "#937860", "forward": "#4C72B0", "backward": "#DD8452", "apply": "#55A868", "send": "#C44E52",
           "recv": "#8172B3", "other": "#8C8C8C"}
 """Bar colour per kind in `ExecutedTimeline.draw`."""
 
-_SCHEDULE_KINDS = {"F": "forward", "B": "backward", "A": "apply"}
+_SCHEDULE_KINDS = {"F": "forward", "B": "backward", "A": "apply", "P": "prologue"}
 
 
 class TimelineError(RhinoError, ValueError):

@@ -132,3 +132,53 @@ def test_no_private_name_is_imported_across_modules():
                             and node.module != "rhino._version":
                         bad.append(f"{name}: from {node.module} import {a.name}")
     assert not bad, bad
+
+
+def _outside_jaxpr() -> dict[str, pathlib.Path]:
+    """Every module but those of ``rhino.jaxpr`` (the one place for JAX's internals)."""
+    return {n: p for n, p in MODULES.items() if not n.startswith("rhino.jaxpr")}
+
+
+def _internals(name: str, text: str) -> list[str]:
+    """Where module ``name`` (source ``text``) touches JAX's internals."""
+    from rhino.jaxpr import primitives as prims
+
+    names = prims.all_names()
+    bad = [f"{name}: {needle}" for needle in ("jax._src", "jax.core.", "jax.extend")
+           if needle in text]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute) and node.attr in ("primitive", "source_info"):
+            bad.append(f"{name}:{node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Attribute) and node.attr == "params" and \
+                isinstance(node.value, (ast.Attribute, ast.Name)) and \
+                getattr(node.value, "attr", getattr(node.value, "id", "")) == "eqn":
+            bad.append(f"{name}:{node.lineno}: eqn.params")
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(x, ast.Call) and getattr(x.func, "attr", "") == "name"
+                        for x in sides)
+            lits = [x.value for x in sides if isinstance(x, ast.Constant)]
+            if named and any(v in names for v in lits if isinstance(v, str)):
+                bad.append(f"{name}:{node.lineno}: a primitive name compared by hand")
+    return bad
+
+
+def test_jax_internals_are_used_in_rhino_jaxpr_only():
+    """``jax._src``, ``jax.core``, ``jax.extend.core``, an equation's primitive, parameters
+    or source info, and primitive names compared by hand: only ``rhino.jaxpr`` touches
+    them (its tests included), so a JAX upgrade breaks one package."""
+    bad = [b for name, path in _outside_jaxpr().items()
+           for b in _internals(name, path.read_text(encoding="utf-8"))]
+    assert not bad, bad
+
+
+def test_the_internals_check_sees_each_kind_of_use():
+    src = ("from jax._src import core\n"
+           "def f(eqn, fe):\n"
+           "    a = eqn.primitive.name\n"
+           "    b = fe.eqn.params['axes']\n"
+           "    return prims.name(eqn) == 'scan'\n")
+    found = _internals("m", src)
+    assert sorted(f.split(": ", 1)[1] for f in found) == [
+        ".primitive", "a primitive name compared by hand", "eqn.params", "jax._src"], found
+    assert _internals("m", "def f(x):\n    return x.name == 'scan'\n") == []

@@ -454,7 +454,8 @@ def test_low_precision_gradients_accumulate_in_float32():
         split = piped.split_for(params, opt, batch)
         task = next(t for t in split.tasks.values() if t.kind == "B" and t.accumulate)
         fn = task_function(split, task, with_acc=False)
-        args = [jnp.zeros(split.flat.avals[i.ref].shape, split.flat.avals[i.ref].dtype)
+        args = [jnp.zeros(split.microbatch_shape(i.ref) if i.source in ("batch", "task")
+                          else split.flat.avals[i.ref].shape, split.flat.avals[i.ref].dtype)
                 for i in task.inputs]
         _, accs = jax.eval_shape(fn, args, [], jnp.int32(0))
         low = [r for r in task.accumulate

@@ -37,8 +37,9 @@ from rhino.runtime.executor import ExecutorError, LocalExecutor, LocalTransport
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A two-stage pipeline whose loss (stage 1's program) goes through a while loop and, in
-# mode "callback", a host callback. Mode "callback": ``STUCK.set()`` makes the callback
+# A two-stage pipeline whose second layer (stage 1's programs) is scaled by a value made by
+# a while loop and, in mode "callback", a host callback (computed from the weights alone:
+# every task reading it recomputes it). Mode "callback": ``STUCK.set()`` makes the callback
 # block forever (the stage thread runs it); mode "loop": ``params["forever"] = 1`` makes the
 # loop run forever (a program stuck inside XLA, running asynchronously).
 STUCK_STEP = """
@@ -57,14 +58,14 @@ def maybe_block(x):
     return x
 
 def step(params, batch):
+    s = jax.lax.while_loop(lambda c: c[1] > 0, lambda c: (c[0] + 1.0, c[1]),
+                           (jnp.float32(1.0), params["forever"]))[0]
+    if MODE == "callback":
+        s = jax.pure_callback(maybe_block, jax.ShapeDtypeStruct(s.shape, s.dtype), s)
     def loss(p):
-        h = jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]
+        h = (jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]) * s
         return jnp.mean((h - batch["y"]) ** 2)
     l, g = jax.value_and_grad(loss)(params)
-    if MODE == "callback":
-        l = jax.pure_callback(maybe_block, jax.ShapeDtypeStruct(l.shape, l.dtype), l)
-    l = jax.lax.while_loop(lambda c: c[1] > 0, lambda c: (c[0] + 1.0, c[1]),
-                           (l, params["forever"]))[0]
     return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), l
 
 params = {"w1": jnp.full((16, 16), 0.1), "w2": jnp.full((16, 16), 0.1),

@@ -3,7 +3,6 @@
 Every pipelined run is checked against single-device ``jax.jit`` of the same step.
 """
 
-import dataclasses
 import time
 
 import jax
@@ -24,9 +23,9 @@ from rhino.pipeline.stages import assign_stages
 from rhino.runtime.executor import (ExecutorError, LocalExecutor, LocalTransport,
                                     instructions)
 from rhino.runtime.schedules import SCHEDULE_NAMES, make_schedule
-from rhino.hlo_passes.stage_programs import (StageSplitError, apply_order, assignment_from_ops,
-                                          finish_sum, flatten, split_step,
-                                          task_function)
+from rhino.hlo_passes.stage_programs import (StageSplitError, assignment_from_ops, flatten,
+                                             split_step)
+from stage_runner import run_sequentially
 
 RTOL, ATOL = 1e-4, 5e-5
 
@@ -49,47 +48,9 @@ def _split(m, params, opt, batch, stages, micro):
         a = assign_stages(g, b, stages)
         roles, stage_of = a.roles, a.stage_of
     asg = assignment_from_ops(traced, g, stage_of, roles.role)
-    mb = jax.tree_util.tree_map(lambda x: x[:x.shape[0] // micro], batch)
-    flat = flatten(jax.make_jaxpr(m.step)(params, opt, mb))
+    flat = flatten(traced.closed)
     refs = tuple(sorted(g.ops[p].arg.index for p in b.batch_params))
     return split_step(flat, asg, refs, stages, micro)
-
-
-def _run_sequentially(sp, args, schedule):
-    """Run the stage programs in the schedule's order in one thread (no executor)."""
-    m = sp.num_microbatches
-    vals, accs = {}, {}
-
-    def run(t, k):
-        ins = []
-        for i in t.inputs:
-            if i.source == "arg":
-                ins.append(args[i.ref])
-            elif i.source == "batch":
-                n = args[i.ref].shape[0] // m
-                ins.append(args[i.ref][k * n:(k + 1) * n])
-            elif i.source == "acc":
-                ins.append(accs[i.ref])  # the raw sum: the program takes the mean
-            else:
-                ins.append(vals[(i.ref, k if i.producer[0] != "A" else None)])
-        first = t.kind == "A" or k == 0
-        outs, new = jax.jit(task_function(sp, t, not first))(
-            ins, [] if first else [accs[r] for r in t.accumulate], 0 if k is None else k)
-        vals.update({(r, None if t.kind == "A" else k): v for r, v in zip(t.outputs, outs)})
-        accs.update(zip(t.accumulate, new))
-
-    for row in schedule.table:
-        for s, task in enumerate(row):
-            if task is not None and task.kind != "A":
-                run(sp.task(task.kind, s), task.microbatch)
-    for s in apply_order(sp):
-        run(sp.task("A", s), None)
-    res = []
-    for o in sp.outputs:
-        res.append(o.value if o.source == "lit" else args[o.ref] if o.source == "arg"
-                   else finish_sum(sp, o.ref, accs[o.ref]) if o.source == "acc"
-                   else vals[(o.ref, None)])
-    return res
 
 
 def _close(got, want):
@@ -108,7 +69,7 @@ def test_stage_programs_reproduce_the_step(stages):
     # Each stage has forward, backward and apply work of its own.
     assert all(sp.task(k, s).eqns for k in "FBA" for s in range(stages))
     args = jax.tree_util.tree_leaves((params, opt, batch))
-    got = _run_sequentially(sp, args, make_schedule("1f1b", stages, 4))
+    got = run_sequentially(sp, args, make_schedule("1f1b", stages, 4))
     want = jax.tree_util.tree_leaves(jax.jit(m.step)(params, opt, batch))
     assert len(got) == len(want)
     _close(got, want)
@@ -157,20 +118,28 @@ def test_split_errors():
     m, params, opt, batch = _gpt(layers=1, batch=8)
     flat = flatten(jax.make_jaxpr(m.step)(params, opt, batch))
     n = flat.num_args
-    with pytest.raises(StageSplitError, match="accumulate"):
-        split_step(flat, {}, (n - 1,), 1, 2, accumulate="max")
     with pytest.raises(StageSplitError, match="stage in"):
         split_step(flat, {flat.eqns[0].path: ("fwd", 5)}, (n - 1,), 2, 2)
     with pytest.raises(StageSplitError, match="batch arguments"):
         split_step(flat, {}, (), 1, 2)
+    with pytest.raises(StageSplitError, match="divisible by num_microbatches=3"):
+        split_step(flat, {}, (n - 1,), 1, 3)
 
-    def count_step(w, x):  # an integer metric cannot be averaged over microbatches
+
+def test_integer_metrics_and_counts_are_kept_by_their_rules():
+    """An integer count over the batch is summed as an integer; a step counter in the
+    state is updated once per step (neither is averaged over microbatches)."""
+    def count_step(w, count, x):
         g = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
-        return w - g, jnp.sum(x > 0)
-    flat = flatten(jax.make_jaxpr(count_step)(jnp.ones((4, 2)), jnp.ones((8, 4))))
-    with pytest.raises(StageSplitError, match="floating-point"):
-        split_step(flat, {}, (1,), 1, 2)
-    split_step(flat, {}, (1,), 1, 2, accumulate="sum")  # summed: fine
+        return w - g, count + 1, jnp.sum(x > 0)
+    w, x = jnp.ones((4, 2)), jax.random.normal(jax.random.PRNGKey(0), (8, 4))
+    flat = flatten(jax.make_jaxpr(count_step)(w, jnp.int32(3), x))
+    sp = split_step(flat, {}, (2,), 1, 4)
+    got = run_sequentially(sp, [w, jnp.int32(3), x], make_schedule("1f1b", 1, 4))
+    want = jax.jit(count_step)(w, jnp.int32(3), x)
+    assert int(got[1]) == 4 and int(got[2]) == int(want[2]) and got[2].dtype == jnp.int32
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert sp.acc_rules[flat.outs[2]] == ("sum", None)
 
 
 # ------------------------------------------------------------------------ executors
@@ -227,12 +196,10 @@ def test_a_tied_weight_gradient_crosses_stages_once_per_step(gpt_run):
     assert len(sends) == 1 and sends[0].acc, sends
 
 
-def test_microbatches_of_one_example_are_planned_at_their_shape():
-    """The zoo's default batch (4) in 4 microbatches: at one example the step traces to
-    other equations (JAX leaves out broadcasts that change nothing, and autodiff their
-    transposes), so the whole-batch plan cannot be written into the stage programs; the
-    stage plans are re-made at microbatch shapes with the same split, and the step still
-    computes what jax.jit computes."""
+def test_microbatches_of_one_example_compute_the_step():
+    """The zoo's default batch (4) in 4 microbatches: the stage programs are made from the
+    step traced at the whole batch (a microbatch of one example is a chunk of it), so the
+    plan made there is the plan that runs, and the step computes what jax.jit computes."""
     m, params, opt, batch = _gpt(layers=4, batch=4)
     ref = jax.jit(m.step)
     step = rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
@@ -243,20 +210,11 @@ def test_microbatches_of_one_example_are_planned_at_their_shape():
             p1, o1, l1 = step(p1, o1, batch)
             p2, o2, l2 = ref(p2, o2, batch)
             assert float(l1) == pytest.approx(float(l2), rel=RTOL)
-        report = step.report_for(params, opt, batch)
-        assert "re-made at microbatch shapes [(1, 16)]" in report, report
         run = step._entry((params, opt, batch)).run
-        whole, micro = step.plan_for(params, opt, batch), run.replanned
-        assert [(s.mesh.shape, s.devices, s.weights) for s in micro.stages] == \
-            [(s.mesh.shape, s.devices, s.weights) for s in whole.stages]
-        assert run.lowering.abstract_mb[2]["tokens"].shape == (1, 16)
-        # A re-plan that moved a weight to another stage would be refused, naming it.
-        from rhino.errors import LoweringError
-        from rhino.pipeline.at_microbatch import _check_same_split
-        moved = dataclasses.replace(micro, stages=(micro.stages[0], dataclasses.replace(
-            micro.stages[1], weights=micro.stages[1].weights[1:])))
-        with pytest.raises(LoweringError, match="stage 1 reads other weights"):
-            _check_same_split(whole, moved)
+        split = run.lowering.split
+        tokens = run.lowering.batch_refs[0]
+        assert split.microbatch_shape(tokens) == (1, 16)
+        assert tuple(split.flat.avals[tokens].shape) == (4, 16)
     finally:
         step.close()
 

@@ -105,6 +105,7 @@ class FlatProgram:
         outs: the flat results (ref or ``Lit``).
         avals: ref -> abstract value (shape, dtype).
         remats: checkpoint path -> its equation (the checkpoints the walk inlined).
+        calls: path -> equation, for every equation whose body the walk inlined.
     """
 
     eqns: tuple[FlatEqn, ...]
@@ -113,6 +114,19 @@ class FlatProgram:
     outs: tuple[Any, ...]
     avals: Mapping[int, Any]
     remats: Mapping[tuple[int, ...], Any] = dataclasses.field(default_factory=dict)
+    calls: Mapping[tuple[int, ...], Any] = dataclasses.field(default_factory=dict)
+
+    def source(self, fe: FlatEqn) -> str | None:
+        """``file:line`` of the user code that made ``fe``: its own, else that of the
+        innermost inlined call holding it (an equation inside ``jnp.var`` is named by the
+        line calling ``jnp.var``)."""
+        own = private.eqn_source(fe.eqn)
+        path = fe.path
+        while own is None and len(path) > 1:
+            path = path[:-1]
+            call = self.calls.get(path)
+            own = private.eqn_source(call) if call is not None else None
+        return own
 
 
 def flatten(closed: Any) -> FlatProgram:
@@ -121,6 +135,7 @@ def flatten(closed: Any) -> FlatProgram:
     consts: dict[int, Any] = {}
     eqns: list[FlatEqn] = []
     remats: dict[tuple[int, ...], Any] = {}
+    calls: dict[tuple[int, ...], Any] = {}
     counter = [0]
 
     def new(aval: Any) -> int:
@@ -148,6 +163,7 @@ def flatten(closed: Any) -> FlatProgram:
             body = prims.call_body(eqn)
             if body is not None:
                 inner = remat
+                calls[p] = eqn
                 if prims.is_remat(eqn):
                     remats[p] = eqn
                     inner = p
@@ -162,7 +178,7 @@ def flatten(closed: Any) -> FlatProgram:
 
     args = [new(v.aval) for v in closed.jaxpr.invars]
     outs = walk(closed.jaxpr, closed.consts, args, (), None)
-    return FlatProgram(tuple(eqns), len(args), consts, tuple(outs), avals, remats)
+    return FlatProgram(tuple(eqns), len(args), consts, tuple(outs), avals, remats, calls)
 
 
 # ------------------------------------------------------------------------------ evaluating

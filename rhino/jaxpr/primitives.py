@@ -136,6 +136,11 @@ def is_call(eqn: Any) -> bool:
     return eqn.primitive.name in CALLS
 
 
+def is_identity_pow(eqn: Any) -> bool:
+    """``integer_pow`` with exponent 1."""
+    return eqn.primitive.name == INTEGER_POW and eqn.params.get("y") == 1
+
+
 def rng_shape(eqn: Any) -> tuple[int, ...] | None:
     """The per-key ``shape`` of a random equation that draws values (``RNG_SHAPED``)."""
     if eqn.primitive.name not in RNG_SHAPED:

@@ -296,6 +296,26 @@ def _segment_keys(graph: HloGraph, role: Sequence[str], fwd: list[int]) -> list[
     return key
 
 
+def _data_with_first_reader(graph: HloGraph, role: Sequence[str], fwd: list[int],
+                            state_params: Sequence[int], key: list[int]) -> None:
+    """Forward ops computed from the batch alone (no weight reaches them: masks, positions,
+    noise, a normaliser) join the unit of their first reader, in place: a stage program
+    computes them for the whole batch where they are read (``rhino.jaxpr.microbatch``),
+    so a unit of them alone would be a stage with nothing of its own to run."""
+    state = [False] * len(graph.ops)
+    for p in state_params:
+        state[p] = True
+    for op in graph.ops:
+        if not state[op.id] and any(state[o] for o in op.operands):
+            state[op.id] = True
+    users = graph.users
+    for i in reversed(fwd):
+        if not state[i]:
+            later = [key[j] for j in users[i] if role[j] == Role.FORWARD]
+            if later:
+                key[i] = min(later)
+
+
 def _unit_problem(graph: HloGraph, role: Sequence[str], unit_of: list[int],
                   backward: bool) -> tuple[StageProblem, list[list[int]], list[int]]:
     """Renumber units topologically (merging cycles) and build the unit DAG.
@@ -472,6 +492,8 @@ def coarsen(graph: HloGraph, roles: OpRoles, granularity: str = "auto",
     else:
         granularity = "layer"
         key, groups = _layer_keys(graph, role, fwd, readers, max_group_share)
+    if state_params:
+        _data_with_first_reader(graph, role, fwd, state_params, key)
     _, _, unit_of = _unit_problem(graph, role, key, backward=False)
     _attach_backward(graph, role, unit_of, gradient_weights or {})
     problem, members, unit_of = _unit_problem(graph, role, unit_of, backward=True)

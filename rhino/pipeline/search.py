@@ -386,6 +386,11 @@ def plan_pipeline_graph(graph: HloGraph, cluster: Cluster,
     return _Search(graph, cluster, options, _progress(progress)).run(ingest_s)
 
 
+MAX_OP_UNITS = 2000
+"""The most forward ops the search makes one unit each of, when coarser units are too few
+for the stage counts it weighs."""
+
+
 class _Search:
     """One run of the search (see the module docstring for its phases)."""
 
@@ -468,8 +473,22 @@ class _Search:
                  f"{len(b.apply)} apply-gradients ops, {len(b.gradients)} gradients")
         t1 = time.perf_counter()
         roles = classify_ops(graph, b)
+        grads = gradient_weights(graph, b)
         self.coarse = coarsen(graph, roles, o.granularity, b.state_params,
-                              gradient_weights=gradient_weights(graph, b))
+                              gradient_weights=grads)
+        # Too few units to balance the largest stage count (a small model whose layers
+        # form one chain, weights without layer indices): finer units, where they are few
+        # enough for the stage ILP.
+        need = 2 * max(self.stage_counts)
+        if o.granularity == "auto" and self.coarse.problem.num_units < need:
+            for finer in ("segment", "op"):
+                if finer == "op" and len(roles.ids("fwd")) > MAX_OP_UNITS:
+                    break
+                c = coarsen(graph, roles, finer, b.state_params, gradient_weights=grads)
+                if c.problem.num_units > self.coarse.problem.num_units:
+                    self.coarse = c
+                if c.problem.num_units >= need:
+                    break
         self.say(f"coarsened the forward/backward graph into "
                  f"{self.coarse.problem.num_units} units ({self.coarse.granularity})")
         return t1 - t0, time.perf_counter() - t1

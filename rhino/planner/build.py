@@ -265,8 +265,13 @@ def local_bytes(shape: Any, spec: Any, mesh: AbstractMesh) -> int:
 def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
     """Pair each output with the parameter it updates, by pytree path and type.
 
-    ``out[k]<rest>`` matches ``<k-th argument><rest>``; failing that ``out<rest>`` matches
-    ``<any argument><rest>``. A pair needs equal array types and a unique match.
+    Three readings of an output ``out[k]<rest>``, the one that pairs more results for the
+    whole output winning: the ``k``-th result updates the ``k``-th argument (``return
+    params, opt_state, loss``); the output as a whole mirrors one argument (a bare list of
+    updated weights: ``out<rest>`` matches ``<any argument><rest>``); or a result *subtree*
+    has exactly the leaves (paths and types) of one argument, wherever it sits in the
+    output (``return loss, state``; ``return {"state": new_state, "loss": loss}``). A pair
+    needs equal array types and a unique match.
 
     Example:
         >>> import jax.numpy as jnp, rhino
@@ -274,9 +279,14 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
         ...                  {"w": jnp.ones((4,))}, jnp.ones((3,)))
         >>> [(g.ops[o].opcode, g.ops[p].arg.path) for o, p in carried_pairs(g)]
         [('subtract', "p['w']")]
+        >>> g = rhino.ingest(lambda p, x: (x.sum(), {"w": p["w"] * 2}),
+        ...                  {"w": jnp.ones((4,))}, jnp.ones((3,)))
+        >>> [(g.ops[o].opcode, g.ops[p].arg.path) for o, p in carried_pairs(g)]
+        [('multiply', "p['w']")]
     """
     by_rest: dict[str, list[int]] = {}
     by_pos: dict[tuple[int, str], list[int]] = {}
+    by_arg: dict[str, dict[str, int]] = {}
     positions: dict[str, int] = {}
     for p in graph.params:
         arg = graph.ops[p].arg
@@ -287,6 +297,7 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
         pos = positions.setdefault(name, len(positions))
         by_rest.setdefault(rest, []).append(p)
         by_pos.setdefault((pos, rest), []).append(p)
+        by_arg.setdefault(name, {})[rest] = p
     outs = [(o, info.path[3:]) for o, info in zip(graph.outputs, graph.output_info)
             if info.path.startswith("out")]
 
@@ -297,24 +308,48 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
     def fits(o: int, cands: list[int]) -> list[int]:
         return [p for p in cands if graph.ops[p].shape == graph.ops[o].shape]
 
-    # Two readings of ``out[k]<rest>``: the k-th result updates the k-th argument (a step
-    # returning ``(params, opt_state, loss)``), or the result as a whole mirrors one
-    # argument (a step returning a bare list of updated weights: ``out[1]`` is the list's
-    # second weight, not the second argument). The reading that pairs more results by type
-    # wins for the whole output, so one result is never paired by the other reading.
-    by_position = sum(len(fits(o, positional(r))) == 1 for o, r in outs)
-    whole = sum(len(fits(o, by_rest.get(r, []))) == 1 for o, r in outs)
-    pairs = []
-    used: set[int] = set()
+    def pair_up(choose) -> list[tuple[int, int]]:
+        pairs, used = [], set()
+        for o, rest in outs:
+            cands = [p for p in fits(o, choose(o, rest)) if p not in used]
+            if len(cands) == 1 and cands[0] != o:
+                pairs.append((o, cands[0]))
+                used.add(cands[0])
+        return pairs
+
+    readings = [pair_up(lambda o, r: positional(r)),
+                pair_up(lambda o, r: by_rest.get(r, [])),
+                pair_up(_subtree_match(graph, outs, by_arg))]
+    best = max(range(3), key=lambda k: (len(readings[k]), -k))
+    if best == 0:   # the positional reading, completed by the whole-output one
+        have = {o for o, _ in readings[0]}
+        used = {p for _, p in readings[0]}
+        extra = [(o, p) for o, p in readings[1] if o not in have and p not in used]
+        return tuple(readings[0] + extra)
+    return tuple(readings[best])
+
+
+_COMPONENT = re.compile(r"\[[^\]]*\]|\.[A-Za-z_]\w*")
+
+
+def _subtree_match(graph: HloGraph, outs: list[tuple[int, str]],
+                   by_arg: Mapping[str, Mapping[str, int]]):
+    """A chooser pairing the leaves of an output subtree with an argument whose leaves
+    (paths below it and types) are exactly the subtree's."""
+    parts = {o: _COMPONENT.findall(rest) for o, rest in outs}
+    under: dict[str, dict[str, int]] = {}       # output prefix -> {rest below it: op}
     for o, rest in outs:
-        cands: list[int] = positional(rest) if by_position >= whole else []
-        if not cands:
-            cands = by_rest.get(rest, [])
-        cands = [p for p in fits(o, cands) if p not in used]
-        if len(cands) == 1 and cands[0] != o:
-            pairs.append((o, cands[0]))
-            used.add(cands[0])
-    return tuple(pairs)
+        comps = parts[o]
+        for j in range(len(comps) + 1):
+            under.setdefault("".join(comps[:j]), {})["".join(comps[j:])] = o
+    owner: dict[int, int] = {}
+    for prefix, leaves in under.items():
+        same = [args for args in by_arg.values() if set(leaves) == set(args) and all(
+            graph.ops[leaves[r]].shape == graph.ops[args[r]].shape for r in leaves)]
+        if len(same) == 1:             # several arguments alike: no reading by structure
+            for r, o in leaves.items():
+                owner.setdefault(o, same[0][r])
+    return lambda o, rest: [owner[o]] if o in owner else []
 
 
 # ------------------------------------------------------------------------------ building

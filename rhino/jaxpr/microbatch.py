@@ -1,0 +1,897 @@
+"""Microbatches as a sharding of the batch over time.
+
+A pipelined step runs its per-example work once per microbatch: it is the whole-batch step
+whose batch dimension is split into ``m`` equal contiguous chunks that take turns, as a
+mesh axis of size ``m`` would split it across devices. This pass decides, on the step
+traced at the *whole* batch (the program the planner saw), how every value is computed so
+that the pipelined step computes what the step computes:
+
+==========  ======================================================================  =========
+layout      the value                                                                place
+==========  ======================================================================  =========
+whole       one value per step, before any microbatch: constants, state, keys,       free /
+            and values computed from the batch alone where they are needed whole     prologue
+            (a mask's sum, ``arange(n) / n``, random bits of the batch's shape)
+split(d)    per microbatch, its chunk along dimension ``d`` (the batch, and what is  micro
+            computed per example from it)
+partial     per microbatch, a term; the value is the sum (max, min) of the terms    micro
+            (a loss summed over the batch, a weight gradient ``xᵀ·dy``)
+total       one value per step, after every microbatch: computed from the sums of   post
+            partial values and the concatenations of split ones (the optimizer
+            update, a metric of the mean loss)
+==========  ======================================================================  =========
+
+Each equation's operands and results are related by *factors* (as a sharding rule relates
+them): a factor is a set of operand and result dimensions that are sliced together (a
+``dot_general``'s batch dimensions, an elementwise op's dimension ``d``), and a *reduction*
+factor has no result dimension (a contracting dimension: splitting it makes the result a
+partial sum). A split operand makes every member of its factor split: a whole operand in
+that factor is read as its microbatch's slice (``Use.slice``), a result takes the split,
+or becomes a partial sum. A partial value passes unreduced only through an equation linear
+in it (a sum of terms, a product with a whole value, a reshape). Anywhere else the
+equation needs the total: for a value computed from the batch alone (``data``), the
+prologue computes it whole instead (``Use.whole``: ``sum(mask)`` as a normaliser);
+otherwise the equation is computed once per step after the microbatches (``total``,
+reading sums and concatenations: exact, not pipelined). A total that the gradients depend
+on is a *coupling* (BatchNorm's statistics, a whole-batch softmax): the pipeline cannot run
+it per microbatch and the step is refused, naming the equation and the statistic's
+source line, unless ``per_microbatch_statistics`` accepts that each microbatch uses its own
+estimate (its partial sum times ``m``: for a mean over the batch, the microbatch's mean).
+
+Nothing here depends on tracing at microbatch shapes: per-microbatch equations are bound
+with the shape parameters of their results rewritten (``MicrobatchLayout.params``), and
+the stage programs check every result's shape against ``mb_avals``.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from rhino.jaxpr.interpret import flatten
+    >>> def loss(w, x, mask):   # token-weighted mean: sum(l * mask) / sum(mask)
+    ...     l = jnp.sum((x @ w) ** 2, axis=1)
+    ...     return jnp.sum(l * mask) / jnp.sum(mask)
+    >>> flat = flatten(jax.make_jaxpr(loss)(jnp.ones((3, 2)), jnp.ones((8, 3)), jnp.ones(8)))
+    >>> lay = analyze(flat, batch_refs=(1, 2), num_microbatches=4)
+    >>> [str(lay.layout[r]) for r in flat.outs], sorted(lay.wholes) != []
+    (['partial(sum)'], True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Collection, Mapping, Sequence
+
+import numpy as np
+
+from rhino.jaxpr import primitives as prims
+from rhino.jaxpr.interpret import FlatProgram, Lit
+from rhino.jaxpr.private import eqn_source, name_stack_text
+
+
+# ------------------------------------------------------------------------------ data
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a value is computed over the microbatches (see the module docstring)."""
+
+    kind: str                  # whole | split | partial | total | local
+    axis: int | None = None    # split: the dimension cut into microbatches
+    op: str | None = None      # partial: sum | max | min
+
+    def __str__(self) -> str:
+        return {"split": f"split({self.axis})", "partial": f"partial({self.op})"}.get(
+            self.kind, self.kind)
+
+    @property
+    def per_microbatch(self) -> bool:
+        return self.kind in ("split", "partial", "local")
+
+
+WHOLE, TOTAL, LOCAL = Layout("whole"), Layout("total"), Layout("local")
+
+
+def split(axis: int) -> Layout:
+    return Layout("split", axis=int(axis))
+
+
+def partial(op: str = "sum") -> Layout:
+    return Layout("partial", op=op)
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """How an equation reads an operand when that is not as it was made.
+
+    ``slice``: a whole value's chunk of the current microbatch along ``axis``; ``whole``: a
+    value computed from the batch alone, computed whole by the prologue; ``total``: the sum
+    over microbatches of a partial value; ``concat``: a split value's chunks put together
+    along ``axis``; ``local``: a partial value as the microbatch's own estimate of the
+    total (``m`` times its term; ``per_microbatch_statistics`` only)."""
+
+    kind: str
+    axis: int | None = None
+
+
+class Place(str, enum.Enum):
+    FREE = "free"            # no batch in it: computed wherever it is read
+    PROLOGUE = "prologue"    # from the batch, whole: once per step by each stage needing it
+    MICRO = "micro"          # once per microbatch
+    POST = "post"            # once per step, after every microbatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Coupling:
+    """An equation the gradients depend on that needs the whole batch at once.
+
+    Attributes:
+        what: why; primitive / source / path: the equation (user file:line, flat path);
+        statistic: ``(primitive, source)`` of the reduction over the batch it reads, if any.
+    """
+
+    what: str
+    primitive: str
+    source: str | None
+    path: tuple[int, ...]
+    statistic: tuple[str, str | None] | None = None
+
+    def describe(self) -> str:
+        at = f"{self.primitive} at {self.source or 'an unknown line'}"
+        made = (f" (the statistic is a {self.statistic[0]} over the batch at "
+                f"{self.statistic[1] or 'an unknown line'})" if self.statistic else "")
+        return f"{self.what}: {at}{made}"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MicrobatchLayout:
+    """The result of ``analyze`` (plain data over the flat program's refs and equations).
+
+    Attributes:
+        num_microbatches: ``m``.
+        layout: ref -> its ``Layout`` (arguments and equation results).
+        place: per flat equation, its ``Place``.
+        uses: ``(equation index, operand index) -> Use`` where an operand is not read as
+            it was made.
+        params: equation index -> bind parameters of a per-microbatch equation whose
+            result shapes they name (rewritten to microbatch shapes).
+        mb_shapes: ref -> the microbatch shape of a split value.
+        data: refs computed from the batch alone (no training state).
+        wholes: data refs some equation reads whole (the prologue computes them).
+        batch_dependent: refs that depend on a batch argument.
+        couplings: equations the gradients depend on that need the whole batch.
+        local: equations reading a partial value as a per-microbatch estimate.
+    """
+
+    num_microbatches: int
+    layout: Mapping[int, Layout]
+    place: tuple[Place, ...]
+    uses: Mapping[tuple[int, int], Use]
+    params: Mapping[int, dict]
+    mb_shapes: Mapping[int, tuple[int, ...]]
+    data: frozenset[int]
+    wholes: frozenset[int]
+    batch_dependent: frozenset[int]
+    couplings: tuple[Coupling, ...] = ()
+    local: frozenset[int] = frozenset()
+
+    def use(self, eqn: int, operand: int) -> Use | None:
+        return self.uses.get((eqn, operand))
+
+    def split_dims(self) -> dict[int, int]:
+        """ref -> the dimension of a split value (what a microbatch divides)."""
+        return {r: lay.axis for r, lay in self.layout.items() if lay.kind == "split"}
+
+
+# ------------------------------------------------------------------------------ factors
+# A factor: members ``(slot, dim)`` (slot i >= 0: operand i; slot -1 - k: result k) that
+# are sliced together, and ``reduce`` (None, or the combining op when no result has it).
+Factor = tuple[tuple[tuple[int, int], ...], str | None]
+
+
+def _shape(x: Any, avals: Mapping[int, Any]) -> tuple[int, ...]:
+    if isinstance(x, Lit):
+        return tuple(np.shape(x.value))
+    return tuple(avals[x].shape)
+
+
+def _elementwise(ins: list[tuple], outs: list[tuple]) -> list[Factor]:
+    rank = len(outs[0])
+    out = []
+    for d in range(rank):
+        size = outs[0][d]
+        members = [(i, d) for i, s in enumerate(ins) if len(s) == rank and s[d] == size]
+        members += [(-1 - k, d) for k, s in enumerate(outs) if len(s) == rank]
+        out.append((tuple(members), None))
+    return out
+
+
+def _factors(eqn: Any, ins: list[tuple], outs: list[tuple]) -> list[Factor] | None:
+    """The factors of ``eqn`` (None: no rule, it cannot be cut)."""
+    name = prims.name(eqn)
+    p = eqn.params
+    if name in prims.ELEMENTWISE or name in prims.IDENTITY_LIKE or \
+            name in prims.RNG_ELEMENTWISE or name == "bitcast_convert_type":
+        if name == "bitcast_convert_type" and len(ins[0]) != len(outs[0]):
+            return None
+        return _elementwise(ins, outs)
+    if name == prims.BROADCAST:
+        bd = p["broadcast_dimensions"]
+        return [(((0, j), (-1, e)), None) for j, e in enumerate(bd)
+                if ins[0][j] == outs[0][e]]
+    if name == prims.TRANSPOSE:
+        return [(((0, src), (-1, k)), None) for k, src in enumerate(p["permutation"])]
+    if name == prims.SQUEEZE:
+        gone = {d % len(ins[0]) for d in p["dimensions"]}
+        kept = [d for d in range(len(ins[0])) if d not in gone]
+        return [(((0, d), (-1, k)), None) for k, d in enumerate(kept)]
+    if name == prims.RESHAPE:
+        if p.get("dimensions") is not None:
+            return None
+        return _reshape_factors(ins[0], outs[0])
+    if name in prims.REDUCTIONS:
+        axes = set(prims.reduction_axes(eqn))
+        kept = [d for d in range(len(ins[0])) if d not in axes]
+        out = [(((0, d), (-1, k)), None) for k, d in enumerate(kept)]
+        op = prims.REDUCTIONS[name]
+        out += [(((0, d),), op if op in ("sum", "max", "min") else "whole") for d in axes]
+        return out
+    if name in prims.ARG_REDUCTIONS:
+        axes = set(prims.reduction_axes(eqn))
+        kept = [d for d in range(len(ins[0])) if d not in axes]
+        return [(((0, d), (-1, k)), None) for k, d in enumerate(kept)] + \
+            [(((0, d),), "whole") for d in axes]
+    along = _along_axes(name, p, ins)
+    if along is not None:          # cut along every dimension but these
+        rank = len(outs[0])
+        return [(tuple([(i, d) for i in range(len(ins)) if len(ins[i]) == rank] +
+                       [(-1 - k, d) for k in range(len(outs))]), None)
+                for d in range(rank) if d not in along]
+    if name == prims.DOT:
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        lf = [d for d in range(len(ins[0])) if d not in lc and d not in lb]
+        rf = [d for d in range(len(ins[1])) if d not in rc and d not in rb]
+        out = [(((0, a), (1, b), (-1, k)), None) for k, (a, b) in enumerate(zip(lb, rb))]
+        out += [(((0, d), (-1, len(lb) + k)), None) for k, d in enumerate(lf)]
+        out += [(((1, d), (-1, len(lb) + len(lf) + k)), None) for k, d in enumerate(rf)]
+        out += [(((0, a), (1, b)), "sum") for a, b in zip(lc, rc)]
+        return out
+    if name == prims.CONV:
+        dn = p["dimension_numbers"]
+        lhs, rhs, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+        out = [(((0, lhs[0]), (-1, out_spec[0])), None)]
+        if p["feature_group_count"] == 1 and p["batch_group_count"] == 1:
+            out += [(((0, lhs[1]), (1, rhs[1])), "sum"),
+                    (((1, rhs[0]), (-1, out_spec[1])), None)]
+        elif p["batch_group_count"] != 1:
+            return None
+        return out
+    if name == prims.DYNAMIC_SLICE:
+        sizes = p["slice_sizes"]
+        return [(((0, d), (-1, d)), None) for d in range(len(ins[0])) if sizes[d] == ins[0][d]]
+    if name == prims.DYNAMIC_UPDATE_SLICE:
+        return [(((0, d), (1, d), (-1, d)), None) for d in range(len(ins[0]))
+                if ins[1][d] == ins[0][d]]
+    if name == prims.SLICE:
+        start, limit = p["start_indices"], p["limit_indices"]
+        strides = p["strides"] or (1,) * len(ins[0])
+        return [(((0, d), (-1, d)), None) for d in range(len(ins[0]))
+                if start[d] == 0 and limit[d] == ins[0][d] and strides[d] == 1]
+    if name == prims.PAD:
+        return [(((0, d), (-1, d)), None) for d, (lo, hi, inner) in
+                enumerate(p["padding_config"]) if (lo, hi, inner) == (0, 0, 0)]
+    if name == prims.SELECT_N or name == "clamp":
+        return _elementwise(ins, outs)
+    if name == prims.GATHER:
+        return _gather_factors(p, ins, outs)
+    if name in prims.SCATTER_ADD or name in prims.SCATTERS:
+        return _scatter_factors(name, p, ins, outs)
+    if name in prims.RNG_SHAPED or name == prims.RANDOM_UNWRAP:
+        return [(((0, d), (-1, d)), None) for d in range(len(ins[0]))]
+    if name == prims.RANDOM_WRAP:
+        return [(((0, d), (-1, d)), None) for d in range(len(outs[0]))]
+    if name in prims.REDUCE_WINDOWS:
+        dims = p.get("window_dimensions")
+        strides = p.get("window_strides")
+        pads = p.get("padding")
+        if dims is None:
+            return None
+        ok = [d for d in range(len(dims)) if dims[d] == 1 and strides[d] == 1
+              and tuple(pads[d]) == (0, 0)
+              and all(tuple(p.get(k) or (1,) * len(dims))[d] == 1
+                      for k in ("base_dilation", "window_dilation"))]
+        return [(tuple([(i, d) for i in range(len(ins)) if len(ins[i]) == len(dims)] +
+                       [(-1 - k, d) for k in range(len(outs))]), None) for d in ok]
+    return None
+
+
+def _along_axes(name: str, p: Mapping, ins: list[tuple]) -> set[int] | None:
+    """The dimensions an op works along (mixing their elements), for ops that treat every
+    other dimension elementwise; None for other ops."""
+    if name in prims.CUMULATIVE:
+        return {int(p["axis"])}
+    if name in (prims.SORT, prims.CONCATENATE):
+        return {int(p["dimension"])}
+    if name == prims.REV:
+        return {int(d) for d in p["dimensions"]}
+    if name == prims.TOP_K:
+        return {len(ins[0]) - 1}
+    if name == prims.SPLIT:
+        return {int(p["axis"])}
+    return None
+
+
+def _reshape_factors(old: tuple, new: tuple) -> list[Factor]:
+    """A dimension of ``old`` that is the outermost factor of a dimension of ``new``, or
+    whose outermost factor a dimension of ``new`` is, with the same elements before it (a
+    contiguous chunk along it stays a contiguous chunk): ``(n, s) <-> (n * s,)``."""
+    out = []
+    pre_new = [1]
+    for x in new:
+        pre_new.append(pre_new[-1] * x)
+    pre = 1
+    for d, x in enumerate(old):
+        for e, y in enumerate(new):
+            if pre_new[e] == pre and y > 1 and x > 1:
+                out.append((((0, d), (-1, e)), None))
+                break
+        pre *= x
+    return out
+
+
+def _gather_factors(p: Mapping, ins: list[tuple], outs: list[tuple]) -> list[Factor]:
+    dn = p["dimension_numbers"]
+    operand, indices, out = ins[0], ins[1], outs[0]
+    offset = list(dn.offset_dims)
+    batch_pos = [k for k in range(len(out)) if k not in offset]
+    idx_batch = list(range(len(indices) - 1))          # the last is the index vector
+    obd = list(getattr(dn, "operand_batching_dims", ()) or ())
+    ibd = list(getattr(dn, "start_indices_batching_dims", ()) or ())
+    factors: list[Factor] = []
+    for k, j in enumerate(idx_batch):
+        members = [(1, j), (-1, batch_pos[k])]
+        if j in ibd:
+            members.append((0, obd[ibd.index(j)]))
+        factors.append((tuple(members), None))
+    window = [d for d in range(len(operand))
+              if d not in dn.collapsed_slice_dims and d not in obd]
+    for k, d in enumerate(window):
+        if d not in dn.start_index_map and p["slice_sizes"][d] == operand[d]:
+            factors.append((((0, d), (-1, offset[k])), None))
+    return factors
+
+
+def _scatter_factors(name: str, p: Mapping, ins: list[tuple], outs: list[tuple]
+                     ) -> list[Factor] | None:
+    dn = p["dimension_numbers"]
+    operand, indices, updates = ins[0], ins[1], ins[2]
+    uwd = list(dn.update_window_dims)
+    scatter_pos = [k for k in range(len(updates)) if k not in uwd]
+    obd = list(getattr(dn, "operand_batching_dims", ()) or ())
+    sbd = list(getattr(dn, "scatter_indices_batching_dims", ()) or ())
+    add = name in prims.SCATTER_ADD
+    factors: list[Factor] = []
+    for k, j in enumerate(range(len(indices) - 1)):
+        members = [(1, j), (2, scatter_pos[k])]
+        if j in sbd:
+            members += [(0, obd[sbd.index(j)]), (-1, obd[sbd.index(j)])]
+            factors.append((tuple(members), None))
+        elif add:
+            factors.append((tuple(members), "sum"))   # examples add into the same places
+    window = [d for d in range(len(operand)) if d not in dn.inserted_window_dims
+              and d not in obd]
+    for k, d in enumerate(window):
+        if d not in dn.scatter_dims_to_operand_dims and updates[uwd[k]] == operand[d]:
+            factors.append((((0, d), (2, uwd[k]), (-1, d)), None))
+    return factors
+
+
+# Operand groups in which an equation is jointly linear (a partial sum passes through).
+def _linear_groups(eqn: Any, ins: list) -> list[frozenset[int]]:
+    name = prims.name(eqn)
+    n = len(ins)
+    everything = frozenset(range(n))
+    if name in prims.LINEAR_ELEMENTWISE or name in prims.IDENTITY_LIKE or \
+            name == prims.CONCATENATE:
+        return [everything]
+    if name == prims.CONVERT:
+        return [frozenset({0})] if eqn.params.get("new_dtype") is not None and \
+            np.issubdtype(np.dtype(eqn.params["new_dtype"]), np.inexact) else []
+    if name in (prims.MUL, prims.DOT, prims.CONV):
+        return [frozenset({0}), frozenset({1})]
+    if name == prims.DIV:
+        return [frozenset({0})]
+    if name == prims.INTEGER_POW:
+        return [frozenset({0})] if prims.is_identity_pow(eqn) else []
+    if name in (prims.BROADCAST, prims.RESHAPE, prims.TRANSPOSE, prims.SQUEEZE, prims.REV,
+                prims.SLICE, "reduce_sum", "cumsum", prims.DYNAMIC_SLICE, prims.GATHER,
+                "reduce_window_sum", prims.SPLIT, prims.PAD):
+        return [frozenset({0})]
+    if name == prims.SELECT_N:
+        return [frozenset(range(1, n))]
+    if name == prims.DYNAMIC_UPDATE_SLICE:
+        return [frozenset({0, 1})]
+    if name in prims.SCATTER_ADD:
+        return [frozenset({0, 2})]
+    return []
+
+
+_ORDER_PRESERVING = frozenset({prims.BROADCAST, prims.RESHAPE, prims.TRANSPOSE,
+                               prims.SQUEEZE}) | prims.IDENTITY_LIKE
+
+
+# ------------------------------------------------------------------------------ analysis
+@dataclasses.dataclass
+class _Outcome:
+    outs: list[Layout]
+    uses: dict[int, Use]
+    params: dict | None = None
+    needs_total: tuple[int, ...] = ()      # operands whose total it needs
+    reason: str = ""
+
+
+def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int, *,
+            state_refs: Collection[int] | None = None, post: Collection[int] = (),
+            feeds_gradient: Collection[int] | None = None,
+            per_microbatch_statistics: bool = False,
+            per_microbatch: Collection[int] | None = None,
+            batch_free_scope: str | None = None) -> MicrobatchLayout:
+    """How every value of ``flat`` is computed over ``num_microbatches`` microbatches.
+
+    Args:
+        flat: the step flattened at the whole batch (``interpret.flatten``).
+        batch_refs: flat arguments split into microbatches along their dimension 0.
+        num_microbatches: ``m``.
+        state_refs: flat arguments that are training state (default: every argument not in
+            ``batch_refs``); values computed without them are ``data``.
+        post: equation indices computed once per step after the microbatches whatever they
+            read (apply-gradients).
+        feeds_gradient: equation indices the gradients depend on (a total among them is a
+            ``Coupling``); None: none is.
+        per_microbatch_statistics: an equation of ``per_microbatch`` (default: every
+            equation not in ``post``) that needs a total reads partial values as each
+            microbatch's own estimate instead (``Use.local``); what it makes is averaged
+            over the microbatches where it is read once per step (``Use.mean``).
+        batch_free_scope: equations whose name stack holds this scope give the same result
+            on any part of the batch (an unrolled scan's iteration index, computed from the
+            carry only to order its reads): they read partial values as their microbatch's
+            own, and are no coupling.
+    """
+    m = int(num_microbatches)
+    avals = flat.avals
+    batch = set(batch_refs)
+    state = set(range(flat.num_args)) - batch if state_refs is None else set(state_refs)
+    layout: dict[int, Layout] = {}
+    for r in range(flat.num_args):
+        layout[r] = split(0) if r in batch else WHOLE
+    for r in flat.consts:
+        layout[r] = WHOLE
+    dep_batch: set[int] = set(batch)
+    dep_state: set[int] = set(state)
+    zero: set[int] = set()
+    producer: dict[int, int] = {}
+    place: list[Place] = []
+    uses: dict[tuple[int, int], Use] = {}
+    params: dict[int, dict] = {}
+    mb_shapes: dict[int, tuple[int, ...]] = {r: (avals[r].shape[0] // m,) +
+                                             tuple(avals[r].shape[1:]) for r in batch}
+    wholes: set[int] = set()
+    couplings: list[Coupling] = []
+    local_eqns: set[int] = set()
+    post = set(post)
+    feeds = set(feeds_gradient or ())
+    own = None if per_microbatch is None else set(per_microbatch)
+
+    def is_data(x: Any) -> bool:
+        return isinstance(x, int) and x not in dep_state
+
+    def lay(x: Any) -> Layout:
+        return WHOLE if isinstance(x, Lit) else layout[x]
+
+    for i, fe in enumerate(flat.eqns):
+        refs = [x for x in fe.ins if isinstance(x, int)]
+        bdep = any(r in dep_batch for r in refs)
+        sdep = any(r in dep_state for r in refs)
+        outs_shapes = [tuple(v.aval.shape) for v in fe.eqn.outvars]
+        ins_shapes = [_shape(x, avals) for x in fe.ins]
+        ins = [lay(x) for x in fe.ins]
+        kinds = {x.kind for x in ins}
+        if i in post or "total" in kinds:
+            got = _total(fe, ins)
+        elif kinds <= {"whole"}:
+            got = _Outcome([WHOLE] * len(fe.outs), {})
+            if bdep and sdep and prims.name(fe.eqn) in (prims.DOT, prims.CONV):
+                # Training state applied to the whole batch in one piece (its batch
+                # dimension was lost, e.g. to a concatenation along the batch): not made
+                # per step in a prologue.
+                got = _Outcome([], {}, needs_total=(), reason=(
+                    "a weight applied to the whole batch at once (a value whose batch "
+                    "dimension the microbatches do not follow)"))
+                if i in feeds:
+                    couplings.append(Coupling(got.reason, prims.name(fe.eqn),
+                                              flat.source(fe), fe.path, None))
+                got = _total(fe, ins)
+        else:
+            got = _micro(fe, ins, ins_shapes, outs_shapes, m, zero, is_data)
+            if got.needs_total:
+                data_ops = [j for j in got.needs_total if is_data(fe.ins[j])]
+                if data_ops:
+                    # Computed from the batch alone: read whole, from the prologue.
+                    ins2 = list(ins)
+                    for j in data_ops:
+                        ins2[j] = WHOLE
+                    got2 = (_Outcome([WHOLE] * len(fe.outs), {}) if all(
+                        x.kind == "whole" for x in ins2) else
+                        _micro(fe, ins2, ins_shapes, outs_shapes, m, zero, is_data))
+                    if not got2.needs_total:
+                        for j in data_ops:
+                            got2.uses[j] = Use("whole")
+                            wholes.add(fe.ins[j])
+                        got = got2
+                scoped = batch_free_scope is not None and \
+                    batch_free_scope in name_stack_text(fe.eqn)
+                localized = scoped or (per_microbatch_statistics and
+                                       (own is None or i in own))
+                if got.needs_total and (i in feeds or localized):
+                    stat = _statistic(flat, fe, got, ins, producer)
+                    if localized and all(
+                            ins[j].kind == "partial" for j in got.needs_total):
+                        ins3 = list(ins)
+                        for j in got.needs_total:
+                            ins3[j] = LOCAL
+                        got3 = _micro(fe, ins3, ins_shapes, outs_shapes, m, zero, is_data)
+                        if not got3.needs_total:
+                            for j in got.needs_total:
+                                u = got3.uses.get(j)
+                                got3.uses[j] = Use("local", u.axis if u is not None else None)
+                            if not scoped:
+                                local_eqns.add(i)
+                            got = got3
+                    if got.needs_total and i in feeds:
+                        couplings.append(Coupling(got.reason, prims.name(fe.eqn),
+                                                  flat.source(fe), fe.path, stat))
+                if got.needs_total:
+                    got = _total(fe, ins)
+        for j, u in got.uses.items():
+            uses[(i, j)] = u
+        if got.params is not None:
+            params[i] = got.params
+        kinds_out = {x.kind for x in got.outs}
+        if kinds_out <= {"whole"}:
+            whole_reads = any(u.kind == "whole" for u in got.uses.values())
+            place.append(Place.PROLOGUE if bdep or whole_reads else Place.FREE)
+        elif "total" in kinds_out:
+            place.append(Place.POST)
+        else:
+            place.append(Place.MICRO)
+        for k, r in enumerate(fe.outs):
+            if r is None:
+                continue
+            layout[r] = got.outs[k]
+            producer[r] = i
+            if bdep:
+                dep_batch.add(r)
+            if sdep:
+                dep_state.add(r)
+            if got.outs[k].kind == "split":
+                shape = list(avals[r].shape)
+                shape[got.outs[k].axis] //= m
+                mb_shapes[r] = tuple(shape)
+        if _makes_zero(fe, zero):
+            zero.update(r for r in fe.outs if r is not None)
+    wholes = _close_wholes(flat, wholes, producer, dep_state)
+    return MicrobatchLayout(m, layout, tuple(place), uses, params, mb_shapes,
+                            frozenset(r for r in layout if r not in dep_state),
+                            frozenset(wholes), frozenset(dep_batch), tuple(couplings),
+                            frozenset(local_eqns))
+
+
+def _makes_zero(fe: Any, zero: set[int]) -> bool:
+    """Results that are zeros: a broadcast or conversion of a literal 0 or of zeros."""
+    name = prims.name(fe.eqn)
+    if name not in (prims.BROADCAST, prims.CONVERT, "copy") or len(fe.ins) != 1:
+        return False
+    x = fe.ins[0]
+    if isinstance(x, Lit):
+        return bool(np.all(np.asarray(x.value) == 0))
+    return x in zero
+
+
+def _total(fe: Any, ins: list[Layout]) -> _Outcome:
+    """Computed once per step after the microbatches: partial operands summed, split ones
+    put together."""
+    uses = {}
+    for j, x in enumerate(ins):
+        if x.kind == "partial":
+            uses[j] = Use("total")
+        elif x.kind == "split":
+            uses[j] = Use("concat", x.axis)
+        elif x.kind == "local":
+            uses[j] = Use("mean")             # each microbatch's own: their average
+    return _Outcome([TOTAL] * len(fe.outs), uses)
+
+
+def _statistic(flat: FlatProgram, fe: Any, got: _Outcome, ins: list[Layout],
+               producer: Mapping[int, int]) -> tuple[str, str | None] | None:
+    """Where the partial value an equation needs the total of was reduced over the batch:
+    the first reduction found walking back through partial values."""
+    for j in got.needs_total:
+        x = fe.ins[j]
+        seen = set()
+        while isinstance(x, int) and x in producer and x not in seen:
+            seen.add(x)
+            e = flat.eqns[producer[x]]
+            back = [y for y in e.ins if isinstance(y, int) and y in producer
+                    and y not in seen]
+            name = prims.name(e.eqn)
+            if name in prims.REDUCTIONS or name == prims.DOT or name in prims.SCATTER_ADD \
+                    or name == prims.CONV:
+                return name, flat.source(e)
+            x = back[0] if back else None
+    return None
+
+
+def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
+           m: int, zero: set[int], is_data: Callable[[Any], bool]) -> _Outcome:
+    """An equation with a per-microbatch operand: its results' layouts and how it reads
+    its operands, or the operands whose totals it needs."""
+    n_out = len(fe.outs)
+    partials = [j for j, x in enumerate(ins) if x.kind == "partial"]
+    splits = [j for j, x in enumerate(ins) if x.kind == "split"]
+    name = prims.name(fe.eqn)
+    if name in prims.IDENTITY_LIKE and len(fe.ins) == n_out:    # values passed on as they are
+        return _Outcome(list(ins), {})
+    if partials:
+        if splits:
+            return _Outcome([], {}, needs_total=tuple(partials),
+                            reason="a statistic over the batch combined with per-example "
+                                   "values")
+        ops = {ins[j].op for j in partials}
+        if ops != {"sum"}:
+            if len(ops) == 1 and name in _ORDER_PRESERVING and len(fe.ins) == 1:
+                return _Outcome([ins[0]] * n_out, {})
+            return _Outcome([], {}, needs_total=tuple(partials),
+                            reason="a maximum or minimum over the batch used further")
+        pset = set(partials)
+        for g in _linear_groups(fe.eqn, fe.ins):
+            if pset <= g and all(j in pset or _is_zero(fe.ins[j], zero) for j in g) and \
+                    not any(ins[j].kind == "local" for j in g):
+                return _Outcome([partial("sum")] * n_out, {})
+        return _Outcome([], {}, needs_total=tuple(partials),
+                        reason="a sum over the batch used non-linearly")
+    factors = _factors(fe.eqn, ins_shapes, outs_shapes)
+    if not splits:                                   # local (and whole) operands only
+        return _Outcome([LOCAL] * n_out, {})
+    if factors is None:
+        return _unsupported(fe, ins, splits, f"a per-example value enters {name}, which "
+                                             f"cannot be cut into microbatches")
+    first = splits[0]
+    f = next((fa for fa in factors if (first, ins[first].axis) in fa[0]), None)
+    if f is None or not all((j, ins[j].axis) in f[0] for j in splits):
+        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
+                                             f"(along the dimension split into microbatches)")
+    members, reduce = f
+    size = ins_shapes[first][ins[first].axis]
+    uses: dict[int, Use] = {}
+    for slot, d in members:
+        if slot < 0 or ins[slot].kind == "split":
+            continue
+        if ins_shapes[slot][d] != size:
+            return _unsupported(fe, ins, splits, f"{name} reads a value along the batch "
+                                                 f"at another size")
+        uses[slot] = Use("slice", d)          # a local value: its own chunk too
+    res = {-1 - slot: d for slot, d in members if slot < 0}
+    if reduce in ("sum", "max", "min") and not res:
+        if reduce == "sum" and prims.name(fe.eqn) in prims.SCATTER_ADD and \
+                not _is_zero(fe.ins[0], zero) and ins[0].kind != "partial":
+            return _unsupported(fe, ins, splits, "examples scattered into a value that is "
+                                                 "not zeros")
+        return _Outcome([partial(reduce)] * n_out, uses)
+    if reduce == "whole" or not res:
+        return _unsupported(fe, ins, splits, f"{name} reduces over the batch")
+    if len(res) != n_out:
+        return _unsupported(fe, ins, splits, f"{name} gives results not cut with the batch")
+    outs: list[Layout] = []
+    for k in range(n_out):
+        if outs_shapes[k][res[k]] % m:
+            return _unsupported(fe, ins, splits, f"{name}'s result dimension "
+                                                 f"{outs_shapes[k][res[k]]} is not divisible "
+                                                 f"by {m} microbatches")
+        outs.append(split(res[k]))
+    return _Outcome(outs, uses, _rewrite(fe.eqn, ins, ins_shapes, outs_shapes, res, m))
+
+
+def _unsupported(fe: Any, ins: list[Layout], splits: list[int], reason: str) -> _Outcome:
+    return _Outcome([], {}, needs_total=tuple(splits), reason=reason)
+
+
+def _is_zero(x: Any, zero: set[int]) -> bool:
+    if isinstance(x, Lit):
+        return bool(np.all(np.asarray(x.value) == 0))
+    return x in zero
+
+
+def _rewrite(eqn: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
+             res: Mapping[int, int], m: int) -> dict | None:
+    """Bind parameters of ``eqn`` at microbatch shapes, where they name a result shape
+    (None: its own parameters fit)."""
+    from rhino.jaxpr.private import bind_params
+
+    name = prims.name(eqn)
+    params = bind_params(eqn)
+    if name == prims.BROADCAST:
+        shape = list(params["shape"])
+        shape[res[0]] //= m
+        params["shape"] = tuple(shape)
+        return params
+    if name == prims.RESHAPE:
+        sizes = list(params["new_sizes"])
+        sizes[res[0]] //= m
+        params["new_sizes"] = tuple(sizes)
+        return params
+    split_in = next((j, x.axis) for j, x in enumerate(ins) if x.kind == "split")
+    if name == prims.DYNAMIC_SLICE:
+        sizes = list(params["slice_sizes"])
+        sizes[res[0]] //= m
+        params["slice_sizes"] = tuple(sizes)
+        return params
+    if name == prims.SLICE:
+        limit = list(params["limit_indices"])
+        limit[res[0]] //= m
+        params["limit_indices"] = tuple(limit)
+        return params
+    if name == prims.GATHER:
+        j, d = split_in
+        if j == 0 and d not in (getattr(params["dimension_numbers"], "operand_batching_dims",
+                                        ()) or ()):
+            sizes = list(params["slice_sizes"])
+            sizes[d] //= m
+            params["slice_sizes"] = tuple(sizes)
+            return params
+        return None
+    return None
+
+
+def _close_wholes(flat: FlatProgram, wholes: set[int], producer: Mapping[int, int],
+                  dep_state: set[int]) -> set[int]:
+    """The data values read whole (every one is computed by the prologue)."""
+    return {r for r in wholes if r not in dep_state}
+
+
+def prologue_equations(flat: FlatProgram, layout: MicrobatchLayout, refs: Collection[int]
+                       ) -> list[int]:
+    """Equation indices (in program order) that compute ``refs`` whole, from the whole
+    batch arguments: every equation they depend on, bound at its own shapes."""
+    producer = {r: i for i, fe in enumerate(flat.eqns) for r in fe.outs if r is not None}
+    need: set[int] = set()
+    stack = [r for r in refs if r in producer]
+    while stack:
+        e = producer[stack.pop()]
+        if e in need:
+            continue
+        need.add(e)
+        stack.extend(x for x in flat.eqns[e].ins if isinstance(x, int) and x in producer)
+    return sorted(need)
+
+
+class MicrobatchError(ValueError):
+    """A step this pass cannot make per-microbatch programs of."""
+
+
+def ancestors(flat: FlatProgram, refs: Collection[int]) -> set[int]:
+    """Indices of the equations ``refs`` depend on."""
+    producer = {r: i for i, fe in enumerate(flat.eqns) for r in fe.outs if r is not None}
+    out: set[int] = set()
+    stack = [r for r in refs if isinstance(r, int) and r in producer]
+    while stack:
+        e = producer[stack.pop()]
+        if e in out:
+            continue
+        out.add(e)
+        stack.extend(x for x in flat.eqns[e].ins if isinstance(x, int) and x in producer)
+    return out
+
+
+def _combine(op: str, parts: list) -> Any:
+    import jax.numpy as jnp
+
+    out = parts[0]
+    for x in parts[1:]:
+        out = out + x if op == "sum" else jnp.maximum(out, x) if op == "max" \
+            else jnp.minimum(out, x)
+    return out
+
+
+def simulate(flat: FlatProgram, layout: MicrobatchLayout, args: Sequence[Any]) -> list[Any]:
+    """Run ``flat`` on ``args`` the way the pipelined step runs it, in one place: values
+    read whole are computed whole (the prologue), per-microbatch equations once per
+    microbatch on their slices, per-step equations once on sums and concatenations. The
+    reference the stage programs are tested against (and a check of ``layout``: every
+    per-microbatch result has its microbatch shape).
+
+    Raises:
+        MicrobatchError: a per-microbatch result of another shape than ``mb_shapes``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from rhino.jaxpr.private import bind
+
+    m = layout.num_microbatches
+    producer = {r: i for i, fe in enumerate(flat.eqns) for r in fe.outs if r is not None}
+    whole: dict[int, Any] = dict(flat.consts)
+    whole.update(enumerate(args))
+    parts: list[dict[int, Any]] = [dict() for _ in range(m)]
+
+    def read_whole(x: Any) -> Any:
+        """A value whole (the prologue's form of a value computed from the batch)."""
+        if isinstance(x, Lit):
+            return x.value
+        if x not in whole:
+            fe = flat.eqns[producer[x]]
+            outs = bind(fe.eqn, [read_whole(y) for y in fe.ins])
+            for r, v in zip(fe.outs, outs):
+                if r is not None:
+                    whole[r] = v
+        return whole[x]
+
+    def finished(x: Any) -> Any:
+        lay = layout.layout[x]
+        if lay.kind == "partial":
+            return _combine(lay.op, [parts[k][x] for k in range(m)])
+        if lay.kind == "split":
+            return jnp.concatenate([parts[k][x] for k in range(m)], axis=lay.axis)
+        if lay.kind == "local":
+            return sum(parts[k][x] for k in range(m)) / m
+        return read_whole(x)
+
+    def chunk(x: Any, axis: int, k: int) -> Any:
+        size = x.shape[axis] // m
+        return jax.lax.slice_in_dim(x, k * size, (k + 1) * size, axis=axis)
+
+    for r in range(flat.num_args):
+        lay = layout.layout[r]
+        if lay.kind == "split":
+            for k in range(m):
+                parts[k][r] = chunk(jnp.asarray(args[r]), lay.axis, k)
+    for i, fe in enumerate(flat.eqns):
+        where = layout.place[i]
+        if where in (Place.FREE, Place.PROLOGUE):
+            if any(r is not None and r not in whole for r in fe.outs):
+                outs = bind(fe.eqn, [read_whole(y) for y in fe.ins])
+                whole.update((r, v) for r, v in zip(fe.outs, outs) if r is not None)
+            continue
+        if where is Place.POST:
+            vals = []
+            for j, x in enumerate(fe.ins):
+                vals.append(x.value if isinstance(x, Lit) else finished(x))
+            outs = bind(fe.eqn, vals)
+            whole.update((r, v) for r, v in zip(fe.outs, outs) if r is not None)
+            continue
+        params = layout.params.get(i)
+        for k in range(m):
+            vals = []
+            for j, x in enumerate(fe.ins):
+                use = layout.use(i, j)
+                if isinstance(x, Lit):
+                    vals.append(x.value)
+                elif use is None:
+                    vals.append(parts[k][x] if layout.layout[x].per_microbatch
+                                else read_whole(x))
+                elif use.kind == "slice":
+                    base = parts[k][x] if layout.layout[x].kind == "local" else read_whole(x)
+                    vals.append(chunk(base, use.axis, k))
+                elif use.kind == "whole":
+                    vals.append(read_whole(x))
+                elif use.kind == "local":
+                    v = parts[k][x] * m if layout.layout[x].op == "sum" else parts[k][x]
+                    vals.append(v if use.axis is None else chunk(v, use.axis, k))
+                else:
+                    raise MicrobatchError(f"equation {fe.path}: use {use} per microbatch")
+            outs = bind(fe.eqn, vals, params)
+            for r, v in zip(fe.outs, outs):
+                if r is None:
+                    continue
+                want = layout.mb_shapes.get(r)
+                if want is not None and tuple(v.shape) != want:
+                    raise MicrobatchError(f"{prims.name(fe.eqn)} at {eqn_source(fe.eqn)}: "
+                                          f"expected a microbatch result of shape {want}, "
+                                          f"found {tuple(v.shape)}")
+                parts[k][r] = v
+    return [x.value if isinstance(x, Lit) else finished(x) for x in flat.outs]

@@ -1,0 +1,269 @@
+"""Pipelines that compute what the step computes (issue 28): training steps written as users
+of JAX, optax and Flax write them, pipelined on cluster 2x4 with 2 stages and 4
+microbatches (local executor), 5 Adam steps against one-device ``jax.jit``.
+
+The microbatches are a sharding of the batch over time (``rhino.jaxpr.microbatch``): values
+computed from the batch alone are computed for the whole batch, sums over the batch are
+summed, each value by its own rule.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import rhino
+
+PIPE = dict(cluster="2x4", stages=2, num_microbatches=4, timeout=300)
+STEPS = 5
+B = 16
+
+
+def _host(tree):
+    return jax.tree.map(lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+                        else np.array(x), tree)
+
+
+def compare(step, state, batch, steps=STEPS, loss_at=-1, **options):
+    """Train ``steps`` steps of ``step(*state, *batch) -> (... )`` pipelined and with
+    jax.jit; the leaves of ``state`` are at the front of the result unless the step says
+    where (``state_at``): losses rtol 1e-5, state atol 1e-5."""
+    state_at = options.pop("state_at", slice(0, len(state)))
+    ref = jax.jit(step)
+    piped = rhino.auto_parallel(step, **PIPE, **options)
+    s1, s2 = tuple(state), tuple(_host(state))
+    try:
+        for _ in range(steps):
+            o1, o2 = ref(*s1, *batch), piped(*s2, *batch)
+            for a, b in zip(jax.tree.leaves(o1[loss_at]), jax.tree.leaves(o2[loss_at])):
+                np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+            s1, s2 = tuple(o1[state_at]), tuple(o2[state_at])
+        for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+            np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(a, np.float64),
+                                       atol=1e-5, rtol=1e-5)
+        plan = piped.plan_for(*_host(state), *batch)
+        assert plan.num_stages == 2 and plan.num_microbatches == 4
+        split = piped.split_for(*_host(state), *batch)
+        assert all(split.task(k, s).eqns for k in "FB" for s in range(2)), split.summary()
+        return plan
+    finally:
+        piped.close()
+
+
+def _mlp(key, sizes=(8, 32, 32, 1)):
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [{"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+            for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+
+
+def _apply(params, x):
+    for i, layer in enumerate(params):
+        x = x @ layer["w"] + layer["b"]
+        if i < len(params) - 1:
+            x = jax.nn.gelu(x)
+    return x
+
+
+def test_diffusion_time_sampling_follows_the_whole_batch():
+    """``t = uniform(k, (n,), maxval=1/n) + arange(n) / n`` (stratified time sampling of a
+    score-based diffusion model): traced per microbatch it was ``arange(4) / 4`` in every
+    microbatch and the loss was off by 1e-3 from step 0, silently."""
+    tx = optax.adam(1e-2)
+
+    def step(params, opt_state, x, key):
+        n = x.shape[0]
+        kt, kn = jax.random.split(key)
+        t = jax.random.uniform(kt, (n,), maxval=1.0 / n) + jnp.arange(n) / n
+        noise = jax.random.normal(kn, x.shape)
+
+        def loss_fn(p):
+            alpha = jnp.exp(-t)[:, None]
+            xt = alpha * x + jnp.sqrt(1 - alpha ** 2) * noise
+            pred = _apply(p, jnp.concatenate([xt, t[:, None]], axis=1))
+            return jnp.mean((pred - noise) ** 2)
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    params = _mlp(jax.random.key(0), (9, 32, 32, 8))
+    x = jax.random.normal(jax.random.key(1), (B, 8))
+    compare(step, (params, tx.init(params)), (x, jax.random.key(2)))
+
+
+def test_token_weighted_lm_loss_with_random_padding():
+    """``sum(nll * mask) / sum(mask)`` (Flax lm1b's and Haiku's LM losses): the numerator is
+    summed over microbatches, the normaliser computed once for the whole batch."""
+    vocab, seq, d = 64, 12, 32
+    tx = optax.adam(1e-2)
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"emb": jax.random.normal(k[0], (vocab, d)) * 0.1,
+              "mlp": _mlp(k[1], (d, 64, d)),
+              "out": jax.random.normal(k[2], (d, vocab)) * 0.1}
+
+    def step(params, opt_state, tokens, mask):
+        def loss_fn(p):
+            h = p["emb"][tokens[:, :-1]]
+            logits = _apply(p["mlp"], h) @ p["out"]
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None],
+                                       -1)[..., 0]
+            w = mask[:, 1:]
+            return jnp.sum(nll * w) / jnp.sum(w)
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    tokens = jax.random.randint(k[3], (B, seq), 0, vocab)
+    lengths = jax.random.randint(jax.random.key(5), (B,), 3, seq + 1)
+    mask = (jnp.arange(seq)[None] < lengths[:, None]).astype(jnp.float32)
+    compare(step, (params, tx.init(params)), (tokens, mask))
+
+
+def test_loss_first_then_state_in_a_dict():
+    """``return loss, state`` (and the state a dict of params, optimizer state, a step
+    counter and a count of tokens seen): updated state is found wherever it sits in the
+    results, an int counter is updated once per step, the token count is the batch's."""
+    tx = optax.adam(1e-2)
+
+    def step(state, x, y, mask):
+        def loss_fn(p):
+            per = jnp.sum((_apply(p, x) - y) ** 2, axis=-1)
+            return jnp.sum(per * mask) / x.shape[0]
+        loss, g = jax.value_and_grad(loss_fn)(state["params"])
+        u, opt = tx.update(g, state["opt"], state["params"])
+        return loss, {"params": optax.apply_updates(state["params"], u), "opt": opt,
+                      "step": state["step"] + 1,
+                      "tokens": state["tokens"] + jnp.sum(mask).astype(jnp.int32)}
+
+    params = _mlp(jax.random.key(0))
+    state = {"params": params, "opt": tx.init(params), "step": jnp.int32(0),
+             "tokens": jnp.int32(0)}
+    x = jax.random.normal(jax.random.key(1), (B, 8))
+    y = jax.random.normal(jax.random.key(2), (B, 1))
+    mask = (jax.random.uniform(jax.random.key(3), (B,)) > 0.25).astype(jnp.float32)
+    compare(step, (state,), (x, y, mask), loss_at=0, state_at=slice(1, 2))
+    piped = rhino.auto_parallel(step, **PIPE)
+    try:
+        loss, new = piped(_host(state), x, y, mask)
+        assert int(new["step"]) == 1 and int(new["tokens"]) == int(jnp.sum(mask))
+    finally:
+        piped.close()
+
+
+def test_per_example_keys_vmapped_with_the_examples():
+    tx = optax.adam(1e-2)
+
+    def step(params, opt_state, x, key):
+        keys = jax.random.split(key, x.shape[0])
+
+        def loss_fn(p):
+            def one(k, xi):
+                keep = jax.random.bernoulli(k, 0.8, xi.shape)
+                return jnp.sum(_apply(p, jnp.where(keep, xi / 0.8, 0.0)) ** 2)
+            return jnp.mean(jax.vmap(one)(keys, x))
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    params = _mlp(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (B, 8))
+    compare(step, (params, tx.init(params)), (x, jax.random.key(4)))
+
+
+@pytest.mark.parametrize("wrap", ["multi_steps", "apply_if_finite", "clip_by_global_norm"])
+def test_optax_wrappers_over_every_stage(wrap):
+    """``optax.MultiSteps`` (an int mini-step counter and accumulated gradients in the
+    state), ``optax.apply_if_finite`` (one finite check over every stage's gradients) and
+    global-norm clipping: their update reads every stage's gradients, so apply-gradients
+    runs in phases (each stage's part, then what needs all of them)."""
+    inner = optax.adam(1e-2)
+    tx = {"multi_steps": lambda: optax.MultiSteps(inner, every_k_schedule=2),
+          "apply_if_finite": lambda: optax.apply_if_finite(inner, max_consecutive_errors=3),
+          "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(0.5),
+                                                     inner)}[wrap]()
+
+    def step(params, opt_state, x, y):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((_apply(p, x) - y) ** 2))(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    params = _mlp(jax.random.key(0), (8, 32, 32, 32, 1))
+    x = jax.random.normal(jax.random.key(1), (B, 8))
+    y = jax.random.normal(jax.random.key(2), (B, 1))
+    compare(step, (params, tx.init(params)), (x, y))
+
+
+def test_nnx_gemma_style_step():
+    """A Flax NNX decoder written as Gemma's is (RoPE, grouped-query attention, RMSNorm,
+    gated MLP), trained with ``nnx.Optimizer`` and ``nnx.MultiMetric`` inside a functional
+    step that returns ``nnx.state(...)``."""
+    from flax import nnx
+
+    vocab, d, heads, kv_heads, hd, seq = 64, 32, 4, 2, 8, 8
+
+    def rope(x, pos):
+        half = x.shape[-1] // 2
+        freq = 1.0 / (10000 ** (jnp.arange(half) / half))
+        ang = pos[:, None] * freq[None]
+        sin, cos = jnp.sin(ang)[None, :, None], jnp.cos(ang)[None, :, None]
+        a, b = x[..., :half], x[..., half:]
+        return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm1, self.norm2 = nnx.RMSNorm(d, rngs=rngs), nnx.RMSNorm(d, rngs=rngs)
+            self.q = nnx.Linear(d, heads * hd, use_bias=False, rngs=rngs)
+            self.kv = nnx.Linear(d, 2 * kv_heads * hd, use_bias=False, rngs=rngs)
+            self.o = nnx.Linear(heads * hd, d, use_bias=False, rngs=rngs)
+            self.gate = nnx.Linear(d, 2 * d, use_bias=False, rngs=rngs)
+            self.up = nnx.Linear(d, 2 * d, use_bias=False, rngs=rngs)
+            self.down = nnx.Linear(2 * d, d, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            b, s, _ = x.shape
+            pos = jnp.arange(s, dtype=jnp.float32)
+            h = self.norm1(x)
+            q = rope(self.q(h).reshape(b, s, heads, hd), pos)
+            k, v = jnp.split(self.kv(h).reshape(b, s, 2 * kv_heads, hd), 2, axis=2)
+            k = jnp.repeat(rope(k, pos), heads // kv_heads, axis=2)
+            v = jnp.repeat(v, heads // kv_heads, axis=2)
+            att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
+            att = jnp.where(jnp.tril(jnp.ones((s, s), bool)), att, -1e9)
+            y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(att, -1), v)
+            x = x + self.o(y.reshape(b, s, heads * hd))
+            h = self.norm2(x)
+            return x + self.down(jax.nn.gelu(self.gate(h)) * self.up(h))
+
+    class Gemma(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(vocab, d, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+            self.norm = nnx.RMSNorm(d, rngs=rngs)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens) * np.sqrt(d)
+            for blk in self.blocks:
+                x = blk(x)
+            return self.embed.attend(self.norm(x))
+
+    model = Gemma(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    graphdef, state = nnx.split((model, optimizer, metrics))
+
+    def step(state, tokens):
+        model, optimizer, metrics = nnx.merge(graphdef, state)
+
+        def loss_fn(model):
+            logits = model(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, tokens[:, 1:]).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        metrics.update(loss=loss)
+        return nnx.state((model, optimizer, metrics)), loss
+
+    tokens = jax.random.randint(jax.random.key(1), (B, seq + 1), 0, vocab)
+    compare(step, (state,), (tokens,), state_at=slice(0, 1))
