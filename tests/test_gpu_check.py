@@ -207,3 +207,35 @@ def test_report_of_partial_results():
     assert "| calibration | error | 0.5 | XlaRuntimeError: \\| oom |" in md
     assert "| hlo | running | — |  |" in md
     assert "| 1 device | 1 | 8 × 1024 | — | 250.00 | — | — |" in md
+
+
+def test_the_runner_records_partial_results_skips_past_the_budget_and_stops_when_told(
+        tmp_path):
+    mode = gpu_check.MODES["dry-run"]
+    check = gpu_check.Check(str(tmp_path), mode, ["--out", str(tmp_path)], None, 1e9)
+
+    def half_way(check, rec):
+        rec["measured"] = 1.5
+        raise MemoryError("out of memory at step 2")
+
+    rec = check.run("single_device", half_way)
+    assert rec["status"] == "error" and rec["measured"] == 1.5
+    assert rec["error"] == "MemoryError: out of memory at step 2"
+
+    def interrupted(check, rec):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        check.run("spmd", interrupted)
+    r = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert r["steps"]["spmd"]["status"] == "interrupted"
+    assert r["failed"] == ["single_device", "spmd"]
+
+    late = gpu_check.Check(str(tmp_path), mode, [], None, 0.0)
+    ran = []
+    rec = late.run("environment", lambda c, r: ran.append(1))
+    assert not ran and rec["status"] == "skipped" and "time budget spent" in rec["reason"]
+    assert late.budget() == 0.0
+    several = gpu_check.Check(str(tmp_path), gpu_check.MODES["full"], [], None, None)
+    several.shared["devices"] = [object(), object()]
+    assert several.budget() == gpu_check.FULL.budget_s + gpu_check.FULL.multi_device_s
