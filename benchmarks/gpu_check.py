@@ -58,6 +58,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -404,8 +405,8 @@ def step_batch(check: Check, rec: dict) -> None:
     per_example = max(peak1 - arguments, 1)
     rec.update(peak_at_1=peak1, per_example_bytes=per_example)
     # Everything above the arguments at batch 1 is charged per example: an over-estimate
-    # (it holds the gradients too), so the first guess errs small; one more point below
-    # gives the true slope.
+    # (it holds the gradients too), so the first guess errs small; the peak at that guess
+    # gives the true slope, and one larger power of two is tried with it.
     batch = _pow2_floor(min(m.batch_cap, (target - arguments) // per_example))
     compiled, peak = (one, peak1) if batch == 1 else compile_at(batch)
     while peak > target and batch > 1:
@@ -429,11 +430,12 @@ def _pow2_floor(x: float) -> int:
 
 
 def _batch(check: Check) -> int:
-    b = check.shared.get("batch")
+    """The batch per device: ``--batch``, else the batch step's, else 1 (noted)."""
+    b = check.shared.get("given_batch") or check.shared.get("batch")
     if b is None:
         b = 1
         check.shared["batch"] = b
-        check.shared["batch_note"] = "the batch step failed: batch 1"
+        check.shared["batch_note"] = "no batch from the batch step (failed or not run): batch 1"
     return b
 
 
@@ -676,9 +678,15 @@ def _simulated_cpu_devices(n: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM (a job's time limit) as SystemExit, so the step it cuts is recorded."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)
     mode = MODES["dry-run" if a.dry_run else "quick" if a.quick else "full"]
     if a.dry_run:
         _simulated_cpu_devices(DRY_RUN_DEVICES)

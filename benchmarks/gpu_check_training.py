@@ -129,8 +129,9 @@ def train(call: Callable, state: tuple, batches: Sequence[Any],
     """Run ``call(params, opt_state, batch)`` over ``batches``, feeding the state back.
 
     Returns:
-        ``losses`` (floats), ``step_times_s`` and ``step_s`` (the median of every step
-        after the first; the only step when there is one).
+        ``losses`` (floats), ``step_times_s``, ``first_step_s`` (with whatever the first
+        call still compiles: a pipeline's stage programs) and ``step_s`` (the median of
+        every step after the first; the only step when there is one).
     """
     import jax
 
@@ -145,7 +146,8 @@ def train(call: Callable, state: tuple, batches: Sequence[Any],
         times.append(time.perf_counter() - t)
         losses.append(float(loss))
     timed = times[1:] or times
-    return {"losses": losses, "step_times_s": times, "step_s": statistics.median(timed)}
+    return {"losses": losses, "step_times_s": times, "first_step_s": times[0],
+            "step_s": statistics.median(timed)}
 
 
 def throughput(rec: dict, n_params: int, tokens: int, devices: int,
@@ -173,6 +175,12 @@ def compare_losses(a: Sequence[float], b: Sequence[float], dtype: str) -> dict:
             "first_step_rel_diff": float(rel[0]), "identical": bool((diff == 0).all()),
             "tolerance": tol, "equal": bool(rel.max() <= tol),
             "finite": bool(np.isfinite(x).all() and np.isfinite(y).all())}
+
+
+def _leaves(tree: Any) -> int:
+    import jax
+
+    return len(jax.tree.leaves(tree))
 
 
 def _placer(shardings: Sequence[Any] | None, first_batch_leaf: int) -> Callable:
@@ -284,12 +292,6 @@ def run_rhino(rec: dict, model, host: tuple, batches: list, devices: Sequence,
         rec["compiled_over_estimated_memory"] = rec["compiled_memory"]["peak"] / est[0]
     if rec["plan"]["estimated_step_s"]:
         rec["measured_over_estimated_step"] = rec["step_s"] / rec["plan"]["estimated_step_s"]
-
-
-def _leaves(tree: Any) -> int:
-    import jax
-
-    return len(jax.tree.leaves(tree))
 
 
 def compare(rec: dict, model, dtype: str, devices: Sequence, ref_devices: Sequence,

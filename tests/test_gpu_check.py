@@ -34,18 +34,17 @@ FIELDS = {
                     "memory_bandwidth_bytes_per_s", "launch_latency_s", "memory_bytes",
                     "allreduce_alpha_s", "link_bytes_per_s", "collective_bytes"},
     "batch": {"batch", "how", "limit_bytes", "target_bytes", "cap", "peak_at_1",
-              "per_example_bytes", "tries", "limit_from"},
+              "per_example_bytes", "tries", "limit_from", "peak_bytes", "fits"},
     "hlo": {"gpt", "gpt_compiled", "attention"},
     "plan": {"mesh", "backend", "gpt", "attention"},
 }
 RUN_FIELDS = {"model", "parameters", "tokens_per_step", "steps", "jit", "rhino", "loss",
               "step_time_ratio"}
-JIT_FIELDS = {"devices", "compile_s", "compiled_memory", "xla_flops_per_step", "losses",
-              "step_times_s", "step_s", "device_memory", "tokens_per_s", "model_flops_per_s",
-              "mfu", "mfu_of_measured_matmul_peak"}
-RHINO_FIELDS = {"plan_and_compile_s", "plan", "compiled_memory", "batch_placement", "losses",
-                "step_times_s", "step_s", "device_memory", "tokens_per_s", "model_flops_per_s",
-                "mfu", "mfu_of_measured_matmul_peak", "measured_over_estimated_step"}
+TRAIN_FIELDS = {"losses", "step_times_s", "first_step_s", "step_s", "device_memory",
+                "tokens_per_s", "model_flops_per_s", "mfu", "mfu_of_measured_matmul_peak"}
+JIT_FIELDS = TRAIN_FIELDS | {"devices", "compile_s", "compiled_memory", "xla_flops_per_step"}
+RHINO_FIELDS = TRAIN_FIELDS | {"plan_and_compile_s", "plan", "compiled_memory",
+                               "batch_placement", "measured_over_estimated_step"}
 LOSS_FIELDS = {"max_abs_diff", "max_rel_diff", "first_step_rel_diff", "identical",
                "tolerance", "equal", "finite"}
 
