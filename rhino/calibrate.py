@@ -4,12 +4,17 @@ The planner is pure and takes an ``AbstractMesh`` and a ``CostModel``; this modu
 bridge from real devices to the latter (``rhino.backends`` has published figures instead).
 For each mesh axis it times all-reduces of several sizes over that axis and fits the
 planner's own all-reduce model ``t = α + 2 (n-1)/n · B · β`` by least squares; FLOP/s
-comes from timed float32 and bfloat16 matmuls on one device.
+comes from timed float32 and bfloat16 matmuls on one device. Two figures the planner does not
+use are measured too, for comparing devices (``benchmarks/gpu_check.py``): device memory
+bandwidth (an elementwise pass over a large array) and launch latency (a one-element
+program, dispatch to result).
 
 Example:
-    >>> from rhino.calibrate import calibrate_cost_model
+    >>> from rhino.calibrate import calibrate_cost_model, measure_memory_bandwidth
     >>> cost = calibrate_cost_model((2, 4))          # doctest: +SKIP
     >>> cost.alpha, cost.beta, cost.flops_for("bf16")  # doctest: +SKIP
+    >>> measure_memory_bandwidth(nbytes=1 << 20, reps=2) > 0
+    True
 """
 
 from __future__ import annotations
@@ -43,6 +48,49 @@ def measure_flops(device=None, n: int = 1024, reps: int = 5, dtype: str = "float
     a = jax.device_put(jnp.ones((n, n), dtype), device)
     t = _median_time(jax.jit(lambda x: x @ x), a, reps)
     return 2.0 * n ** 3 / max(t, 1e-9)
+
+
+def measure_memory_bandwidth(device=None, nbytes: int = 1 << 28, reps: int = 5) -> float:
+    """Bytes per second that one device's memory moves: an elementwise ``x + 1`` over a
+    float32 array of ``nbytes`` bytes, which reads it once and writes a new one (2 ×
+    ``nbytes`` moved per run).
+
+    Args:
+        device: the device (default: ``jax.devices()[0]``).
+        nbytes: the array's size in bytes (at least 4); make it much larger than the
+            device's caches (the default, 256 MiB, is for accelerators).
+        reps: timed runs (the median is kept).
+
+    Raises:
+        ValueError: ``nbytes`` below 4 or ``reps`` below 1.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if nbytes < 4 or reps < 1:
+        raise ValueError(f"measure_memory_bandwidth: expected nbytes >= 4 and reps >= 1, "
+                         f"found nbytes={nbytes}, reps={reps}")
+    device = device or jax.devices()[0]
+    x = jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), device)
+    t = _median_time(jax.jit(lambda v: v + 1), x, reps)
+    return 2.0 * (nbytes // 4) * 4 / max(t, 1e-9)
+
+
+def measure_launch_latency(device=None, reps: int = 100) -> float:
+    """Seconds from calling a compiled one-element program (``x + 1``) to holding its
+    result: dispatch, one kernel launch and the wait, the floor under every step.
+
+    Raises:
+        ValueError: ``reps`` below 1.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if reps < 1:
+        raise ValueError(f"measure_launch_latency: expected reps >= 1, found {reps}")
+    device = device or jax.devices()[0]
+    x = jax.device_put(jnp.zeros((1,), jnp.float32), device)
+    return _median_time(jax.jit(lambda v: v + 1), x, reps)
 
 
 def measure_axis(mesh_shape: Sequence[int], axis: int, devices=None,
