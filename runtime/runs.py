@@ -1,16 +1,26 @@
 """The two kinds of run a ``ParallelStep`` makes of a lowered plan: ``DirectRun`` (one
 stage in this process: the compiled SPMD program, called directly) and ``StagedRun`` (stage
-programs under a static schedule, by a local or a Ray executor)."""
+programs under a static schedule, by a local or a Ray executor).
+
+Both runs are ready before the first step: a ``DirectRun`` is built from the compiled
+program, and ``StagedRun.warm_up`` compiles every stage program with one step on zeros (the
+Ray executor's actors do the same when they start), so the first call, and its
+``timeline()``, is a steady-state step. Donated arguments (``donate=True``: state the step
+updates and returns) are deleted after every call, the first included, whether the program
+took them as they were or a copy moved onto the plan's devices (``delete_donated``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable, Sequence
 
 import jax
 
 from rhino.errors import RhinoError, format_bytes
 from rhino.hlo_passes.lower import SpmdLowering, StageLowering
 from rhino.parallel_plan import Plan
+from rhino.planner.build import carried_pairs
 from rhino.runtime.executor import WorkerSpec
 from rhino.vocabulary import ScheduleKind
 
@@ -24,6 +34,7 @@ class DirectRun:
         self.memory, self.budget, self.pressure = memory, budget, pressure
         self._accepted: list = [None] * len(lowering.in_shardings)
         self._hlo_text: str | None = None
+        self._donated: frozenset[int] | None = None
 
     def __call__(self, args: tuple) -> Any:
         # An input whose sharding object is the planned one, or one already found
@@ -41,9 +52,20 @@ class DirectRun:
             if moved is None:
                 moved = list(flat)
             moved[i] = jax.device_put(x, s)
-        if moved is not None:
-            args = jax.tree_util.tree_unflatten(tree, moved)
-        return self.compiled(*args)
+        if moved is None:
+            return self.compiled(*args)
+        out = self.compiled(*jax.tree_util.tree_unflatten(tree, moved))
+        # The program donated the moved copies; the arrays passed in go too, as they do
+        # when the program takes them as they are (every later call).
+        delete_donated(flat, self.donated_leaves, keep=moved)
+        return out
+
+    @property
+    def donated_leaves(self) -> frozenset[int]:
+        if self._donated is None:
+            self._donated = leaves_of_args(self.lowering.in_tree,
+                                           self.lowering.donate_argnums)
+        return self._donated
 
     def compiled_text(self) -> str:
         if self._hlo_text is None:
@@ -70,13 +92,48 @@ class DirectRun:
 
 
 class StagedRun:
-    """Stage programs under a static schedule, by a local or a Ray executor."""
+    """Stage programs under a static schedule, by a local or a Ray executor.
+
+    Args:
+        lowering, specs, executor, schedule: the stage programs and who runs them.
+        replanned: the plan whose stage plans were re-made at microbatch shapes, if so.
+        searched_step_s: the whole-batch search's estimated step (shown beside the
+            re-made plan's).
+        donated: flat argument leaves donated (deleted after each call).
+    """
 
     def __init__(self, lowering: StageLowering, specs: list[WorkerSpec], executor: Any,
-                 schedule: ScheduleKind, replanned: Plan | None = None):
+                 schedule: ScheduleKind, replanned: Plan | None = None,
+                 searched_step_s: float | None = None, donated: frozenset[int] = frozenset()):
         self.lowering, self.specs, self.executor, self.schedule = (lowering, specs, executor,
                                                                    schedule)
         self.replanned = replanned      # the stage plans re-made at microbatch shapes
+        self.searched_step_s = searched_step_s
+        self.donated = frozenset(donated)
+        self.warm_up_s: float | None = None
+
+    def warm_up(self, say: Callable[[str], None]) -> None:
+        """Compile every stage program before the first step: one step of the local
+        executor on zeros (``StageWorker.zero_args``), so that the first call runs at steady
+        state. The Ray executor's actors warm up when they start; nothing to do for it."""
+        workers = getattr(self.executor, "workers", None)
+        if workers is None:
+            return
+        n = len(workers)
+        say(f"compiling the stage programs of {n} stage{'s' if n > 1 else ''} (one step on "
+            f"zeros, before the first step)")
+        t0 = time.perf_counter()
+        zeros: dict[int, Any] = {}
+        for w in workers:
+            for r, z in w.zero_args().items():
+                # A weakly typed argument (a Python-number learning rate) stays weak, or the
+                # first real step would compile its programs again.
+                weak = getattr(w.split.flat.avals[r], "weak_type", False)
+                zeros[r] = jax.numpy.full(z.shape, z.dtype.type(0).item()) if weak else z
+        self.executor.run(zeros)
+        self.warm_up_s = time.perf_counter() - t0
+        say(f"compiled the stage programs of {n} stage{'s' if n > 1 else ''} in "
+            f"{self.warm_up_s:.1f} s")
 
     def __call__(self, args: tuple) -> list:
         flat = jax.tree_util.tree_leaves(args)
@@ -89,15 +146,25 @@ class StagedRun:
                 res.append(flat[o.ref])
             else:
                 res.append(outs[o.ref])
+        delete_donated(flat, self.donated, keep=res)
         return res
 
     def report_lines(self) -> list[str]:
-        if self.replanned is None:
-            return []
-        shapes = sorted({tuple(x.shape) for k, x in enumerate(jax.tree_util.tree_leaves(
-            self.lowering.abstract_mb)) if k in self.lowering.batch_refs})
-        return [f"  stage plans       re-made at microbatch shapes {shapes}: the step traces "
-                f"to other equations there (same split, meshes and weights per stage)"]
+        lines = []
+        if self.replanned is not None:
+            shapes = sorted({tuple(x.shape) for k, x in enumerate(jax.tree_util.tree_leaves(
+                self.lowering.abstract_mb)) if k in self.lowering.batch_refs})
+            was = ("" if self.searched_step_s is None else
+                   f"; the whole-batch search estimated {1e3 * self.searched_step_s:.3f} ms, "
+                   f"the re-made plans {1e3 * self.replanned.step_s:.3f} ms, the step time "
+                   f"shown above")
+            lines.append(f"  stage plans       re-made at microbatch shapes {shapes}: the "
+                         f"step traces to other equations there (same split, meshes and "
+                         f"weights per stage{was})")
+        if self.warm_up_s is not None:
+            lines.append(f"  compiled          every stage program before the first step "
+                         f"({self.warm_up_s:.1f} s, one step on zeros)")
+        return lines
 
     def shardings(self, leaves: int) -> list:
         workers = getattr(self.executor, "workers", None)
@@ -111,3 +178,39 @@ class StagedRun:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def leaves_of_args(in_tree: Any, argnums: Sequence[int]) -> frozenset[int]:
+    """The flat leaf indices of the top-level arguments ``argnums`` of the arguments tuple
+    whose structure is ``in_tree``."""
+    counts = [c.num_leaves for c in in_tree.children()]
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    return frozenset(i for k in argnums for i in range(starts[k], starts[k] + counts[k]))
+
+
+def donated_argnums(graph: Any, abstract: tuple) -> tuple[int, ...]:
+    """The arguments every leaf of which the step updates and returns (carried): those
+    ``donate=True`` donates. (The SPMD lowering donates the same, ``donate_argnums``.)"""
+    carried = {p for _, p in carried_pairs(graph)}
+    picked, pos = [], 0
+    for k, arg in enumerate(abstract):
+        n = len(jax.tree_util.tree_leaves(arg))
+        if n and all(i in carried for i in graph.params[pos:pos + n]):
+            picked.append(k)
+        pos += n
+    return tuple(picked)
+
+
+def delete_donated(flat: Sequence[Any], donated: frozenset[int], keep: Sequence[Any] = ()
+                   ) -> None:
+    """Delete the donated arguments among ``flat`` (jax arrays not yet deleted), except an
+    array that is also a result or a value still in use (``keep``), or that the call also
+    took as an argument that is not donated."""
+    if not donated:
+        return
+    kept = {id(x) for x in jax.tree_util.tree_leaves(list(keep))}
+    kept |= {id(x) for i, x in enumerate(flat) if i not in donated}
+    for i in donated:
+        x = flat[i] if i < len(flat) else None
+        if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
+            x.delete()
