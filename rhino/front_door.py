@@ -53,24 +53,6 @@ DEFAULT_MICROBATCHES = 4
 """Microbatches per step of a pipeline when none are given (both doors, the CLI too)."""
 
 
-def positive(name: str, value: Any, kind: type = float, allow_none: bool = False) -> Any:
-    """``value`` as a positive ``kind`` (int: a whole number), else ``OptionsError``.
-
-    >>> positive("stages", 2.0, int)
-    2
-    """
-    if value is None and allow_none:
-        return None
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and float(value).is_integer()
-    if not ok or not np.isfinite(float(value)) or not value > 0:
-        want = "a positive integer" if kind is int else "a positive number"
-        raise OptionsError(f"{name}: expected {want}{' or None' if allow_none else ''}, "
-                           f"found {value!r}")
-    return kind(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class PlanRequest:
     """The options that decide a plan, as both front doors give them.
@@ -364,3 +346,21 @@ def plan_on_cluster(step: TracedStep | HloGraph, request: PlanRequest, cluster: 
         f"{1e3 * remade.step_s:.3f} ms (the whole-batch search estimated "
         f"{1e3 * plan.step_s:.3f} ms)")
     return ClusterPlan(remade, micro, plan)
+
+
+def positive(name: str, value: Any, kind: type = float, allow_none: bool = False) -> Any:
+    """``value`` as a positive ``kind`` (int: a whole number), else ``OptionsError``.
+
+    >>> positive("stages", 2.0, int)
+    2
+    """
+    if value is None and allow_none:
+        return None
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok or not np.isfinite(float(value)) or not value > 0:
+        want = "a positive integer" if kind is int else "a positive number"
+        raise OptionsError(f"{name}: expected {want}{' or None' if allow_none else ''}, "
+                           f"found {value!r}")
+    return kind(value)

@@ -3,13 +3,15 @@
 First call per input signature::
 
     step fn + arguments
-      │ trace + ingest        hlo_passes.annotate.ScopedFunction, hlo_passes.ingest
+      │ trace + ingest        front_door.trace_step (as rhino.plan traces it)
       ▼
-    HloGraph ─► the Plan      given (plan=), or planned: SPMD on a mesh priced by the
-      │                       cost model of the devices it runs on (rhino.backends; or
-      │                       cost=), with annotations and a compiled-memory budget
-      │                       (rhino.planning), or over a cluster (the pipeline controller:
-      │                       SPMD, pipeline or hybrid)
+    HloGraph ─► the Plan      given (plan=), or planned through rhino.front_door, the path
+      │                       rhino.plan takes too (StepOptions.request): SPMD on a mesh
+      │                       priced by the cost model of the devices it runs on
+      │                       (rhino.backends; or cost=), with annotations and a
+      │                       compiled-memory budget (rhino.planning), or over a cluster
+      │                       (the controller: SPMD, pipeline or hybrid; what it chose and
+      │                       why is logged before anything compiles)
       ▼
     lowering                  hlo_passes.lower: the plan written into the step
       ▼
@@ -17,7 +19,7 @@ First call per input signature::
       one stage, executor local ─► DirectRun: the compiled SPMD program, called directly
       otherwise                 ─► StagedRun: per-stage F/B/A programs under the static
                                     schedule; one thread per stage (local) or one Ray
-                                    actor per stage (ray)
+                                    actor per stage (ray); compiled before the first step
 
 Later calls with the same signature only run. Results keep the plan's shardings, so feeding
 them back as the next step's arguments moves nothing; with ``donate=True`` (default) the
@@ -67,7 +69,7 @@ from rhino.step_arguments import signature
 from rhino.progress import Progress
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
-from rhino.runtime.runs import DirectRun, StagedRun, donated_argnums, leaves_of_args
+from rhino.runtime.runs import DirectRun, StagedRun
 from rhino.vocabulary import Accumulate, ExecutorKind, ScheduleKind, TransportKind
 
 REPORT_ENV = "RHINO_REPORT"
@@ -580,11 +582,8 @@ class _Builder:
                                                len(workers), plan.cluster.devices_per_host,
                                                strategy=o.transport.value)
             executor = LocalExecutor(workers, o.timeout, transport)
-        donated = (leaves_of_args(jax.tree_util.tree_structure(self.abstract),
-                                  donated_argnums(graph, self.abstract))
-                   if o.donate else frozenset())
         run = StagedRun(lowering, specs, executor, plan.schedule, replanned,
-                        searched if replanned is not None else None, donated)
+                        searched if replanned is not None else None)
         try:
             run.warm_up(self.progress.always)
         except BaseException:
@@ -626,9 +625,10 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             (``"h100"``, ``"tpu-v5e"``, ... ``rhino.backends``). Default: the figures of
             the devices it runs on (platform and device kind; simulated CPU on CPU).
         cluster: plan over ``"HOSTSxDEVICES"`` (or a ``Cluster``) instead: the controller
-            weighs SPMD, pipeline and hybrid plans; a pipeline is cut into per-stage
-            programs and run with a static schedule. Text gets the figures of ``cost``'s
-            name or of the devices.
+            chooses SPMD, a pipeline or a hybrid, whichever it estimates fastest, and logs
+            what it chose and why (``stages=`` fixes the stage count); a pipeline is cut
+            into per-stage programs, compiled before the first step and run with a static
+            schedule. Text gets the figures of ``cost``'s name or of the devices.
         opt_level: ``"O2"`` (fast) or ``"O3"`` (whole-graph ILP).
         memory_budget: bytes per device the *compiled* SPMD program may use (XLA's
             ``memory_analysis()``: arguments + outputs + temporaries − donated). Plans are
@@ -638,14 +638,18 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             gradients, activations in flight) must fit (default: the cluster's device
             memory); it is not checked on compiled programs there.
         annotations: ``{pytree path or named_scope name: spec}``, e.g.
-            ``{"params['wte']": "S[x]·R"}``; the planner plans around them. With
+            ``{"params['wte']": "S[x]·R"}`` or ``{"params['wte']": PartitionSpec('x',
+            None)}`` (a Flax NNX path with or without its ``.value``); the planner plans
+            around them. With
             ``cluster=``: in the SPMD candidate's plan and in each stage's plan for the
             values that stage holds (stage meshes are 1-D, axis ``x``); a candidate whose
             mesh a spec does not fit is left out, its report line says why.
         plan: a saved ``Plan`` to run instead of planning (its stages, microbatches and
             schedule; a hand-edited stage assignment goes here).
         report: print the plan report on the first call (default: env ``RHINO_REPORT``).
-        donate: donate the training state that the step updates and returns.
+        donate: donate the training state that the step updates and returns (an SPMD
+            program deletes the arrays passed in after every call; stage programs keep
+            them).
         time_limit: seconds per solve.
         num_microbatches: microbatches per step of a pipeline (default: a given plan's,
             else 4).

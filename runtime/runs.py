@@ -5,13 +5,16 @@ programs under a static schedule, by a local or a Ray executor).
 Both runs are ready before the first step: a ``DirectRun`` is built from the compiled
 program, and ``StagedRun.warm_up`` compiles every stage program with one step on zeros (the
 Ray executor's actors do the same when they start), so the first call, and its
-``timeline()``, is a steady-state step. Donated arguments (``donate=True``: state the step
-updates and returns) are deleted after every call, the first included, whether the program
-took them as they were or a copy moved onto the plan's devices (``delete_donated``).
+``timeline()``, is a steady-state step. A ``DirectRun`` deletes its donated arguments
+(``donate=True``: state the step updates and returns) after every call, the first included,
+whether the program took them as they were or a copy moved onto the plan's devices
+(``delete_donated``). Stage programs do not donate the state (they keep it per stage
+between steps), so a ``StagedRun`` deletes nothing, on any call.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -20,7 +23,6 @@ import jax
 from rhino.errors import RhinoError, format_bytes
 from rhino.hlo_passes.lower import SpmdLowering, StageLowering
 from rhino.parallel_plan import Plan
-from rhino.planner.build import carried_pairs
 from rhino.runtime.executor import WorkerSpec
 from rhino.vocabulary import ScheduleKind
 
@@ -91,6 +93,10 @@ class DirectRun:
         pass
 
 
+HEARTBEAT_S = 10.0
+"""While the stage programs compile, a line every this many seconds."""
+
+
 class StagedRun:
     """Stage programs under a static schedule, by a local or a Ray executor.
 
@@ -99,17 +105,15 @@ class StagedRun:
         replanned: the plan whose stage plans were re-made at microbatch shapes, if so.
         searched_step_s: the whole-batch search's estimated step (shown beside the
             re-made plan's).
-        donated: flat argument leaves donated (deleted after each call).
     """
 
     def __init__(self, lowering: StageLowering, specs: list[WorkerSpec], executor: Any,
                  schedule: ScheduleKind, replanned: Plan | None = None,
-                 searched_step_s: float | None = None, donated: frozenset[int] = frozenset()):
+                 searched_step_s: float | None = None):
         self.lowering, self.specs, self.executor, self.schedule = (lowering, specs, executor,
                                                                    schedule)
         self.replanned = replanned      # the stage plans re-made at microbatch shapes
         self.searched_step_s = searched_step_s
-        self.donated = frozenset(donated)
         self.warm_up_s: float | None = None
 
     def warm_up(self, say: Callable[[str], None]) -> None:
@@ -123,6 +127,16 @@ class StagedRun:
         say(f"compiling the stage programs of {n} stage{'s' if n > 1 else ''} (one step on "
             f"zeros, before the first step)")
         t0 = time.perf_counter()
+        done = threading.Event()
+
+        def heartbeat() -> None:     # XLA says nothing while it compiles: we do
+            while not done.wait(HEARTBEAT_S):
+                say(f"compiling the stage programs of {n} stage{'s' if n > 1 else ''}: "
+                    f"{time.perf_counter() - t0:.0f} s so far")
+
+        beat = threading.Thread(target=heartbeat, name="rhino-compile-heartbeat",
+                                daemon=True)
+        beat.start()
         zeros: dict[int, Any] = {}
         for w in workers:
             for r, z in w.zero_args().items():
@@ -130,7 +144,10 @@ class StagedRun:
                 # first real step would compile its programs again.
                 weak = getattr(w.split.flat.avals[r], "weak_type", False)
                 zeros[r] = jax.numpy.full(z.shape, z.dtype.type(0).item()) if weak else z
-        self.executor.run(zeros)
+        try:
+            self.executor.run(zeros)
+        finally:
+            done.set()
         self.warm_up_s = time.perf_counter() - t0
         say(f"compiled the stage programs of {n} stage{'s' if n > 1 else ''} in "
             f"{self.warm_up_s:.1f} s")
@@ -146,7 +163,6 @@ class StagedRun:
                 res.append(flat[o.ref])
             else:
                 res.append(outs[o.ref])
-        delete_donated(flat, self.donated, keep=res)
         return res
 
     def report_lines(self) -> list[str]:
@@ -186,19 +202,6 @@ def leaves_of_args(in_tree: Any, argnums: Sequence[int]) -> frozenset[int]:
     counts = [c.num_leaves for c in in_tree.children()]
     starts = [sum(counts[:k]) for k in range(len(counts))]
     return frozenset(i for k in argnums for i in range(starts[k], starts[k] + counts[k]))
-
-
-def donated_argnums(graph: Any, abstract: tuple) -> tuple[int, ...]:
-    """The arguments every leaf of which the step updates and returns (carried): those
-    ``donate=True`` donates. (The SPMD lowering donates the same, ``donate_argnums``.)"""
-    carried = {p for _, p in carried_pairs(graph)}
-    picked, pos = [], 0
-    for k, arg in enumerate(abstract):
-        n = len(jax.tree_util.tree_leaves(arg))
-        if n and all(i in carried for i in graph.params[pos:pos + n]):
-            picked.append(k)
-        pos += n
-    return tuple(picked)
 
 
 def delete_donated(flat: Sequence[Any], donated: frozenset[int], keep: Sequence[Any] = ()
