@@ -210,7 +210,7 @@ def _progress(args: argparse.Namespace):
     """Progress lines on stderr (the ``rhino`` logger at INFO), or none with --quiet."""
     from rhino.progress import get_logger, info
 
-    get_logger().setLevel(logging.WARNING if args.quiet else logging.INFO)
+    get_logger().setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
     return info
 
 
@@ -261,6 +261,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     else:
         n = math.prod(mesh_shape)
     _ensure_cpu_devices(n)
+    _progress(args)
     import jax
     import numpy as np
 
