@@ -315,7 +315,8 @@ def plan_on_cluster(step: TracedStep | HloGraph, request: PlanRequest, cluster: 
         GradientBoundaryError, InfeasiblePlanError: as ``plan_pipeline_graph``.
         LoweringError: the split cannot be kept at microbatch shapes.
     """
-    from rhino.hlo_passes.lower import TraceMismatch, microbatch_abstract, microbatch_divisors
+    from rhino.hlo_passes.lower import (TraceMismatch, key_args, microbatch_abstract,
+                                        microbatch_divisors)
     from rhino.pipeline.at_microbatch import replan_at_microbatch
 
     say = progress or (lambda msg: None)
@@ -325,7 +326,7 @@ def plan_on_cluster(step: TracedStep | HloGraph, request: PlanRequest, cluster: 
     if isinstance(step, TracedStep) and request.stage_count != 1:
         m = request.microbatches
         boundary = find_gradient_boundary(graph, BoundaryOptions(request.batch_args))
-        check_batch_leaves(graph, boundary, m)
+        check_batch_leaves(graph, boundary, m, key_args(step.traced))
         try:
             divisors = microbatch_divisors(step.fn, step.traced, graph, step.abstract,
                                            boundary.batch_params, m)

@@ -53,7 +53,7 @@ from rhino.front_door import (ClusterPlan, PlanRequest, TracedStep, plan_on_clus
                               plan_on_mesh, positive, runnable_cost, spmd_plan, trace_step)
 from rhino.hlo_passes import HloGraph
 from rhino.hlo_passes.lower import (TraceMismatch, check_batch_coupling, compile_spmd,
-                                    lower_spmd, lower_stages)
+                                    key_args, lower_spmd, lower_stages)
 from rhino.pipeline.api import make_cluster
 from rhino.pipeline.at_microbatch import lower_at_microbatch
 from rhino.pipeline.coarsen import classify_ops
@@ -535,7 +535,7 @@ class _Builder:
         o, graph = self.o, self.graph
         self.progress("splitting the step into stage programs")
         boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
-        check_batch_leaves(graph, boundary, plan.num_microbatches)
+        check_batch_leaves(graph, boundary, plan.num_microbatches, key_args(self.traced))
         roles = classify_ops(graph, boundary).role
         searched = plan.step_s
         made = self.cluster_plan

@@ -262,9 +262,10 @@ def _is_scalar(graph: HloGraph, param: int) -> bool:
     return dims is not None and len(dims) == 0
 
 
-def check_batch_leaves(graph: HloGraph, boundary: "GradientBoundary", m: int) -> None:
+def check_batch_leaves(graph: HloGraph, boundary: "GradientBoundary", m: int,
+                       keys: frozenset[int] = frozenset()) -> None:
     """Every leaf of the batch arguments has a leading dimension that ``m`` microbatches
-    divide.
+    divide, PRNG keys aside (``keys``: their flat argument indices; a key is never split).
 
     Raises:
         OptionsError: a batch leaf without one, naming the leaf, the batch arguments as
@@ -272,7 +273,8 @@ def check_batch_leaves(graph: HloGraph, boundary: "GradientBoundary", m: int) ->
     """
     for p in boundary.batch_params:
         dims = tuple(getattr(graph.ops[p].shape, "dims", ()) or ())
-        if dims and dims[0] % m == 0:
+        arg = graph.ops[p].arg
+        if (dims and dims[0] % m == 0) or (arg is not None and arg.index in keys):
             continue
         path = _path(graph, p)
         others = tuple(a for a in boundary.batch_args if not _under(path, a))
