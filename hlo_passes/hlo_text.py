@@ -141,23 +141,69 @@ class RawModule:
     # The header's entry_computation_layout as (parameter shapes, result shape), if given.
     entry_layout: tuple[list[Shape], Shape] | None = None
     header_line: int = 1
+    frame_parents: dict[int, int] = dataclasses.field(default_factory=dict)  # id -> caller
 
     @property
     def entry(self) -> RawComputation:
         return self.computations[self.entry_name]
 
     def source_of(self, metadata: dict[str, str]) -> str | None:
-        """``file:line`` from an instruction's metadata, or None."""
+        """``file:line`` from an instruction's metadata, or None: of its stack (JAX writes
+        the whole traceback), the innermost frame outside installed libraries (a user's
+        line, not ``flax/nnx/nn/linear.py``), else the innermost frame."""
         sf = metadata.get("stack_frame_id")
         if sf is not None and sf.isdigit():
-            loc = self.file_locations.get(self.stack_frames.get(int(sf), -1))
-            if loc is not None:
-                fname = self.file_names.get(loc[0], "?")
-                return f"{fname}:{loc[1]}"
+            chain = self.frame_chain(int(sf))
+            lines = [(self.file_names.get(loc[0], "?"), loc[1]) for loc in
+                     (self.file_locations.get(self.stack_frames.get(f, -1)) for f in chain)
+                     if loc is not None]
+            if lines:
+                fname, line = next((x for x in lines if not is_library_file(x[0])), lines[0])
+                return f"{fname}:{line}"
         f = metadata.get("source_file")
         if f is not None:
             return f"{f}:{metadata.get('source_line', '?')}"
         return None
+
+
+    def frame_chain(self, frame: int) -> list[int]:
+        """Stack frame ids from ``frame`` (innermost) out to the outermost caller."""
+        out: list[int] = []
+        while frame in self.stack_frames and frame not in out:
+            out.append(frame)
+            frame = self.frame_parents.get(frame, 0)
+        return out
+
+
+LIBRARY_DIRS = ("site-packages", "dist-packages")
+"""Folders of installed libraries: a source line inside them is not the user's."""
+
+
+def is_library_file(path: str) -> bool:
+    """Whether ``path`` lies in an installed library (``LIBRARY_DIRS``).
+
+    >>> is_library_file("/venv/lib/python3.11/site-packages/flax/nnx/nn/linear.py")
+    True
+    >>> is_library_file("/home/me/train.py")
+    False
+    """
+    parts = path.replace("\\", "/").split("/")
+    return any(d in parts for d in LIBRARY_DIRS)
+
+
+def frame_parents(printed: dict[int, int]) -> dict[int, int]:
+    """Caller frame ids from the ``parent_frame_id`` values of an HLO text's
+    ``StackFrames`` (0: none). XLA (jaxlib 0.10) prints each parent one above its id, so
+    that the outermost frame reads as its own parent, which no frame can be: where some
+    frame does, every value is read one lower.
+
+    >>> frame_parents({1: 1, 2: 2, 3: 3})       # 3 called from 2, from 1, from nothing
+    {1: 0, 2: 1, 3: 2}
+    >>> frame_parents({1: 0, 2: 1})
+    {1: 0, 2: 1}
+    """
+    shift = 1 if any(k == v for k, v in printed.items()) else 0
+    return {k: max(0, v - shift) for k, v in printed.items()}
 
 
 # --- brackets, lists and shapes ------------------------------------------------------------
@@ -513,6 +559,7 @@ class _Reader:
         self.file_names: dict[int, str] = {}
         self.file_locs: dict[int, tuple[int, int]] = {}
         self.frames: dict[int, int] = {}
+        self.parents: dict[int, int] = {}
 
     def line(self, lineno: int, raw: str) -> None:
         path, s, cur = self.path, raw.strip(), self.cur
@@ -611,6 +658,11 @@ class _Reader:
                 self.file_locs[key] = (int(vals[0]), int(vals[1]))
             else:
                 self.frames[key] = int(vals[0])
+                parent = md.get("parent_frame_id", "0")
+                if not _INT_RE.fullmatch(parent):
+                    raise HloParseError(self.path, lineno, "an integer parent_frame_id in a "
+                                        "StackFrames entry", s)
+                self.parents[key] = int(parent)
 
     def finish(self, nlines: int) -> RawModule:
         path = self.path
@@ -622,7 +674,8 @@ class _Reader:
         if self.entry_name is None:
             raise HloParseError(path, None, "an 'ENTRY' computation", "none")
         return RawModule(self.module_name, self.comps, self.entry_name, path, self.file_names,
-                         self.file_locs, self.frames, self.entry_layout, self.header_line)
+                         self.file_locs, self.frames, self.entry_layout, self.header_line,
+                         frame_parents(self.parents))
 
 
 def parse_hlo_text(text: str, path: str = "<string>") -> RawModule:

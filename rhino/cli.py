@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
+import re
 import os
 import sys
 import traceback
@@ -17,6 +19,8 @@ from typing import Any, Sequence
 
 from rhino._version import __version__
 from rhino.errors import RhinoError
+
+DEFAULT_MICROBATCHES = 4   # rhino.front_door.DEFAULT_MICROBATCHES (not imported: no jax yet)
 
 DESCRIPTION = """\
 rhino: plan and run a one-device JAX training step over many devices.
@@ -167,10 +171,12 @@ _SPMD_ONLY = {"plan": (("--mesh", (8,)), ("--alpha", None), ("--beta", None),
                        ("--opt-level", "O2"), ("--time-limit", 600.0),
                        ("--min-split-flops", None)),
               "demo": (("--mesh", (8,)),)}
-_CLUSTER_ONLY = {"plan": (("--microbatches", 8), ("--epsilon", 0.1), ("--max-stages", None),
+_CLUSTER_ONLY = {"plan": (("--microbatches", DEFAULT_MICROBATCHES), ("--epsilon", 0.1),
+                          ("--max-stages", None),
                           ("--alpha-intra", None), ("--beta-intra", None),
                           ("--alpha-inter", None), ("--beta-inter", None)),
-                 "demo": (("--stages", None), ("--microbatches", 4), ("--schedule", "1f1b"))}
+                 "demo": (("--stages", None), ("--microbatches", DEFAULT_MICROBATCHES),
+                          ("--schedule", "1f1b"))}
 
 
 def _mode_options(args: argparse.Namespace, command: str) -> None:
@@ -191,50 +197,48 @@ def _mode_options(args: argparse.Namespace, command: str) -> None:
             setattr(args, name, default)
 
 
-def _cmd_plan_pipeline(args: argparse.Namespace) -> int:
-    """``rhino plan --cluster HxD``: weigh SPMD-only, pipeline and hybrid plans."""
-    import rhino
-
-    source, example = resolve_source(args.source)
-    progress = None if args.quiet else (lambda msg: print(f"rhino: {msg}", file=sys.stderr))
-    budget = args.memory_budget
-    try:
-        p = rhino.plan_pipeline(
-            source, *example, cluster=args.cluster, microbatches=args.microbatches,
-            epsilon=args.epsilon, max_stages=args.max_stages, alpha_intra=args.alpha_intra,
-            beta_intra=args.beta_intra, alpha_inter=args.alpha_inter,
-            beta_inter=args.beta_inter, flops_per_s=args.flops, backend=args.backend,
-            memory_bytes=budget, progress=progress)
-    except ValueError as e:
-        raise RhinoError(str(e)) from None
-    return _emit_plan(p, args)
-
-
 def _emit_plan(p, args: argparse.Namespace) -> int:
     """Save (--output) and print (report, or --json) a plan."""
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(p.to_json(indent=1))
-    print(p.to_json(indent=1) if args.json else p.report())
+    print(p.to_json(indent=1) if args.json else p.report(full=args.all))
     return 0
+
+
+def _progress(args: argparse.Namespace):
+    """Progress lines on stderr (the ``rhino`` logger at INFO), or none with --quiet."""
+    from rhino.progress import get_logger, info
+
+    get_logger().setLevel(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
+    return info
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     import rhino
-    from rhino.planner.build import BuildOptions
 
     _mode_options(args, "plan")
-    if args.cluster:
-        return _cmd_plan_pipeline(args)
     source, example = resolve_source(args.source)
-    progress = None if args.quiet else (lambda msg: print(f"rhino: {msg}", file=sys.stderr))
+    progress = _progress(args)
     try:
-        p = rhino.plan(source, *example, mesh_shape=args.mesh, opt_level=args.opt_level,
-                       memory_budget=args.memory_budget,
-                       alpha=_floats(args.alpha, "--alpha"), beta=_floats(args.beta, "--beta"),
-                       flops_per_s=args.flops, backend=args.backend,
-                       time_limit=args.time_limit, progress=progress,
-                       build=BuildOptions(min_split_flops=args.min_split_flops))
+        if args.cluster:
+            from rhino.pipeline.api import make_cluster
+
+            cluster = make_cluster(args.cluster, args.backend, alpha_intra=args.alpha_intra,
+                                   beta_intra=args.beta_intra, alpha_inter=args.alpha_inter,
+                                   beta_inter=args.beta_inter, flops_per_s=args.flops)
+            p = rhino.plan(source, *example, cluster=cluster,
+                           num_microbatches=args.microbatches, epsilon=args.epsilon,
+                           max_stages=args.max_stages, memory_budget=args.memory_budget,
+                           progress=progress)
+            progress(p.choice_line())
+        else:
+            p = rhino.plan(source, *example, mesh_shape=args.mesh, opt_level=args.opt_level,
+                           memory_budget=args.memory_budget,
+                           alpha=_floats(args.alpha, "--alpha"),
+                           beta=_floats(args.beta, "--beta"), flops_per_s=args.flops,
+                           backend=args.backend, time_limit=args.time_limit,
+                           progress=progress, min_split_flops=args.min_split_flops)
     except ValueError as e:
         raise RhinoError(str(e)) from None
     return _emit_plan(p, args)
@@ -257,6 +261,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     else:
         n = math.prod(mesh_shape)
     _ensure_cpu_devices(n)
+    _progress(args)
     import jax
     import numpy as np
 
@@ -382,10 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--output", metavar="FILE", type=output_file,
                     help="also save the plan JSON to FILE")
     pp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    pp.add_argument("--all", action="store_true", help="list every collective, parameter, "
+                    "candidate and tensor between stages in the report (default: the largest)")
     pp.add_argument("--cluster", metavar="HxD", help="plan SPMD / pipeline / hybrid for H hosts "
                     "x D devices per host, e.g. 2x8 (the pipeline planner; instead of --mesh)")
     pp.add_argument("--microbatches", type=positive_int,
-                    help="microbatches per step (1F1B; with --cluster, default: 8)")
+                    help=f"microbatches per step (1F1B; with --cluster, default: "
+                    f"{DEFAULT_MICROBATCHES}, as auto_parallel)")
     pp.add_argument("--epsilon", type=float,
                     help="stage imbalance tolerance (with --cluster, default: 0.1)")
     pp.add_argument("--max-stages", type=positive_int, help="the most pipeline stages")
@@ -408,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--stages", type=positive_int, help="pipeline stages with --cluster "
                     "(default: the planner's choice)")
     pd.add_argument("--microbatches", type=positive_int,
-                    help="with --cluster (default: 4)")
+                    help=f"with --cluster (default: {DEFAULT_MICROBATCHES})")
     pd.add_argument("--schedule", choices=("1f1b", "gpipe", "eager-1f1b"),
                     help="with --cluster (default: 1f1b)")
     pd.add_argument("--memory-budget", type=memory_bytes, help="bytes per device, e.g. "
@@ -416,6 +424,33 @@ def build_parser() -> argparse.ArgumentParser:
                     "until it fits); with --cluster, each stage's estimated peak")
     pd.set_defaults(func=_cmd_demo)
     return p
+
+
+# Options whose value may start with a minus sign ("--alpha -1e-5,1e-5"): argparse would take
+# the value for an option; written "--alpha=-1e-5,1e-5" it is read as a value.
+_NUMBER_OPTIONS = ("--alpha", "--beta", "--alpha-intra", "--beta-intra", "--alpha-inter",
+                   "--beta-inter", "--epsilon", "--flops", "--time-limit",
+                   "--min-split-flops")
+_NEGATIVE = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
+
+
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``["--alpha", "-1e-5,1e-5"]`` -> ``["--alpha=-1e-5,1e-5"]`` (see ``_NUMBER_OPTIONS``).
+
+    >>> _attach_negative_values(["plan", "m", "--alpha", "-1e-5,1e-5", "--json"])
+    ['plan', 'm', '--alpha=-1e-5,1e-5', '--json']
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in _NUMBER_OPTIONS and i + 1 < len(argv) and _NEGATIVE.match(argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def one_line(message: str) -> str:
@@ -431,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status: 0 done, 1 the demo's results differ
     or rhino failed unexpectedly, 2 a mistake in the command or its input (one line on
     stderr; ``--debug`` prints the traceback instead), 130 interrupted."""
+    argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # a usage error (2), or --help / --version (0)

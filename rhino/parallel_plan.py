@@ -338,8 +338,25 @@ class Plan:
             "search": dataclasses.asdict(self.search) if self.search is not None else None,
         }
 
-    def to_json(self, indent: int | None = None, include_spmd: bool = True) -> str:
-        return json.dumps(self.to_dict(include_spmd), indent=indent)
+    def to_json(self, indent: int | None = None, include_spmd: bool = True,
+                search_times: bool = True) -> str:
+        """The plan as JSON (``from_json`` reads it back exactly).
+
+        Args:
+            indent: as ``json.dumps``.
+            include_spmd: keep each stage's SPMD plan.
+            search_times: keep how long the search took (wall seconds, and how many SPMD
+                plans it made, which parallel workers can change); without them two
+                searches of the same program and options give the same text.
+        """
+        d = self.to_dict(include_spmd)
+        if not search_times:
+            d["search"] = None
+            for st in d["stages"]:
+                if st["spmd"] is not None:
+                    st["spmd"]["search"] = {k: (0.0 if k.endswith("_s") else v)
+                                            for k, v in st["spmd"]["search"].items()}
+        return json.dumps(d, indent=indent)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
@@ -404,18 +421,45 @@ class Plan:
         return cls.from_dict(d)
 
     # ------------------------------------------------------------------ report
-    def report(self, max_crossings: int = 12, max_candidates: int = 24) -> str:
+    @property
+    def from_controller(self) -> bool:
+        """Whether a cluster's controller chose this plan (``decision_text``), rather than
+        SPMD on a mesh given or weighed (``Plan.from_spmd``: "SPMD on ...")."""
+        return (self.num_stages > 1 or len(self.candidates) > 1
+                or not self.decision.startswith("SPMD on "))
+
+    def choice_line(self) -> str:
+        """What a controller chose and why, in one line (a cluster plan's report starts
+        with it; ``auto_parallel(cluster=...)`` logs it before it compiles)."""
+        what = {"spmd": "SPMD", "pipeline": "a pipeline", "hybrid": "a hybrid pipeline"}
+        mesh = self.stages[0].mesh
+        shape = "x".join(map(str, mesh.shape))
+        how = (f" on mesh ({shape})" if self.num_stages == 1 else
+               f" of {self.num_stages} stages × mesh ({shape}), {self.num_microbatches} "
+               f"microbatches")
+        return (f"chose {what.get(self.kind.value, self.kind.value)}{how} over cluster "
+                f"{self.cluster} (estimated step {1e3 * self.step_s:.3f} ms): {self.decision}")
+
+    def report(self, max_crossings: int = 12, max_candidates: int = 24, full: bool = False
+               ) -> str:
         """A report a person can read: for one stage its SPMD plan; for a pipeline the
         decision, candidates, stages, crossings and timings; how it was chosen when a
-        controller weighed several candidates."""
+        controller weighed several candidates (then its first line says what was chosen
+        and why). ``full``: every row of every list (``rhino plan --all``)."""
+        if full:
+            max_crossings = len(self.crossings) + 1
+            max_candidates = len(self.candidates) + 1
+        head = f"rhino plan: {self.program}  ({self.origin})"
         if self.num_stages == 1 and self.stages[0].spmd is not None:
-            text = self.stages[0].spmd.report()
+            text = self.stages[0].spmd.report(full=full)
             if self.decision.startswith("SPMD on mesh ") and len(self.candidates) <= 1:
                 text += f"\n  mesh chosen       {self.decision}"   # weighed mesh shapes
-            if len(self.candidates) > 1:
+            if self.from_controller:
+                text = text.replace(head, f"{head}: {self.choice_line()}", 1)
                 text += "\n" + "\n".join(self._controller_lines(max_candidates))
+                text += "\n" + "\n".join(LEGEND)
             return text
-        return "\n".join(self._pipeline_lines(max_crossings, max_candidates))
+        return "\n".join(self._pipeline_lines(max_crossings, max_candidates) + LEGEND)
 
     def _controller_lines(self, max_candidates: int) -> list[str]:
         c, t = self.cluster, self.search
@@ -435,12 +479,19 @@ class Plan:
             f"  why               {self.decision}",
         ]
         if t is not None:
+            relaxed = (f", relaxed to {self.epsilon_used:g}: no split met {self.epsilon:g}"
+                       if self.epsilon_used > self.epsilon else "")
             lines.append(
                 f"  search            {t.total:.2f} s wall: ingest {t.ingest:.2f}, boundary "
                 f"{t.boundary:.2f}, coarsen {t.coarsen:.2f}, stage ILP {t.stage_ilp:.2f}, SPMD "
                 f"{t.spmd:.2f} ({t.spmd_plans} plans), estimate {t.estimate:.2f}; "
-                f"{t.candidates} candidates; ε {self.epsilon:g} (used {self.epsilon_used:g})")
-        lines.append("  candidates (estimated step; fastest feasible first):")
+                f"{t.candidates} candidates")
+            lines.append(
+                f"  stage balance     ε {self.epsilon:g}{relaxed} (the stage ILP keeps each "
+                f"stage's compute within (1 ± ε) × the mean; where no split meets it, ε is "
+                f"doubled up to 4)")
+        lines.append("  candidates (estimated step = compute + comm + transfer + bubble + "
+                     "apply, ms; fastest feasible first; * the chosen):")
         order = sorted(self.candidates, key=lambda x: (not x.feasible, x.step_s or 0.0))
         for x in order[:max_candidates]:
             mark = "*" if x == self.winner else " "
@@ -455,14 +506,13 @@ class Plan:
             else:
                 lines.append(f"   {mark}{x.label:<34} infeasible: {x.note}")
         if len(order) > max_candidates:
-            lines.append(f"    ... {len(order) - max_candidates} more")
+            lines.append(f"    ... {len(order) - max_candidates} more ({MORE_HINT})")
         return lines
 
     def _pipeline_lines(self, max_crossings: int, max_candidates: int) -> list[str]:
         ms = 1e3
         b = self.boundary
-        lines = [f"rhino plan: {self.program}  ({self.origin}): {self.kind}, {self.num_stages} "
-                 f"stages",
+        lines = [f"rhino plan: {self.program}  ({self.origin}): {self.choice_line()}",
                  *self._controller_lines(max_candidates)]
         lines.insert(4, f"  gradient boundary {b.get('method')}: batch {b.get('batch_args')}, "
                         f"state {b.get('state_args')}; {b.get('compute_ops')} "
@@ -491,18 +541,35 @@ class Plan:
                     or "no collectives") + f"; {s.spmd.search.opt_level} "
                     f"{s.spmd.search.status}")
         if self.crossings:
-            lines.append(f"  tensors between stages ({len(self.crossings)}):")
+            m = self.num_microbatches
+            lines.append(f"  tensors between stages ({len(self.crossings)}; shape and bytes "
+                         f"of the whole batch, of which each of the {m} microbatches carries "
+                         f"1/{m} for activations, residuals and gradients; time per "
+                         f"microbatch for those, per step for weight-gradient and apply):")
             big = sorted(self.crossings, key=lambda x: -x.bytes)[:max_crossings]
             for x in big:
                 lines.append(f"    {x.kind:<15} {x.name:<28} {x.shape:<22} "
                              f"{format_bytes(x.bytes):>12}  stage {x.src} -> "
                              f"{','.join(map(str, x.dsts))}  {ms * x.seconds:.3f} ms")
             if len(self.crossings) > len(big):
-                lines.append(f"    ... {len(self.crossings) - len(big)} more")
+                lines.append(f"    ... {len(self.crossings) - len(big)} more ({MORE_HINT})")
         if self.shared_weights:
             lines.append("  weights read on several stages (sent after each update): " +
                          ", ".join(f"{p} on {list(s)}" for p, s in self.shared_weights))
         return lines
+
+
+MORE_HINT = "report(full=True) or rhino plan --all lists them"
+
+LEGEND = [
+    "  legend            every time and memory figure above is the planner's estimate (its "
+    "α-β cost model and FLOP/s), not a measurement; compute/comm: a stage's own work and "
+    "collectives per microbatch; transfer: sends between stages; bubble: 1F1B's idle time; "
+    "apply: the update and gradient synchronization once per step; SPMD search status "
+    "'heuristic': O2's three-level search (no proof that no plan is cheaper), 'optimal': "
+    "proven under the cost model",
+]
+"""The short legend ending a controller's report (README: "Reading the plan report")."""
 
 
 def decision_text(winner: Candidate, cands: Sequence[Candidate], kinds: Sequence[str]) -> str:

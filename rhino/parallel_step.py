@@ -3,13 +3,15 @@
 First call per input signature::
 
     step fn + arguments
-      │ trace + ingest        hlo_passes.annotate.ScopedFunction, hlo_passes.ingest
+      │ trace + ingest        front_door.trace_step (as rhino.plan traces it)
       ▼
-    HloGraph ─► the Plan      given (plan=), or planned: SPMD on a mesh priced by the
-      │                       cost model of the devices it runs on (rhino.backends; or
-      │                       cost=), with annotations and a compiled-memory budget
-      │                       (rhino.planning), or over a cluster (the pipeline controller:
-      │                       SPMD, pipeline or hybrid)
+    HloGraph ─► the Plan      given (plan=), or planned through rhino.front_door, the path
+      │                       rhino.plan takes too (StepOptions.request): SPMD on a mesh
+      │                       priced by the cost model of the devices it runs on
+      │                       (rhino.backends; or cost=), with annotations and a
+      │                       compiled-memory budget (rhino.planning), or over a cluster
+      │                       (the controller: SPMD, pipeline or hybrid; what it chose and
+      │                       why is logged before anything compiles)
       ▼
     lowering                  hlo_passes.lower: the plan written into the step
       ▼
@@ -17,7 +19,7 @@ First call per input signature::
       one stage, executor local ─► DirectRun: the compiled SPMD program, called directly
       otherwise                 ─► StagedRun: per-stage F/B/A programs under the static
                                     schedule; one thread per stage (local) or one Ray
-                                    actor per stage (ray)
+                                    actor per stage (ray); compiled before the first step
 
 Later calls with the same signature only run. Results keep the plan's shardings, so feeding
 them back as the next step's arguments moves nothing; with ``donate=True`` (default) the
@@ -47,23 +49,20 @@ from rhino.backends import (backend_figures, cost_model_for_devices, devices_per
                             figures_for_devices)
 from rhino.cluster import Cluster
 from rhino.errors import OptionsError, RhinoError
-from rhino.hlo_passes import HloGraph, ingest
-from rhino.hlo_passes.annotate import ScopedFunction
-from rhino.hlo_passes.lower import (compile_spmd, lower_spmd, lower_stages,
-                                    microbatch_divisors)
+from rhino.front_door import (PlanRequest, TracedStep, plan_on_cluster, plan_on_mesh,
+                              positive, runnable_cost, spmd_plan, trace_step)
+from rhino.hlo_passes import HloGraph
+from rhino.hlo_passes.lower import compile_spmd, key_args, lower_spmd, lower_stages
 from rhino.pipeline.api import make_cluster
 from rhino.pipeline.coarsen import classify_ops
-from rhino.pipeline.gradient import BoundaryOptions, find_gradient_boundary
-from rhino.pipeline.search import PipelineOptions, plan_pipeline_graph
+from rhino.pipeline.gradient import BoundaryOptions, check_batch_leaves, find_gradient_boundary
 from rhino.parallel_plan import Plan
-from rhino.planner.api import PlanOptions, plan_graph
-from rhino.planner.build import BuildOptions
+from rhino.planner.api import PlanOptions
 from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.planning import (annotation_pins, argument_lower_bound, choose_mesh,
-                            fit_compiled_memory, mesh_shapes_to_weigh)
-from rhino.step_arguments import abstract_args, check_arity, signature
+from rhino.planning import argument_lower_bound, fit_compiled_memory
+from rhino.step_arguments import signature
 from rhino.progress import Progress
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
@@ -71,27 +70,12 @@ from rhino.runtime.runs import DirectRun, StagedRun
 from rhino.vocabulary import ExecutorKind, ScheduleKind, TransportKind
 
 REPORT_ENV = "RHINO_REPORT"
-DEFAULT_MICROBATCHES = 4
-OPT_LEVELS = ("O2", "O3")
 
 
 def report_wanted(flag: bool | None) -> bool:
     """Print the plan report? ``flag`` if given, else whether ``$RHINO_REPORT`` is set
     (to anything but ``0``)."""
     return flag if flag is not None else os.environ.get(REPORT_ENV, "") not in ("", "0")
-
-
-def _positive(name: str, value: Any, kind: type = float, allow_none: bool = False) -> Any:
-    if value is None and allow_none:
-        return None
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if kind is int:
-        ok = ok and float(value).is_integer()
-    if not ok or not np.isfinite(float(value)) or not value > 0:
-        want = "a positive integer" if kind is int else "a positive number"
-        raise OptionsError(f"{name}: expected {want}{' or None' if allow_none else ''}, "
-                           f"found {value!r}")
-    return kind(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,19 +116,13 @@ class StepOptions:
 
     def __post_init__(self):
         put = functools.partial(object.__setattr__, self)
-        if self.opt_level not in OPT_LEVELS:
-            raise OptionsError(f"opt_level: expected one of {OPT_LEVELS}, found "
-                               f"{self.opt_level!r}")
-        put("memory_budget", _positive("memory_budget (bytes per device)", self.memory_budget,
-                                       int, allow_none=True))
-        put("time_limit", _positive("time_limit (seconds)", self.time_limit))
-        if self.min_split_flops is not None:
-            put("min_split_flops", _positive("min_split_flops (FLOPs)", self.min_split_flops))
-        put("timeout", _positive("timeout (seconds)", self.timeout))
-        put("num_microbatches", _positive("num_microbatches", self.num_microbatches, int,
-                                          allow_none=True))
-        if self.schedule is not None:
-            put("schedule", ScheduleKind.parse(self.schedule, "schedule"))
+        # What decides the plan is checked (and normalized) by the request both front
+        # doors plan with; the rest here.
+        req = self.request
+        for name in ("time_limit", "memory_budget", "min_split_flops", "num_microbatches",
+                     "schedule", "stages", "annotations", "batch_args"):
+            put(name, getattr(req, name))
+        put("timeout", positive("timeout (seconds)", self.timeout))
         put("executor", ExecutorKind.parse(self.executor, "executor"))
         if self.accumulate is not None:
             raise OptionsError(
@@ -169,10 +147,14 @@ class StepOptions:
                 raise OptionsError(f"{name}: only for executor='ray', found executor "
                                    f"{self.executor}")
         if self.mesh_shape is not None:
-            put("mesh_shape", tuple(_positive("mesh_shape entries", s, int)
+            put("mesh_shape", tuple(positive("mesh_shape entries", s, int)
                                     for s in self.mesh_shape))
         if self.devices is not None:
             put("devices", tuple(self.devices))
+            if not self.devices:
+                raise OptionsError("devices: expected at least one jax device, found an empty "
+                                   "sequence; leave devices out (None) to use every local "
+                                   "device, or pass e.g. jax.devices()[:4]")
         if isinstance(self.cluster, str):
             make_cluster(self.cluster)      # checked now; its figures come with the devices
         elif self.cluster is not None:
@@ -183,21 +165,17 @@ class StepOptions:
         elif self.plan is not None and not isinstance(self.plan, Plan):
             raise OptionsError(f"plan: expected a rhino.Plan (e.g. Plan.from_json(...)), "
                                f"found {type(self.plan).__name__}")
-        put("annotations", dict(self.annotations or {}))
-        if self.batch_args is not None:
-            put("batch_args", tuple(self.batch_args))
-        self._check_stages()
         self._check_exclusive()
 
-    def _check_stages(self) -> None:
-        s = self.stages
-        if isinstance(s, Mapping):
-            if not s or not all(isinstance(v, int) and v >= 0 for v in s.values()):
-                raise OptionsError(f"stages: expected {{weight path prefix: stage >= 0}}, "
-                                   f"found {dict(s)!r}")
-            object.__setattr__(self, "stages", dict(s))
-        elif s is not None:
-            object.__setattr__(self, "stages", _positive("stages", s, int))
+    @property
+    def request(self) -> PlanRequest:
+        """What decides the plan, as ``rhino.plan`` takes it too (``rhino.front_door``)."""
+        return PlanRequest(opt_level=self.opt_level, time_limit=self.time_limit,
+                           min_split_flops=self.min_split_flops,
+                           memory_budget=self.memory_budget, annotations=self.annotations,
+                           num_microbatches=self.num_microbatches, schedule=self.schedule,
+                           stages=self.stages, batch_args=self.batch_args,
+                           per_microbatch_statistics=self.per_microbatch_statistics)
 
     def _check_cost(self) -> None:
         c = self.cost
@@ -412,22 +390,17 @@ class ParallelStep:
         key = signature(self.fn, args)
         entry = self._cache.get(key)
         if entry is None:
-            check_arity(self.fn, args)
-            entry = self._build(abstract_args(key))
+            entry = self._build(args)
             self._cache[key] = entry
         return entry
 
-    def _build(self, abstract: tuple) -> _Entry:
+    def _build(self, args: tuple) -> _Entry:
         o = self.options
         name = getattr(self.fn, "__name__", "step")
         progress = Progress(f"auto_parallel({name})", o.progress_after_s)
         try:
-            progress("tracing")
-            traced = ScopedFunction(self.fn, *abstract)
-            progress("ingesting")
-            graph = ingest(traced, *abstract)
-            builder = _Builder(self.fn, o, traced, graph, abstract, progress)
-            entry = builder.build()
+            step = trace_step(self.fn, args, progress)
+            entry = _Builder(step, o, progress).build()
         finally:
             progress.close()
         if report_wanted(o.report):
@@ -438,10 +411,10 @@ class ParallelStep:
 class _Builder:
     """Plans (unless a plan is given), lowers and starts the run of one signature."""
 
-    def __init__(self, fn: Callable, options: StepOptions, traced: ScopedFunction,
-                 graph: HloGraph, abstract: tuple, progress: Progress):
-        self.fn, self.o, self.traced, self.graph = fn, options, traced, graph
-        self.abstract, self.progress = abstract, progress
+    def __init__(self, step: TracedStep, options: StepOptions, progress: Progress):
+        self.step, self.o, self.progress = step, options, progress
+        self.fn, self.traced, self.graph, self.abstract = (step.fn, step.traced, step.graph,
+                                                           step.abstract)
         self.devices = list(options.devices) if options.devices is not None else jax.devices()
 
     def build(self) -> _Entry:
@@ -456,7 +429,9 @@ class _Builder:
         elif o.cluster is None:
             return self._spmd_on_mesh()
         else:
-            plan = self._pipeline_plan()
+            self.progress("planning over the cluster")
+            plan = plan_on_cluster(self.step, o.request, self._cluster(), self.progress)
+            self.progress.always(plan.choice_line())
         if plan.num_stages == 1 and o.executor is ExecutorKind.LOCAL:
             return self._entry(plan, self._direct(plan))
         return self._entry(plan, self._staged(plan))
@@ -465,15 +440,9 @@ class _Builder:
         return _Entry(plan, self.graph, self.traced.out_tree, run)
 
     # -------------------------------------------------------------- planning
-    def _mesh(self) -> tuple[AbstractMesh, CostModel]:
-        """The mesh and its cost model: ``cost=``'s, or the figures of the devices the mesh
-        runs on (its first ``N`` devices)."""
-        o = self.o
-        mesh = o.mesh if o.mesh is not None else AbstractMesh(
-            o.mesh_shape or (len(self.devices),))
-        return self._cost_for(mesh)
-
-    def _cost_for(self, mesh: AbstractMesh) -> tuple[AbstractMesh, CostModel]:
+    def _cost_for(self, mesh: AbstractMesh) -> CostModel:
+        """The cost model of ``mesh``: ``cost=``'s, or the figures of the devices the mesh
+        runs on (its first ``N`` devices), as the lowering runs it (``runnable_cost``)."""
         o = self.o
         on = self.devices[:mesh.num_devices]
         if isinstance(o.cost, CostModel):
@@ -483,9 +452,7 @@ class _Builder:
         else:
             cost = cost_model_for_devices(on, mesh)
         cost.check(mesh, "auto_parallel")
-        # Strided values run split (hlo_passes.strided); XLA moves them into and out of a
-        # strided layout by gathering, so the planner charges that.
-        return mesh, dataclasses.replace(cost, strided_moves_all_to_all=False)
+        return runnable_cost(cost)
 
     def _cluster(self) -> Cluster:
         """The cluster: as given, or parsed with ``cost=``'s figures or the devices'."""
@@ -498,31 +465,13 @@ class _Builder:
 
     def _spmd_on_mesh(self) -> _Entry:
         o, graph = self.o, self.graph
-        n = len(self.devices)
-        shapes = ([] if o.mesh is not None or o.mesh_shape is not None or o.annotations
-                  else mesh_shapes_to_weigh(n))
-        why = None
-        if len(shapes) > 1:
-            # The shapes are weighed without O2's window moves; the chosen one's plan
-            # below has them (as the pipeline search does).
-            chosen, why = choose_mesh(graph, shapes, self._cost_for, PlanOptions(
-                opt_level=o.opt_level, time_limit=o.time_limit, refine=False,
-                build=BuildOptions(strided_interior_only=True, partial_passthrough=False,
-                                   min_split_flops=o.min_split_flops)), self.progress)
-            mesh, cost = self._cost_for(chosen)
-        else:
-            mesh, cost = self._mesh()
-        options = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
-                              build=BuildOptions(strided_interior_only=True,
-                                                 pinned=annotation_pins(graph, o.annotations,
-                                                                        mesh),
-                                                 partial_passthrough=False,
-                                                 min_split_flops=o.min_split_flops))
+        given = o.mesh if o.mesh is not None else (
+            AbstractMesh(o.mesh_shape) if o.mesh_shape is not None else None)
+        mesh, cost, options, why = plan_on_mesh(graph, o.request, given, len(self.devices),
+                                                self._cost_for, self.progress)
 
         def make_plan(opts: PlanOptions) -> Plan:
-            plan = Plan.from_spmd(plan_graph(graph, mesh, cost, opts, self.progress),
-                                  graph.total_flops)
-            return dataclasses.replace(plan, decision=why) if why else plan
+            return spmd_plan(graph, mesh, cost, opts, why, self.progress)
 
         if o.executor is not ExecutorKind.LOCAL:
             if o.memory_budget is not None:
@@ -539,46 +488,14 @@ class _Builder:
                                       sp, graph.total_flops))),
                                   lambda got: got[1].memory, options, o.memory_budget,
                                   self.progress, argument_lower_bound(graph, mesh))
-        spmd_plan, run = fit.compiled
+        spmd_plan_, run = fit.compiled
         run.budget, run.pressure = fit.budget, fit.pressure
-        plan = Plan.from_spmd(spmd_plan, graph.total_flops)
+        plan = Plan.from_spmd(spmd_plan_, graph.total_flops)
         return self._entry(dataclasses.replace(plan, decision=why) if why else plan, run)
-
-    def _pipeline_plan(self) -> Plan:
-        o = self.o
-        self.progress("planning the pipeline")
-        given = dict(o.stages) if isinstance(o.stages, dict) else None
-        count = max(given.values()) + 1 if given else o.stages
-        kinds = ("spmd",) if count == 1 else ("pipeline", "hybrid") if count is not None \
-            else ("spmd", "pipeline", "hybrid")
-        m = o.num_microbatches or DEFAULT_MICROBATCHES
-        divisors = None
-        if count != 1:
-            boundary = find_gradient_boundary(self.graph, BoundaryOptions(o.batch_args))
-            divisors = microbatch_divisors(self.traced, self.graph, self.abstract,
-                                           boundary.batch_params, m,
-                                           classify_ops(self.graph, boundary).role,
-                                           o.per_microbatch_statistics)
-        opts = self._pipeline_options(m, count, given, kinds)
-        opts = dataclasses.replace(opts, microbatch_divisors=divisors)
-        return plan_pipeline_graph(self.graph, self._cluster(), opts, self.progress)
-
-    def _pipeline_options(self, m: int, count: int | None = None, given: dict | None = None,
-                          kinds: tuple[str, ...] = ("pipeline", "hybrid")) -> PipelineOptions:
-        o = self.o
-        spmd_opts = PlanOptions(opt_level=o.opt_level, time_limit=o.time_limit,
-                                build=BuildOptions(strided=False,
-                                                   min_split_flops=o.min_split_flops))
-        return PipelineOptions(num_microbatches=m, num_stages=count,
-                               memory_budget=o.memory_budget, annotations=o.annotations,
-                               weight_stages=given if given and count > 1 else None,
-                               kinds=kinds, batch_args=o.batch_args, spmd=spmd_opts,
-                               schedule=o.schedule or ScheduleKind.ONE_F_ONE_B, two_d=False,
-                               workers=1, executor="serial")
 
     # -------------------------------------------------------------- runs
     def _direct(self, plan: Plan) -> DirectRun:
-        self.progress("compiling")
+        self.progress("compiling the SPMD program")
         st = plan.stages[0]
         devices = self._stage_devices(plan, st.devices)
         lowered = lower_spmd(self.traced, self.graph, plan.spmd, devices, self.abstract,
@@ -599,6 +516,7 @@ class _Builder:
         o, graph = self.o, self.graph
         self.progress("splitting the step into stage programs")
         boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
+        check_batch_leaves(graph, boundary, plan.num_microbatches, key_args(self.traced))
         roles = classify_ops(graph, boundary).role
         lowering = lower_stages(self.traced, graph, plan, self.abstract, roles,
                                 boundary.batch_params, o.per_microbatch_statistics)
@@ -612,6 +530,8 @@ class _Builder:
         if o.executor is ExecutorKind.RAY:
             from rhino.runtime.ray_executor import RayExecutor
 
+            self.progress(f"starting {plan.num_stages} stage(s) on Ray actors, which compile "
+                          f"their stage programs with one step on zeros")
             executor = RayExecutor(specs, plan.cluster, timeout=o.timeout,
                                    address=o.ray_address, actor_options=o.ray_actor_options,
                                    host_ids=[st.hosts for st in plan.stages],
@@ -627,7 +547,13 @@ class _Builder:
                                                len(workers), plan.cluster.devices_per_host,
                                                strategy=o.transport.value)
             executor = LocalExecutor(workers, o.timeout, transport)
-        return StagedRun(lowering, specs, executor, plan.schedule)
+        run = StagedRun(lowering, specs, executor, plan.schedule)
+        try:
+            run.warm_up(self.progress.always)
+        except BaseException:
+            run.close()
+            raise
+        return run
 
 
 def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None,
@@ -663,9 +589,10 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             (``"h100"``, ``"tpu-v5e"``, ... ``rhino.backends``). Default: the figures of
             the devices it runs on (platform and device kind; simulated CPU on CPU).
         cluster: plan over ``"HOSTSxDEVICES"`` (or a ``Cluster``) instead: the controller
-            weighs SPMD, pipeline and hybrid plans; a pipeline is cut into per-stage
-            programs and run with a static schedule. Text gets the figures of ``cost``'s
-            name or of the devices.
+            chooses SPMD, a pipeline or a hybrid, whichever it estimates fastest, and logs
+            what it chose and why (``stages=`` fixes the stage count); a pipeline is cut
+            into per-stage programs, compiled before the first step and run with a static
+            schedule. Text gets the figures of ``cost``'s name or of the devices.
         opt_level: ``"O2"`` (fast) or ``"O3"`` (whole-graph ILP).
         memory_budget: bytes per device the *compiled* SPMD program may use (XLA's
             ``memory_analysis()``: arguments + outputs + temporaries − donated). Plans are
@@ -675,14 +602,18 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             gradients, activations in flight) must fit (default: the cluster's device
             memory); it is not checked on compiled programs there.
         annotations: ``{pytree path or named_scope name: spec}``, e.g.
-            ``{"params['wte']": "S[x]·R"}``; the planner plans around them. With
+            ``{"params['wte']": "S[x]·R"}`` or ``{"params['wte']": PartitionSpec('x',
+            None)}`` (a Flax NNX path with or without its ``.value``); the planner plans
+            around them. With
             ``cluster=``: in the SPMD candidate's plan and in each stage's plan for the
             values that stage holds (stage meshes are 1-D, axis ``x``); a candidate whose
             mesh a spec does not fit is left out, its report line says why.
         plan: a saved ``Plan`` to run instead of planning (its stages, microbatches and
             schedule; a hand-edited stage assignment goes here).
         report: print the plan report on the first call (default: env ``RHINO_REPORT``).
-        donate: donate the training state that the step updates and returns.
+        donate: donate the training state that the step updates and returns (an SPMD
+            program deletes the arrays passed in after every call; stage programs keep
+            them).
         time_limit: seconds per solve.
         num_microbatches: microbatches per step of a pipeline (default: a given plan's,
             else 4).

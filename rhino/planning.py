@@ -1,9 +1,10 @@
 """``rhino.plan``: the planning front door — a program in, one ``Plan`` out.
 
-Pass order::
+A function is planned through ``rhino.front_door``, the path ``auto_parallel`` plans
+through too, so the plan returned is the plan that runs. Pass order::
 
     source (fn + example args | .hlo | .mlir | HloGraph)
-        │ ingest                       hlo_passes.ingest
+        │ trace (fn) + ingest          front_door.trace_step, hlo_passes.ingest
         ▼
     HloGraph ── mesh given ──► planner.plan_graph(graph, mesh, cost) ──► SpmdPlan ──►
             │                    Plan (one stage)
@@ -29,8 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rhino.backends import backend_figures
 from rhino.cluster import Cluster
@@ -38,9 +40,13 @@ from rhino.errors import InfeasiblePlanError, OptionsError, RhinoError, format_b
 from rhino.hlo_passes import HloGraph, analyze, ingest
 from rhino.planner.pins import annotation_pins  # noqa: F401  (re-exported)
 from rhino.hlo_passes.graph import dtype_bytes, flatten_shape
-from rhino.pipeline.api import plan_pipeline
+from rhino.front_door import (PlanRequest, TracedStep, plan_on_cluster,
+                              plan_on_mesh, runnable_cost, spmd_plan, trace_step)
+from rhino.front_door import choose_mesh, mesh_shapes_to_weigh  # noqa: F401  (re-exported)
+from rhino.pipeline.api import make_cluster
+from rhino.progress import Progress
 from rhino.parallel_plan import Plan
-from rhino.planner.api import PlanOptions, plan_graph
+from rhino.planner.api import PlanOptions
 from rhino.planner.build import BuildOptions
 from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
@@ -53,17 +59,29 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
          beta: Sequence[float] | float | None = None, flops_per_s: float | None = None,
          time_limit: float = 600.0,
          build: BuildOptions | None = None, progress: Callable[[str], None] | None = None,
-         cluster: str | Cluster | None = None, microbatches: int = 8, epsilon: float = 0.1,
-         max_stages: int | None = None) -> Plan:
+         cluster: str | Cluster | None = None, num_microbatches: int | None = None,
+         epsilon: float = 0.1, max_stages: int | None = None,
+         stages: int | Mapping[str, int] | None = None, schedule: str | None = None,
+         batch_args: Sequence[str] | None = None,
+         annotations: Mapping[str, Any] | None = None,
+         min_split_flops: float | None = None, microbatches: int | None = None) -> Plan:
     """Plan how to run ``source`` over a device mesh with SPMD sharding, or — given a
     ``cluster`` — over hosts × devices, weighing SPMD, pipeline and hybrid plans.
+
+    For a JAX function this is the plan ``rhino.auto_parallel(source, ...)`` runs for the
+    same arguments and options (``rhino.front_door``): ``rhino.plan(step, *args, **kw)
+    .to_json()`` equals ``auto_parallel(step, **kw).plan_for(*args).to_json()`` (search
+    times aside: ``to_json(search_times=False)``), except that ``memory_budget`` here
+    constrains the planner's estimate where ``auto_parallel`` checks the compiled program.
 
     Args:
         source: a JAX function (with ``example_args``), a path to a ``.hlo``/``.mlir``
             file, or an ingested ``HloGraph``.
-        *example_args: example arguments (arrays, ShapeDtypeStructs or pytrees of them).
+        *example_args: example arguments (arrays, Python numbers, ShapeDtypeStructs or
+            pytrees of them).
         mesh_shape: the mesh, e.g. ``(8,)`` or ``(2, 4)``; default: all local devices in one
-            axis. Ignored when ``mesh`` is given.
+            axis (for a count that is not a power of two, also its 2-D factorizations, the
+            fastest by estimate, as ``auto_parallel`` does). Ignored when ``mesh`` is given.
         mesh: an explicit ``AbstractMesh`` (axis names and sizes).
         cost: the ``CostModel`` to plan with (e.g. from
             ``rhino.calibrate.calibrate_cost_model``), for the mesh's axes.
@@ -71,16 +89,28 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
             ``h100``, ``h200``, ``a100``, ``tpu-v4``, ``tpu-v5e``, ``tpu-v5p``); default:
             ``cost``'s, else simulated CPU. With ``cluster``, the cluster's devices.
         opt_level: ``"O2"`` or ``"O3"``.
-        memory_budget: bytes per device; raises ``InfeasiblePlanError`` if nothing fits.
+        memory_budget: bytes per device (the planner's estimate; with a cluster each
+            stage's estimated peak); raises ``InfeasiblePlanError`` if nothing fits.
         alpha, beta: per-axis latency (s) and inverse bandwidth (s/byte) overriding the cost
             model's (one number: every axis).
         flops_per_s: FLOP/s of one device overriding the cost model's (every dtype).
         time_limit: seconds per solve.
-        build: options of the problem builder.
-        progress: called with a line of text at each phase.
-        cluster: ``"HOSTSxDEVICES"`` (e.g. ``"2x8"``) or a ``rhino.Cluster``: plan with the
-            controller of ``rhino.plan_pipeline`` (with ``microbatches``, ``epsilon``,
-            ``max_stages``; ``memory_budget`` is the per-device memory).
+        build: options of the problem builder, replacing the ones ``auto_parallel`` can
+            run (a plan made with others may not run).
+        progress: called with a line of text at each phase (default: the ``rhino``
+            logger at INFO once planning has taken 2 s; ``rhino.progress``).
+        cluster: ``"HOSTSxDEVICES"`` (e.g. ``"2x8"``) or a ``rhino.Cluster``: the
+            controller chooses SPMD, a pipeline or a hybrid (the report's first line says
+            which and why).
+        num_microbatches: microbatches per pipeline step (default 4, as ``auto_parallel``);
+            ``microbatches`` is the same.
+        epsilon, max_stages: stage imbalance tolerance and the most stages (cluster).
+        stages: the number of pipeline stages, or ``{weight path prefix: stage}``.
+        schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"eager-1f1b"``.
+        batch_args: what carries the batch (default: the non-state, non-scalar arguments).
+        annotations: ``{pytree path or named_scope name: spec}`` (``"S[x]·R"`` or a
+            ``jax.sharding.PartitionSpec``) pinned in the plan.
+        min_split_flops: ops of at least this many FLOPs may not run replicated.
 
     Returns:
         The ``Plan`` (``.report()``, ``.to_json()``): one stage for a mesh; with
@@ -88,30 +118,82 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
 
     Raises:
         OptionsError: both a mesh and a cluster, both a cost model and a backend, a cost
-            model for another number of axes, or malformed figures.
+            model for another number of axes, or malformed figures or options.
     """
-    if cluster is not None:
-        if mesh is not None or mesh_shape is not None or cost is not None:
-            raise OptionsError("plan: expected a mesh (mesh_shape=/mesh=, cost=) or a "
-                               "cluster, found both; a cluster's stage meshes are searched "
-                               "with its own figures (backend=, or a rhino.Cluster)")
-        if alpha is not None or beta is not None:
-            raise OptionsError("plan: alpha=/beta= are per mesh axis; a cluster takes "
-                               "alpha_intra=, beta_inter=, ... (rhino.plan_pipeline)")
-        return plan_pipeline(source, *example_args, cluster=cluster, microbatches=microbatches,
-                             epsilon=epsilon, max_stages=max_stages, memory_bytes=memory_budget,
-                             flops_per_s=flops_per_s, backend=backend, progress=progress)
-    mesh = mesh if mesh is not None else logical_mesh(mesh_shape)
-    cost = plan_cost(mesh, cost, backend, alpha=alpha, beta=beta, flops_per_s=flops_per_s)
-    options = PlanOptions(opt_level=opt_level, memory_budget=memory_budget,
-                          time_limit=time_limit, build=build or BuildOptions())
-    t0 = time.perf_counter()
-    graph = source if isinstance(source, HloGraph) else ingest(source, *example_args)
-    t1 = time.perf_counter()
-    analyze(graph)  # fail early on analyses; the builder recomputes what it needs
-    t2 = time.perf_counter()
-    spmd = plan_graph(graph, mesh, cost, options, progress, (t1 - t0, t2 - t1))
-    return Plan.from_spmd(spmd, graph.total_flops)
+    if microbatches is not None:
+        if num_microbatches not in (None, microbatches):
+            raise OptionsError(f"plan: num_microbatches={num_microbatches} and microbatches="
+                               f"{microbatches} name the same option; pass one")
+        num_microbatches = microbatches
+    request = PlanRequest(opt_level=opt_level, time_limit=time_limit,
+                           min_split_flops=min_split_flops, memory_budget=memory_budget,
+                           annotations=annotations, num_microbatches=num_microbatches,
+                           schedule=schedule, stages=stages, batch_args=batch_args,
+                           epsilon=epsilon, max_stages=max_stages, build=build, parallel=True)
+    name = getattr(source, "__name__", None) or (
+        os.path.basename(str(source)) if isinstance(source, (str, os.PathLike)) else "step")
+    shown = Progress(f"plan({name})", PROGRESS_AFTER_S) if progress is None else None
+    say = progress or shown
+    try:
+        if cluster is not None:
+            if mesh is not None or mesh_shape is not None or cost is not None:
+                raise OptionsError("plan: expected a mesh (mesh_shape=/mesh=, cost=) or a "
+                                   "cluster, found both; a cluster's stage meshes are "
+                                   "searched with its own figures (backend=, or a "
+                                   "rhino.Cluster)")
+            if alpha is not None or beta is not None:
+                raise OptionsError("plan: alpha=/beta= are per mesh axis; a cluster takes "
+                                   "alpha_intra=, beta_inter=, ... (rhino.plan_pipeline)")
+            c = make_cluster(cluster, backend, flops_per_s=flops_per_s)
+            t0 = time.perf_counter()
+            step = _source_graph(source, example_args, say)
+            p = plan_on_cluster(step, request, c, say, ingest_s=time.perf_counter() - t0)
+            if shown is not None:
+                shown.always(p.choice_line())
+            return p
+        if mesh is None and mesh_shape is not None:
+            mesh = logical_mesh(mesh_shape)
+        if cost is not None and mesh is not None:
+            cost.check(mesh)
+        t0 = time.perf_counter()
+        step = _source_graph(source, example_args, say)
+        graph = step.graph if isinstance(step, TracedStep) else step
+        t1 = time.perf_counter()
+        analyze(graph)  # fail early on analyses; the builder recomputes what it needs
+        t2 = time.perf_counter()
+        n = len(_devices()) if mesh is None else mesh.num_devices
+        chosen, mcost, options, why = plan_on_mesh(
+            graph, request, mesh, n, lambda m: runnable_cost(plan_cost(
+                m, cost, backend, alpha=alpha, beta=beta, flops_per_s=flops_per_s)), say)
+        options = dataclasses.replace(options, memory_budget=request.memory_budget)
+        return spmd_plan(graph, chosen, mcost, options, why, say, (t1 - t0, t2 - t1))
+    finally:
+        if shown is not None:
+            shown.close()
+
+
+PROGRESS_AFTER_S = 2.0
+"""``rhino.plan`` and ``auto_parallel`` say what they are doing once they have taken this
+long (``rhino.progress``); quicker work says nothing."""
+
+
+def _devices() -> list:
+    import jax
+
+    return jax.devices()
+
+
+def _source_graph(source: Any, example_args: tuple, progress: Callable[[str], None]
+                  ) -> TracedStep | HloGraph:
+    """A function traced as ``auto_parallel`` traces it; a file or graph ingested."""
+    if isinstance(source, HloGraph):
+        if example_args:
+            raise OptionsError("plan: example arguments are only for functions; found an "
+                               "HloGraph and arguments")
+        return source
+    if callable(source) and not isinstance(source, (str, os.PathLike)):
+        return trace_step(source, example_args, progress)
+    return ingest(source, *example_args)
 
 
 def logical_mesh(mesh_shape: Sequence[int] | None) -> AbstractMesh:
@@ -180,41 +262,6 @@ class MemoryFit:
     memory: dict
     budget: int
     pressure: float
-
-
-def mesh_shapes_to_weigh(n: int) -> list[tuple[int, ...]]:
-    """Mesh shapes worth weighing for ``n`` devices when none is given: the 1-D mesh, and
-    where ``n`` is not a power of two (6, 12, ...: a dimension of 1024 does not split 6
-    ways) its 2-D factorizations too, so that a factor of 2 can still split it.
-
-    >>> mesh_shapes_to_weigh(8), mesh_shapes_to_weigh(6)
-    ([(8,)], [(6,), (2, 3), (3, 2)])
-    """
-    if n <= 2 or n & (n - 1) == 0:
-        return [(n,)]
-    return [(n,)] + [(a, n // a) for a in range(2, n // 2 + 1) if n % a == 0]
-
-
-def choose_mesh(graph: HloGraph, shapes: Sequence[tuple[int, ...]],
-                cost_for: Callable[[AbstractMesh], tuple[AbstractMesh, CostModel]],
-                options: PlanOptions, progress: Callable[[str], None] | None = None
-                ) -> tuple[AbstractMesh, str]:
-    """The shape whose SPMD plan has the least estimated step time, and why (a sentence
-    naming the others' estimates)."""
-    tried = []
-    for shape in shapes:
-        mesh, cost = cost_for(AbstractMesh(shape))
-        sp = plan_graph(graph, mesh, cost, options, progress)
-        tried.append((sp.compute_s + sp.communication_s, tuple(shape), mesh))
-    best = min(tried, key=lambda t: t[0])
-    others = ", ".join(f"{sh} {t * 1e3:.3f} ms" for t, sh, _ in tried if sh != best[1])
-    n = best[2].num_devices
-    how = "" if options.refine or options.opt_level != "O2" else ", before window moves"
-    why = (f"SPMD on mesh {best[1]}: least estimated step time ({best[0] * 1e3:.3f} ms{how}) "
-           f"of the shapes of {n} devices (others: {others})")
-    if progress is not None:
-        progress(why)
-    return best[2], why
 
 
 def argument_lower_bound(graph: HloGraph, mesh: AbstractMesh) -> int:

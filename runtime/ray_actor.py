@@ -52,6 +52,50 @@ from rhino.runtime.transport import ExecutorError, Failure, LocalTransport
 from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray
 
 
+GLOO_CHATTER = rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
+"""What gloo prints on stdout for every process of a job at every connection (a line per
+rank, whatever the log level): left out of the actors' output (``drop_output_lines``)."""
+
+_FILTER_CODE = """
+import re, sys
+drop = re.compile(sys.argv[1].encode("latin-1"))
+out = sys.stdout.buffer
+for line in sys.stdin.buffer:
+    if not drop.match(line):
+        out.write(line)
+        out.flush()
+"""
+
+
+def drop_output_lines(pattern: bytes, fd: int = 1) -> None:
+    """Leave the lines matching ``pattern`` out of what this process writes to ``fd``
+    (stdout by default; C++ writers included): ``fd`` becomes a pipe into a small filter
+    process that copies every other line to where ``fd`` pointed. The filter is a process
+    of its own, so it also drains what a crashing actor writes last (it ends when the
+    actor's end of the pipe closes). Started with ``subprocess`` without a pre-exec hook:
+    nothing of JAX is forked. Once per process and ``fd``; with ``$RHINO_SHOW_GLOO`` set,
+    nothing is dropped."""
+    if fd in _FILTERS or os.environ.get("RHINO_SHOW_GLOO"):
+        return
+    import subprocess
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    former = os.dup(fd)
+    try:
+        filt = subprocess.Popen([sys.executable, "-c", _FILTER_CODE,
+                                 pattern.decode("latin-1")], stdin=subprocess.PIPE,
+                                stdout=former, close_fds=True)
+    finally:
+        os.close(former)
+    os.dup2(filt.stdin.fileno(), fd)
+    _FILTERS[fd] = filt
+
+
+_FILTERS: dict[int, Any] = {}     # fd -> this process's filter (kept alive with the process)
+
+
 def host_value(x: Any) -> np.ndarray:
     """A jax array's whole value as numpy. Where it is split across processes, every
     process of the job must call this (an all-gather); the answer is the same on each."""
@@ -233,6 +277,7 @@ class StageActor:
         import jax
 
         if self.hosts > 1:
+            drop_output_lines(GLOO_CHATTER)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             try:
                 jax.distributed.initialize(coordinator, num_processes=self.hosts,

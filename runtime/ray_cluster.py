@@ -12,11 +12,13 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import time
+import warnings
 from typing import Any, Sequence
 
 from rhino.runtime import threads
@@ -121,7 +123,8 @@ def init(address: str | None = None, num_cpus: int | None = None,
     deadline = time.monotonic() + timeout
     try:
         if local:
-            ray.init(**kwargs)  # starting a local cluster: ray bounds its own waits
+            with quiet_fork_warning():
+                ray.init(**kwargs)  # starting a local cluster: ray bounds its own waits
         else:
             if address != "auto":
                 _check_reachable(address, where, timeout)
@@ -132,6 +135,19 @@ def init(address: str | None = None, num_cpus: int | None = None,
         raise ExecutorError(f"rhino.init: could not start or reach {where}: "
                             f"{type(e).__name__}: {e}") from e
     return _info(ray, local, address if address and address.startswith("ray://") else None)
+
+
+@contextlib.contextmanager
+def quiet_fork_warning():
+    """Leave out JAX's ``RuntimeWarning: os.fork() was called ...`` while Ray starts its
+    processes. Ray starts each one with ``subprocess`` (fork, then at once exec of another
+    program; its pre-exec hook only sets signal masks), so the child never runs JAX code
+    and the deadlock JAX warns about (a forked copy of its threads) cannot happen. Any other
+    warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
+                                category=RuntimeWarning)
+        yield
 
 
 _CONNECTING: list[cf.Future] = []   # a ray.init still trying after its caller gave up

@@ -1,10 +1,22 @@
 """The two kinds of run a ``ParallelStep`` makes of a lowered plan: ``DirectRun`` (one
 stage in this process: the compiled SPMD program, called directly) and ``StagedRun`` (stage
-programs under a static schedule, by a local or a Ray executor)."""
+programs under a static schedule, by a local or a Ray executor).
+
+Both runs are ready before the first step: a ``DirectRun`` is built from the compiled
+program, and ``StagedRun.warm_up`` compiles every stage program with one step on zeros (the
+Ray executor's actors do the same when they start), so the first call, and its
+``timeline()``, is a steady-state step. A ``DirectRun`` deletes its donated arguments
+(``donate=True``: state the step updates and returns) after every call, the first included,
+whether the program took them as they were or a copy moved onto the plan's devices
+(``delete_donated``). Stage programs do not donate the state (they keep it per stage
+between steps), so a ``StagedRun`` deletes nothing, on any call.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+import time
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -23,6 +35,7 @@ class DirectRun:
         self.memory, self.budget, self.pressure = memory, budget, pressure
         self._accepted: list = [None] * len(lowering.in_shardings)
         self._hlo_text: str | None = None
+        self._donated: frozenset[int] | None = None
 
     def __call__(self, args: tuple) -> Any:
         # An input whose sharding object is the planned one, or one already found
@@ -40,9 +53,20 @@ class DirectRun:
             if moved is None:
                 moved = list(flat)
             moved[i] = jax.device_put(x, s)
-        if moved is not None:
-            args = jax.tree_util.tree_unflatten(tree, moved)
-        return self.compiled(*args)
+        if moved is None:
+            return self.compiled(*args)
+        out = self.compiled(*jax.tree_util.tree_unflatten(tree, moved))
+        # The program donated the moved copies; the arrays passed in go too, as they do
+        # when the program takes them as they are (every later call).
+        delete_donated(flat, self.donated_leaves, keep=moved)
+        return out
+
+    @property
+    def donated_leaves(self) -> frozenset[int]:
+        if self._donated is None:
+            self._donated = leaves_of_args(self.lowering.in_tree,
+                                           self.lowering.donate_argnums)
+        return self._donated
 
     def compiled_text(self) -> str:
         if self._hlo_text is None:
@@ -68,13 +92,58 @@ class DirectRun:
         pass
 
 
+HEARTBEAT_S = 10.0
+"""While the stage programs compile, a line every this many seconds."""
+
+
 class StagedRun:
-    """Stage programs under a static schedule, by a local or a Ray executor."""
+    """Stage programs under a static schedule, by a local or a Ray executor.
+
+    Args:
+        lowering, specs, executor, schedule: the stage programs and who runs them.
+    """
 
     def __init__(self, lowering: StageLowering, specs: list[WorkerSpec], executor: Any,
                  schedule: ScheduleKind):
         self.lowering, self.specs, self.executor, self.schedule = (lowering, specs, executor,
                                                                    schedule)
+        self.warm_up_s: float | None = None
+
+    def warm_up(self, say: Callable[[str], None]) -> None:
+        """Compile every stage program before the first step: one step of the local
+        executor on zeros (``StageWorker.zero_args``), so that the first call runs at steady
+        state. The Ray executor's actors warm up when they start; nothing to do for it."""
+        workers = getattr(self.executor, "workers", None)
+        if workers is None:
+            return
+        n = len(workers)
+        say(f"compiling the stage programs of {n} stage{'s' if n > 1 else ''} (one step on "
+            f"zeros, before the first step)")
+        t0 = time.perf_counter()
+        done = threading.Event()
+
+        def heartbeat() -> None:     # XLA says nothing while it compiles: we do
+            while not done.wait(HEARTBEAT_S):
+                say(f"compiling the stage programs of {n} stage{'s' if n > 1 else ''}: "
+                    f"{time.perf_counter() - t0:.0f} s so far")
+
+        beat = threading.Thread(target=heartbeat, name="rhino-compile-heartbeat",
+                                daemon=True)
+        beat.start()
+        zeros: dict[int, Any] = {}
+        for w in workers:
+            for r, z in w.zero_args().items():
+                # A weakly typed argument (a Python-number learning rate) stays weak, or the
+                # first real step would compile its programs again.
+                weak = getattr(w.split.flat.avals[r], "weak_type", False)
+                zeros[r] = jax.numpy.full(z.shape, z.dtype.type(0).item()) if weak else z
+        try:
+            self.executor.run(zeros)
+        finally:
+            done.set()
+        self.warm_up_s = time.perf_counter() - t0
+        say(f"compiled the stage programs of {n} stage{'s' if n > 1 else ''} in "
+            f"{self.warm_up_s:.1f} s")
 
     def __call__(self, args: tuple) -> list:
         flat = jax.tree_util.tree_leaves(args)
@@ -105,6 +174,9 @@ class StagedRun:
             lines.append(f"  statistics        {len(lay.local)} equations read each "
                          f"microbatch's own estimate of a whole-batch statistic "
                          f"(per_microbatch_statistics)")
+        if self.warm_up_s is not None:
+            lines.append(f"  compiled          every stage program before the first step "
+                         f"({self.warm_up_s:.1f} s, one step on zeros)")
         return lines
 
     def shardings(self, leaves: int) -> list:
@@ -119,3 +191,26 @@ class StagedRun:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def leaves_of_args(in_tree: Any, argnums: Sequence[int]) -> frozenset[int]:
+    """The flat leaf indices of the top-level arguments ``argnums`` of the arguments tuple
+    whose structure is ``in_tree``."""
+    counts = [c.num_leaves for c in in_tree.children()]
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    return frozenset(i for k in argnums for i in range(starts[k], starts[k] + counts[k]))
+
+
+def delete_donated(flat: Sequence[Any], donated: frozenset[int], keep: Sequence[Any] = ()
+                   ) -> None:
+    """Delete the donated arguments among ``flat`` (jax arrays not yet deleted), except an
+    array that is also a result or a value still in use (``keep``), or that the call also
+    took as an argument that is not donated."""
+    if not donated:
+        return
+    kept = {id(x) for x in jax.tree_util.tree_leaves(list(keep))}
+    kept |= {id(x) for i, x in enumerate(flat) if i not in donated}
+    for i in donated:
+        x = flat[i] if i < len(flat) else None
+        if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
+            x.delete()

@@ -52,8 +52,10 @@ def test_o2_and_o3_agree_on_mlp():
 def test_memory_budget_shards_only_the_largest_parameters():
     m = _small_gpt()
     free = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,)).spmd
-    g = rhino.ingest(m.step, *m.example_args())
-    built = build_problem(g, free.mesh, free.cost)
+    # The graph and problem rhino.plan plans (the front door's trace and build options).
+    from rhino.front_door import PlanRequest, trace_step
+    g = trace_step(m.step, m.example_args()).graph
+    built = build_problem(g, free.mesh, free.cost, PlanRequest().build_options(pipeline=False))
     from rhino.planner.api import PlanOptions, _forbid_replicated, _solve
     order = sorted(g.params, key=lambda i: -g.ops[i].out_bytes)
     # The floor: what a plan needs with every parameter forced sharded.

@@ -306,9 +306,12 @@ def test_on_several_nodes_each_plan_host_is_a_node_of_its_own(ray_cluster):
     (Runs last in this module: it replaces the module's Ray instance.)"""
     from ray.cluster_utils import Cluster as RayCluster
 
+    from rhino.runtime.ray_cluster import quiet_fork_warning
+
     ray.shutdown()
-    nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    nodes.add_node(num_cpus=2)
+    with quiet_fork_warning():      # Ray starts the nodes' processes from this one (fork+exec)
+        nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 2})
+        nodes.add_node(num_cpus=2)
     try:
         init(nodes.address, timeout=60.0)
         deadline = time.monotonic() + 60

@@ -52,7 +52,8 @@ def make_cluster(cluster: str | Cluster, figures: BackendFigures | str | None = 
     except (TypeError, ValueError) as e:
         if isinstance(e, OptionsError):
             raise
-        raise OptionsError(f"cluster: {e}") from None
+        text = str(e)
+        raise OptionsError(text if text.startswith("cluster") else f"cluster: {text}") from None
 
 
 def plan_pipeline(source: Any, *example_args: Any, cluster: str | Cluster = "1x8",

@@ -42,7 +42,7 @@ import dataclasses
 import re
 from typing import Any, Sequence
 
-from rhino.errors import RhinoError
+from rhino.errors import OptionsError, RhinoError
 from rhino.hlo_passes.graph import HloGraph
 
 MARKER = "rhino.grad"
@@ -241,13 +241,50 @@ def split_arguments(graph: HloGraph, batch_args: Sequence[str] | None = None
         batch = list(dict.fromkeys(batch_args))
     else:
         carried_args = {arg_name(graph, p) for _, p in _carried(graph)}
-        batch = [a for a in names if a not in carried_args and a not in STATE_NAMES]
+        # A scalar (a Python number such as a learning rate, a step count) has no batch
+        # dimension to split: it is never guessed to carry the batch.
+        scalar = {a for a in names if all(_is_scalar(graph, p) for p in graph.params
+                                          if arg_name(graph, p) == a)}
+        batch = [a for a in names
+                 if a not in carried_args and a not in STATE_NAMES and a not in scalar]
     if not batch:
         raise GradientBoundaryError(
-            "an argument carrying the batch", f"only state arguments {names}",
-            "Pass batch_args (e.g. BoundaryOptions(batch_args=('batch',))).")
+            "an argument carrying the batch (one with a leading batch dimension)",
+            f"only state and scalar arguments {names}",
+            "Name the arguments that carry the batch: auto_parallel(..., batch_args=('batch',)) "
+            "or BoundaryOptions(batch_args=('batch',)).")
     state = [a for a in names if not any(_under(a, b) or _under(b, a) for b in batch)]
     return tuple(batch), tuple(state)
+
+
+def _is_scalar(graph: HloGraph, param: int) -> bool:
+    dims = getattr(graph.ops[param].shape, "dims", None)
+    return dims is not None and len(dims) == 0
+
+
+def check_batch_leaves(graph: HloGraph, boundary: "GradientBoundary", m: int,
+                       keys: frozenset[int] = frozenset()) -> None:
+    """Every leaf of the batch arguments has a leading dimension that ``m`` microbatches
+    divide, PRNG keys aside (``keys``: their flat argument indices; a key is never split).
+
+    Raises:
+        OptionsError: a batch leaf without one, naming the leaf, the batch arguments as
+            guessed or given, and the ways out (``batch_args=``, ``num_microbatches=``).
+    """
+    for p in boundary.batch_params:
+        dims = tuple(getattr(graph.ops[p].shape, "dims", ()) or ())
+        arg = graph.ops[p].arg
+        if (dims and dims[0] % m == 0) or (arg is not None and arg.index in keys):
+            continue
+        path = _path(graph, p)
+        others = tuple(a for a in boundary.batch_args if not _under(path, a))
+        name = f"batch_args={others!r}" if others else "batch_args=('batch',)"
+        fix = (f"if it does not carry the batch, name the arguments that do, e.g. {name}"
+               + ("" if not dims else f"; if it does, pass num_microbatches= dividing "
+                  f"{dims[0]}"))
+        raise OptionsError(f"batch argument {path}: expected a leading dimension divisible by "
+                           f"num_microbatches={m}, found shape {dims} (the batch arguments "
+                           f"are {list(boundary.batch_args)}); {fix}")
 
 
 def _ancestors(graph: HloGraph, seeds: Sequence[int]) -> list[bool]:

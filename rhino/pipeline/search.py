@@ -58,6 +58,7 @@ from rhino.planner.mesh import AbstractMesh
 from rhino.planner.pins import annotation_pins
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.pipeline.spmd_pool import SpmdPool
+from rhino.progress import Countdown
 from rhino.vocabulary import PlanKind, Role, ScheduleKind
 
 KINDS = ("spmd", "pipeline", "hybrid")
@@ -410,6 +411,7 @@ class _Search:
         # Candidates are planned without O2's window moves; the chosen one gets them
         # (``_refine``).
         self.spmd_opts = dataclasses.replace(options.spmd, memory_budget=None, refine=False)
+        self.countdown = Countdown(say, "candidate splits planned and costed", 0)
         self._pin_cache: dict = {}
 
     def _splits(self) -> list[MeshSplit]:
@@ -443,6 +445,8 @@ class _Search:
             self._stage_ilps(workers)
             self.say(f"SPMD plans for {len(self.splits)} candidate splits ({executor}, "
                      f"{workers} workers)")
+            self.countdown = Countdown(self.say, "candidate splits planned and costed",
+                                       len(self.splits))
             costed = self._cost_all(pool)
             feasible = [c for c in costed if c.candidate.feasible]
             if not feasible:
@@ -544,6 +548,7 @@ class _Search:
             a = self.assignments.get(p)
             if p > 1 and not isinstance(a, StageAssignment):
                 by_k.update({k: self._unplanned(k, str(a), lb) for k in wave})
+                self.countdown.advance(len(wave), f"{p} stages: no stage assignment")
             else:    # in this process (serial, threads) a wave is planned when reached
                 waves.append((p, wave, lb, self._submit_wave(pool, p, wave, lb)
                               if pool.processes else None))
@@ -557,6 +562,7 @@ class _Search:
                 by_k.update({k: self._unplanned(k, note, lb) for k in wave})
                 self.say(f"pruned {len(wave)} candidates with {p} stages (lower bound "
                          f"{1e3 * lb:.3f} ms > best {1e3 * self.best_step:.3f} ms)")
+                self.countdown.advance(len(wave), f"{p} stages pruned")
             else:
                 handles, refused = queued or self._submit_wave(pool, p, wave, lb)
                 by_k.update(self._finish_wave(pool, p, wave, lb, handles, refused))
@@ -618,10 +624,12 @@ class _Search:
         for k in wave:
             if k in refused:
                 out[k] = refused[k]
+                self.countdown.advance(1, f"{refused[k].candidate.label.strip()} refused")
                 continue
             hs = [handles[k][i] for i in sorted(handles[k])]
             c = self._cost_split(pool, k, p, hs, lb)
             out[k] = c
+            self.countdown.advance(1, c.candidate.label.strip())
             if c.candidate.feasible:
                 self.best_step = min(self.best_step, c.candidate.step_s)
         return out

@@ -508,9 +508,11 @@ def solve_stage_problem(problem: StageProblem, options: StageOptions = StageOpti
         if stage_of is not None:
             break
         if not options.relax or eps >= options.max_epsilon:
+            relaxed = (f" (relaxed from the ε={options.epsilon:g} asked, doubling up to "
+                       f"{options.max_epsilon:g})" if eps > options.epsilon else "")
             raise StageAssignmentError(
                 f"stage assignment: expected a split of {problem.num_units} units into {d} "
-                f"stages balanced within ε={eps:g}, found "
+                f"stages balanced within ε={eps:g}{relaxed}, found "
                 + ("none exists" if status is SolverStatus.INFEASIBLE else
                    f"none within the {options.time_limit:g} s time limit"))
         eps = min(options.max_epsilon, max(2 * eps, 0.05))

@@ -16,6 +16,10 @@ def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: Abstr
                     ) -> dict[int, ShardingSpec]:
     """Annotations (pytree path or ``jax.named_scope`` name -> spec) as op id -> spec.
 
+    A spec is rhino's notation (``"S[x]·R"``, a ``ShardingSpec``) or a
+    ``jax.sharding.PartitionSpec`` over the mesh's axis names (``P('x', None)``). A path of
+    a Flax NNX leaf may leave out its ``.value``.
+
     Raises:
         RhinoError: a key naming neither a parameter nor a scope.
         OptionsError: a spec that does not fit the value's shape on the mesh (rank, or a
@@ -23,15 +27,19 @@ def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: Abstr
     """
     pins: dict[int, ShardingSpec] = {}
     by_path = {graph.ops[p].arg.path: p for p in graph.params if graph.ops[p].arg}
+    # Flax NNX state leaves end in ``.value`` (``params['kernel'].value``): a path names
+    # its leaf with or without it.
+    by_path.update({path[:-len(VALUE)]: p for path, p in list(by_path.items())
+                    if path.endswith(VALUE) and path[:-len(VALUE)] not in by_path})
     users = graph.users
     for key, value in annotations.items():
-        try:
-            spec = value if isinstance(value, ShardingSpec) else \
-                ShardingSpec.parse(str(value), mesh)
-        except ValueError as e:
-            raise OptionsError(f"annotation {key!r}: {e}") from None
+        annotation_spec(key, value, mesh)      # a malformed spec fails here, whatever the key
+        if key not in by_path and key.endswith(VALUE) and key[:-len(VALUE)] in by_path:
+            key = key[:-len(VALUE)]
         if key in by_path:
-            _check_fits(key, spec, graph.ops[by_path[key]], mesh)
+            op = graph.ops[by_path[key]]
+            spec = annotation_spec(key, value, mesh, _rank(op))
+            _check_fits(key, spec, op, mesh)
             pins[by_path[key]] = spec
             continue
         scoped = [op.id for op in graph.ops if f"/{key}/" in f"/{op.op_name}/"]
@@ -43,9 +51,64 @@ def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: Abstr
                              f"{next(iter(by_path), 'params[...]')!r}) or a jax.named_scope "
                              f"name used in the step; found neither")
         for i in exported:
+            spec = annotation_spec(key, value, mesh, _rank(graph.ops[i]))
             _check_fits(key, spec, graph.ops[i], mesh)
             pins[i] = spec
     return pins
+
+
+VALUE = ".value"
+
+
+def annotation_spec(key: str, value: Any, mesh: AbstractMesh, rank: int | None = None
+                    ) -> ShardingSpec:
+    """The ``ShardingSpec`` of one annotation: a ``ShardingSpec``, rhino's notation, or a
+    ``jax.sharding.PartitionSpec`` (one entry per dimension: None, an axis name, or a
+    tuple of axis names split together, outermost first; as in JAX, dimensions past its
+    end, up to ``rank``, are replicated).
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = AbstractMesh((2, 4))
+        >>> annotation_spec("w", P("x", None), mesh).to_str(mesh)
+        'S[x]·R'
+        >>> annotation_spec("w", P(None, ("x", "y")), mesh).to_str(mesh)
+        'R·S[x,y]'
+        >>> annotation_spec("w", P("y"), mesh, rank=3).to_str(mesh)
+        'S[y]·R·R'
+
+    Raises:
+        OptionsError: a spec that is none of these, or names an axis the mesh lacks.
+    """
+    from jax.sharding import PartitionSpec
+
+    if isinstance(value, ShardingSpec):
+        return value
+    names = list(mesh.axis_names)
+    try:
+        if isinstance(value, PartitionSpec):
+            splits = {}
+            for d, entry in enumerate(value):
+                axes = () if entry is None else (entry,) if isinstance(entry, str) \
+                    else tuple(entry)
+                for a in axes:
+                    if a not in names:
+                        raise ValueError(f"expected mesh axis names {names} in "
+                                         f"{value}, found {a!r}")
+                if axes:
+                    splits[d] = tuple(names.index(a) for a in axes)
+            return ShardingSpec.sharded(max(len(value), rank or 0), splits)
+        if isinstance(value, str):
+            return ShardingSpec.parse(value, mesh)
+    except ValueError as e:
+        raise OptionsError(f"annotation {key!r}: {e}") from None
+    raise OptionsError(f"annotation {key!r}: expected a spec such as 'S[x]·R' or "
+                       f"PartitionSpec('x', None), found {type(value).__name__} {value!r}")
+
+
+def _rank(op: Any) -> int | None:
+    dims = getattr(op.shape, "dims", None)
+    return None if dims is None else len(dims)
 
 
 def _check_fits(key: str, spec: ShardingSpec, op: Any, mesh: AbstractMesh) -> None:

@@ -235,50 +235,87 @@ class SpmdPlan:
         return cls.from_dict(json.loads(text))
 
     # ------------------------------------------------------------------ report
-    def report(self, max_params: int = 40, max_collectives: int = 15) -> str:
-        """A report a person can read: specs, collectives, memory, time, search, gaps."""
+    def report(self, max_params: int = 40, max_collectives: int = 15, full: bool = False
+               ) -> str:
+        """A report a person can read: specs, collectives, memory, time, search, gaps.
+
+        Args:
+            max_params, max_collectives: rows listed (the largest first).
+            full: list every row (``rhino plan --all``).
+        """
         from rhino.errors import format_bytes as _bytes
 
+        if full:
+            max_params = max_collectives = len(self.params) + len(self.collectives) + 1
         m, s = self.mesh, self.search
+        status = SEARCH_STATUS.get(str(s.status), str(s.status))
         lines = [
             f"rhino plan: {self.program}  ({self.origin})",
             f"  mesh              {m}  ({m.num_devices} devices)",
             f"  cost model        {self.cost.summary()}",
-            f"  search            {s.opt_level}, {s.status}, {s.total_s:.2f} s "
+            f"  search            {s.opt_level}, {s.status} ({status}), {s.total_s:.2f} s "
             f"(ingest {s.ingest_s:.2f}, analyses {s.analyze_s:.2f}, build {s.build_s:.2f}, "
             f"solve {s.solve_s:.2f}); {s.nodes} ops, {s.choices} strategies, {s.edges} edges",
             f"  step time (est.)  {1e3 * self.step_time_s:.3f} ms = compute "
-            f"{1e3 * self.compute_s:.3f} ms + communication {1e3 * self.communication_s:.3f} ms",
+            f"{1e3 * self.compute_s:.3f} ms + communication {1e3 * self.communication_s:.3f} ms"
+            f" (the cost model's estimate, not a measurement)",
             f"  memory / device   parameters {_bytes(self.memory.parameters)}, peak "
-            f"{_bytes(self.memory.peak)}" + (
-                f" (budget {_bytes(self.memory_budget)}; {s.forced_sharded} largest parameters"
-                f" forced sharded after {s.memory_rounds} rounds)"
-                if self.memory_budget is not None else ""),
+            f"{_bytes(self.memory.peak)} (estimated)" + self._budget_text(),
         ]
         summary = self.collective_summary()
         lines.append("  collectives       " + (", ".join(
-            f"{k} ×{c} ({_bytes(b)})" for k, (c, b) in summary.items()) or "none"))
+            f"{k} ×{c} ({_bytes(b)})" for k, (c, b) in summary.items()) or "none")
+            + ("; per collective: kind, mesh axes, bytes per device, estimated time, the "
+               "value -> its reader, source line" if self.collectives else ""))
         big = sorted(self.collectives, key=lambda c: -c.seconds)[:max_collectives]
         for c in big:
             lines.append(f"    {c.kind:<15} over {','.join(c.axes):<5} {_bytes(c.bytes):>12}  "
                          f"{1e3 * c.seconds:8.3f} ms  {c.tensor} -> {c.consumer}"
                          + (f"  [{c.source}]" if c.source else ""))
         if len(self.collectives) > len(big):
-            lines.append(f"    ... {len(self.collectives) - len(big)} more")
-        lines.append("  parameters (spec per device, largest first):")
+            lines.append(f"    ... {len(self.collectives) - len(big)} more ({MORE_HINT})")
+        lines.append("  parameters (path, global shape, spec, bytes per device; largest "
+                     "first):")
         ranked = sorted(self.params, key=lambda p: -p.global_bytes)
         counts = Counter(p.spec.to_str(m) for p in self.params)
         for p in ranked[:max_params]:
             lines.append(f"    {p.path:<44} {p.shape:<20} {p.spec.to_str(m):<16} "
                          f"{_bytes(p.local_bytes):>12}")
         if len(ranked) > max_params:
-            lines.append(f"    ... {len(ranked) - max_params} more; specs overall: " +
-                         ", ".join(f"{k} ×{v}" for k, v in counts.most_common()))
+            lines.append(f"    ... {len(ranked) - max_params} more ({MORE_HINT}); specs "
+                         f"overall: " + ", ".join(f"{k} ×{v}" for k, v in counts.most_common()))
         if self.unplanned:
             lines.append(f"  replicated for lack of a rule ({len(self.unplanned)} ops):")
-            for u in self.unplanned[:20]:
+            shown = self.unplanned if full else self.unplanned[:20]
+            for u in shown:
                 lines.append(f"    {u.name} ({u.opcode}) {u.reason}"
                              + (f"  at {u.source}" if u.source else ""))
+            if len(self.unplanned) > len(shown):
+                lines.append(f"    ... {len(self.unplanned) - len(shown)} more ({MORE_HINT})")
         else:
             lines.append("  replicated for lack of a rule: none")
         return "\n".join(lines)
+
+    def _budget_text(self) -> str:
+        if self.memory_budget is None:
+            return ""
+        from rhino.errors import format_bytes as _bytes
+
+        s = self.search
+        forced = ("no parameter had to be forced sharded" if not s.forced_sharded else
+                  f"the {s.forced_sharded} largest parameters forced sharded to fit "
+                  f"({s.memory_rounds} rounds of planning)")
+        return f" (budget {_bytes(self.memory_budget)}: {forced})"
+
+
+MORE_HINT = "report(full=True) or rhino plan --all lists them"
+"""What a report says where it leaves rows out."""
+
+SEARCH_STATUS = {
+    "optimal": "the solver proved no plan is cheaper under the cost model",
+    "heuristic": "O2's three-level search: a good plan without a proof that none is cheaper",
+    "time_limit": "the best plan found before the time limit",
+    "brute_force": "every assignment tried",
+    "given": "given, not searched",
+}
+"""What each search status means, as the report says it."""

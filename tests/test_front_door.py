@@ -1,0 +1,240 @@
+"""One front door (issue 33): ``rhino.plan`` returns the plan ``auto_parallel`` runs; progress
+through ``logging``; reports that explain themselves; errors that say how to fix them;
+annotations as ``PartitionSpec`` and NNX paths without ``.value``; optax a dependency."""
+
+from __future__ import annotations
+
+import configparser
+import logging
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import rhino
+from rhino.cli import DEFAULT_MICROBATCHES as CLI_MICROBATCHES, main
+from rhino.errors import OptionsError
+from rhino.front_door import DEFAULT_MICROBATCHES, PlanRequest, trace_step
+from rhino.models import get_model
+from rhino.pipeline.gradient import find_gradient_boundary
+from rhino.planner.mesh import AbstractMesh
+from rhino.planner.pins import annotation_pins
+from rhino.planner.spec import ShardingSpec
+from rhino.progress import LOGGER_NAME, _TerminalHandler, get_logger
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TINY = {
+    "mlp": dict(batch=16, hidden=32, layers=2),
+    "gpt": dict(layers=2, hidden=32, heads=2, seq=8, vocab=64),
+    "moe": dict(layers=2, hidden=32, heads=2, seq=8, vocab=64, experts=2),
+}
+DOORS = {"spmd": {}, "cluster": {"cluster": "2x4"}}
+
+
+# --------------------------------------------------------------------- one front door
+@pytest.mark.parametrize("door", sorted(DOORS))
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_rhino_plan_is_the_plan_auto_parallel_runs(name, door):
+    m = get_model(name, **TINY[name])
+    options = DOORS[door]
+    inspected = rhino.plan(m.step, *m.example_args(), **options)
+    with rhino.auto_parallel(m.step, **options) as step:
+        ran = step.plan_for(*m.example_args())
+    assert inspected.to_json(search_times=False) == ran.to_json(search_times=False)
+    assert inspected.kind == ran.kind and inspected.step_s == ran.step_s
+
+
+def test_both_doors_share_their_defaults():
+    assert CLI_MICROBATCHES == DEFAULT_MICROBATCHES == PlanRequest().microbatches
+    step = rhino.auto_parallel(lambda x: x, cluster="2x4", stages=2)
+    req = step.options.request
+    assert req.pipeline_options() == PlanRequest(stages=2).pipeline_options()
+    assert req.spmd_options().build == PlanRequest().build_options(pipeline=False)
+
+
+def test_search_times_are_the_only_part_left_out():
+    m = get_model("mlp", **TINY["mlp"])
+    p = rhino.plan(m.step, *m.example_args(), mesh_shape=(2,))
+    kept, left = rhino.Plan.from_json(p.to_json()), p.to_json(search_times=False)
+    assert kept == p
+    assert '"search": null' in left and p.spmd.search.solve_s > 0
+    assert rhino.Plan.from_json(left).spmd.params == p.spmd.params
+
+
+# --------------------------------------------------------------------- logging
+@pytest.fixture
+def rhino_logger():
+    log = logging.getLogger(LOGGER_NAME)
+    level, handlers = log.level, list(log.handlers)
+    yield log
+    log.setLevel(level)
+    log.handlers[:] = handlers
+
+
+def _cluster_plan():
+    m = get_model("mlp", **TINY["mlp"])
+    return rhino.plan(m.step, *m.example_args(), cluster="1x2", stages=1)
+
+
+def test_progress_goes_through_the_rhino_logger_and_warning_silences_it(rhino_logger,
+                                                                         caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    p = _cluster_plan()
+    said = [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME]
+    assert any(p.choice_line() in line for line in said), said
+    caplog.clear()
+    logging.getLogger("rhino").setLevel(logging.WARNING)
+    _cluster_plan()
+    assert not [r for r in caplog.records if r.name == LOGGER_NAME]
+
+
+def test_a_terminal_without_logging_set_up_shows_info(rhino_logger, monkeypatch, capsys):
+    rhino_logger.handlers[:] = []
+    rhino_logger.setLevel(logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    log = get_logger()
+    assert log.level == logging.INFO
+    assert [type(h) for h in log.handlers] == [_TerminalHandler]
+    log.info("planning something")
+    assert "rhino: planning something" in capsys.readouterr().err
+    log.setLevel(logging.WARNING)
+    log.info("quiet now")
+    assert "quiet now" not in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------- reports
+def test_a_cluster_report_starts_with_the_choice_and_explains_itself():
+    p = _cluster_plan()
+    text = p.report()
+    first = text.splitlines()[0]
+    assert "chose SPMD on mesh (2)" in first and "least estimated step time" in first
+    assert "legend" in text and "heuristic" in text and "not a measurement" in text
+    assert "stage balance     ε 0.1" in text
+
+
+def test_full_reports_list_every_row():
+    m = get_model("gpt", **TINY["gpt"])
+    p = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,))
+    short, full = p.report(), p.report(full=True)
+    assert "more (report(full=True) or rhino plan --all lists them)" in short
+    assert "more (" not in full
+    for q in p.spmd.params:
+        assert q.path in full
+    assert sum(1 for line in full.splitlines() if line.startswith("    all-")) >= \
+        len([c for c in p.spmd.collectives if c.kind.startswith("all-")])
+
+
+def test_source_lines_name_the_users_line_not_the_librarys():
+    nnx = pytest.importorskip("flax.nnx")
+    layer = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+
+    def step(x):
+        y = layer(x)                                   # the line a report should name
+        return jnp.sum(y * y)
+
+    graph = rhino.ingest(step, jnp.ones((4, 8)))
+    dot = next(op for op in graph.ops if op.opcode == "dot")
+    assert dot.source.startswith(__file__ + ":"), dot.source
+    assert "site-packages" not in dot.source
+
+
+# --------------------------------------------------------------------- errors
+def _lr_step(params, x, lr):
+    def loss(p):
+        return jnp.mean((x @ p["w1"] @ p["w2"]) ** 2)
+    g = jax.grad(loss)(params)
+    return jax.tree.map(lambda w, d: w - lr * d, params, g), loss(params)
+
+
+def _lr_args():
+    params = {"w1": jnp.ones((16, 32)) * 0.1, "w2": jnp.ones((32, 4)) * 0.1}
+    return params, jnp.ones((8, 16)), 0.01
+
+
+def test_a_python_number_is_never_taken_for_the_batch():
+    t = trace_step(_lr_step, _lr_args())
+    assert find_gradient_boundary(t.graph).batch_args == ("x",)
+    p = rhino.plan(_lr_step, *_lr_args(), cluster="1x2", stages=2, num_microbatches=2)
+    assert p.num_stages == 2 and p.boundary["batch_args"] == ["x"]
+
+
+def test_a_batch_leaf_that_cannot_be_split_names_batch_args():
+    with pytest.raises(OptionsError, match=r"batch argument lr: expected a leading dimension "
+                                           r"divisible by num_microbatches=2, found shape "
+                                           r"\(\).*batch_args=\('x',\)"):
+        rhino.plan(_lr_step, *_lr_args(), cluster="1x2", stages=2, num_microbatches=2,
+                   batch_args=("x", "lr"))
+    with pytest.raises(OptionsError, match=r"found shape \(8, 16\).*num_microbatches= "
+                                           r"dividing 8"):
+        rhino.plan(_lr_step, *_lr_args(), cluster="1x2", stages=2, num_microbatches=3)
+
+
+def test_option_errors_say_what_was_expected():
+    with pytest.raises(OptionsError, match=r"devices: expected at least one jax device, "
+                                           r"found an empty sequence"):
+        rhino.auto_parallel(lambda x: x, devices=[])
+    with pytest.raises(OptionsError) as e:
+        rhino.auto_parallel(lambda x: x, cluster="2by4")
+    assert str(e.value).count("cluster:") == 1
+    with pytest.raises(OptionsError, match=r"batch_args: expected a tuple.*\('batch',\)"):
+        rhino.auto_parallel(lambda x: x, batch_args="batch")
+    with pytest.raises(OptionsError, match="num_microbatches: expected a positive integer"):
+        rhino.plan(lambda x: x, jnp.ones(4), num_microbatches=0)
+
+
+def test_the_cli_reads_negative_figures_after_a_space(capsys):
+    assert main(["plan", "mlp:batch=16,hidden=32", "--mesh", "2", "--quiet",
+                 "--alpha", "-1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert "expected one argument" not in err
+    assert "alpha: expected finite values >= 0" in err
+
+
+# --------------------------------------------------------------------- annotations
+def test_annotations_take_partition_specs():
+    m = get_model("mlp", **TINY["mlp"])
+    graph = trace_step(m.step, m.example_args()).graph
+    mesh = AbstractMesh((2, 4))
+    path = next(graph.ops[q].arg.path for q in graph.params
+                if len(graph.ops[q].shape.dims) == 2)
+    as_text = annotation_pins(graph, {path: "S[x]·R"}, mesh)
+    assert annotation_pins(graph, {path: P("x", None)}, mesh) == as_text
+    assert annotation_pins(graph, {path: P("x")}, mesh) == as_text      # as in JAX
+    assert list(annotation_pins(graph, {path: P(None, ("x", "y"))}, mesh).values()) == \
+        [ShardingSpec.parse("R·S[x,y]", mesh)]
+    with pytest.raises(OptionsError, match=r"expected mesh axis names \['x', 'y'\].*'z'"):
+        annotation_pins(graph, {path: P("z", None)}, mesh)
+    p = rhino.plan(m.step, *m.example_args(), mesh_shape=(2, 4),
+                   annotations={path: P(None, "y")})
+    assert p.spmd.param_spec(path).to_str(p.spmd.mesh) == "R·S[y]"
+
+
+def test_nnx_paths_work_with_or_without_value():
+    nnx = pytest.importorskip("flax.nnx")
+    graphdef, params = nnx.split(nnx.Linear(16, 8, rngs=nnx.Rngs(0)), nnx.Param)
+
+    def step(params, x):
+        def loss(p):
+            return jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+        g = jax.grad(loss)(params)
+        return jax.tree.map(lambda w, d: w - 0.1 * d, params, g)
+
+    graph = trace_step(step, (params, jnp.ones((8, 16)))).graph
+    paths = {graph.ops[q].arg.path for q in graph.params}
+    assert "params['kernel'].value" in paths
+    mesh = AbstractMesh((2,))
+    with_value = annotation_pins(graph, {"params['kernel'].value": "R·S[x]"}, mesh)
+    assert annotation_pins(graph, {"params['kernel']": "R·S[x]"}, mesh) == with_value
+    assert annotation_pins(graph, {"params['kernel']": P(None, "x")}, mesh) == with_value
+
+
+# --------------------------------------------------------------------- packaging
+def test_optax_is_a_dependency_of_the_package():
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    needs = cfg["options"]["install_requires"].split()
+    assert any(n.startswith("optax") for n in needs), needs
