@@ -122,12 +122,20 @@ def check_plan(plan: Plan, graph: HloGraph) -> None:
                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                 + f", which this program ({len(graph.ops)} ops) lacks: the plan was made for "
                   f"another program or other argument shapes; re-plan for this one")
-        paths = {graph.ops[p].arg.path for p in graph.params if graph.ops[p].arg}
+        paths = {graph.ops[p].arg.path: shape_str(graph.ops[p].shape) for p in graph.params
+                 if graph.ops[p].arg}
         lacking = [w for w in st.weights if w not in paths]
         if lacking:
             raise PlanMismatchError(f"plan: stage {st.index} reads weight {lacking[0]!r}, "
                                     f"which this program's arguments lack (they are e.g. "
                                     f"{sorted(paths)[:3]})")
+        for p in st.spmd.params:
+            have = paths.get(p.path)
+            if have is not None and have != p.shape:
+                raise PlanMismatchError(f"plan: stage {st.index} reads {p.path!r} as "
+                                        f"{p.shape}, where this program has {have}: the plan "
+                                        f"was made for other argument shapes; re-plan for "
+                                        f"these")
 
 
 def _check_spmd(plan: SpmdPlan, graph: HloGraph) -> None:
@@ -395,14 +403,21 @@ def refuse_couplings(layout: MicrobatchLayout, m: int) -> None:
         BatchCouplingError: where ``layout`` has a coupling.
     """
     found = layout.couplings
-    if found:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise BatchCouplingError(
-            f"the step's gradients depend on statistics of the whole batch, which {m} "
-            f"microbatches cannot compute one by one: {found[0].describe()}{more}. Pass "
-            f"per_microbatch_statistics=True to let each microbatch use its own statistics "
-            f"(as gradient accumulation does), or run the step as one SPMD stage "
-            f"(mesh_shape=..., or stages=1)")
+    if not found:
+        return
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    first = found[0]
+    if first.estimable:
+        fix = ("Pass per_microbatch_statistics=True to let each microbatch use its own "
+               "statistics (as gradient accumulation does), or run the step as one SPMD "
+               "stage (mesh_shape=..., or stages=1)")
+    else:
+        fix = ("It pairs examples of the batch with each other, which no microbatch can do "
+               "on its own (per_microbatch_statistics=True does not apply): run the step as "
+               "one SPMD stage (mesh_shape=..., or stages=1)")
+    raise BatchCouplingError(
+        f"the step's gradients depend on statistics of the whole batch, which {m} "
+        f"microbatches cannot compute one by one: {first.describe()}{more}. {fix}")
 
 
 def microbatch_divisors(traced: ScopedFunction, graph: HloGraph, abstract: tuple,

@@ -208,3 +208,17 @@ def test_a_python_float_keeps_its_weak_type(options):
     assert [a.dtype for a in got] == [a.dtype for a in want] == [jnp.bfloat16] * 2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
                                rtol=1e-2)
+
+
+def test_a_pipeline_plan_run_on_a_model_of_other_sizes_is_refused(runs, gpt):
+    """A saved pipeline plan given a model of other shapes (same op names: the same program
+    at another width) is a PlanMismatchError naming a weight and both shapes, before
+    anything is split or run."""
+    m, params, opt, batch = gpt
+    plan = runs["pipeline"][0].plan_for(params, opt, batch)
+    wide = get_model("gpt", **dict(GPT, hidden=2 * GPT["hidden"]))
+    wp, wo = wide.init(jax.random.PRNGKey(0))
+    bad = rhino.auto_parallel(wide.step, plan=plan, timeout=120)
+    with pytest.raises(rhino.PlanMismatchError, match=r"reads \"params\[.*\]\" as f32\[.*\], "
+                                                     r"where this program has f32\["):
+        bad(wp, wo, wide.make_batch(jax.random.PRNGKey(1)))

@@ -267,3 +267,60 @@ def test_nnx_gemma_style_step():
 
     tokens = jax.random.randint(jax.random.key(1), (B, seq + 1), 0, vocab)
     compare(step, (state,), (tokens,), state_at=slice(0, 1))
+
+
+def _line(text: str) -> int:
+    lines = open(__file__).read().splitlines()
+    return next(k + 1 for k, ln in enumerate(lines) if text in ln and "_line(" not in ln)
+
+
+def test_a_contrastive_loss_is_refused_with_its_line():
+    """A whole-batch softmax (SimCLR-style: every example's normaliser sums over every
+    example): the gradients need every pair of examples at once. Refused naming the user's
+    line, also with ``per_microbatch_statistics=True``, which cannot apply to pairs (the
+    error says so and what to do instead)."""
+    tx = optax.adam(1e-2)
+
+    def step(params, opt_state, x):
+        def loss_fn(p):
+            z = _apply(p, x)
+            z = z / jnp.linalg.norm(z, axis=1, keepdims=True)
+            sim = z @ z.T / 0.5                                  # every pair of the batch
+            return -jnp.mean(jax.nn.log_softmax(sim, axis=1).diagonal())
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    params = _mlp(jax.random.key(0), (8, 32, 32, 16))
+    x = jax.random.normal(jax.random.key(1), (B, 8))
+    for opt_in in (False, True):
+        refused = rhino.auto_parallel(step, per_microbatch_statistics=opt_in, **PIPE)
+        with pytest.raises(rhino.BatchCouplingError) as err:
+            refused(_host(params), _host(tx.init(params)), x)
+        msg = str(err.value)
+        assert f"test_pipeline_exact.py:{_line('every pair of the batch')}" in msg, msg
+        assert "pairs examples of the batch" in msg and "one SPMD stage" in msg
+
+
+def test_a_cond_on_the_loss_around_the_gradients_is_named():
+    """The gradients computed inside ``lax.cond(jnp.isfinite(loss), ...)`` (marked with
+    ``rhino.grad``): the branch needs the whole batch's loss before any gradient; the error
+    names the cond's line, not a tensor inside it."""
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, x, y):
+        loss = jnp.mean((_apply(params, x) - y) ** 2)
+        g = jax.lax.cond(jnp.isfinite(loss),                     # the cond
+                         lambda p: jax.grad(lambda p: jnp.mean((_apply(p, x) - y) ** 2))(p),
+                         lambda p: jax.tree.map(jnp.zeros_like, p), params)
+        g = rhino.grad(g)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    params = _mlp(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (B, 8))
+    y = jax.random.normal(jax.random.key(2), (B, 1))
+    step_ = rhino.auto_parallel(step, **PIPE)
+    with pytest.raises(rhino.BatchCouplingError) as err:
+        step_(_host(params), _host(tx.init(params)), x, y)
+    assert f"test_pipeline_exact.py:{_line('# the cond')}" in str(err.value), str(err.value)

@@ -124,6 +124,9 @@ class Coupling:
     Attributes:
         what: why; primitive / source / path: the equation (user file:line, flat path);
         statistic: ``(primitive, source)`` of the reduction over the batch it reads, if any.
+        estimable: each microbatch could use its own estimate instead (it reads sums or
+            maxima over the batch: ``per_microbatch_statistics``); not where it pairs the
+            examples of the batch with each other (a whole-batch softmax's ``z @ z.T``).
     """
 
     what: str
@@ -131,6 +134,7 @@ class Coupling:
     source: str | None
     path: tuple[int, ...]
     statistic: tuple[str, str | None] | None = None
+    estimable: bool = True
 
     def describe(self) -> str:
         at = f"{self.primitive} at {self.source or 'an unknown line'}"
@@ -505,7 +509,7 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                     "dimension the microbatches do not follow)"))
                 if i in feeds:
                     couplings.append(Coupling(got.reason, prims.name(fe.eqn),
-                                              flat.source(fe), fe.path, None))
+                                              flat.source(fe), fe.path, None, False))
                 got = _total(fe, ins)
         else:
             got = _micro(fe, ins, ins_shapes, outs_shapes, m, zero, is_data)
@@ -544,8 +548,9 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                                 local_eqns.add(i)
                             got = got3
                     if got.needs_total and i in feeds:
-                        couplings.append(Coupling(got.reason, prims.name(fe.eqn),
-                                                  flat.source(fe), fe.path, stat))
+                        couplings.append(Coupling(
+                            got.reason, prims.name(fe.eqn), flat.source(fe), fe.path, stat,
+                            all(ins[j].kind == "partial" for j in got.needs_total)))
                 if got.needs_total:
                     got = _total(fe, ins)
         for j, u in got.uses.items():
