@@ -21,7 +21,7 @@ def _leaf_key(x: Any) -> tuple:
     if isinstance(x, jax.Array):          # the hot path: no abstraction needed
         return x.shape, x.dtype, getattr(x, "weak_type", False)   # key arrays have none
     if getattr(x, "rhino_remote", False):     # a result kept on Ray actors
-        return tuple(x.shape), x.dtype, False
+        return tuple(x.shape), x.dtype, x.weak_type
     aval = jax.typeof(x)
     return aval.shape, aval.dtype, aval.weak_type
 

@@ -18,18 +18,19 @@ class RemoteArray:
     this handle is dropped (garbage-collected) or the step is closed.
 
     Attributes:
-        shape, dtype: the value's; stage: the stage holding it; step: the executor step
-            that produced it.
+        shape, dtype, weak_type: the value's (weakly typed where the step's result is, so
+            that passed back it has the signature the step was planned for); stage: the
+            stage holding it; step: the executor step that produced it.
     """
 
-    __slots__ = ("executor", "stage", "ref", "step", "shape", "dtype")
-    weak_type = False
+    __slots__ = ("executor", "stage", "ref", "step", "shape", "dtype", "weak_type")
     rhino_remote = True     # how rhino.step_arguments recognises one without importing this
 
     def __init__(self, executor: Any, stage: int, ref: int, step: int,
-                 shape: tuple[int, ...], dtype: Any):
+                 shape: tuple[int, ...], dtype: Any, weak_type: bool = False):
         self.executor, self.stage, self.ref, self.step = executor, stage, ref, step
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.weak_type = bool(weak_type)   # as the step's result is (a Python-number state)
 
     @property
     def ndim(self) -> int:

@@ -96,6 +96,21 @@ HEARTBEAT_S = 10.0
 """While the stage programs compile, a line every this many seconds."""
 
 
+def _typed_as(x: Any, aval: Any) -> Any:
+    """A result weakly typed where the step's is (a Python-number state such as a step
+    count), so that passed back as the next step's argument it has the signature the step
+    was planned for; values that came back through the host lose it otherwise."""
+    if not getattr(aval, "weak_type", False) or getattr(x, "weak_type", True):
+        return x
+    if getattr(x, "rhino_remote", False):
+        x.weak_type = True
+        return x
+    if not x.shape:
+        y = jax.numpy.asarray(x.item())           # a Python scalar: weakly typed
+        return y if y.dtype == x.dtype else x
+    return x
+
+
 class StagedRun:
     """Stage programs under a static schedule, by a local or a Ray executor.
 
@@ -148,6 +163,7 @@ class StagedRun:
     def __call__(self, args: tuple) -> list:
         flat = jax.tree_util.tree_leaves(args)
         outs = self.executor.run(flat)
+        avals = self.lowering.split.flat.avals
         res = []
         for o in self.lowering.split.outputs:
             if o.source == "lit":
@@ -155,7 +171,7 @@ class StagedRun:
             elif o.source == "arg":
                 res.append(flat[o.ref])
             else:
-                res.append(outs[o.ref])
+                res.append(_typed_as(outs[o.ref], avals[o.ref]))
         return res
 
     def report_lines(self) -> list[str]:

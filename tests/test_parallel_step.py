@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -222,3 +223,23 @@ def test_a_pipeline_plan_run_on_a_model_of_other_sizes_is_refused(runs, gpt):
     with pytest.raises(rhino.PlanMismatchError, match=r"reads \"params\[.*\]\" as f32\[.*\], "
                                                      r"where this program has f32\["):
         bad(wp, wo, wide.make_batch(jax.random.PRNGKey(1)))
+
+
+def test_results_passed_back_keep_the_signature_the_step_was_planned_for():
+    """A weakly typed state leaf (a Python-number step count) comes back weakly typed,
+    whether it came through the host (0-d) or stays on Ray actors (a ``RemoteArray``
+    handle): passed back, it has the same signature, so nothing is planned again."""
+    import numpy as np
+
+    from rhino.runtime.remote_array import RemoteArray
+    from rhino.runtime.runs import _typed_as
+    from rhino.step_arguments import signature
+
+    weak = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)
+    arg = (3,)
+    back = _typed_as(jnp.asarray(np.int32(4)), weak)
+    assert signature(None, (back,)) == signature(None, arg)
+    handle = _typed_as(RemoteArray(None, 0, 7, 1, (), np.int32), weak)
+    assert signature(None, (handle,)) == signature(None, arg)
+    strong = jax.ShapeDtypeStruct((), jnp.int32)
+    assert not _typed_as(jnp.asarray(np.int32(4)), strong).weak_type
