@@ -85,7 +85,7 @@ def test_errors_say_what_was_expected():
     mlp = _mlp()
     with pytest.raises(GradientBoundaryError, match="batch_args naming arguments .*nope"):
         find_gradient_boundary(mlp, BoundaryOptions(batch_args=("nope",)))
-    with pytest.raises(GradientBoundaryError, match="only state arguments"):
+    with pytest.raises(GradientBoundaryError, match="only state and scalar arguments"):
         find_gradient_boundary(mlp, BoundaryOptions(batch_args=()))
     with pytest.raises(ValueError, match="method"):
         BoundaryOptions(method="guess")

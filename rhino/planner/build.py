@@ -269,9 +269,9 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
     whole output winning: the ``k``-th result updates the ``k``-th argument (``return
     params, opt_state, loss``); the output as a whole mirrors one argument (a bare list of
     updated weights: ``out<rest>`` matches ``<any argument><rest>``); or a result *subtree*
-    has exactly the leaves (paths and types) of one argument, wherever it sits in the
-    output (``return loss, state``; ``return {"state": new_state, "loss": loss}``). A pair
-    needs equal array types and a unique match.
+    of two or more leaves has exactly the leaves (paths and types) of one argument,
+    wherever it sits in the output (``return loss, state``; ``return {"state": new_state,
+    "loss": loss}``). A pair needs equal array types and a unique match.
 
     Example:
         >>> import jax.numpy as jnp, rhino
@@ -279,10 +279,10 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
         ...                  {"w": jnp.ones((4,))}, jnp.ones((3,)))
         >>> [(g.ops[o].opcode, g.ops[p].arg.path) for o, p in carried_pairs(g)]
         [('subtract', "p['w']")]
-        >>> g = rhino.ingest(lambda p, x: (x.sum(), {"w": p["w"] * 2}),
-        ...                  {"w": jnp.ones((4,))}, jnp.ones((3,)))
-        >>> [(g.ops[o].opcode, g.ops[p].arg.path) for o, p in carried_pairs(g)]
-        [('multiply', "p['w']")]
+        >>> g = rhino.ingest(lambda p, x: (x.sum(), {"w": p["w"] * 2, "b": p["b"] + 1}),
+        ...                  {"w": jnp.ones((4,)), "b": jnp.ones((2,))}, jnp.ones((3,)))
+        >>> sorted((g.ops[o].opcode, g.ops[p].arg.path) for o, p in carried_pairs(g))
+        [('add', "p['b']"), ('multiply', "p['w']")]
     """
     by_rest: dict[str, list[int]] = {}
     by_pos: dict[tuple[int, str], list[int]] = {}
@@ -344,6 +344,8 @@ def _subtree_match(graph: HloGraph, outs: list[tuple[int, str]],
             under.setdefault("".join(comps[:j]), {})["".join(comps[j:])] = o
     owner: dict[int, int] = {}
     for prefix, leaves in under.items():
+        if len(leaves) < 2:     # one array alike in shape is no evidence (a gradient)
+            continue
         same = [args for args in by_arg.values() if set(leaves) == set(args) and all(
             graph.ops[leaves[r]].shape == graph.ops[args[r]].shape for r in leaves)]
         if len(same) == 1:             # several arguments alike: no reading by structure
