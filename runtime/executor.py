@@ -53,6 +53,7 @@ from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_a
                                              is_apply, prologue_function, split_step,
                                              task_function)
 from rhino.runtime import threads
+from rhino.runtime.instructions import Instr, instructions
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
                                      Transport, root_cause)
 from rhino.runtime.timeline import TaskRecord
@@ -66,76 +67,6 @@ ABORT_GRACE_S = 10.0
 """After a stage failed, how long the local executor waits for the others to stop."""
 CLOSE_GRACE_S = 2.0
 """How long ``close()`` (and an interrupted step) waits for stage threads to stop."""
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Instr:
-    """One instruction of a stage.
-
-    Attributes:
-        op: ``run``, ``send`` or ``recv``.
-        kind: ``F``/``B``/``A`` (run); microbatch: its microbatch (None for ``A`` and for
-            values of apply tasks); ref: the value (send/recv); peer: the other stage;
-            acc: the value is an accumulated sum (sent once per step).
-    """
-
-    op: str
-    kind: str = ""
-    microbatch: int | None = None
-    ref: int | None = None
-    peer: int | None = None
-    acc: bool = False
-
-    @property
-    def key(self) -> tuple:
-        return (self.ref, "acc" if self.acc else self.microbatch)
-
-    def label(self) -> str:
-        if self.op == "run":
-            return f"{self.kind}{'' if self.microbatch is None else self.microbatch}"
-        arrow = "→" if self.op == "send" else "←"
-        what = "acc" if self.acc else ("" if self.microbatch is None else self.microbatch)
-        return f"{self.op} v{self.ref}@{what}{arrow}{self.peer}"
-
-
-def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr]:
-    """The instruction list of ``stage`` for one step (pure; see the module docstring)."""
-    if schedule.num_stages != split.num_stages or \
-            schedule.num_microbatches != split.num_microbatches:
-        raise ExecutorError(f"schedule: expected {split.num_stages} stages × "
-                            f"{split.num_microbatches} microbatches (the split), found "
-                            f"{schedule.num_stages} × {schedule.num_microbatches}")
-    m = split.num_microbatches
-    out: list[Instr] = []
-    received: set[tuple] = set()  # a value read by several tasks here is received once
-    for t in schedule.stage_tasks(stage):
-        kinds = split.apply_phases[stage] if t.kind == "A" else (t.kind,)
-        for kind in kinds:
-            spec = split.task(kind, stage)
-            mb = None if is_apply(kind) else t.microbatch
-            for i in spec.inputs:
-                if i.source == "task" and i.producer[1] != stage:
-                    ins = Instr("recv", ref=i.ref, microbatch=None if is_apply(i.producer[0])
-                                else mb, peer=i.producer[1])
-                elif i.source == "acc" and i.producer[1] != stage:
-                    ins = Instr("recv", ref=i.ref, peer=i.producer[1], acc=True)
-                else:
-                    continue
-                if ins.key not in received:
-                    received.add(ins.key)
-                    out.append(ins)
-            out.append(Instr("run", kind, mb))
-            for r in spec.outputs:
-                dsts = sorted({s for k, s in split.consumers.get(r, ()) if s != stage
-                               and (not is_apply(k) or is_apply(kind))})
-                out.extend(Instr("send", ref=r, microbatch=mb, peer=d) for d in dsts)
-            if not is_apply(kind) and mb == m - 1:
-                for r in spec.accumulate:
-                    dsts = sorted({s for k, s in split.consumers.get(r, ()) if is_apply(k)
-                                   and s != stage})
-                    out.extend(Instr("send", ref=r, peer=d, acc=True) for d in dsts)
-    return out
 
 
 

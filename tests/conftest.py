@@ -1,9 +1,20 @@
-"""Test set-up: 8 simulated CPU devices, set before jax is imported anywhere."""
+"""Test set-up: 8 simulated CPU devices, set before jax is imported anywhere, and one
+persistent XLA compilation cache for the run (the suite compiles the same zoo programs in
+many tests and in the documentation's subprocesses, which inherit the environment; the
+cache only skips recompiling a program XLA has already compiled in this run)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="rhino-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
 import pytest  # noqa: E402

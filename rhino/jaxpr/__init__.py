@@ -11,6 +11,7 @@ name; ``tests/test_jaxpr_private.py`` has a canary per internal)::
     interpret.py    the one interpreter: leaf_equations / flatten (static walks) and
                     Interpreter (re-binding evaluation) that annotation, scan unrolling,
                     stage programs and their analyses share
+    factors.py      sharding rules of primitives with the microbatches as a time axis
     microbatch.py   microbatches as a sharding of the batch over time: per value, whether
                     it is computed per step or per microbatch, and how
 """

@@ -63,6 +63,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import numpy as np
 
 from rhino.jaxpr import primitives as prims
+from rhino.jaxpr.factors import ORDER_PRESERVING, factors, linear_groups, operand_shape
 from rhino.jaxpr.interpret import FlatProgram, Lit
 from rhino.jaxpr.private import eqn_source, name_stack_text
 
@@ -183,243 +184,6 @@ class MicrobatchLayout:
         return {r: lay.axis for r, lay in self.layout.items() if lay.kind == "split"}
 
 
-# ------------------------------------------------------------------------------ factors
-# A factor: members ``(slot, dim)`` (slot i >= 0: operand i; slot -1 - k: result k) that
-# are sliced together, and ``reduce`` (None, or the combining op when no result has it).
-Factor = tuple[tuple[tuple[int, int], ...], str | None]
-
-
-def _shape(x: Any, avals: Mapping[int, Any]) -> tuple[int, ...]:
-    if isinstance(x, Lit):
-        return tuple(np.shape(x.value))
-    return tuple(avals[x].shape)
-
-
-def _elementwise(ins: list[tuple], outs: list[tuple]) -> list[Factor]:
-    rank = len(outs[0])
-    out = []
-    for d in range(rank):
-        size = outs[0][d]
-        members = [(i, d) for i, s in enumerate(ins) if len(s) == rank and s[d] == size]
-        members += [(-1 - k, d) for k, s in enumerate(outs) if len(s) == rank]
-        out.append((tuple(members), None))
-    return out
-
-
-def _factors(eqn: Any, ins: list[tuple], outs: list[tuple]) -> list[Factor] | None:
-    """The factors of ``eqn`` (None: no rule, it cannot be cut)."""
-    name = prims.name(eqn)
-    p = eqn.params
-    if name in prims.ELEMENTWISE or name in prims.IDENTITY_LIKE or \
-            name in prims.RNG_ELEMENTWISE or name == "bitcast_convert_type":
-        if name == "bitcast_convert_type" and len(ins[0]) != len(outs[0]):
-            return None
-        return _elementwise(ins, outs)
-    if name == prims.BROADCAST:
-        bd = p["broadcast_dimensions"]
-        return [(((0, j), (-1, e)), None) for j, e in enumerate(bd)
-                if ins[0][j] == outs[0][e]]
-    if name == prims.TRANSPOSE:
-        return [(((0, src), (-1, k)), None) for k, src in enumerate(p["permutation"])]
-    if name == prims.SQUEEZE:
-        gone = {d % len(ins[0]) for d in p["dimensions"]}
-        kept = [d for d in range(len(ins[0])) if d not in gone]
-        return [(((0, d), (-1, k)), None) for k, d in enumerate(kept)]
-    if name == prims.RESHAPE:
-        if p.get("dimensions") is not None:
-            return None
-        return _reshape_factors(ins[0], outs[0])
-    if name in prims.REDUCTIONS:
-        axes = set(prims.reduction_axes(eqn))
-        kept = [d for d in range(len(ins[0])) if d not in axes]
-        out = [(((0, d), (-1, k)), None) for k, d in enumerate(kept)]
-        op = prims.REDUCTIONS[name]
-        out += [(((0, d),), op if op in ("sum", "max", "min") else "whole") for d in axes]
-        return out
-    if name in prims.ARG_REDUCTIONS:
-        axes = set(prims.reduction_axes(eqn))
-        kept = [d for d in range(len(ins[0])) if d not in axes]
-        return [(((0, d), (-1, k)), None) for k, d in enumerate(kept)] + \
-            [(((0, d),), "whole") for d in axes]
-    along = _along_axes(name, p, ins)
-    if along is not None:          # cut along every dimension but these
-        rank = len(outs[0])
-        return [(tuple([(i, d) for i in range(len(ins)) if len(ins[i]) == rank] +
-                       [(-1 - k, d) for k in range(len(outs))]), None)
-                for d in range(rank) if d not in along]
-    if name == prims.DOT:
-        (lc, rc), (lb, rb) = p["dimension_numbers"]
-        lf = [d for d in range(len(ins[0])) if d not in lc and d not in lb]
-        rf = [d for d in range(len(ins[1])) if d not in rc and d not in rb]
-        out = [(((0, a), (1, b), (-1, k)), None) for k, (a, b) in enumerate(zip(lb, rb))]
-        out += [(((0, d), (-1, len(lb) + k)), None) for k, d in enumerate(lf)]
-        out += [(((1, d), (-1, len(lb) + len(lf) + k)), None) for k, d in enumerate(rf)]
-        out += [(((0, a), (1, b)), "sum") for a, b in zip(lc, rc)]
-        return out
-    if name == prims.CONV:
-        dn = p["dimension_numbers"]
-        lhs, rhs, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-        out = [(((0, lhs[0]), (-1, out_spec[0])), None)]
-        if p["feature_group_count"] == 1 and p["batch_group_count"] == 1:
-            out += [(((0, lhs[1]), (1, rhs[1])), "sum"),
-                    (((1, rhs[0]), (-1, out_spec[1])), None)]
-        elif p["batch_group_count"] != 1:
-            return None
-        return out
-    if name == prims.DYNAMIC_SLICE:
-        sizes = p["slice_sizes"]
-        return [(((0, d), (-1, d)), None) for d in range(len(ins[0])) if sizes[d] == ins[0][d]]
-    if name == prims.DYNAMIC_UPDATE_SLICE:
-        return [(((0, d), (1, d), (-1, d)), None) for d in range(len(ins[0]))
-                if ins[1][d] == ins[0][d]]
-    if name == prims.SLICE:
-        start, limit = p["start_indices"], p["limit_indices"]
-        strides = p["strides"] or (1,) * len(ins[0])
-        return [(((0, d), (-1, d)), None) for d in range(len(ins[0]))
-                if start[d] == 0 and limit[d] == ins[0][d] and strides[d] == 1]
-    if name == prims.PAD:
-        return [(((0, d), (-1, d)), None) for d, (lo, hi, inner) in
-                enumerate(p["padding_config"]) if (lo, hi, inner) == (0, 0, 0)]
-    if name == prims.SELECT_N or name == "clamp":
-        return _elementwise(ins, outs)
-    if name == prims.GATHER:
-        return _gather_factors(p, ins, outs)
-    if name in prims.SCATTER_ADD or name in prims.SCATTERS:
-        return _scatter_factors(name, p, ins, outs)
-    if name in prims.RNG_SHAPED or name == prims.RANDOM_UNWRAP:
-        return [(((0, d), (-1, d)), None) for d in range(len(ins[0]))]
-    if name == prims.RANDOM_WRAP:
-        return [(((0, d), (-1, d)), None) for d in range(len(outs[0]))]
-    if name in prims.REDUCE_WINDOWS:
-        dims = p.get("window_dimensions")
-        strides = p.get("window_strides")
-        pads = p.get("padding")
-        if dims is None:
-            return None
-        ok = [d for d in range(len(dims)) if dims[d] == 1 and strides[d] == 1
-              and tuple(pads[d]) == (0, 0)
-              and all(tuple(p.get(k) or (1,) * len(dims))[d] == 1
-                      for k in ("base_dilation", "window_dilation"))]
-        return [(tuple([(i, d) for i in range(len(ins)) if len(ins[i]) == len(dims)] +
-                       [(-1 - k, d) for k in range(len(outs))]), None) for d in ok]
-    return None
-
-
-def _along_axes(name: str, p: Mapping, ins: list[tuple]) -> set[int] | None:
-    """The dimensions an op works along (mixing their elements), for ops that treat every
-    other dimension elementwise; None for other ops."""
-    if name in prims.CUMULATIVE:
-        return {int(p["axis"])}
-    if name in (prims.SORT, prims.CONCATENATE):
-        return {int(p["dimension"])}
-    if name == prims.REV:
-        return {int(d) for d in p["dimensions"]}
-    if name == prims.TOP_K:
-        return {len(ins[0]) - 1}
-    if name == prims.SPLIT:
-        return {int(p["axis"])}
-    return None
-
-
-def _reshape_factors(old: tuple, new: tuple) -> list[Factor]:
-    """A dimension of ``old`` that is the outermost factor of a dimension of ``new``, or
-    whose outermost factor a dimension of ``new`` is, with the same elements before it (a
-    contiguous chunk along it stays a contiguous chunk): ``(n, s) <-> (n * s,)``."""
-    out = []
-    pre_new = [1]
-    for x in new:
-        pre_new.append(pre_new[-1] * x)
-    pre = 1
-    for d, x in enumerate(old):
-        for e, y in enumerate(new):
-            if pre_new[e] == pre and y > 1 and x > 1:
-                out.append((((0, d), (-1, e)), None))
-                break
-        pre *= x
-    return out
-
-
-def _gather_factors(p: Mapping, ins: list[tuple], outs: list[tuple]) -> list[Factor]:
-    dn = p["dimension_numbers"]
-    operand, indices, out = ins[0], ins[1], outs[0]
-    offset = list(dn.offset_dims)
-    batch_pos = [k for k in range(len(out)) if k not in offset]
-    idx_batch = list(range(len(indices) - 1))          # the last is the index vector
-    obd = list(getattr(dn, "operand_batching_dims", ()) or ())
-    ibd = list(getattr(dn, "start_indices_batching_dims", ()) or ())
-    factors: list[Factor] = []
-    for k, j in enumerate(idx_batch):
-        members = [(1, j), (-1, batch_pos[k])]
-        if j in ibd:
-            members.append((0, obd[ibd.index(j)]))
-        factors.append((tuple(members), None))
-    window = [d for d in range(len(operand))
-              if d not in dn.collapsed_slice_dims and d not in obd]
-    for k, d in enumerate(window):
-        if d not in dn.start_index_map and p["slice_sizes"][d] == operand[d]:
-            factors.append((((0, d), (-1, offset[k])), None))
-    return factors
-
-
-def _scatter_factors(name: str, p: Mapping, ins: list[tuple], outs: list[tuple]
-                     ) -> list[Factor] | None:
-    dn = p["dimension_numbers"]
-    operand, indices, updates = ins[0], ins[1], ins[2]
-    uwd = list(dn.update_window_dims)
-    scatter_pos = [k for k in range(len(updates)) if k not in uwd]
-    obd = list(getattr(dn, "operand_batching_dims", ()) or ())
-    sbd = list(getattr(dn, "scatter_indices_batching_dims", ()) or ())
-    add = name in prims.SCATTER_ADD
-    factors: list[Factor] = []
-    for k, j in enumerate(range(len(indices) - 1)):
-        members = [(1, j), (2, scatter_pos[k])]
-        if j in sbd:
-            members += [(0, obd[sbd.index(j)]), (-1, obd[sbd.index(j)])]
-            factors.append((tuple(members), None))
-        elif add:
-            factors.append((tuple(members), "sum"))   # examples add into the same places
-    window = [d for d in range(len(operand)) if d not in dn.inserted_window_dims
-              and d not in obd]
-    for k, d in enumerate(window):
-        if d not in dn.scatter_dims_to_operand_dims and updates[uwd[k]] == operand[d]:
-            factors.append((((0, d), (2, uwd[k]), (-1, d)), None))
-    return factors
-
-
-# Operand groups in which an equation is jointly linear (a partial sum passes through).
-def _linear_groups(eqn: Any, ins: list) -> list[frozenset[int]]:
-    name = prims.name(eqn)
-    n = len(ins)
-    everything = frozenset(range(n))
-    if name in prims.LINEAR_ELEMENTWISE or name in prims.IDENTITY_LIKE or \
-            name == prims.CONCATENATE:
-        return [everything]
-    if name == prims.CONVERT:
-        return [frozenset({0})] if eqn.params.get("new_dtype") is not None and \
-            np.issubdtype(np.dtype(eqn.params["new_dtype"]), np.inexact) else []
-    if name in (prims.MUL, prims.DOT, prims.CONV):
-        return [frozenset({0}), frozenset({1})]
-    if name == prims.DIV:
-        return [frozenset({0})]
-    if name == prims.INTEGER_POW:
-        return [frozenset({0})] if prims.is_identity_pow(eqn) else []
-    if name in (prims.BROADCAST, prims.RESHAPE, prims.TRANSPOSE, prims.SQUEEZE, prims.REV,
-                prims.SLICE, "reduce_sum", "cumsum", prims.DYNAMIC_SLICE, prims.GATHER,
-                "reduce_window_sum", prims.SPLIT, prims.PAD):
-        return [frozenset({0})]
-    if name == prims.SELECT_N:
-        return [frozenset(range(1, n))]
-    if name == prims.DYNAMIC_UPDATE_SLICE:
-        return [frozenset({0, 1})]
-    if name in prims.SCATTER_ADD:
-        return [frozenset({0, 2})]
-    return []
-
-
-_ORDER_PRESERVING = frozenset({prims.BROADCAST, prims.RESHAPE, prims.TRANSPOSE,
-                               prims.SQUEEZE}) | prims.IDENTITY_LIKE
-
-
 # ------------------------------------------------------------------------------ analysis
 @dataclasses.dataclass
 class _Outcome:
@@ -493,7 +257,7 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
         bdep = any(r in dep_batch for r in refs)
         sdep = any(r in dep_state for r in refs)
         outs_shapes = [tuple(v.aval.shape) for v in fe.eqn.outvars]
-        ins_shapes = [_shape(x, avals) for x in fe.ins]
+        ins_shapes = [operand_shape(x, avals) for x in fe.ins]
         ins = [lay(x) for x in fe.ins]
         kinds = {x.kind for x in ins}
         if i in post or "total" in kinds:
@@ -649,25 +413,25 @@ def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: lis
                                    "values")
         ops = {ins[j].op for j in partials}
         if ops != {"sum"}:
-            if len(ops) == 1 and name in _ORDER_PRESERVING and len(fe.ins) == 1:
+            if len(ops) == 1 and name in ORDER_PRESERVING and len(fe.ins) == 1:
                 return _Outcome([ins[0]] * n_out, {})
             return _Outcome([], {}, needs_total=tuple(partials),
                             reason="a maximum or minimum over the batch used further")
         pset = set(partials)
-        for g in _linear_groups(fe.eqn, fe.ins):
+        for g in linear_groups(fe.eqn, fe.ins):
             if pset <= g and all(j in pset or _is_zero(fe.ins[j], zero) for j in g) and \
                     not any(ins[j].kind == "local" for j in g):
                 return _Outcome([partial("sum")] * n_out, {})
         return _Outcome([], {}, needs_total=tuple(partials),
                         reason="a sum over the batch used non-linearly")
-    factors = _factors(fe.eqn, ins_shapes, outs_shapes)
+    rules = factors(fe.eqn, ins_shapes, outs_shapes)
     if not splits:                                   # local (and whole) operands only
         return _Outcome([LOCAL] * n_out, {})
-    if factors is None:
+    if rules is None:
         return _unsupported(fe, ins, splits, f"a per-example value enters {name}, which "
                                              f"cannot be cut into microbatches")
     first = splits[0]
-    f = next((fa for fa in factors if (first, ins[first].axis) in fa[0]), None)
+    f = next((fa for fa in rules if (first, ins[first].axis) in fa[0]), None)
     if f is None or not all((j, ins[j].axis) in f[0] for j in splits):
         return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
                                              f"(along the dimension split into microbatches)")
@@ -712,6 +476,12 @@ def _is_zero(x: Any, zero: set[int]) -> bool:
     return x in zero
 
 
+# Primitives whose named parameter lists their result's sizes (a dynamic slice's and a
+# slice's along dimensions kept whole: the split one runs to its end).
+_SHAPE_PARAMS = {prims.BROADCAST: "shape", prims.RESHAPE: "new_sizes",
+                 prims.DYNAMIC_SLICE: "slice_sizes", prims.SLICE: "limit_indices"}
+
+
 def _rewrite(eqn: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
              res: Mapping[int, int], m: int) -> dict | None:
     """Bind parameters of ``eqn`` at microbatch shapes, where they name a result shape
@@ -720,27 +490,13 @@ def _rewrite(eqn: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: 
 
     name = prims.name(eqn)
     params = bind_params(eqn)
-    if name == prims.BROADCAST:
-        shape = list(params["shape"])
-        shape[res[0]] //= m
-        params["shape"] = tuple(shape)
-        return params
-    if name == prims.RESHAPE:
-        sizes = list(params["new_sizes"])
+    key = _SHAPE_PARAMS.get(name)
+    if key is not None:          # the parameter lists the result's sizes: cut the split one
+        sizes = list(params[key])
         sizes[res[0]] //= m
-        params["new_sizes"] = tuple(sizes)
+        params[key] = tuple(sizes)
         return params
     split_in = next((j, x.axis) for j, x in enumerate(ins) if x.kind == "split")
-    if name == prims.DYNAMIC_SLICE:
-        sizes = list(params["slice_sizes"])
-        sizes[res[0]] //= m
-        params["slice_sizes"] = tuple(sizes)
-        return params
-    if name == prims.SLICE:
-        limit = list(params["limit_indices"])
-        limit[res[0]] //= m
-        params["limit_indices"] = tuple(limit)
-        return params
     if name == prims.GATHER:
         j, d = split_in
         if j == 0 and d not in (getattr(params["dimension_numbers"], "operand_batching_dims",
