@@ -8,7 +8,8 @@ starts with the executor's token (a random secret the driver hands to its actors
 connection without it is closed unread. A frame is a small JSON header (step, source
 stage, key, dtype, shape) and the array's raw bytes; no pickle crosses the wire.
 
-Only numpy arrays travel (what ``host_value`` makes of a stage's results). Every socket
+Only numpy arrays travel (what ``host_value`` makes of a stage's results; a typed PRNG
+key array as its bits, with its implementation's name in the header). Every socket
 operation has a timeout; a failed send closes its connection (the next send reconnects)
 and raises, naming the receiver.
 
@@ -26,6 +27,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import socket
 import struct
@@ -38,6 +41,33 @@ import numpy as np
 MAGIC = b"RHC1"
 _LEN = struct.Struct("!I")     # header length
 _SIZE = struct.Struct("!Q")    # payload bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedKey:
+    """A typed PRNG key array on its way to an actor: its bits and implementation."""
+
+    data: np.ndarray
+    impl: str
+
+
+def pack_key(x: Any) -> Any:
+    """Typed key arrays as ``PackedKey``, other jax arrays as numpy; the rest unchanged."""
+    import jax
+
+    if isinstance(x, jax.Array):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return PackedKey(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
+        return np.asarray(x)
+    return x
+
+
+def unpack_key(x: Any) -> Any:
+    import jax
+
+    if isinstance(x, PackedKey):
+        return jax.random.wrap_key_data(x.data, impl=x.impl)
+    return x
 
 
 def _dtype(name: str) -> np.dtype:
@@ -113,6 +143,8 @@ class ChannelServer:
                     return
                 arr = np.frombuffer(data, _dtype(meta["dtype"])).reshape(meta["shape"])
                 key = tuple(meta["key"])
+                if meta.get("key_impl"):        # a typed PRNG key array's bits
+                    arr = PackedKey(arr, meta["key_impl"])
                 self.on_value(meta["step"], meta["src"], key, arr)
                 with self._cond:
                     self.frames += 1
@@ -178,14 +210,16 @@ class Channels:
 
     def send(self, address: str, step: int, src: int, key: tuple, value: Any,
              timeout: float) -> None:
-        """Send ``value`` (a numpy array) to the server at ``address``.
+        """Send ``value`` (a numpy array, or a ``PackedKey``: its bits and implementation)
+        to the server at ``address``.
 
         Raises:
             ConnectionError: the receiver could not be reached or stopped reading within
                 ``timeout`` seconds (the connection is closed; the next send reconnects).
         """
-        arr = np.require(value, requirements="C")   # keeps 0-d arrays 0-d
-        head = json.dumps({"step": step, "src": src, "key": list(key),
+        impl = getattr(value, "impl", None)
+        arr = np.require(value.data if impl else value, requirements="C")  # 0-d stays 0-d
+        head = json.dumps({"step": step, "src": src, "key": list(key), "key_impl": impl,
                            "dtype": arr.dtype.name, "shape": list(arr.shape)}).encode()
         with self._lock:
             lock = self._locks.setdefault(address, threading.Lock())

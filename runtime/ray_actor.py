@@ -46,7 +46,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.runtime.channels import ChannelServer, Channels
+from rhino.runtime.channels import (ChannelServer, Channels, PackedKey,  # noqa: F401
+                                     pack_key, unpack_key)
 from rhino.runtime.executor import place
 from rhino.runtime.transport import ExecutorError, Failure, LocalTransport
 from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray
@@ -96,9 +97,14 @@ def drop_output_lines(pattern: bytes, fd: int = 1) -> None:
 _FILTERS: dict[int, Any] = {}     # fd -> this process's filter (kept alive with the process)
 
 
-def host_value(x: Any) -> np.ndarray:
-    """A jax array's whole value as numpy. Where it is split across processes, every
-    process of the job must call this (an all-gather); the answer is the same on each."""
+def host_value(x: Any) -> Any:
+    """A jax array's whole value as numpy (a typed PRNG key array as a ``PackedKey`` of its
+    bits: numpy has no key type). Where it is split across processes, every process of the
+    job must call this (an all-gather); the answer is the same on each."""
+    import jax
+
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return PackedKey(host_value(jax.random.key_data(x)), str(jax.random.key_impl(x)))
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(x)
     if x.is_fully_replicated:
@@ -120,33 +126,6 @@ def pin_process(cpus: Sequence[int]) -> None:
             os.sched_setaffinity(int(tid), set(cpus))
         except (ProcessLookupError, PermissionError):  # ended meanwhile / not ours
             pass
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedKey:
-    """A typed PRNG key array on its way to an actor: its bits and implementation."""
-
-    data: np.ndarray
-    impl: str
-
-
-def pack_key(x: Any) -> Any:
-    """Typed key arrays as ``PackedKey``, other jax arrays as numpy; the rest unchanged."""
-    import jax
-
-    if isinstance(x, jax.Array):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return PackedKey(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
-        return np.asarray(x)
-    return x
-
-
-def unpack_key(x: Any) -> Any:
-    import jax
-
-    if isinstance(x, PackedKey):
-        return jax.random.wrap_key_data(x.data, impl=x.impl)
-    return x
 
 
 def take_rows(x: np.ndarray, rows: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -196,7 +175,7 @@ class RayTransport:
             for address in self.addresses[dst]:
                 self.channels.send(address, self.step, src, key, host, self.timeout)
             return
-        if host.nbytes > INLINE_BYTES:
+        if getattr(host, "nbytes", 0) > INLINE_BYTES:
             # A top-level ObjectRef argument: Ray fetches it to the receiver's node before
             # deliver runs (the copy overlaps the receiver's compute).
             host = import_ray().put(host)
@@ -367,6 +346,7 @@ class StageActor:
         host it is placed on the stage's devices at once (on the channel's or the call's
         thread), so the copy overlaps the wait for the stage's other values; the stage's
         ``recv`` then finds it in place."""
+        value = unpack_key(value)
         if self.hosts == 1 and self.worker is not None and isinstance(key[0], int):
             try:
                 value = place(value, self.worker.sharding(key[0]))
@@ -446,7 +426,7 @@ class StageActor:
         for k in gone:
             self.kept.pop(k, None)
             self.inline.discard(k)
-        args = dict(zip(refs, values))
+        args = {r: unpack_key(v) for r, v in zip(refs, values)}
         for r, n in partial.items():
             args[r] = _whole(args[r], n, self.rows[r])
         missing = [r for r, k in kept.items() if tuple(k) not in self.kept]

@@ -70,6 +70,7 @@ import numpy as np
 
 from rhino.runtime import threads
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError, Failure, root_cause
+from rhino.runtime.channels import PackedKey, pack_key, unpack_key
 from rhino.runtime.ray_actor import StageActor
 from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
                                        RayInfo, import_ray, init, share_cores, xla_flags)
@@ -378,15 +379,18 @@ class RayExecutor:
         hit = keep.get(key) or self._puts.get(key)
         if hit is not None and hit[0] is x:
             keep[key] = hit
-            if isinstance(hit[1], np.ndarray):     # passed inside the call again
-                self.last_sent_bytes += hit[1].nbytes
+            if isinstance(hit[1], (np.ndarray, PackedKey)):  # passed in the call again
+                self.last_sent_bytes += getattr(hit[1], "nbytes", 0) or hit[1].data.nbytes
             return hit[1]
-        host = x.fetch() if isinstance(x, RemoteArray) else np.asarray(x)
-        if rows is not None:
-            host = take_rows(host, rows)
-        self.last_sent_bytes += host.nbytes
+        host = x.fetch() if isinstance(x, RemoteArray) else pack_key(x)
+        if isinstance(host, PackedKey):          # a typed PRNG key array: its bits
+            nbytes = host.data.nbytes
+        else:
+            host = take_rows(np.asarray(host), rows) if rows is not None else np.asarray(host)
+            nbytes = host.nbytes
+        self.last_sent_bytes += nbytes
         # A small value goes inside the call itself (a put is a round trip of its own).
-        ref = host if host.nbytes <= SMALL_ARG_BYTES else ray.put(host)
+        ref = host if nbytes <= SMALL_ARG_BYTES else ray.put(host)
         if isinstance(x, (jax.Array, RemoteArray)):
             keep[key] = (x, ref)
         return ref
@@ -499,8 +503,8 @@ class RayExecutor:
             if rank:
                 continue
             for r, v in host.items():
-                self.last_received_bytes += v.nbytes
-                x = jnp.asarray(v)
+                self.last_received_bytes += getattr(v, "nbytes", 0) or v.data.nbytes
+                x = unpack_key(v) if isinstance(v, PackedKey) else jnp.asarray(v)
                 outs[r] = x
                 returned[id(x)] = (x, s, r, step)
             for r, (shape, dtype) in meta.items():
@@ -550,7 +554,6 @@ class RayExecutor:
         driver but leaves no stage reads): ``RemoteArray`` handles in leaf order."""
         import jax
 
-        from rhino.runtime.ray_actor import pack_key
 
         ray = import_ray()
         with self._lock:

@@ -82,3 +82,23 @@ def test_a_broken_connection_fails_the_send_and_is_forgotten():
             time.sleep(0.02)
     assert first.address not in out._conns   # ... and is forgotten
     out.close()
+
+
+def test_a_prng_key_travels_as_its_bits_and_comes_back_a_key():
+    import jax
+
+    from rhino.runtime.channels import PackedKey, pack_key, unpack_key
+
+    got = []
+    server = ChannelServer(b"k", lambda *a: got.append(a), "127.0.0.1")
+    keys = jax.random.split(jax.random.key(3), 4)
+    try:
+        Channels(b"k").send(server.address, 1, 0, (9, 0), pack_key(keys), 5.0)
+        assert server.wait_frames(1, 5.0)
+    finally:
+        server.close()
+    (step, src, key, value), = got
+    assert isinstance(value, PackedKey) and (step, src, key) == (1, 0, (9, 0))
+    back = unpack_key(value)
+    assert jax.dtypes.issubdtype(back.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(back), jax.random.key_data(keys))

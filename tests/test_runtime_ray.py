@@ -284,3 +284,47 @@ def test_unet_on_two_actors_matches_one_device(ray_cluster):
         assert {r.kind for r in step.last_records} >= {"send", "recv"}
     finally:
         step.close()
+
+
+def test_prng_keys_in_the_state_and_between_stages_on_ray(ray_cluster):
+    """A step whose state holds a PRNG key (split every step and returned) and whose
+    per-example keys, made on one stage from the batch, are read on the next: typed key
+    arrays travel as their bits (numpy has no key type) and come back keys; the run equals
+    jax.jit. (Before: ``JAX array with PRNGKey dtype cannot be converted to a NumPy
+    array``.)"""
+    import jax.numpy as jnp
+
+    def step(params, key, x, ids):
+        key, sub = jax.random.split(key)
+        keys = jax.vmap(lambda i: jax.random.fold_in(sub, i))(ids)     # one per example
+
+        def loss_fn(p):
+            h = jnp.tanh(x @ p["w1"])
+            keep = jax.vmap(lambda k, r: jax.random.bernoulli(k, 0.8, r.shape))(keys, h)
+            h = jnp.where(keep, h / 0.8, 0.0)
+            return jnp.mean((jnp.tanh(h @ p["w2"]) @ p["w3"]) ** 2)
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda w, d: w - 0.1 * d, params, g), key, loss
+
+    ks = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(ks[0], (8, 32)) / 3,
+              "w2": jax.random.normal(ks[1], (32, 32)) / 6,
+              "w3": jax.random.normal(ks[2], (32, 4)) / 6}
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    ids = jnp.arange(16, dtype=jnp.int32)
+    piped = rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=4,
+                                executor="ray", timeout=120.0)
+    try:
+        p1, k1 = jax.tree.map(np.asarray, params), jax.random.key(5)
+        p2, k2 = params, jax.random.key(5)
+        for _ in range(3):
+            p1, k1, l1 = piped(p1, k1, x, ids)
+            p2, k2, l2 = jax.jit(step)(p2, k2, x, ids)
+            np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+        assert jax.dtypes.issubdtype(k1.dtype, jax.dtypes.prng_key)
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(k1)),
+                                      np.asarray(jax.random.key_data(k2)))
+        for a, b in zip(jax.tree.leaves(rhino.fetch(p1)), jax.tree.leaves(p2)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    finally:
+        piped.close()
