@@ -164,7 +164,13 @@ def test_ctrl_c_stops_a_step_within_seconds(tmp_path):
         time.sleep(1.0)
         t_sig = time.monotonic()
         os.kill(proc.pid, signal.SIGINT)
-        rest, err = proc.communicate(timeout=60)
+        try:
+            rest, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest, err = proc.communicate()
+            pytest.fail(f"the process did not end within 60 s of SIGINT\n--- stdout\n{rest}"
+                        f"\n--- stderr\n{err[-4000:]}")
         after = time.monotonic() - t_sig
     finally:
         if proc.poll() is None:
