@@ -327,13 +327,18 @@ def assignments(loops: Sequence[Loop], mesh: AbstractMesh,
 
 
 def spec_of(rank: int, which: int, loops: Sequence[Loop], assignment: Assignment,
-            intern: dict | None = None) -> ShardingSpec:
+            intern: dict | None = None, group_passthrough: bool = True) -> ShardingSpec:
     """The spec of the output (``which=-1``) or operand ``which`` under an assignment.
 
-    ``intern`` (optional) maps a spec's key to one shared instance.
+    ``intern`` (optional) maps a spec's key to one shared instance. A pending sum one loop
+    leaves over several axes is reduced by one collective (``ShardingSpec.partial_groups``);
+    a pass-through loop (size None: a linear op handing a pending sum on) keeps whatever
+    grouping its operand has, so it is enumerated both grouped and, with
+    ``group_passthrough=False``, apart.
     """
     dims = [_REPL] * rank
     partial = []
+    groups = []
     for li, (axes, stride) in assignment.items():
         loop = loops[li]
         role = loop.out if which < 0 else loop.ins[which]
@@ -341,19 +346,32 @@ def spec_of(rank: int, which: int, loops: Sequence[Loop], assignment: Assignment
             continue
         if isinstance(role, str):
             partial.extend((a, role) for a in axes)
+            if len(axes) > 1 and (group_passthrough or loop.size is not None):
+                groups.append(tuple(sorted(axes)))
         else:
             dims[role] = (axes, stride)
     partial.sort()
-    key = (tuple(d if isinstance(d, tuple) else ((), None) for d in dims), tuple(partial))
+    groups.sort()
+    key = (tuple(d if isinstance(d, tuple) else ((), None) for d in dims), tuple(partial),
+           tuple(groups))
     if intern is not None:
         got = intern.get(key)
         if got is not None:
             return got
     spec = ShardingSpec.unchecked(
-        tuple(DimSharding(*d) if isinstance(d, tuple) else d for d in dims), tuple(partial))
+        tuple(DimSharding(*d) if isinstance(d, tuple) else d for d in dims), tuple(partial),
+        tuple(groups))
     if intern is not None:
         intern[key] = spec
     return spec
+
+
+def _groupings(loops: Sequence[Loop], assignment: Assignment) -> tuple[bool, ...]:
+    """``spec_of``'s ``group_passthrough`` values to enumerate: both where a pass-through
+    loop holds several axes (its operand's sum may be grouped or apart), else one."""
+    if any(loops[li].size is None and len(axes) > 1 for li, (axes, _) in assignment.items()):
+        return (True, False)
+    return (True,)
 
 
 def _label(opcode: str, loops: Sequence[Loop], assignment: Assignment,
@@ -446,17 +464,19 @@ class _Generator:
             return hit
         seen: dict[tuple, Strategy] = {}
         for asg in assignments(loops, mesh, fn):
-            out = spec_of(out_rank, -1, loops, asg, self.intern)
-            ins = tuple(spec_of(r, k, loops, asg, self.intern) for k, r in enumerate(ranks))
-            pair = (out, ins)
-            if pair in seen:
-                continue
-            share = 1
-            for li, (axes, _) in asg.items():
-                if loops[li].shares_work:
-                    share *= mesh.group_size(axes)
-            cost = op.flops / (rate * share)
-            seen[pair] = Strategy(out, ins, cost, 0.0, _label(op.opcode, loops, asg, mesh))
+            for grouped in _groupings(loops, asg):
+                out = spec_of(out_rank, -1, loops, asg, self.intern, grouped)
+                ins = tuple(spec_of(r, k, loops, asg, self.intern, grouped)
+                            for k, r in enumerate(ranks))
+                pair = (out, ins)
+                if pair in seen:
+                    continue
+                share = 1
+                for li, (axes, _) in asg.items():
+                    if loops[li].shares_work:
+                        share *= mesh.group_size(axes)
+                cost = op.flops / (rate * share)
+                seen[pair] = Strategy(out, ins, cost, 0.0, _label(op.opcode, loops, asg, mesh))
         if not seen:  # cannot happen: the empty assignment is always valid
             return self.replicated(op, "no valid assignment")
         self.enumerated[key] = tuple(seen.values())
@@ -471,8 +491,8 @@ class _Generator:
             def fn(li: int, n: int) -> list[int]:
                 lp = loops[li]
                 return sorted(s for nn, s in self._hint_set(producer, lp.out) if nn == n)
-        return [spec_of(t.rank, -1, loops, asg, self.intern)
-                for asg in assignments(loops, self.mesh, fn)]
+        return [spec_of(t.rank, -1, loops, asg, self.intern, grouped)
+                for asg in assignments(loops, self.mesh, fn) for grouped in _groupings(loops, asg)]
 
     def _reshape(self, op: Op, x: TensorType, y: TensorType) -> tuple[Strategy, ...]:
         mesh, rate = self.mesh, self._rate(op)
