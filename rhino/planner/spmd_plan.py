@@ -79,6 +79,8 @@ class PlannedCollective:
         tensor: the op whose value is communicated; consumer: the op that needs it, or
             ``"<output>"`` / ``"<carry to PARAM>"``.
         source: ``file:line`` of the producing op.
+        alpha_share: the part of the latency α charged: ``1/K`` for one of ``K`` scalar
+            reductions XLA combines into one all-reduce (``build.combined_reductions``).
     """
 
     kind: str
@@ -88,6 +90,7 @@ class PlannedCollective:
     tensor: str
     consumer: str
     source: str | None
+    alpha_share: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +265,8 @@ class SpmdPlan:
         for c in big:
             lines.append(f"    {c.kind:<15} over {','.join(c.axes):<5} {_bytes(c.bytes):>12}  "
                          f"{1e3 * c.seconds:8.3f} ms  {c.tensor} -> {c.consumer}"
+                         + (f" (combined with {round(1 / c.alpha_share) - 1} others)"
+                            if c.alpha_share < 1 else "")
                          + (f"  [{c.source}]" if c.source else ""))
         if len(self.collectives) > len(big):
             lines.append(f"    ... {len(self.collectives) - len(big)} more")
