@@ -21,11 +21,14 @@ from rhino.planner.hierarchical import Partition, solve_o2, solve_o3
 from rhino.planner.problem import Edge, ShardingProblem
 from rhino.planner.solvers import (
     InfeasibleProblemError, SolverTimeLimitWarning, improve_local, reduce_exact,
-    solve_brute_force, solve_ilp, solve_tree_dp, solve_trw)
+    solve_brute_force, solve_ilp, solve_small_ilp, solve_tree_dp, solve_trw)
 from rhino.planner.windows import improve_windows, mirrored_windows
 
 _BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "solver_micro.py"
 
+
+# These tests check O2's heuristic machinery on problems small enough for its step 0.
+pytestmark = pytest.mark.usefixtures("heuristic_o2")
 
 def _load_generator():
     spec = importlib.util.spec_from_file_location("solver_micro", _BENCH)
@@ -343,6 +346,22 @@ def test_o2_equals_o3_on_single_cone(seed):
     assert _same(o2.objective, o3.objective)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_o2_hands_small_problems_to_the_ilp(monkeypatch, seed):
+    """Step 0: a core the ILP takes whole gets O3's optimum, status "optimal"; past the
+    size limit (or the budget) O2 runs its heuristic."""
+    rng = np.random.default_rng(650 + seed)
+    prob, part = _layered_case(rng, 5, 2, 8)
+    monkeypatch.setattr(hierarchical, "_SMALL_ILP_ENTRIES", 10**6)
+    small, o3 = solve_o2(prob, part), solve_o3(prob, mip_rel_gap=1e-9)
+    assert small.status == "optimal" and _same(small.objective, prob.objective(small.choice))
+    assert small.objective <= o3.objective * (1 + 1e-4)
+    assert solve_small_ilp(prob, max_entries=10**6, time_limit=1e-9) is None    # budget
+    monkeypatch.setattr(hierarchical, "_SMALL_ILP_ENTRIES", 10)
+    assert solve_o2(prob, part).status == "heuristic"
+    assert solve_small_ilp(prob, max_entries=10, time_limit=60) is None
+
+
 def _layered_case(rng, layers, width, n_skip):
     """Layers of cones between pivots, plus skip edges between far layers."""
     cone_of, seg, pivots, edges = [], [], [], []
@@ -481,7 +500,7 @@ def test_time_limit_without_incumbent_raises(monkeypatch):
     n = 80
     edges = sorted({(u, v) for u in range(n) for v in rng.choice(n, 6) if u < v})
     prob = _problem([7] * n, edges, rng, p_inf=0.3)
-    monkeypatch.setattr(solvers, "_start_choice", lambda p, t: tuple([0] * p.num_nodes))
+    monkeypatch.setattr(solvers, "_start_choice", lambda p, t, trw=True: tuple([0] * p.num_nodes))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeLimitWarning)
         try:
