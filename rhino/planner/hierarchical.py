@@ -10,9 +10,12 @@ Pipeline of ``solve_o2``::
     core choice ──back-substitution + ICM──► Solution
 
 Step 0 (small problems). Where the core left by the exact reductions has at most
-``_SMALL_ILP_ENTRIES`` pair entries, the ILP (O3's) is as fast as the heuristic and exact (a
-4-layer GPT step on (8): 2.2 s against O2's 3.0 s, 1.4% better), so it is tried first
-(``solvers.solve_small_ilp``) and kept if it proves the optimum within its budget.
+``_SMALL_ILP_ENTRIES`` pair entries the ILP (O3's) is often as fast as the heuristic and
+exact (a 4-layer GPT step on (8): 1.75 s against O2's 1.4-3 s, 1.4% better), so it is tried
+first (``solvers.solve_small_ilp``) and kept if it proves the optimum within a budget about
+what the heuristic takes on a core that size (``_SMALL_ILP_SECONDS``: 1 s + 0.1 ms per
+entry). Its time is not predictable from the size (Wide-ResNet on (8): 17k entries, 15 s),
+so past the budget O2 costs about twice the heuristic, still less than O3 there.
 
 Level 1 (cones). The paper fixes each cone root's choice and picks its members by DP over the
 cone (a forest once the root is fixed), ignoring the members' edges that leave the cone. We
@@ -112,7 +115,7 @@ _ELIM_MAX_FACTOR = 1 << 22    # entries (float64) of the largest factor eliminat
 _ICM_SWEEPS = 20              # sweeps of the batched ICM of an approximate table
 _MAX_PASSES = 4               # skip-edge passes after the first chain DP
 _SMALL_ILP_ENTRIES = 60_000   # step 0: core pair entries the ILP is handed (module doc)
-_SMALL_ILP_SECONDS = 10.0     # and its budget
+_SMALL_ILP_SECONDS = (1.0, 1e-4, 10.0)   # its budget: a + b * entries, at most c seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -767,8 +770,9 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     partition.check(problem)
+    a, b, c = _SMALL_ILP_SECONDS
     small = solve_small_ilp(problem, max_entries=_SMALL_ILP_ENTRIES, mip_rel_gap=mip_rel_gap,
-                            time_limit=min(_SMALL_ILP_SECONDS, time_limit / 4))
+                            time_limit=lambda n: min(a + b * n, c, time_limit / 4))
     if small is not None:
         return dataclasses.replace(small, seconds=time.perf_counter() - t0)
     red = reduce_exact(problem, protected=partition.pivots)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -583,13 +583,15 @@ def _milp(problem: ShardingProblem, time_limit: float, mip_rel_gap: float,
     return choice, res.status, bound, start
 
 
-def solve_small_ilp(problem: ShardingProblem, *, max_entries: int, time_limit: float,
+def solve_small_ilp(problem: ShardingProblem, *, max_entries: int,
+                    time_limit: float | Callable[[int], float],
                     mip_rel_gap: float = 1e-4) -> Solution | None:
     """``solve_ilp`` where it is quick: the optimum if the core left by ``reduce_exact``
     has at most ``max_entries`` edge-matrix entries (the pair columns of the MILP) and
-    HiGHS proves it within ``time_limit``; else None (nothing is returned from a solve cut
-    short). The MIP start is ICM alone: on cores this small TRW's start did not make HiGHS
-    faster, and cost 8% of the solve on a 4-layer GPT step.
+    HiGHS proves it within ``time_limit`` seconds (a number, or a function of the core's
+    entries); else None (nothing is returned from a solve cut short). The MIP start is ICM
+    alone: on cores this small TRW's start did not make HiGHS faster, and cost 8% of the
+    solve on a 4-layer GPT step.
 
     Example:
         >>> from rhino.planner.problem import Edge, ShardingProblem
@@ -602,11 +604,13 @@ def solve_small_ilp(problem: ShardingProblem, *, max_entries: int, time_limit: f
     t0 = time.perf_counter()
     red = reduce_exact(problem)
     core = red.core
-    if sum(e.cost.size for e in core.edges) > max_entries:
+    entries = sum(e.cost.size for e in core.edges)
+    if entries > max_entries:
         return None
     if core.num_nodes == 0:
         return _finish(problem, red.expand(()), SolverStatus.OPTIMAL, t0, None)
-    left = time_limit - (time.perf_counter() - t0)
+    limit = time_limit(entries) if callable(time_limit) else time_limit
+    left = limit - (time.perf_counter() - t0)
     if left <= 0:
         return None
     choice, status, bound, _ = _milp(core, left, mip_rel_gap, trw_start=False)
