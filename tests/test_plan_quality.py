@@ -111,14 +111,16 @@ def _sharded_state_bytes(plan) -> int:
 def test_global_norm_clipping_keeps_the_state_sharded():
     """As auto_parallel plans (no partial pass-through, so each leaf's sum of squares is
     reduced where it is made): 0 of 45 sharded state tensors before scalar reductions were
-    priced as one combined all-reduce; as many bytes sharded with clipping as without."""
+    priced as one combined all-reduce; as many bytes sharded with clipping as without.
+    O3 (exact) compares the cost model's optima, not O2's heuristic luck."""
     cost = dataclasses.replace(CostModel.simulated_cpu(1), strided_moves_all_to_all=False)
     build = BuildOptions(strided_interior_only=True, partial_passthrough=False)
     plans = {}
     for clip in (False, True):
         step, args = _nnx_transformer(clip)
         g = rhino.ingest(step, *args)
-        plans[clip] = rhino.plan(g, mesh_shape=(8,), cost=cost, build=build).spmd
+        plans[clip] = rhino.plan(g, mesh_shape=(8,), cost=cost, build=build,
+                                 opt_level="O3").spmd
         if clip:   # one group of per-leaf sums of squares, each paying 1/K of α
             built = build_problem(g, AbstractMesh((8,)), cost, build)
             shares = combined_reductions(g, built.strategies)
@@ -129,3 +131,33 @@ def test_global_norm_clipping_keeps_the_state_sharded():
     combined = [c for c in plans[True].collectives if c.alpha_share < 1]
     assert combined and all(c.kind == "all-reduce" and c.bytes <= 8 for c in combined)
     assert "combined with" in plans[True].report(max_collectives=10**4)
+
+
+def test_a_plan_that_splits_nothing_says_why_with_numbers():
+    """H100 figures and the zoo GPT's batch of 4: microseconds of compute, every device
+    runs the whole step; the report prices the cheapest plan that splits the largest op."""
+    m = get_model("gpt")
+    p = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,), backend="h100").spmd
+    assert p.splits_nothing and p.split_alternative is not None
+    alt = p.split_alternative
+    assert alt.step_s > p.step_time_s and alt.compute_s < p.compute_s and alt.collectives > 0
+    rep = p.report()
+    assert "splits nothing" in rep and "the cheapest plan found that splits its largest op" in rep
+    assert f"{1e3 * alt.step_s:.3f} ms" in rep
+    assert type(p).from_json(p.to_json()) == p
+    split = rhino.plan(m.step, *m.example_args(), mesh_shape=(8,)).spmd  # CPU figures
+    assert not split.splits_nothing and split.split_alternative is None
+    assert "splits nothing" not in split.report()
+
+
+def test_cli_plan_with_gpu_figures_raises_the_zoo_batch(capsys):
+    from rhino.cli import main
+    assert main(["plan", "gpt:layers=2,hidden=128", "--mesh", "8", "--backend", "h100"]) == 0
+    out, err = capsys.readouterr()
+    assert "planning gpt:layers=2,hidden=128,batch=" in err and "splits nothing" not in out
+    assert "collectives       all-reduce" in out or "collectives       all-gather" in out
+    # A batch the user gives is kept.
+    assert main(["plan", "gpt:layers=2,hidden=128,batch=4", "--mesh", "8", "--backend",
+                 "h100", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert "splits nothing" in out and not err

@@ -346,20 +346,44 @@ def test_o2_equals_o3_on_single_cone(seed):
     assert _same(o2.objective, o3.objective)
 
 
+def _k4(costs: np.ndarray, rng) -> ShardingProblem:
+    """Two labels on K4 (every node of degree 3: no exact reduction folds it)."""
+    return ShardingProblem(tuple("abcd"), (("x", "y"),) * 4,
+                           tuple(rng.uniform(0, 3, 2) for _ in range(4)),
+                           tuple(Edge(u, v, costs) for u in range(4) for v in range(u + 1, 4)))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_o2_hands_small_problems_to_the_ilp(monkeypatch, seed):
-    """Step 0: a core the ILP takes whole gets O3's optimum, status "optimal"; past the
-    size limit (or the budget) O2 runs its heuristic."""
-    rng = np.random.default_rng(650 + seed)
-    prob, part = _layered_case(rng, 5, 2, 8)
+    """Step 0: a small core whose LP relaxation is integral (two labels that like to
+    agree: submodular, so the marginal polytope is exact) gets the optimum, status
+    "optimal"; past the size limit, the iteration budget or the time limit, the
+    heuristic runs."""
+    prob = _k4(np.array([[0.0, 4.0], [4.0, 0.0]]), np.random.default_rng(650 + seed))
+    part = Partition((0, 1, 2, 3), (0, 0, 0, 0), ())
+    best = solve_brute_force(prob).objective
     monkeypatch.setattr(hierarchical, "_SMALL_ILP_ENTRIES", 10**6)
-    small, o3 = solve_o2(prob, part), solve_o3(prob, mip_rel_gap=1e-9)
-    assert small.status == "optimal" and _same(small.objective, prob.objective(small.choice))
-    assert small.objective <= o3.objective * (1 + 1e-4)
-    assert solve_small_ilp(prob, max_entries=10**6, time_limit=1e-9) is None    # budget
-    monkeypatch.setattr(hierarchical, "_SMALL_ILP_ENTRIES", 10)
+    small = solve_o2(prob, part)
+    assert small.status == "optimal" and _same(small.objective, best)
+    assert small.objective == prob.objective(small.choice)
+    many = lambda n: 100 * n  # noqa: E731
+    assert _same(solve_small_ilp(prob, max_entries=100, time_limit=60,
+                                 iterations=many).objective, best)
+    assert solve_small_ilp(prob, max_entries=100, time_limit=60, iterations=lambda n: 1) is None
+    assert solve_small_ilp(prob, max_entries=100, time_limit=1e-9) is None
+    assert solve_small_ilp(prob, max_entries=10, time_limit=60, iterations=many) is None
+    monkeypatch.setattr(hierarchical, "_SMALL_ILP_ENTRIES", 0)
     assert solve_o2(prob, part).status == "heuristic"
-    assert solve_small_ilp(prob, max_entries=10, time_limit=60) is None
+
+
+def test_small_ilp_refuses_a_fractional_relaxation():
+    """Two labels that must differ on every edge of K4 (which no exact reduction folds):
+    the LP's optimum is all halves at cost 0, no assignment reaches it, so only the MIP
+    proves an optimum."""
+    prob = _k4(np.array([[4.0, 0.0], [0.0, 4.0]]), np.random.default_rng(660))
+    assert solve_small_ilp(prob, max_entries=100, time_limit=60, iterations=lambda n: 10**4) is None
+    exact = solve_small_ilp(prob, max_entries=100, time_limit=60)
+    assert exact.status == "optimal" and _same(exact.objective, solve_brute_force(prob).objective)
 
 
 def _layered_case(rng, layers, width, n_skip):

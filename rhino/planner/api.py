@@ -37,7 +37,8 @@ from rhino.planner.fold import fold_fallback
 from rhino.planner.hierarchical import solve_o2, solve_o3
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import (SpmdPlan, MemoryEstimate, OpPlan, ParamPlan,
-                                PlannedCollective, SearchStats, UnplannedOp)
+                                PlannedCollective, SearchStats, SplitAlternative,
+                                UnplannedOp)
 from rhino.planner.problem import ShardingProblem, Solution
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.strategies import Strategy
@@ -337,7 +338,7 @@ def plan_graph(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
                                 op.arg.path if op.arg else op.name, shape_str(op.shape), spec,
                                 op.out_bytes, local_bytes(op.shape, s.out_spec, mesh),
                                 bool(op.arg and op.arg.donated)))
-    return SpmdPlan(
+    plan = SpmdPlan(
         program=graph.name, origin=graph.origin, mesh=mesh, cost=cost, ops=tuple(ops),
         params=tuple(params),
         collectives=predicted_collectives(built, strategies, built.resolved(sol.choice)),
@@ -348,3 +349,29 @@ def plan_graph(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
                            int(st["choices"]), int(st["edges"])),
         unplanned=tuple(UnplannedOp(u.name, u.opcode, u.source, u.reason)
                         for u in built.unknown_ops))
+    if plan.splits_nothing and mesh.num_devices > 1:
+        progress("the plan splits nothing: pricing the cheapest plan that splits the "
+                 "largest op, for the report")
+        plan = dataclasses.replace(plan, split_alternative=split_alternative(built, options))
+    return plan
+
+
+def split_alternative(built: BuiltProblem, options: PlanOptions) -> SplitAlternative:
+    """The cheapest plan found that splits the largest op of ``built.graph``: the same
+    search with that op's replicated-work choices removed (``min_split_flops``), no memory
+    budget. It says, with numbers, why a plan that splits nothing won."""
+    graph = built.graph
+    big = max(graph.ops, key=lambda op: op.flops)
+    alt = build_problem(graph, built.mesh, built.cost,
+                        dataclasses.replace(options.build, min_split_flops=float(big.flops)))
+    whole = max(s.compute_cost for s in built.strategies[big.id])
+    if big.flops <= 0 or all(s.compute_cost >= whole * (1 - 1e-9)
+                             for s in alt.strategies[big.id]):
+        return SplitAlternative(big.name, float(big.flops), big.source, 0.0, 0.0, 0.0, 0,
+                                f"no op of the step can be split on {built.mesh} (the "
+                                f"largest, {big.name}, has no split its sizes divide)")
+    sol = _solve(alt, alt.problem, dataclasses.replace(options, memory_budget=None))
+    br = alt.breakdown(sol.choice)
+    n = len(predicted_collectives(alt, alt.plan(sol.choice), alt.resolved(sol.choice)))
+    return SplitAlternative(big.name, float(big.flops), big.source, br.total, br.compute,
+                            br.communication, n)

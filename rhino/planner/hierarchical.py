@@ -2,20 +2,15 @@
 
 Pipeline of ``solve_o2``::
 
-    problem ──(0) small core? the ILP, proved optimal within 10 s──► Solution
+    problem ──(0) small core with an integral LP relaxation? its optimum──► Solution
     problem ──(1) exact reductions, pivots kept──► core (cones folded into their roots)
     core ──(2) segment tables: reductions, elimination, conditioning ──(3) chain DP──► A
     core ──TRW message passing (skip edges)──► B
     A, B ──skip-edge passes + ICM──► the better one ──block, window moves + ICM──► core choice
     core choice ──back-substitution + ICM──► Solution
 
-Step 0 (small problems). Where the core left by the exact reductions has at most
-``_SMALL_ILP_ENTRIES`` pair entries the ILP (O3's) is often as fast as the heuristic and
-exact (a 4-layer GPT step on (8): 1.75 s against O2's 1.4-3 s, 1.4% better), so it is tried
-first (``solvers.solve_small_ilp``) and kept if it proves the optimum within a budget about
-what the heuristic takes on a core that size (``_SMALL_ILP_SECONDS``: 1 s + 0.1 ms per
-entry). Its time is not predictable from the size (Wide-ResNet on (8): 17k entries, 15 s),
-so past the budget O2 costs about twice the heuristic, still less than O3 there.
+Step 0 (small problems): O3's LP relaxation within a budget of simplex iterations, kept
+where integral, which proves it optimal (``solvers.solve_small_ilp`` says when and why).
 
 Level 1 (cones). The paper fixes each cone root's choice and picks its members by DP over the
 cone (a forest once the root is fixed), ignoring the members' edges that leave the cone. We
@@ -115,7 +110,7 @@ _ELIM_MAX_FACTOR = 1 << 22    # entries (float64) of the largest factor eliminat
 _ICM_SWEEPS = 20              # sweeps of the batched ICM of an approximate table
 _MAX_PASSES = 4               # skip-edge passes after the first chain DP
 _SMALL_ILP_ENTRIES = 60_000   # step 0: core pair entries the ILP is handed (module doc)
-_SMALL_ILP_SECONDS = (1.0, 1e-4, 10.0)   # its budget: a + b * entries, at most c seconds
+_SMALL_ILP_ITERATIONS = (1000, 0.3)   # its budget: simplex iterations, a + b per entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -770,9 +765,9 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     partition.check(problem)
-    a, b, c = _SMALL_ILP_SECONDS
+    a, b = _SMALL_ILP_ITERATIONS
     small = solve_small_ilp(problem, max_entries=_SMALL_ILP_ENTRIES, mip_rel_gap=mip_rel_gap,
-                            time_limit=lambda n: min(a + b * n, c, time_limit / 4))
+                            time_limit=time_limit / 4, iterations=lambda n: a + b * n)
     if small is not None:
         return dataclasses.replace(small, seconds=time.perf_counter() - t0)
     red = reduce_exact(problem, protected=partition.pivots)
