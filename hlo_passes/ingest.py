@@ -396,6 +396,47 @@ def arg_names(fn: Callable, nargs: int) -> list[str]:
     return [names[i] if i < len(names) else f"arg{i}" for i in range(nargs)]
 
 
+def _custom_partitioned(jaxpr: Any) -> bool:
+    """Whether a jaxpr (or a jaxpr it calls) holds a ``custom_partitioning`` call."""
+    from jax.extend import core as jcore
+
+    todo, seen = [jaxpr], set()
+    while todo:
+        j = todo.pop()
+        j = j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+        if id(j) in seen:
+            continue
+        seen.add(id(j))
+        for eqn in j.eqns:
+            if eqn.primitive.name == "custom_partitioning":
+                return True
+            for v in eqn.params.values():
+                for x in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                        todo.append(x)
+    return False
+
+
+def _lower(jitted: Any, args: tuple) -> Any:
+    """``jitted.lower(*args)``; a function holding ``custom_partitioning`` calls is lowered
+    replicated on two devices (when there are two), where JAX keeps each call one
+    ``CustomSPMDPartitioning`` custom call with its sharding rule instead of inlining its
+    body, so that the planner splits it by that rule (``custom_calls.py``)."""
+    import jax
+
+    try:
+        traced = jitted.trace(*args)
+    except AttributeError:
+        return jitted.lower(*args)
+    if len(jax.devices()) < 2 or not _custom_partitioned(traced.jaxpr):
+        return traced.lower()
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    two = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("ingest",)), PartitionSpec())
+    return jax.jit(jitted, in_shardings=two, keep_unused=True).lower(*args)
+
+
 def graph_from_function(fn: Callable, *args: Any) -> HloGraph:
     """Lower a JAX function on example args (arrays / ShapeDtypeStructs / pytrees)."""
     import jax
@@ -412,7 +453,7 @@ def graph_from_function(fn: Callable, *args: Any) -> HloGraph:
                               f"example arguments: {e}") from e
         jitted = jax.jit(unrolled or fn, keep_unused=True)
     try:
-        lowered = jitted.lower(*args)
+        lowered = _lower(jitted, args)
     except TypeError as e:
         raise IngestError(f"cannot lower {getattr(fn, '__name__', fn)!r} on the given example "
                           f"arguments: {e}") from e

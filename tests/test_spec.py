@@ -250,6 +250,11 @@ def test_reshard_two_axes():
     # Moving two axes at once: XLA gathers the whole tensor and slices (its fallback).
     both = reshard(ShardingSpec.parse("S[x]·S[y]"), ShardingSpec.parse("S[y]·S[x]"), t, m, C2)
     assert [(c.kind, c.axes, c.bytes) for c in both.collectives] == [(ALL_GATHER, (0, 1), 16384)]
+    # A group moving together, in its order, is one all-to-all over it (as XLA runs it).
+    group = reshard(ShardingSpec.parse("S[x,y]·R"), ShardingSpec.parse("R·S[x,y]"), t, m, C2)
+    assert [(c.kind, c.axes, c.bytes) for c in group.collectives] == [(ALL_TO_ALL, (0, 1), 2048)]
+    swapped = reshard(ShardingSpec.parse("S[x,y]·R"), ShardingSpec.parse("R·S[y,x]"), t, m, C2)
+    assert [c.kind for c in swapped.collectives] == [ALL_GATHER]
     table = ReshardCostTable(m, C2)
     src, dst = ShardingSpec.parse("S[x,y]·R"), ShardingSpec.parse("R·R")
     assert table.cost(src, dst, t) == g.cost and len(table) == 1

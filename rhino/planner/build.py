@@ -270,10 +270,14 @@ _INDEX = re.compile(r"^\[(\d+)\](.*)$")
 
 
 def local_bytes(shape: Any, spec: Any, mesh: AbstractMesh) -> int:
-    """Bytes per device of a value laid out as ``spec`` (tuples: replicated)."""
+    """Bytes per device of a value laid out as ``spec`` (a tuple value: its elements by a
+    tuple of specs, else replicated)."""
     if isinstance(shape, TensorType) and isinstance(spec, ShardingSpec):
         return shape.nbytes // spec.shard_count(mesh)
-    return sum(t.nbytes for t in flatten_shape(shape))
+    leaves = flatten_shape(shape)
+    if isinstance(spec, tuple) and len(spec) == len(leaves):
+        return sum(local_bytes(t, s, mesh) for t, s in zip(leaves, spec))
+    return sum(t.nbytes for t in leaves)
 
 
 def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
@@ -643,7 +647,7 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
 def _local_bytes(shape, spec, mesh: AbstractMesh) -> float:
     if isinstance(spec, ShardingSpec) and isinstance(shape, TensorType):
         return shape.nbytes / spec.shard_count(mesh)
-    return float(sum(t.nbytes for t in flatten_shape(shape)))
+    return float(local_bytes(shape, spec, mesh))
 
 
 def _choice_label(s: Strategy, mesh: AbstractMesh) -> str:

@@ -41,7 +41,9 @@ from rhino.planner.spec import ShardingSpec
 
 def _folded(spec: Any, active: tuple[int, ...]) -> bool:
     """Whether ``spec`` uses the ``active`` axes as one: all on one dimension in mesh
-    order, all pending as one group, or none of them (tuple specs are replicated)."""
+    order, all pending as one group, or none of them (a tuple spec: each element)."""
+    if isinstance(spec, tuple):
+        return all(_folded(x, active) for x in spec)
     if not isinstance(spec, ShardingSpec):
         return True
     used = spec.used_axes

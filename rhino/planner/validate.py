@@ -51,6 +51,7 @@ from rhino.hlo_passes.costs import ELEMENTWISE
 from rhino.hlo_passes.graph import HloGraph, Op, TensorType, flatten_shape
 from rhino.planner.collectives import reshard as _reshard
 from rhino.planner.cost_model import CostModel, compute_dtype
+from rhino.planner.custom_calls import check_custom, is_custom_tuple, op_rule
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
 
@@ -372,7 +373,10 @@ def _reshape_check(src: ShardingSpec, dst: ShardingSpec, x: TensorType, y: Tenso
 
 
 # ------------------------------------------------------------------------------ checks
-def _check_fit(op: Op, what: str, spec: Any, shape: Any, mesh: AbstractMesh) -> None:
+def _check_fit(op: Op, what: str, spec: Any, shape: Any, mesh: AbstractMesh,
+               sharded: bool = False) -> None:
+    """The spec fits; a tuple value's specs are replicated unless ``sharded`` (a custom
+    call with a rule, and the elements read from it)."""
     if isinstance(shape, TensorType):
         if not isinstance(spec, ShardingSpec):
             raise _fail(op, f"{what}: expected a ShardingSpec for {shape}, found {spec!r}")
@@ -383,20 +387,30 @@ def _check_fit(op: Op, what: str, spec: Any, shape: Any, mesh: AbstractMesh) -> 
         return
     leaves = flatten_shape(shape)
     if not (isinstance(spec, tuple) and len(spec) == len(leaves)
-            and all(isinstance(s, ShardingSpec) and s.is_replicated and s.rank == t.rank
-                    for s, t in zip(spec, leaves))):
-        raise _fail(op, f"{what}: expected {len(leaves)} replicated specs for tuple shape, "
-                    f"found {spec!r}")
+            and all(isinstance(s, ShardingSpec) and s.rank == t.rank
+                    and (sharded or s.is_replicated) for s, t in zip(spec, leaves))):
+        raise _fail(op, f"{what}: expected {len(leaves)} "
+                    f"{'' if sharded else 'replicated '}specs for tuple shape, found {spec!r}")
+    for s, t in zip(spec, leaves):
+        if s.problems(t.dims, mesh):
+            raise _fail(op, f"{what} {s.to_str(mesh)} does not fit {t}: "
+                        + "; ".join(s.problems(t.dims, mesh)))
 
 
 def check_strategy(graph: HloGraph, op: Op, strategy: Any, mesh: AbstractMesh) -> None:
     """Raise ``PlanValidationError`` unless ``strategy`` is legal for ``op``."""
-    _check_fit(op, "output spec", strategy.out_spec, op.shape, mesh)
+    custom = op_rule(graph, op) is not None or is_custom_tuple(graph, op)
+    _check_fit(op, "output spec", strategy.out_spec, op.shape, mesh, custom)
     if len(strategy.in_specs) != len(op.operands):
         raise _fail(op, f"expected {len(op.operands)} operand specs, found "
                     f"{len(strategy.in_specs)}")
     for k, (o, s) in enumerate(zip(op.operands, strategy.in_specs)):
-        _check_fit(op, f"operand {k} spec", s, graph.ops[o].shape, mesh)
+        _check_fit(op, f"operand {k} spec", s, graph.ops[o].shape, mesh, custom)
+    if custom:
+        why = check_custom(graph, op, strategy, mesh)
+        if why:
+            raise _fail(op, f"{why} (strategy {strategy.describe(mesh)})")
+        return
     x = graph.ops[op.operands[0]].shape if len(op.operands) == 1 else None
     if (op.opcode in ("reshape", "bitcast") and isinstance(x, TensorType)
             and isinstance(op.shape, TensorType) and x.dims != op.shape.dims):
@@ -454,10 +468,13 @@ def _check_partial_groups(op: Op, specs: Sequence[Any], roles: Sequence[tuple],
 
 
 def _share(op: Op, strategy: Any, shapes: Sequence[Any], mesh: AbstractMesh) -> int:
-    specs = [strategy.out_spec, *strategy.in_specs]
+    specs = [x for s in [strategy.out_spec, *strategy.in_specs]
+             for x in (s if isinstance(s, tuple) else (s,))]
+    if op.opcode == "get-tuple-element":
+        specs = []   # reading an element computes nothing
     share = 1
     for a in range(mesh.ndim):
-        for s, t in zip(specs, shapes):
+        for s in specs:
             if isinstance(s, ShardingSpec) and any(a in d.axes for d in s.dims):
                 share *= mesh.shape[a]
                 break
