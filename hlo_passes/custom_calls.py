@@ -31,8 +31,9 @@ Any other custom call has no rule: the planner keeps it replicated and lists it.
 
 FLOPs (``custom_call_flops``): cuDNN attention as its matmuls (forward ``2·BNTS·(H+Hv)``,
 backward ``2·BNTS·(3H+2Hv)`` with the recomputed scores; halved for a causal mask); a
-declared rule, as an einsum over its factors (``2·Π sizes``: for attention ``b h s t d`` that
-is one of its two matmuls, a 2x underestimate that splitting shares alike); else 0.
+``custom_partitioning`` call lowered from a JAX function, its body's (``ingest`` counts them
+from the call's jaxpr); another declared rule, an einsum over its factors (``2·Π sizes``:
+for attention ``b h s t d`` one of its two matmuls); else 0.
 
 Example:
     >>> r = parse_sdy_rule("#sdy.op_sharding_rule<([i, j], [j, k])->([i, k]) "

@@ -402,9 +402,10 @@ class _Search:
         self.works: dict[int, list[_StageWork]] = {}
         self.ilp_s = self.cost_s = 0.0
         self.best_step = float("inf")
-        # Candidates are planned without O2's window moves; the chosen one gets them
-        # (``_refine``).
-        self.spmd_opts = dataclasses.replace(options.spmd, memory_budget=None, refine=False)
+        # Candidates are planned without O2's window moves and one-axis fallback; the
+        # chosen one gets them (``_refine``).
+        self.spmd_opts = dataclasses.replace(options.spmd, memory_budget=None, refine=False,
+                                             fold_seed=False)
         self._pin_cache: dict = {}
 
     def _splits(self) -> list[MeshSplit]:
@@ -708,13 +709,14 @@ class _Search:
                 for st, mem in enumerate(c.memories) if mem.total > self.budget]
 
     def _refine(self, pool: "SpmdPool", best: _Costed) -> _Costed:
-        """The chosen candidate re-planned with O2's window moves (``PlanOptions.refine``),
-        each plan with the memory budget it was planned for; kept if feasible and no slower
-        by the search's estimate (a stage plan's objective weighs its parts otherwise than
-        the pipeline's step does)."""
+        """The chosen candidate re-planned with O2's window moves (``PlanOptions.refine``)
+        and one-axis fallback (``fold_seed``), each plan with the memory budget it was
+        planned for; kept if feasible and no slower by the search's estimate (a stage
+        plan's objective weighs its parts otherwise than the pipeline's step does)."""
         o = self.options.spmd
-        if not o.refine or o.opt_level != "O2" or not best.plans:
+        if not (o.refine or o.fold_seed) or o.opt_level != "O2" or not best.plans:
             return best
+        extra = dict(refine=o.refine, fold_seed=o.fold_seed)
         sp, p = best.split, best.candidate.num_stages
         mesh, cost = sp.stage_mesh(self.cluster), sp.stage_cost(self.cluster)
         pins = self._pins(mesh)
@@ -723,10 +725,10 @@ class _Search:
         if p == 1:
             opts = self._spmd_options(pins, best.plans[0].memory_budget)
             got = self._cost_whole(pool, sp, pool.submit(
-                self.graph, mesh, cost, dataclasses.replace(opts, refine=True), "", p), lb)[0]
+                self.graph, mesh, cost, dataclasses.replace(opts, **extra), "", p), lb)[0]
         else:
             hs = [pool.submit(w.sub.graph, mesh, cost, dataclasses.replace(
-                self._stage_options(w, pl.memory_budget, pins), refine=True),
+                self._stage_options(w, pl.memory_budget, pins), **extra),
                 repr(w.carried), p) for w, pl in zip(best.works, best.plans)]
             plans = [pool.result(h, w.sub.graph)[0] for h, w in zip(hs, best.works)]
             if any(pl is None for pl in plans):

@@ -47,7 +47,8 @@ Resharding (``reshard``) works axis by axis on the specs' axis roles (see ``spec
     partial (finer groups)  partial (grouped)  the source's reduction, as above: a pending
                                                sum cannot become one reduced at once
                                                without being reduced
-    dim                     none               all-gather
+    dim                     none               all-gather, one per source dim (a dim
+                                               split over several axes at once)
 
 Steps run in that order of effect on size (slices and reduce-scatters first, gathers last),
 and axes needing the same step are grouped into one collective.
@@ -288,12 +289,18 @@ def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh, cost: Co
             out.append(Collective(ALL_REDUCE, g, b, red,
                                   collective_cost(ALL_REDUCE, g, b, mesh, cost, alpha_share),
                                   alpha_share))
-    if gathers:
-        for a in gathers:
+    # One all-gather per source dim (XLA gathers a dim split over several axes at once,
+    # and two split dims one after the other, the minor one first).
+    by_dim: dict[int, list[int]] = {}
+    for a in gathers:
+        by_dim.setdefault(rs[a][1], []).append(a)
+    for d in sorted(by_dim, reverse=True):
+        axes = by_dim[d]
+        for a in axes:
             split[a] = False
         b = local()
-        out.append(Collective(ALL_GATHER, tuple(gathers), b, None,
-                              collective_cost(ALL_GATHER, gathers, b, mesh, cost, alpha_share),
+        out.append(Collective(ALL_GATHER, tuple(axes), b, None,
+                              collective_cost(ALL_GATHER, axes, b, mesh, cost, alpha_share),
                               alpha_share))
     if not out:
         return _FREE
