@@ -452,16 +452,17 @@ def _body_flops(graph: HloGraph, calls: list) -> None:
            and op.attrs.get("custom_call_target") == CUSTOM_PARTITIONING]
     if len(ops) != len(calls):
         return
-    memo: dict[int, float] = {}
+    memo: dict[str, float] = {}      # a layer's calls are the same body: ingested once
     for op, eqn in zip(ops, calls):
         body = eqn.params["call"]
         outs = [tuple(v.aval.shape) for v in body.jaxpr.outvars]
         if outs != [t.dims for t in flatten_shape(op.shape)]:
             continue
-        if id(body) not in memo:
+        key = str(body)
+        if key not in memo:
             ins = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
-            memo[id(body)] = graph_from_function(jaxpr_as_fun(body), *ins).total_flops
-        op.flops = memo[id(body)]
+            memo[key] = graph_from_function(jaxpr_as_fun(body), *ins).total_flops
+        op.flops = memo[key]
 
 
 def graph_from_function(fn: Callable, *args: Any) -> HloGraph:

@@ -5,10 +5,9 @@ replicated (XLA reduces the per-leaf scalars in one all-reduce)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import pathlib
 
-import jax
-import jax.numpy as jnp
-import optax
 import pytest
 
 import rhino
@@ -56,51 +55,13 @@ def test_folded_problem_is_the_one_axis_problem():
     assert b == pytest.approx(a, rel=1e-9)
 
 
-def _nnx_transformer(clip: bool, layers=4, d=64, heads=4, vocab=256, seq=32, batch=8):
-    from flax import nnx
-
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-            self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs)
-            self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-            self.fc1 = nnx.Linear(d, 4 * d, rngs=rngs)
-            self.fc2 = nnx.Linear(4 * d, d, rngs=rngs)
-
-        def __call__(self, x):
-            mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
-            x = x + self.attn(self.ln1(x), mask=mask)
-            return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
-
-    class LM(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = nnx.Embed(vocab, d, rngs=rngs)
-            self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
-            self.ln = nnx.LayerNorm(d, rngs=rngs)
-            self.head = nnx.Linear(d, vocab, rngs=rngs)
-
-        def __call__(self, tokens):
-            x = self.embed(tokens)
-            for b in self.blocks:
-                x = b(x)
-            return self.head(self.ln(x))
-
-    graphdef, params, rest = nnx.split(LM(nnx.Rngs(0)), nnx.Param, ...)
-    tx = optax.adamw(1e-3)
-    if clip:
-        tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
-
-    def step(params, rest, opt_state, batch):
-        def loss_fn(params):
-            logits = nnx.merge(graphdef, params, rest)(batch["tokens"])
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits, batch["labels"]).mean()
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), rest, opt_state, loss
-
-    t = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab)
-    return step, (params, rest, tx.init(params), {"tokens": t, "labels": jnp.roll(t, -1, 1)})
+def _bench():
+    """``benchmarks/plan_quality.py`` (its NNX transformer), loaded by path."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "plan_quality.py"
+    spec = importlib.util.spec_from_file_location("plan_quality", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _sharded_state_bytes(plan) -> int:
@@ -117,7 +78,7 @@ def test_global_norm_clipping_keeps_the_state_sharded():
     build = BuildOptions(strided_interior_only=True, partial_passthrough=False)
     plans = {}
     for clip in (False, True):
-        step, args = _nnx_transformer(clip)
+        step, args = _bench().nnx_transformer(clip)
         g = rhino.ingest(step, *args)
         plans[clip] = rhino.plan(g, mesh_shape=(8,), cost=cost, build=build,
                                  opt_level="O3").spmd

@@ -26,9 +26,9 @@ from rhino.planner.windows import improve_windows, mirrored_windows
 
 _BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "solver_micro.py"
 
-
 # These tests check O2's heuristic machinery on problems small enough for its step 0.
 pytestmark = pytest.mark.usefixtures("heuristic_o2")
+
 
 def _load_generator():
     spec = importlib.util.spec_from_file_location("solver_micro", _BENCH)

@@ -42,8 +42,8 @@ from rhino.hlo_passes.graph import HloGraph, shape_str
 from rhino.hlo_passes.subgraph import CUT_PREFIX, Subgraph, extract_subgraph
 from rhino.cluster import Cluster, MeshSplit, enumerate_splits
 from rhino.pipeline.coarsen import classify_ops, coarsen
-from rhino.pipeline.cost import (StageProfile, gather_seconds, in_flight, pipeline_step,
-                                 profile_stage, transfer_seconds)
+from rhino.pipeline.cost import (StageProfile, gather_seconds, in_flight, memory_floor,
+                                 pipeline_step, profile_stage, transfer_seconds)
 from rhino.pipeline.gradient import (BoundaryOptions, GradientBoundary, find_gradient_boundary,
                                      gradient_weights)
 from rhino.parallel_plan import (Candidate, CrossTensor, Plan, SearchTimes, StageEstimate,
@@ -581,6 +581,13 @@ class _Search:
                                                note=str(e), lower_bound_s=lb), sp)
                 continue
             if p == 1:
+                floor = memory_floor(self.graph) // mesh.num_devices
+                if self.budget is not None and floor > self.budget:   # not planned
+                    refused[k] = _Costed(Candidate(sp.kind, 1, sp.stage_shape, memory=floor, note=(
+                        f"needs at least {format_bytes(floor)} > budget {format_bytes(self.budget)}"
+                        f" (the step's peak values over {mesh.num_devices} devices)"),
+                        lower_bound_s=lb), sp)
+                    continue
                 jobs.append((k, 0, self.graph, mesh, cost, self._spmd_options(pins), ""))
             else:
                 jobs += [(k, w.index, w.sub.graph, mesh, cost,
