@@ -25,7 +25,6 @@ import argparse
 import json
 import resource
 import sys
-import threading
 import time
 
 MODELS = {"8b": ("Llama-3-8B", "2x8"), "70b": ("Llama-3-70B", "8x8")}
@@ -61,28 +60,12 @@ def main() -> None:
     ap.add_argument("--skip-expert", action="store_true")
     ap.add_argument("--json", metavar="FILE", help="append the result row to FILE")
     a = ap.parse_args()
-    import os
-
     import rhino
+    from plan_at_scale import timed_progress     # this folder: run as a script
     from rhino.models import get_model
 
     preset, cluster = MODELS[a.model]
-    t0 = time.time()
-    last = ["start"]
-
-    def progress(line: str) -> None:
-        last[0] = line
-        print(f"[{time.time() - t0:8.1f} s] {line}", flush=True)
-
-    def watchdog() -> None:
-        time.sleep(a.limit)
-        print(f"NOT DONE within {a.limit:.0f} s; last phase: {last[0]}", flush=True)
-        import multiprocessing
-        for child in multiprocessing.active_children():
-            child.kill()
-        os._exit(3)
-
-    threading.Thread(target=watchdog, daemon=True).start()
+    progress = timed_progress(a.limit)
     over = {} if a.layers is None else {"layers": a.layers}
     m = get_model("llama", preset=preset, seq=a.seq, batch=a.batch, attention="fused",
                   remat=a.remat, **over)

@@ -65,12 +65,13 @@ def nnx_transformer(clip: bool, layers: int = 4, d: int = 64, heads: int = 4,
     if clip:
         tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
 
+    def loss_of(params, rest, batch):
+        logits = nnx.merge(graphdef, params, rest)(batch["tokens"])
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        return xent.mean()
+
     def step(params, rest, opt_state, batch):
-        def loss_fn(params):
-            logits = nnx.merge(graphdef, params, rest)(batch["tokens"])
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits, batch["labels"]).mean()
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        loss, grads = jax.value_and_grad(loss_of)(params, rest, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), rest, opt_state, loss
 

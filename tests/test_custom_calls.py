@@ -1,6 +1,6 @@
 """Custom calls planned through their sharding rules (issue 31, acceptance 1): a
-``custom_partitioning`` attention declaring a Shardy rule, run on 8 CPU devices split over
-heads and equal to ``jax.jit``; a GPU-style HLO dump with cuDNN fused-attention calls,
+``custom_partitioning`` attention declaring a Shardy rule (``rhino.models.attention``), run
+on 8 CPU devices split over heads and equal to ``jax.jit``; a GPU-style HLO dump with cuDNN fused-attention calls,
 planned from the file with the calls split; a custom call without a rule kept whole and
 listed with its source line."""
 
@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.custom_partitioning import custom_partitioning
 
 import rhino
+from rhino.models.attention import fused_attention
 from rhino.hlo_passes.custom_calls import parse_sdy_rule, rule_for
 from rhino.hlo_passes.graph import TensorType as T
 from rhino.planner.custom_calls import check_custom, rule_loops
@@ -65,55 +65,14 @@ B, S, H, D = 2, 32, 8, 16
 E = H * D
 
 
-def _attn_ref(q, k, v):
-    s = jnp.einsum("bhsd,bhtd->bhst", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
-    return jnp.einsum("bhst,bhtd->bhsd", jax.nn.softmax(s, -1), v)
-
-
-def _attention():
-    """Attention as a custom_partitioning kernel pair (forward, backward), each with a
-    Shardy rule: batch and heads may split; sequences and the head dim stay whole."""
-    @custom_partitioning
-    def fwd(q, k, v):
-        return _attn_ref(q, k, v)
-
-    @custom_partitioning
-    def bwd(q, k, v, g):
-        return jax.vjp(_attn_ref, q, k, v)[1](g)
-
-    def part_fwd(mesh, args, result):
-        s = tuple(a.sharding for a in args)
-        return mesh, _attn_ref, s[0], s
-
-    def part_bwd(mesh, args, result):
-        s = tuple(a.sharding for a in args)
-        return mesh, lambda q, k, v, g: jax.vjp(_attn_ref, q, k, v)[1](g), s[:3], s
-
-    whole = ("s", "d", "t")   # Shardy wants the special factors in index order
-    fwd.def_partition(infer_sharding_from_operands=lambda m, a, r: a[0].sharding,
-                      partition=part_fwd, need_replication_factors=whole,
-                      sharding_rule="b h s d, b h t d, b h t d -> b h s d")
-    bwd.def_partition(infer_sharding_from_operands=lambda m, a, r: tuple(
-                          x.sharding for x in a[:3]),
-                      partition=part_bwd, need_replication_factors=whole,
-                      sharding_rule="b h s d, b h t d, b h t d, b h s d -> "
-                                    "b h s d, b h t d, b h t d")
-
-    @jax.custom_vjp
-    def attention(q, k, v):
-        return fwd(q, k, v)
-    attention.defvjp(lambda q, k, v: (fwd(q, k, v), (q, k, v)),
-                     lambda res, g: tuple(bwd(*res, g)))
-    return attention
-
-
 def _step():
-    attention = _attention()
-
+    """A self-attention layer whose attention is ``fused_attention``: a custom_partitioning
+    kernel pair declaring a Shardy rule (batch and heads split; sequences and the head dim
+    need replication)."""
     def step(params, x):
         def loss(p):
-            qkv = (x @ p["wqkv"]).reshape(B, S, 3, H, D).transpose(2, 0, 3, 1, 4)
-            o = attention(qkv[0], qkv[1], qkv[2]).transpose(0, 2, 1, 3).reshape(B, S, E)
+            qkv = (x @ p["wqkv"]).reshape(B, S, 3, H, D)
+            o = fused_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(B, S, E)
             return jnp.mean((o @ p["wo"]) ** 2)
         value, grads = jax.value_and_grad(loss)(params)
         return jax.tree.map(lambda w, d: w - 0.1 * d, params, grads), value
@@ -126,20 +85,22 @@ def _step():
 
 def test_custom_partitioning_attention_is_split_over_heads_and_equals_jit():
     """Batch 2 cannot go over 8 devices: the rule's heads factor is the kernel's split.
-    The compiled program runs each device's attention on one head ([2, 1, 32, 32]
-    scores), and the step equals jax.jit."""
+    The compiled program runs each device's attention on one head (the XLA attention's
+    [kv heads, B, group, T, S] scores are [1, 2, 1, 32, 32] per device), and the step
+    equals jax.jit. The calls cost their bodies' FLOPs."""
     step, params, x = _step()
     g = rhino.ingest(step, params, x)
     calls = [op for op in g.ops if op.opcode == "custom-call"]
-    q = jax.ShapeDtypeStruct((B, H, S, D), jnp.float32)
-    assert len(calls) == 2 and calls[0].flops == rhino.ingest(_attn_ref, q, q, q).total_flops
+    q = jax.ShapeDtypeStruct((B, S, H, D), jnp.float32)
+    body = rhino.ingest(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), q, q, q)
+    assert len(calls) == 2 and calls[0].flops == body.total_flops
     ap = rhino.auto_parallel(step, mesh_shape=(8,))
     plan = ap.plan_for(params, x).spmd
     ops = {o.name: o for o in plan.ops}
     for op in calls:
         o = ops[op.name]
-        assert o.strategy.endswith("@x]") and all(
-            s.dims[1].axes == (0,) and not any(d.axes for i, d in enumerate(s.dims) if i != 1)
+        assert o.strategy.endswith("@x]") and all(       # [B, T, N, D]: N split
+            s.dims[2].axes == (0,) and not any(d.axes for i, d in enumerate(s.dims) if i != 2)
             for s in o.in_specs), o
     assert not plan.unplanned
     ref_p, ref_l = jax.jit(step)(params, x)
@@ -148,7 +109,7 @@ def test_custom_partitioning_attention_is_split_over_heads_and_equals_jit():
     for a, b in zip(jax.tree.leaves(ref_p), jax.tree.leaves(got_p)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
     text = ap.compiled_text(params, x)
-    assert re.search(r"f32\[2,1,32,32\]", text) and not re.search(r"f32\[2,8,32,32\]", text)
+    assert re.search(r"f32\[1,2,1,32,32\]", text) and not re.search(r"f32\[8,2,1,32,32\]", text)
 
 
 # ------------------------------------------------------------------ a GPU dump
