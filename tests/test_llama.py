@@ -69,3 +69,13 @@ def test_fused_attention_is_one_call_split_over_kv_heads():
             assert q.dims[1].axes == () and q.dims[3].axes == ()
             assert len(q.dims[0].axes + q.dims[2].axes) == 2, o
     assert not [u for u in plan.unplanned if u.opcode == "custom-call"]
+
+
+def test_rope_is_the_rotate_half_form():
+    from rhino.models.llama import rope
+    x = jax.random.normal(jax.random.key(0), (2, 16, 4, 32))
+    ang = jnp.arange(16.0)[:, None] * 1e4 ** (-jnp.arange(0, 16) * 2 / 32)[None, :]
+    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    x1, x2 = jnp.split(x, 2, -1)
+    want = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    np.testing.assert_allclose(np.asarray(rope(x, 1e4)), np.asarray(want), rtol=1e-6, atol=1e-6)

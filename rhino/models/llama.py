@@ -100,13 +100,20 @@ def rms_norm(w: jax.Array, x: jax.Array, eps: float) -> jax.Array:
 
 
 def rope(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embeddings on ``[B, T, heads, hd]`` (the rotate-half form)."""
-    t, hd = x.shape[1], x.shape[-1]
+    """Rotary position embeddings on ``[B, T, heads, hd]``, the rotate-half form
+    ``[x1 cos - x2 sin, x2 cos + x1 sin]`` of the halves ``x1, x2``. Written with the halves
+    as a dimension of size 2 and ``flip`` over it instead of a split and a concatenation:
+    the same values, and ops (a reverse, products) whose shardings the planner reads
+    directly; the split/concatenate form took O2 6.5x longer on Llama-3-8B layers on
+    (2, 8) (19.0 s against 2.9 s for two layers; its slices and concatenations make
+    segments too dense for exact tables)."""
+    b, t, h, hd = x.shape
     freq = theta ** (-jnp.arange(0, hd // 2, dtype=jnp.float32) * 2 / hd)
     angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]        # [T, hd/2]
-    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+    cos = jnp.cos(angle)[None, :, None, None, :]
+    sin = jnp.stack([-jnp.sin(angle), jnp.sin(angle)], 1)[None, :, None, :, :]  # [1,T,1,2,hd/2]
+    halves = x.astype(jnp.float32).reshape(b, t, h, 2, hd // 2)
+    return (halves * cos + jnp.flip(halves, 3) * sin).reshape(b, t, h, hd).astype(x.dtype)
 
 
 @dataclass(frozen=True)
