@@ -33,15 +33,23 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 def critical_path_s(records, num_stages: int, num_microbatches: int, schedule) -> float:
     """Longest path through the step's task graph (with the schedule's order) under the
-    measured task durations (transfers: 0)."""
+    measured task durations (transfers: 0). A stage's prologue (batch-only values computed
+    once per step) runs before its first forward task and counts with it; its apply phases
+    (``A``, ``A1``, ... where the update needs a value of other stages, such as a global
+    norm) run one after another and count as one apply task."""
     from task_graph import build_task_graph
 
     dur: dict[str, float] = {}
     for r in records:
         if r.kind in ("forward", "backward"):
-            dur[f"{r.label[0]}({r.stage},{r.microbatch})"] = r.end - r.start
+            key = f"{r.label[0]}({r.stage},{r.microbatch})"
+        elif r.kind == "prologue":
+            key = f"F({r.stage},0)"
         elif r.kind == "apply":
-            dur[f"AG({r.stage})"] = r.end - r.start
+            key = f"AG({r.stage})"
+        else:
+            continue
+        dur[key] = dur.get(key, 0.0) + r.end - r.start
     g = build_task_graph(num_stages, num_microbatches).with_schedule(schedule)
     return g.critical_path(lambda n: dur.get(n.id, 0.0)).length
 

@@ -19,18 +19,11 @@ import threading
 import time
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--limit", type=float, default=1500.0, help="seconds before giving up")
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--hidden", type=int, default=8192)
-    ap.add_argument("--microbatches", type=int, default=32)
-    ap.add_argument("--no-remat", action="store_true", help="no jax.checkpoint per layer")
-    a = ap.parse_args()
+def timed_progress(limit: float):
+    """A ``progress`` callback printing each line with the seconds since now, and a
+    watchdog that ends the process (and its planning workers) past ``limit`` seconds,
+    saying which phase it was in."""
     import os
-
-    import rhino
-    from rhino.models import get_model
 
     t0 = time.time()
     last = ["start"]
@@ -40,14 +33,30 @@ def main() -> None:
         print(f"[{time.time() - t0:8.1f} s] {line}", flush=True)
 
     def watchdog() -> None:
-        time.sleep(a.limit)
-        print(f"NOT DONE within {a.limit:.0f} s; last phase: {last[0]}", flush=True)
+        time.sleep(limit)
+        print(f"NOT DONE within {limit:.0f} s; last phase: {last[0]}", flush=True)
         import multiprocessing
         for child in multiprocessing.active_children():   # the search's planning workers
             child.kill()
         os._exit(3)
 
     threading.Thread(target=watchdog, daemon=True).start()
+    return progress
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=float, default=1500.0, help="seconds before giving up")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--microbatches", type=int, default=32)
+    ap.add_argument("--no-remat", action="store_true", help="no jax.checkpoint per layer")
+    a = ap.parse_args()
+    import rhino
+    from rhino.models import get_model
+
+    t0 = time.time()
+    progress = timed_progress(a.limit)
     m = get_model("gpt", layers=a.layers, hidden=a.hidden, heads=64, seq=1024, vocab=51200,
                   batch=64, remat=not a.no_remat)
     plan = rhino.plan(m.step, *m.example_args(), cluster="8x8", backend="h100",

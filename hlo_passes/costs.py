@@ -63,4 +63,7 @@ def op_flops(opcode: str, shape: Shape, operand_shapes: Sequence[Shape],
         return float(_numel(shape) * w)
     if opcode in ("scatter", "select-and-scatter"):
         return float(_numel(operand_shapes[-1]))
+    if opcode == "custom-call":
+        from .custom_calls import custom_call_flops
+        return custom_call_flops(attrs, operand_shapes, shape)
     return 0.0

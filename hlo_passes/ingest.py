@@ -396,6 +396,75 @@ def arg_names(fn: Callable, nargs: int) -> list[str]:
     return [names[i] if i < len(names) else f"arg{i}" for i in range(nargs)]
 
 
+def _custom_partitioned(jaxpr: Any) -> list:
+    """The ``custom_partitioning`` equations of a jaxpr and the jaxprs it calls, in
+    program order."""
+    from jax.extend import core as jcore
+
+    found: list = []
+
+    def walk(j: Any) -> None:
+        j = j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+        for eqn in j.eqns:
+            if eqn.primitive.name == "custom_partitioning":
+                found.append(eqn)
+                continue
+            for v in eqn.params.values():
+                for x in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                        walk(x)
+    walk(jaxpr)
+    return found
+
+
+def _lower(jitted: Any, args: tuple) -> tuple[Any, list]:
+    """``(jitted.lower(*args), custom_partitioning equations)``. A function holding
+    ``custom_partitioning`` calls is lowered replicated on two devices (when there are
+    two), where JAX keeps each call one ``CustomSPMDPartitioning`` custom call with its
+    sharding rule instead of inlining its body, so that the planner splits it by that rule
+    (``custom_calls.py``)."""
+    import jax
+
+    try:
+        traced = jitted.trace(*args)
+    except AttributeError:
+        return jitted.lower(*args), []
+    calls = _custom_partitioned(traced.jaxpr) if len(jax.devices()) >= 2 else []
+    if not calls:
+        return traced.lower(), []
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    two = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("ingest",)), PartitionSpec())
+    return jax.jit(jitted, in_shardings=two, keep_unused=True).lower(*args), calls
+
+
+def _body_flops(graph: HloGraph, calls: list) -> None:
+    """Give each ``CustomSPMDPartitioning`` op of ``graph`` the FLOPs of its call's body
+    (the function it runs per shard, ingested on its own), matched in program order and by
+    result shapes; calls that do not match keep the estimate of ``custom_calls.py``."""
+    import jax
+    from jax.extend.core import jaxpr_as_fun
+
+    from .custom_calls import CUSTOM_PARTITIONING
+
+    ops = [op for op in graph.ops if op.opcode == "custom-call"
+           and op.attrs.get("custom_call_target") == CUSTOM_PARTITIONING]
+    if len(ops) != len(calls):
+        return
+    memo: dict[str, float] = {}      # a layer's calls are the same body: ingested once
+    for op, eqn in zip(ops, calls):
+        body = eqn.params["call"]
+        outs = [tuple(v.aval.shape) for v in body.jaxpr.outvars]
+        if outs != [t.dims for t in flatten_shape(op.shape)]:
+            continue
+        key = str(body)
+        if key not in memo:
+            ins = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
+            memo[key] = graph_from_function(jaxpr_as_fun(body), *ins).total_flops
+        op.flops = memo[key]
+
+
 def graph_from_function(fn: Callable, *args: Any) -> HloGraph:
     """Lower a JAX function on example args (arrays / ShapeDtypeStructs / pytrees)."""
     import jax
@@ -412,7 +481,7 @@ def graph_from_function(fn: Callable, *args: Any) -> HloGraph:
                               f"example arguments: {e}") from e
         jitted = jax.jit(unrolled or fn, keep_unused=True)
     try:
-        lowered = jitted.lower(*args)
+        lowered, calls = _lower(jitted, args)
     except TypeError as e:
         raise IngestError(f"cannot lower {getattr(fn, '__name__', fn)!r} on the given example "
                           f"arguments: {e}") from e
@@ -431,8 +500,11 @@ def graph_from_function(fn: Callable, *args: Any) -> HloGraph:
     out_flat, _ = jax.tree_util.tree_flatten_with_path(lowered.out_info)
     out_paths = ["out" + jax.tree_util.keystr(tuple(p)) for p, _ in out_flat]
     name = getattr(fn, "__name__", "fn")
-    return graph_from_hlo_text(text, f"<lowered {name}>", origin=f"jax:{name}",
-                               arg_infos=infos, out_paths=out_paths)
+    graph = graph_from_hlo_text(text, f"<lowered {name}>", origin=f"jax:{name}",
+                                arg_infos=infos, out_paths=out_paths)
+    if calls:
+        _body_flops(graph, calls)
+    return graph
 
 
 def ingest(source: Any, *example_args: Any) -> HloGraph:

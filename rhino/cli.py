@@ -44,6 +44,49 @@ examples:
 Each subcommand has its own help: rhino plan --help."""
 
 
+# With GPU or TPU figures a zoo step at its default batch is microseconds of compute per
+# device (gpt:layers=4,hidden=256 at batch 4: 11 µs on an H100), less than the latency of
+# one collective, so every plan keeps the step whole on each device. Without a batch= of
+# the user's, such a spec's batch is doubled until one device takes at least this long for
+# the whole step (gpt:layers=4,hidden=256: batch 1024; with H100 figures on mesh (8) a
+# data-parallel plan wins from batch 256).
+ACCELERATOR_STEP_S = 2e-3
+
+
+def accelerator_batch(spec: str, backend: str | None) -> tuple[str, str | None]:
+    """``(spec, note)``: a zoo spec with its batch raised for accelerator figures (module
+    constant ``ACCELERATOR_STEP_S``), and a line saying so; ``(spec, None)`` unchanged
+    for a file, simulated-CPU figures, or a spec that gives ``batch=`` itself."""
+    from rhino.backends import backend_figures, backend_names
+    from rhino.models import MODEL_NAMES, parse_model_spec
+
+    name, _, options = spec.partition(":")
+    if (backend in (None, "cpu") or backend not in backend_names() or os.path.exists(spec)
+            or name not in MODEL_NAMES
+            or "batch" in {kv.split("=", 1)[0].strip() for kv in options.split(",")}):
+        return spec, None
+    import rhino
+    from rhino.planner.cost_model import flops_by_rate
+
+    try:
+        model = parse_model_spec(spec)
+    except ValueError as e:
+        raise RhinoError(str(e)) from None
+    cost = backend_figures(backend).cost_model((1,))
+    graph = rhino.ingest(model.step, *model.example_args())
+    seconds = sum(f / r for r, f in flops_by_rate(graph, None, cost).items())
+    batch = model.config.batch
+    scale = 1
+    while seconds * scale < ACCELERATOR_STEP_S and scale < 1 << 16:
+        scale *= 2
+    if scale == 1:
+        return spec, None
+    new = f"{spec}{',' if options else ':'}batch={batch * scale}"
+    return new, (f"{backend} figures: batch {batch} is {1e6 * seconds:.0f} µs of compute per "
+                 f"device, too little to split; planning {new} ({1e3 * seconds * scale:.2f} "
+                 f"ms; give batch= to choose)")
+
+
 def resolve_source(spec: str) -> tuple[Any, tuple]:
     """A file path -> (path, ()); a zoo spec -> (step function, example args)."""
     if os.path.exists(spec):
@@ -197,6 +240,14 @@ def _mode_options(args: argparse.Namespace, command: str) -> None:
             setattr(args, name, default)
 
 
+def _source_for(args: argparse.Namespace) -> tuple[Any, tuple]:
+    """The plan's source, its zoo batch raised for accelerator figures (said as progress)."""
+    spec, note = accelerator_batch(args.source, args.backend)
+    if note:
+        _progress(args)(note)
+    return resolve_source(spec)
+
+
 def _emit_plan(p, args: argparse.Namespace) -> int:
     """Save (--output) and print (report, or --json) a plan."""
     if args.output:
@@ -218,7 +269,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import rhino
 
     _mode_options(args, "plan")
-    source, example = resolve_source(args.source)
+    source, example = _source_for(args)
     progress = _progress(args)
     try:
         if args.cluster:
@@ -274,7 +325,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.model is None:
         # A pipeline runs the zoo's default batch (its microbatches may hold one example;
         # the stage plans are then made at that shape); SPMD gives each device a sequence.
-        args.model = DEMO_MODEL if args.cluster else f"{DEMO_MODEL},batch=8"
+        # On GPUs or TPUs that is too little work to split: the batch is raised.
+        from rhino.backends import figures_for_devices
+        backend = figures_for_devices(jax.devices()[:n]).backend
+        args.model, note = accelerator_batch(DEMO_MODEL, backend)
+        if note:
+            print(f"rhino demo: {note}")
+        else:
+            args.model = DEMO_MODEL if args.cluster else f"{DEMO_MODEL},batch=8"
     try:
         model = parse_model_spec(args.model)
     except ValueError as e:

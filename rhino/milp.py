@@ -60,6 +60,7 @@ class MilpModel:
     ``A`` is CSR: row ``r`` holds ``row_value[k]`` at column ``row_index[k]`` for
     ``row_starts[r] <= k < row_starts[r + 1]`` (the last row ends at ``len(row_index)``).
     ``start``: a feasible assignment to start from, as ``(columns, values)``.
+    ``iteration_limit``: HiGHS' simplex iterations (applied to LPs, not inside a MIP solve).
     """
 
     costs: np.ndarray
@@ -74,6 +75,7 @@ class MilpModel:
     start: tuple[np.ndarray, np.ndarray] | None = None
     time_limit: float = 60.0
     mip_rel_gap: float = 1e-4
+    iteration_limit: int | None = None
 
     @property
     def num_cols(self) -> int:
@@ -174,6 +176,8 @@ def _run(model: MilpModel) -> tuple[MilpResult, float | None]:
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", float(model.mip_rel_gap))
     h.setOptionValue("time_limit", max(float(model.time_limit), 1e-3))
+    if model.iteration_limit is not None:
+        h.setOptionValue("simplex_iteration_limit", int(model.iteration_limit))
     n = model.num_cols
     h.addCols(n, np.asarray(model.costs, np.float64), np.asarray(model.lower, np.float64),
               np.asarray(model.upper, np.float64), 0, np.zeros(0, np.int32),

@@ -35,6 +35,15 @@ def segment_solver_stats(monkeypatch) -> list[dict]:
     return seen
 
 
+@pytest.fixture
+def heuristic_o2(monkeypatch) -> None:
+    """O2 without its step 0 (small problems handed to the ILP): the tests of its
+    heuristic machinery use problems small enough for the ILP to take them."""
+    from rhino.planner import hierarchical
+
+    monkeypatch.setattr(hierarchical, "_SMALL_ILP_ENTRIES", -1)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray instance with 4 CPUs for one test module (skipped without ray)."""

@@ -30,7 +30,8 @@ def test_default_model_trains_and_matches_example_args(name):
     abstract = model.example_args()
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
     _assert_same_structs((params, opt_state, batch), abstract)
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    want = jnp.dtype(getattr(model.config, "dtype", "float32"))   # llama: bf16 weights
+    assert all(x.dtype == want for x in jax.tree.leaves(params))
 
     step = jax.jit(model.step)
     losses = []

@@ -12,6 +12,9 @@ from rhino.planner import hierarchical
 from rhino.planner.hierarchical import Partition, solve_o2, solve_o3
 from rhino.planner.problem import Edge, ShardingProblem
 
+# These tests check O2's heuristic machinery on problems small enough for its step 0.
+pytestmark = pytest.mark.usefixtures("heuristic_o2")
+
 
 def _potts_case(rng, m=16, k=8, p=0.7, psize=8):
     """Pivot A -> a dense segment (m nodes, k choices, edge density p, Potts edge costs)

@@ -20,10 +20,13 @@ from rhino.planner.hierarchical import Partition, solve_o2, solve_o3
 from rhino.planner.problem import Edge, ShardingProblem
 from rhino.planner.solvers import (
     InfeasibleProblemError, SolverTimeLimitWarning, improve_local, reduce_exact,
-    solve_brute_force, solve_ilp, solve_tree_dp, solve_trw)
+    solve_brute_force, solve_ilp, solve_small_ilp, solve_tree_dp, solve_trw)
 from rhino.planner.windows import improve_windows, mirrored_windows
 
 _BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "solver_micro.py"
+
+# These tests check O2's heuristic machinery on problems small enough for its step 0.
+pytestmark = pytest.mark.usefixtures("heuristic_o2")
 
 
 def _load_generator():
@@ -342,6 +345,46 @@ def test_o2_equals_o3_on_single_cone(seed):
     assert _same(o2.objective, o3.objective)
 
 
+def _k4(costs: np.ndarray, rng) -> ShardingProblem:
+    """Two labels on K4 (every node of degree 3: no exact reduction folds it)."""
+    return ShardingProblem(tuple("abcd"), (("x", "y"),) * 4,
+                           tuple(rng.uniform(0, 3, 2) for _ in range(4)),
+                           tuple(Edge(u, v, costs) for u in range(4) for v in range(u + 1, 4)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_o2_hands_small_problems_to_the_ilp(monkeypatch, seed):
+    """Step 0: a small core whose LP relaxation is integral (two labels that like to
+    agree: submodular, so the marginal polytope is exact) gets the optimum, status
+    "optimal"; past the size limit, the iteration budget or the time limit, the
+    heuristic runs."""
+    prob = _k4(np.array([[0.0, 4.0], [4.0, 0.0]]), np.random.default_rng(650 + seed))
+    part = Partition((0, 1, 2, 3), (0, 0, 0, 0), ())
+    best = solve_brute_force(prob).objective
+    monkeypatch.setattr(hierarchical, "_SMALL_ILP_ENTRIES", 10**6)
+    small = solve_o2(prob, part)
+    assert small.status == "optimal" and _same(small.objective, best)
+    assert small.objective == prob.objective(small.choice)
+    many = lambda n: 100 * n  # noqa: E731
+    assert _same(solve_small_ilp(prob, max_entries=100, time_limit=60,
+                                 iterations=many).objective, best)
+    assert solve_small_ilp(prob, max_entries=100, time_limit=60, iterations=lambda n: 1) is None
+    assert solve_small_ilp(prob, max_entries=100, time_limit=1e-9) is None
+    assert solve_small_ilp(prob, max_entries=10, time_limit=60, iterations=many) is None
+    monkeypatch.setattr(hierarchical, "_SMALL_ILP_ENTRIES", 0)
+    assert solve_o2(prob, part).status == "heuristic"
+
+
+def test_small_ilp_refuses_a_fractional_relaxation():
+    """Two labels that must differ on every edge of K4 (which no exact reduction folds):
+    the LP's optimum is all halves at cost 0, no assignment reaches it, so only the MIP
+    proves an optimum."""
+    prob = _k4(np.array([[4.0, 0.0], [0.0, 4.0]]), np.random.default_rng(660))
+    assert solve_small_ilp(prob, max_entries=100, time_limit=60, iterations=lambda n: 10**4) is None
+    exact = solve_small_ilp(prob, max_entries=100, time_limit=60)
+    assert exact.status == "optimal" and _same(exact.objective, solve_brute_force(prob).objective)
+
+
 def _layered_case(rng, layers, width, n_skip):
     """Layers of cones between pivots, plus skip edges between far layers."""
     cone_of, seg, pivots, edges = [], [], [], []
@@ -486,7 +529,7 @@ def test_time_limit_without_incumbent_raises(monkeypatch):
     prob = _problem([7] * n, edges, rng, p_inf=0.3)
     no_start = tuple([0] * prob.num_nodes)
     assert not np.isfinite(prob.objective(no_start))     # the start is no fallback
-    monkeypatch.setattr(solvers, "_start_choice", lambda p, t: no_start)
+    monkeypatch.setattr(solvers, "_start_choice", lambda p, t, trw=True: no_start)
     seen = []
 
     def limited(model):

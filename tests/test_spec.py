@@ -41,7 +41,7 @@ def test_mesh_defaults_and_json():
     assert not cost.native_reduce_scatter and cost.backend == "cpu"
     m2 = AbstractMesh((2, 4), axis_names=("dp", "tp"))
     c2 = CostModel((1e-5, 1e-6), (1e-9, 1e-10))
-    assert c2.group_alpha((0, 1)) == pytest.approx(1.1e-5)
+    assert c2.group_alpha((0, 1)) == 1e-5          # the slowest axis: one collective
     assert c2.group_beta((0, 1)) == 1e-9 and m2.group_size((0, 1)) == 8
     assert AbstractMesh.from_json(m2.to_json()) == m2
     assert m2.axis_index("tp") == 1
@@ -200,7 +200,8 @@ def test_collective_formulas():
     assert all_to_all_cost(nb, (0,), m, C1) == pytest.approx(A + 3 / 4 * nb * B)
     assert collective_cost(ALL_REDUCE, (), nb, m, C1) == 0.0
     m2 = AbstractMesh((2, 4))
-    assert all_reduce_cost(nb, (0, 1), m2, C2) == pytest.approx(1.1e-5 + 2 * 7 / 8 * nb * 1e-9)
+    # α and β of the slowest axis: one collective over the 8 devices.
+    assert all_reduce_cost(nb, (0, 1), m2, C2) == pytest.approx(1e-5 + 2 * 7 / 8 * nb * 1e-9)
     with pytest.raises(ValueError, match="kind"):
         collective_cost("broadcast", (0,), nb, m, C1)
     # One all-reduce is cheaper than the reduce-scatter + all-gather pair (α once).
@@ -238,7 +239,7 @@ def test_reshard_two_axes():
     # Fully split -> replicated: one all-gather over both axes of the full tensor.
     g = reshard(ShardingSpec.parse("S[x,y]·R"), ShardingSpec.parse("R·R"), t, m, C2)
     assert [(c.kind, c.axes, c.bytes) for c in g.collectives] == [(ALL_GATHER, (0, 1), 16384)]
-    assert g.cost == pytest.approx(1.1e-5 + 7 / 8 * 16384 * 1e-9)
+    assert g.cost == pytest.approx(1e-5 + 7 / 8 * 16384 * 1e-9)    # the slowest axis' α, β
     # Reduce-scatter first (shrinks), then gather on the other axis.
     rs = reshard(ShardingSpec.parse("S[y]·R·P(sum@x)"), ShardingSpec.parse("R·S[x]"), t, m, C2)
     assert [(c.kind, c.bytes) for c in rs.collectives] == [(REDUCE_SCATTER, 4096),
@@ -246,12 +247,53 @@ def test_reshard_two_axes():
     # Moving one axis' split from one dim to another is an all-to-all of the local shard.
     a2a = reshard(ShardingSpec.parse("S[x]·R"), ShardingSpec.parse("R·S[x]"), t, m, C2)
     assert [(c.kind, c.axes, c.bytes) for c in a2a.collectives] == [(ALL_TO_ALL, (0,), 8192)]
-    # Moving two axes at once: XLA gathers the whole tensor and slices (its fallback).
+    # Moving two axes apart: gathered (one all-gather per dim, the minor dim first, as
+    # XLA gathers S[x]·S[y] to R·R), then sliced.
     both = reshard(ShardingSpec.parse("S[x]·S[y]"), ShardingSpec.parse("S[y]·S[x]"), t, m, C2)
-    assert [(c.kind, c.axes, c.bytes) for c in both.collectives] == [(ALL_GATHER, (0, 1), 16384)]
+    assert [(c.kind, c.axes, c.bytes) for c in both.collectives] == [(ALL_GATHER, (1,), 8192),
+                                                                    (ALL_GATHER, (0,), 16384)]
+    # A group moving together, in its order, is one all-to-all over it (as XLA runs it).
+    group = reshard(ShardingSpec.parse("S[x,y]·R"), ShardingSpec.parse("R·S[x,y]"), t, m, C2)
+    assert [(c.kind, c.axes, c.bytes) for c in group.collectives] == [(ALL_TO_ALL, (0, 1), 2048)]
+    swapped = reshard(ShardingSpec.parse("S[x,y]·R"), ShardingSpec.parse("R·S[y,x]"), t, m, C2)
+    assert [c.kind for c in swapped.collectives] == [ALL_GATHER]
     table = ReshardCostTable(m, C2)
     src, dst = ShardingSpec.parse("S[x,y]·R"), ShardingSpec.parse("R·R")
     assert table.cost(src, dst, t) == g.cost and len(table) == 1
+
+
+def test_reshard_partial_groups_as_xla_reduces_them():
+    """A sum one split dimension leaves over x and y (``P(sum@x+y)``) is one all-reduce
+    over the 8 devices, as XLA runs a dot contracting a dimension split over both axes;
+    sums left by two dimensions (``P(sum@x,sum@y)``) are reduced one axis at a time. A
+    pending sum cannot become grouped without being reduced; the other way is free."""
+    m = AbstractMesh((2, 4))
+    cost = CostModel.uniform(2, 1e-5, 1e-9)
+    t = TensorType("f32", (64, 64))                   # 16384 bytes
+    r = ShardingSpec.parse("R·R")
+    grouped, apart = ShardingSpec.parse("R·R·P(sum@x+y)"), ShardingSpec.parse("R·R·P(sum@x,sum@y)")
+    assert grouped.partial_groups == ((0, 1),) and apart.partial_groups == ()
+    assert str(grouped) == "R·R·P(sum@x+y)" and ShardingSpec.from_json(grouped.to_json()) == grouped
+    assert grouped != apart and grouped.axis_roles((64, 64), m) == apart.axis_roles((64, 64), m)
+    one = reshard(grouped, r, t, m, cost)
+    assert [(c.kind, c.axes) for c in one.collectives] == [(ALL_REDUCE, (0, 1))]
+    assert one.cost == pytest.approx(1e-5 + 2 * 7 / 8 * 16384 * 1e-9)
+    # ... the cost of the same all-reduce on the (8) mesh of the same devices.
+    assert one.cost == pytest.approx(reshard(ShardingSpec.parse("R·R·P(sum@x)"), r, t,
+                                             AbstractMesh((8,)), CostModel.uniform(1, 1e-5,
+                                                                                   1e-9)).cost)
+    two = reshard(apart, r, t, m, cost)
+    assert [(c.kind, c.axes) for c in two.collectives] == [(ALL_REDUCE, (0,)), (ALL_REDUCE, (1,))]
+    assert two.cost > one.cost
+    assert reshard(grouped, apart, t, m, cost).is_free
+    assert reshard(apart, grouped, t, m, cost).cost == pytest.approx(two.cost)
+    # Reducing one axis of a group is an all-reduce over that axis alone.
+    half = reshard(grouped, ShardingSpec.parse("R·R·P(sum@y)"), t, m, cost)
+    assert [(c.kind, c.axes) for c in half.collectives] == [(ALL_REDUCE, (0,))]
+    with pytest.raises(InvalidSpecError, match="group"):
+        ShardingSpec((DimSharding(),), ((0, "sum"), (1, "max")), ((0, 1),))
+    with pytest.raises(InvalidSpecError, match="group"):
+        ShardingSpec((DimSharding(),), ((0, "sum"),), ((0, 1),))
 
 
 def test_reshard_errors_and_tuples():

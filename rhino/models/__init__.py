@@ -1,9 +1,10 @@
 """The model zoo: plain-JAX training steps of the Rhino paper's models, configurable in size.
 
-Every model is fp32, deterministic and trained with optax Adam; optax is imported only when an
-optimizer is built, so importing this package works without it.
+Every model is deterministic and trained with optax Adam (fp32), or AdamW with float32 moments
+for bf16 weights (llama); optax is imported only when an optimizer is built, so importing
+this package works without it.
 
-    mlp · gpt · moe · vgg19 · wide_resnet · unet · dnabert
+    mlp · gpt · moe · vgg19 · wide_resnet · unet · dnabert · llama
 
 Example:
     >>> import jax
@@ -25,6 +26,7 @@ from typing import Any
 from rhino.models.base import ModelConfig, ZooModel, build_model, parse_overrides
 from rhino.models.dnabert import DnabertConfig
 from rhino.models.gpt import GPT_CONFIGS, GptConfig
+from rhino.models.llama import LLAMA_CONFIGS, LlamaConfig
 from rhino.models.mlp import MlpConfig
 from rhino.models.moe import MOE_CONFIGS, MoeConfig
 from rhino.models.unet import UnetConfig
@@ -39,6 +41,7 @@ _CONFIGS = types.MappingProxyType({
     "wide_resnet": WideResnetConfig,
     "unet": UnetConfig,
     "dnabert": DnabertConfig,
+    "llama": LlamaConfig,
 })
 
 MODEL_NAMES: tuple[str, ...] = tuple(_CONFIGS)
@@ -50,9 +53,9 @@ def get_model(name: str, **config_overrides: Any) -> ZooModel:
 
     Args:
         name: One of `MODEL_NAMES`.
-        **config_overrides: Config field values. ``preset=...`` (gpt, moe, wide_resnet) first
-            applies a paper configuration (`GPT_CONFIGS`, `MOE_CONFIGS`, `WIDE_RESNET_CONFIGS`);
-            the other overrides win over it.
+        **config_overrides: Config field values. ``preset=...`` (gpt, moe, wide_resnet,
+            llama) first applies a published configuration (`GPT_CONFIGS`, `MOE_CONFIGS`,
+            `WIDE_RESNET_CONFIGS`, `LLAMA_CONFIGS`); the other overrides win over it.
 
     Raises:
         ValueError: Unknown model, preset or option (the message lists the valid ones), a
@@ -102,7 +105,7 @@ def parse_model_spec(spec: str) -> ZooModel:
 __all__ = [
     "MODEL_NAMES", "ZooModel", "ModelConfig", "get_model", "parse_model_spec",
     "describe_models",
-    "GPT_CONFIGS", "MOE_CONFIGS", "WIDE_RESNET_CONFIGS",
+    "GPT_CONFIGS", "MOE_CONFIGS", "WIDE_RESNET_CONFIGS", "LLAMA_CONFIGS",
     "MlpConfig", "GptConfig", "MoeConfig", "Vgg19Config", "WideResnetConfig", "UnetConfig",
-    "DnabertConfig",
+    "DnabertConfig", "LlamaConfig",
 ]

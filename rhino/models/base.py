@@ -55,6 +55,13 @@ class ModelConfig(abc.ABC):
     def loss(self, params: PyTree, batch: dict[str, jax.Array]) -> jax.Array:
         """Returns the scalar fp32 training loss."""
 
+    def make_optimizer(self) -> Any:
+        """The optax optimizer of the training step: Adam at ``learning_rate`` (a model
+        with other needs, such as float32 moments for bf16 weights, overrides it)."""
+        import optax  # Optional dependency: only needed once a step is built.
+
+        return optax.adam(self.learning_rate)
+
 
 def require(condition: bool, message: str) -> None:
     """Raises `ValueError(message)` unless `condition` holds (config validation helper)."""
@@ -85,10 +92,9 @@ class ZooModel:
     config: ModelConfig
 
     def optimizer(self) -> Any:
-        """Returns the optax optimizer (Adam at ``config.learning_rate``); imports optax."""
-        import optax  # Optional dependency: only needed once a step is built.
-
-        return optax.adam(self.config.learning_rate)
+        """Returns the optax optimizer (``config.make_optimizer()``: Adam at
+        ``config.learning_rate`` unless the model says otherwise); imports optax."""
+        return self.config.make_optimizer()
 
     def init(self, key: jax.Array) -> tuple[PyTree, PyTree]:
         """Returns real ``(params, opt_state)`` for `key`."""

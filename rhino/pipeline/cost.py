@@ -42,13 +42,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from rhino.hlo_passes.graph import HloGraph, TensorType
+from rhino.hlo_passes.analyses import liveness
+from rhino.hlo_passes.graph import HloGraph, TensorType, flatten_shape
 from rhino.hlo_passes.subgraph import CUT_PREFIX
+from rhino.planner.build import carried_pairs
 from rhino.planner.collectives import collective_cost
 from rhino.planner.cost_model import CostModel, compute_dtype
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planner.spec import ShardingSpec
+
+
+def memory_floor(graph: HloGraph) -> int:
+    """Bytes live at the step's peak on one device, updated state in place: no plan over
+    ``n`` devices keeps less than this over ``n`` on some device (the values live at that
+    point of the program order are live there under every plan, and each needs at least
+    ``1/n`` of its bytes per device). The pipeline search refuses an SPMD candidate whose
+    floor is over the budget without planning it."""
+    sizes = [sum(t.nbytes for t in flatten_shape(op.shape)) for op in graph.ops]
+    return int(liveness(graph, sizes, carried_pairs(graph))[1])
 
 
 def in_flight(stage: int, num_stages: int, num_microbatches: int) -> int:

@@ -42,8 +42,8 @@ from rhino.hlo_passes.graph import HloGraph, shape_str
 from rhino.hlo_passes.subgraph import CUT_PREFIX, Subgraph, extract_subgraph
 from rhino.cluster import Cluster, MeshSplit, enumerate_splits
 from rhino.pipeline.coarsen import classify_ops, coarsen
-from rhino.pipeline.cost import (StageProfile, gather_seconds, in_flight, pipeline_step,
-                                 profile_stage, transfer_seconds)
+from rhino.pipeline.cost import (StageProfile, gather_seconds, in_flight, memory_floor,
+                                 pipeline_step, profile_stage, transfer_seconds)
 from rhino.pipeline.gradient import (BoundaryOptions, GradientBoundary, find_gradient_boundary,
                                      gradient_weights)
 from rhino.parallel_plan import (Candidate, CrossTensor, Plan, SearchTimes, StageEstimate,
@@ -408,9 +408,10 @@ class _Search:
         self.works: dict[int, list[_StageWork]] = {}
         self.ilp_s = self.cost_s = 0.0
         self.best_step = float("inf")
-        # Candidates are planned without O2's window moves; the chosen one gets them
-        # (``_refine``).
-        self.spmd_opts = dataclasses.replace(options.spmd, memory_budget=None, refine=False)
+        # Candidates are planned without O2's window moves and one-axis fallback; the
+        # chosen one gets them (``_refine``).
+        self.spmd_opts = dataclasses.replace(options.spmd, memory_budget=None, refine=False,
+                                             fold_seed=False)
         self.countdown = Countdown(say, "candidate splits planned and costed", 0)
         self._pin_cache: dict = {}
 
@@ -605,6 +606,13 @@ class _Search:
                                                note=str(e), lower_bound_s=lb), sp)
                 continue
             if p == 1:
+                floor = memory_floor(self.graph) // mesh.num_devices
+                if self.budget is not None and floor > self.budget:   # not planned
+                    refused[k] = _Costed(Candidate(sp.kind, 1, sp.stage_shape, memory=floor, note=(
+                        f"needs at least {format_bytes(floor)} > budget {format_bytes(self.budget)}"
+                        f" (the step's peak values over {mesh.num_devices} devices)"),
+                        lower_bound_s=lb), sp)
+                    continue
                 jobs.append((k, 0, self.graph, mesh, cost, self._spmd_options(pins), ""))
             else:
                 jobs += [(k, w.index, w.sub.graph, mesh, cost,
@@ -735,13 +743,14 @@ class _Search:
                 for st, mem in enumerate(c.memories) if mem.total > self.budget]
 
     def _refine(self, pool: "SpmdPool", best: _Costed) -> _Costed:
-        """The chosen candidate re-planned with O2's window moves (``PlanOptions.refine``),
-        each plan with the memory budget it was planned for; kept if feasible and no slower
-        by the search's estimate (a stage plan's objective weighs its parts otherwise than
-        the pipeline's step does)."""
+        """The chosen candidate re-planned with O2's window moves (``PlanOptions.refine``)
+        and one-axis fallback (``fold_seed``), each plan with the memory budget it was
+        planned for; kept if feasible and no slower by the search's estimate (a stage
+        plan's objective weighs its parts otherwise than the pipeline's step does)."""
         o = self.options.spmd
-        if not o.refine or o.opt_level != "O2" or not best.plans:
+        if not (o.refine or o.fold_seed) or o.opt_level != "O2" or not best.plans:
             return best
+        extra = dict(refine=o.refine, fold_seed=o.fold_seed)
         sp, p = best.split, best.candidate.num_stages
         mesh, cost = sp.stage_mesh(self.cluster), sp.stage_cost(self.cluster)
         pins = self._pins(mesh)
@@ -750,10 +759,10 @@ class _Search:
         if p == 1:
             opts = self._spmd_options(pins, best.plans[0].memory_budget)
             got = self._cost_whole(pool, sp, pool.submit(
-                self.graph, mesh, cost, dataclasses.replace(opts, refine=True), "", p), lb)[0]
+                self.graph, mesh, cost, dataclasses.replace(opts, **extra), "", p), lb)[0]
         else:
             hs = [pool.submit(w.sub.graph, mesh, cost, dataclasses.replace(
-                self._stage_options(w, pl.memory_budget, pins), refine=True),
+                self._stage_options(w, pl.memory_budget, pins), **extra),
                 repr(w.carried), p) for w, pl in zip(best.works, best.plans)]
             plans = [pool.result(h, w.sub.graph)[0] for h, w in zip(hs, best.works)]
             if any(pl is None for pl in plans):

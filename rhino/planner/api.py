@@ -31,12 +31,14 @@ from rhino.hlo_passes import HloGraph
 from rhino.hlo_passes.analyses import liveness
 from rhino.hlo_passes.graph import TensorType, shape_str
 from rhino.planner.build import BuildOptions, BuiltProblem, build_problem, local_bytes
-from rhino.planner.collectives import reshard
+from rhino.planner.collectives import reshard as _reshard
 from rhino.planner.cost_model import CostModel
+from rhino.planner.fold import fold_fallback
 from rhino.planner.hierarchical import solve_o2, solve_o3
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import (SpmdPlan, MemoryEstimate, OpPlan, ParamPlan,
-                                PlannedCollective, SearchStats, UnplannedOp)
+                                PlannedCollective, SearchStats, SplitAlternative,
+                                UnplannedOp)
 from rhino.planner.problem import ShardingProblem, Solution
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.strategies import Strategy
@@ -70,6 +72,11 @@ class PlanOptions:
             the activation memory. 0 (default) plans for time alone; ``auto_parallel`` raises
             it, with ``memory_tiebreak``, step by step until the compiled program fits its
             ``memory_budget``. The reported objective excludes it.
+        fold_seed: on a mesh with two or more axes longer than 1, O2 also solves the
+            problem limited to plans that use those axes as one (``S[x,y]``: every plan of
+            the one-axis mesh of the same devices, ``planner/fold.py``) and keeps the
+            better of that and its own search, so a 2-D plan is never estimated slower
+            than the one-axis plan. It costs about one one-axis search more. O3 ignores it.
     """
 
     opt_level: str = "O2"
@@ -81,6 +88,7 @@ class PlanOptions:
     refine: bool = True
     memory_tiebreak: float = 1e-3
     activation_tiebreak: float = 0.0
+    fold_seed: bool = True
 
     def __post_init__(self):
         if self.opt_level not in OPT_LEVELS:
@@ -90,8 +98,10 @@ class PlanOptions:
                              f"{self.memory_budget!r}")
         if not self.time_limit > 0:
             raise OptionsError(f"time_limit: expected > 0 seconds, found {self.time_limit!r}")
-        if not isinstance(self.refine, bool):
-            raise OptionsError(f"refine: expected True or False, found {self.refine!r}")
+        for name in ("refine", "fold_seed"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionsError(f"{name}: expected True or False, found "
+                                   f"{getattr(self, name)!r}")
         for name in ("memory_tiebreak", "activation_tiebreak"):
             if not getattr(self, name) >= 0:
                 raise OptionsError(f"{name}: expected a weight >= 0, found "
@@ -114,8 +124,12 @@ def _solve(built: BuiltProblem, problem: ShardingProblem, options: PlanOptions) 
     if options.opt_level == "O3":
         sol = solve_o3(problem, time_limit=options.time_limit, mip_rel_gap=options.mip_rel_gap)
     else:
-        sol = solve_o2(problem, built.partition, time_limit=options.time_limit,
-                       mip_rel_gap=options.mip_rel_gap, windows=options.refine)
+        def o2(p: ShardingProblem) -> Solution:
+            return solve_o2(p, built.partition, time_limit=options.time_limit,
+                            mip_rel_gap=options.mip_rel_gap, windows=options.refine)
+        sol = o2(problem)
+        if options.fold_seed:
+            sol = fold_fallback(built, problem, sol, o2)
     return dataclasses.replace(sol, objective=built.problem.objective(sol.choice))
 
 
@@ -232,7 +246,11 @@ def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy],
         for c in rp.collectives:
             out.append(PlannedCollective(c.kind, tuple(mesh.axis_names[a] for a in c.axes),
                                          int(c.bytes), float(c.cost), graph.ops[u].name,
-                                         consumer, graph.ops[u].source))
+                                         consumer, graph.ops[u].source, c.alpha_share))
+
+    def reshard(src: Any, dst: Any, u: int):
+        return _reshard(src, dst, graph.ops[u].shape, mesh, cost,
+                        built.alpha_share.get(u, 1.0))
 
     def source(u: int, need: Any) -> Any:
         spec = plan[u].out_spec
@@ -250,7 +268,7 @@ def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy],
     for u in sorted(resolved):
         spec = plan[u].out_spec
         if u not in free_outs:  # a free output is reduced below, as "<output>"
-            add(reshard(spec, spec.without_partial(), graph.ops[u].shape, mesh, cost), u,
+            add(reshard(spec, spec.without_partial(), u), u,
                 f"<reduced once for {uses.get(u, 0)} uses>")
     seen: set = set()
     for op, st in zip(graph.ops, plan):
@@ -260,17 +278,15 @@ def predicted_collectives(built: BuiltProblem, plan: Sequence[Strategy],
             if (u, src, need) in seen:
                 continue  # XLA runs one resharding of a value into one layout (CSE)
             seen.add((u, src, need))
-            add(reshard(src, need, graph.ops[u].shape, mesh, cost), u, op.name)
+            add(reshard(src, need, u), u, op.name)
     for o in dict.fromkeys(graph.outputs):
         spec = plan[o].out_spec
         if o in carried:
             p = carried[o]
-            add(reshard(source(o, plan[p].out_spec), plan[p].out_spec, graph.ops[o].shape,
-                        mesh, cost), o,
+            add(reshard(source(o, plan[p].out_spec), plan[p].out_spec, o), o,
                 f"<carry to {graph.ops[p].arg.path if graph.ops[p].arg else graph.ops[p].name}>")
         elif isinstance(spec, ShardingSpec) and spec.is_partial:
-            add(reshard(spec, spec.without_partial(), graph.ops[o].shape, mesh, cost), o,
-                "<output>")
+            add(reshard(spec, spec.without_partial(), o), o, "<output>")
     return tuple(out)
 
 
@@ -322,7 +338,7 @@ def plan_graph(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
                                 op.arg.path if op.arg else op.name, shape_str(op.shape), spec,
                                 op.out_bytes, local_bytes(op.shape, s.out_spec, mesh),
                                 bool(op.arg and op.arg.donated)))
-    return SpmdPlan(
+    plan = SpmdPlan(
         program=graph.name, origin=graph.origin, mesh=mesh, cost=cost, ops=tuple(ops),
         params=tuple(params),
         collectives=predicted_collectives(built, strategies, built.resolved(sol.choice)),
@@ -333,3 +349,29 @@ def plan_graph(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
                            int(st["choices"]), int(st["edges"])),
         unplanned=tuple(UnplannedOp(u.name, u.opcode, u.source, u.reason)
                         for u in built.unknown_ops))
+    if plan.splits_nothing and mesh.num_devices > 1:
+        progress("the plan splits nothing: pricing the cheapest plan that splits the "
+                 "largest op, for the report")
+        plan = dataclasses.replace(plan, split_alternative=split_alternative(built, options))
+    return plan
+
+
+def split_alternative(built: BuiltProblem, options: PlanOptions) -> SplitAlternative:
+    """The cheapest plan found that splits the largest op of ``built.graph``: the same
+    search with that op's replicated-work choices removed (``min_split_flops``), no memory
+    budget. It says, with numbers, why a plan that splits nothing won."""
+    graph = built.graph
+    big = max(graph.ops, key=lambda op: op.flops)
+    alt = build_problem(graph, built.mesh, built.cost,
+                        dataclasses.replace(options.build, min_split_flops=float(big.flops)))
+    whole = max(s.compute_cost for s in built.strategies[big.id])
+    if big.flops <= 0 or all(s.compute_cost >= whole * (1 - 1e-9)
+                             for s in alt.strategies[big.id]):
+        return SplitAlternative(big.name, float(big.flops), big.source, 0.0, 0.0, 0.0, 0,
+                                f"no op of the step can be split on {built.mesh} (the "
+                                f"largest, {big.name}, has no split its sizes divide)")
+    sol = _solve(alt, alt.problem, dataclasses.replace(options, memory_budget=None))
+    br = alt.breakdown(sol.choice)
+    n = len(predicted_collectives(alt, alt.plan(sol.choice), alt.resolved(sol.choice)))
+    return SplitAlternative(big.name, float(big.flops), big.source, br.total, br.compute,
+                            br.communication, n)

@@ -27,6 +27,17 @@ Costs (seconds, priced by the ``CostModel``):
   cost of resharding the output's spec back to the parameter's spec, so a plan cannot leave
   updated weights in a layout the next step does not read (``BuildOptions.carry_outputs``).
 
+* combined scalar reductions: XLA's all-reduce combiner merges all-reduces that do not
+  depend on each other into one (a global gradient norm's per-leaf sums of squares, one
+  per parameter leaf, become one all-reduce of a tuple of scalars). A scalar that may be
+  left a pending sum is therefore charged ``1/K`` of each collective's latency α, where
+  ``K`` is the number of such scalars of its reducer at its *reduction depth* (the most
+  such scalars on a path into it: scalars of equal depth never depend on each other, so
+  XLA can combine all of them; ``combined_reductions``). A plan that leaves ``m`` of the
+  ``K`` pending pays ``m/K`` of the one latency the combined all-reduce costs: never more
+  than XLA runs, at most one α less. Charging every leaf a full α priced clipping by the
+  global norm at one α per parameter leaf and turned a sharded plan replicated.
+
 Memory per node and choice: for parameters, the local bytes times ``1 +
 optimizer_state_multiplier``; 0 elsewhere. ``forced_sharded`` parameters lose their
 replicated choices (the memory constraint of §4.4); ``pinned`` ops keep only the choices
@@ -195,6 +206,8 @@ class BuiltProblem:
         unforceable: ``forced_sharded`` parameters that have no sharded spec (kept).
         seconds: wall time of the build.
         shared: the values whose pending sum is reduced once (see ``SharedValue``).
+        alpha_share: op id -> the part of a collective's α its value's reductions are
+            charged (``combined_reductions``; absent: 1).
     """
 
     graph: HloGraph
@@ -209,6 +222,7 @@ class BuiltProblem:
     unforceable: tuple[int, ...]
     seconds: float
     shared: tuple[SharedValue, ...] = ()
+    alpha_share: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def activation_bytes(self) -> list[np.ndarray]:
@@ -256,10 +270,14 @@ _INDEX = re.compile(r"^\[(\d+)\](.*)$")
 
 
 def local_bytes(shape: Any, spec: Any, mesh: AbstractMesh) -> int:
-    """Bytes per device of a value laid out as ``spec`` (tuples: replicated)."""
+    """Bytes per device of a value laid out as ``spec`` (a tuple value: its elements by a
+    tuple of specs, else replicated)."""
     if isinstance(shape, TensorType) and isinstance(spec, ShardingSpec):
         return shape.nbytes // spec.shard_count(mesh)
-    return sum(t.nbytes for t in flatten_shape(shape))
+    leaves = flatten_shape(shape)
+    if isinstance(spec, tuple) and len(spec) == len(leaves):
+        return sum(local_bytes(t, s, mesh) for t, s in zip(leaves, spec))
+    return sum(t.nbytes for t in leaves)
 
 
 def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
@@ -355,9 +373,43 @@ def _subtree_match(graph: HloGraph, outs: list[tuple[int, str]],
 
 
 # ------------------------------------------------------------------------------ building
+def combined_reductions(graph: HloGraph, strategies: Sequence[Sequence[Strategy]]
+                        ) -> dict[int, float]:
+    """The α share of every scalar that may be a pending reduction and that XLA would
+    reduce together with others (module docstring): ``{op id: 1/K}`` for groups of
+    ``K >= 2`` scalars of one reducer at one reduction depth.
+
+    Example:
+        >>> import jax.numpy as jnp, rhino
+        >>> from rhino.planner.cost_model import CostModel
+        >>> from rhino.planner.mesh import AbstractMesh
+        >>> from rhino.planner.strategies import generate_strategies
+        >>> g = rhino.ingest(lambda a, b: jnp.sqrt(jnp.sum(a * a) + jnp.sum(b * b)),
+        ...                  jnp.ones((8, 4)), jnp.ones((8,)))
+        >>> ss = generate_strategies(g, AbstractMesh((2,)), CostModel.simulated_cpu(1))
+        >>> sorted(combined_reductions(g, ss.strategies).values())
+        [0.5, 0.5]
+    """
+    n = len(graph.ops)
+    kind: list[frozenset | None] = [None] * n
+    for op, strats in zip(graph.ops, strategies):
+        if isinstance(op.shape, TensorType) and op.shape.rank == 0:
+            reds = frozenset(r for s in strats if isinstance(s.out_spec, ShardingSpec)
+                             for _, r in s.out_spec.partial)
+            kind[op.id] = reds or None
+    depth = [0] * n
+    for op in graph.ops:
+        depth[op.id] = max((depth[u] + (kind[u] is not None) for u in op.operands), default=0)
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        if kind[i] is not None:
+            groups.setdefault((depth[i], kind[i]), []).append(i)
+    return {i: 1.0 / len(ids) for ids in groups.values() if len(ids) > 1 for i in ids}
+
+
 def _shared_values(graph: HloGraph, strategies: list[tuple[Strategy, ...]],
-                   carried: Sequence[tuple[int, int]], table: ReshardCostTable
-                   ) -> tuple[SharedValue, ...]:
+                   carried: Sequence[tuple[int, int]], table: ReshardCostTable,
+                   share: Mapping[int, float]) -> tuple[SharedValue, ...]:
     """Values that may be pending sums and are used in more than one place.
 
     Appends the pending twins of their partial strategies to ``strategies`` (in place)
@@ -382,7 +434,7 @@ def _shared_values(graph: HloGraph, strategies: list[tuple[Strategy, ...]],
         partial = [j for j, s in enumerate(strats) if s.out_spec.is_partial]
         if not partial:
             continue
-        red = [table.cost(s.out_spec, s.out_spec.without_partial(), t)
+        red = [table.cost(s.out_spec, s.out_spec.without_partial(), t, share.get(u, 1.0))
                if s.out_spec.is_partial and u not in outs else 0.0 for s in strats]
         pending: tuple[int, ...] = ()
         if u not in outs and any(
@@ -484,7 +536,8 @@ def _divides(spec: object, shape: object, dims: Mapping[int, int], mesh: Abstrac
 
 
 def _finish_outputs(graph: HloGraph, strategies: list[tuple[Strategy, ...]],
-                    carried: Sequence[tuple[int, int]], table: ReshardCostTable) -> None:
+                    carried: Sequence[tuple[int, int]], table: ReshardCostTable,
+                    share: Mapping[int, float]) -> None:
     carried_outs = {o for o, _ in carried}
     for o in dict.fromkeys(graph.outputs):
         if o in carried_outs:
@@ -493,7 +546,8 @@ def _finish_outputs(graph: HloGraph, strategies: list[tuple[Strategy, ...]],
         new = []
         for s in strategies[o]:
             if isinstance(s.out_spec, ShardingSpec) and s.out_spec.is_partial:
-                extra = table.cost(s.out_spec, s.out_spec.without_partial(), t)
+                extra = table.cost(s.out_spec, s.out_spec.without_partial(), t,
+                                   share.get(o, 1.0))
                 s = dataclasses.replace(s, comm_cost=s.comm_cost + extra)
             new.append(s)
         strategies[o] = tuple(new)
@@ -504,16 +558,17 @@ class _EdgeBuilder:
         self.table = table
         self._small: dict[tuple, np.ndarray] = {}
 
-    def matrix(self, src: Sequence, dst: Sequence, tensor) -> np.ndarray:
+    def matrix(self, src: Sequence, dst: Sequence, tensor, share: float = 1.0) -> np.ndarray:
         usrc: dict = {}
         udst: dict = {}
         si = np.fromiter((usrc.setdefault(s, len(usrc)) for s in src), dtype=np.intp)
         di = np.fromiter((udst.setdefault(d, len(udst)) for d in dst), dtype=np.intp)
-        key = (tuple(usrc), tuple(udst), tensor)
+        key = (tuple(usrc), tuple(udst), tensor, share)
         small = self._small.get(key)
         if small is None:
             cost = self.table.cost
-            small = np.array([[cost(a, b, tensor) for b in udst] for a in usrc], dtype=float)
+            small = np.array([[cost(a, b, tensor, share) for b in udst] for a in usrc],
+                             dtype=float)
             self._small[key] = small
         return small[np.ix_(si, di)]
 
@@ -552,9 +607,10 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
                                     f"{graph.ops[p].name}: {graph.ops[p].shape})")
     else:
         carried = carried_pairs(graph)
-    _finish_outputs(graph, strategies, carried, table)
+    share = combined_reductions(graph, strategies)
+    _finish_outputs(graph, strategies, carried, table, share)
 
-    shared = _shared_values(graph, strategies, carried, table)
+    shared = _shared_values(graph, strategies, carried, table, share)
     by_op = {sv.op: sv for sv in shared}
     costs = [np.array([s.cost for s in strats], dtype=float) for strats in strategies]
     for sv in shared:
@@ -570,15 +626,15 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
     def read(u: int, dst: Sequence) -> np.ndarray:
         """reshard cost of ``u``'s value, per (choice of u, spec in ``dst``)."""
         specs = [s.out_spec for s in strategies[u]]
-        sv = by_op.get(u)
+        sv, f = by_op.get(u), share.get(u, 1.0)
         if sv is None:
-            return eb.matrix(specs, dst, graph.ops[u].shape)
+            return eb.matrix(specs, dst, graph.ops[u].shape, f)
         pend = np.array([isinstance(t, ShardingSpec) and t.is_partial for t in dst])
         reduced = [x.without_partial() if isinstance(x, ShardingSpec) and x.is_partial
                    and j not in sv.pending else x for j, x in enumerate(specs)]
-        m = eb.matrix(reduced, dst, graph.ops[u].shape)  # reduced readers: reduced form
+        m = eb.matrix(reduced, dst, graph.ops[u].shape, f)  # reduced readers: reduced form
         if pend.any():  # a reader taking the pending sum reads it as it is
-            m = np.where(pend[None, :], eb.matrix(specs, dst, graph.ops[u].shape), m)
+            m = np.where(pend[None, :], eb.matrix(specs, dst, graph.ops[u].shape, f), m)
         if sv.pending:
             m = m.copy()
             m[np.ix_(list(sv.pending), np.flatnonzero(~pend))] = np.inf
@@ -622,13 +678,13 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
     partition = _partition(graph)
     return BuiltProblem(graph, mesh, cost, options, problem, tuple(strategies), partition,
                         sset.unknown_ops, carried, unforceable, time.perf_counter() - t0,
-                        shared)
+                        shared, types.MappingProxyType(share))
 
 
 def _local_bytes(shape, spec, mesh: AbstractMesh) -> float:
     if isinstance(spec, ShardingSpec) and isinstance(shape, TensorType):
         return shape.nbytes / spec.shard_count(mesh)
-    return float(sum(t.nbytes for t in flatten_shape(shape)))
+    return float(local_bytes(shape, spec, mesh))
 
 
 def _choice_label(s: Strategy, mesh: AbstractMesh) -> str:

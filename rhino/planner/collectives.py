@@ -1,8 +1,9 @@
 """α-β costs of collectives, and the collectives that turn one sharding spec into another.
 
 Cost model (per collective over a group of mesh axes ``G`` with ``n`` = product of their
-sizes on the mesh, and from the ``CostModel``: ``α_G`` = sum of the axes' α, ``β_G`` = the
-slowest axis' β; ``B`` = ``Collective.bytes``)::
+sizes on the mesh, and from the ``CostModel``: ``α_G`` and ``β_G`` = the α and β of the
+slowest axis, as one collective over the group is launched once; ``B`` =
+``Collective.bytes``)::
 
     all-reduce       α_G + 2 (n-1)/n · B · β_G     (ring: reduce-scatter + all-gather)
     all-gather       α_G +   (n-1)/n · B · β_G
@@ -29,14 +30,25 @@ Resharding (``reshard``) works axis by axis on the specs' axis roles (see ``spec
     none                    dim                local slice (free)
     partial                 dim                reduce-scatter (all-reduce + local slice
                                                where ``cost.native_reduce_scatter`` is False)
-    dim d                   dim d' (or stride) all-to-all (a permutation: 1/n stays); when
-                                               several axes move at once, all-gather then
-                                               slice (XLA's fallback does exactly that);
+    dim d                   dim d' (or stride) all-to-all (a permutation: 1/n stays), also
+                                               for a group of axes moving together to one
+                                               dim in their order; when several axes move
+                                               apart, all-gather then slice (XLA's
+                                               fallback does exactly that);
                                                into or out of a strided spec with the cost
                                                model's ``strided_moves_all_to_all`` False,
                                                the same
-    partial                 none / other red.  all-reduce, one per mesh axis (as XLA does)
-    dim                     none               all-gather
+    partial                 none / other red.  all-reduce, one per group of the source's
+                                               ``partial_groups`` and one per other axis
+                                               (as XLA does: a sum one split dimension
+                                               leaves is reduced over its group at once,
+                                               sums different dimensions leave one axis
+                                               at a time)
+    partial (finer groups)  partial (grouped)  the source's reduction, as above: a pending
+                                               sum cannot become one reduced at once
+                                               without being reduced
+    dim                     none               all-gather, one per source dim (a dim
+                                               split over several axes at once)
 
 Steps run in that order of effect on size (slices and reduce-scatters first, gathers last),
 and axes needing the same step are grouped into one collective.
@@ -72,7 +84,7 @@ KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 
 
 def collective_cost(kind: str, axes: Sequence[int], nbytes: float, mesh: AbstractMesh,
-                    cost: CostModel) -> float:
+                    cost: CostModel, alpha_share: float = 1.0) -> float:
     """Seconds of one collective of ``kind`` over the device group spanning ``axes``.
 
     Args:
@@ -81,11 +93,13 @@ def collective_cost(kind: str, axes: Sequence[int], nbytes: float, mesh: Abstrac
         nbytes: ``Collective.bytes`` (see the module docstring).
         mesh: the mesh (group sizes).
         cost: its cost model (α and β per axis).
+        alpha_share: the part of the latency α this collective pays: ``1/K`` for one of
+            ``K`` collectives XLA combines into one (``build.combined_reductions``).
     """
     n = mesh.group_size(axes)
     if n <= 1:
         return 0.0
-    a, b = cost.group_alpha(axes), cost.group_beta(axes)
+    a, b = cost.group_alpha(axes) * alpha_share, cost.group_beta(axes)
     frac = (n - 1) / n
     if kind == ALL_REDUCE:
         return a + 2.0 * frac * nbytes * b
@@ -128,6 +142,7 @@ class Collective:
         bytes: per-device bytes, by the convention of the module docstring.
         reducer: ``sum``/``max``/``min`` for reductions, else None.
         cost: seconds (α-β model).
+        alpha_share: the part of α charged (below 1 where XLA combines it with others).
     """
 
     kind: str
@@ -135,6 +150,7 @@ class Collective:
     bytes: int
     reducer: str | None
     cost: float
+    alpha_share: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +169,7 @@ _FREE = ReshardPlan((), 0.0)
 
 
 def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: TensorType | tuple,
-            mesh: AbstractMesh, cost: CostModel) -> ReshardPlan:
+            mesh: AbstractMesh, cost: CostModel, alpha_share: float = 1.0) -> ReshardPlan:
     """Collectives and cost to turn a tensor laid out as ``src`` into ``dst``.
 
     Args:
@@ -162,6 +178,7 @@ def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: Tensor
         tensor: the tensor's type (a tuple of types for tuple-shaped values).
         mesh: the mesh.
         cost: its cost model.
+        alpha_share: the part of each collective's α charged (``collective_cost``).
 
     Raises:
         InvalidSpecError: a spec does not fit the tensor, or a tuple spec meets an array.
@@ -170,7 +187,7 @@ def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: Tensor
         if not (isinstance(src, tuple) and isinstance(dst, tuple)) or len(src) != len(dst):
             raise InvalidSpecError(f"reshard: expected two tuple specs of one length for a "
                                    f"tuple value, found {src!r} -> {dst!r}")
-        plans = [reshard(s, d, t, mesh, cost) for s, d, t in zip(src, dst, tensor)]
+        plans = [reshard(s, d, t, mesh, cost, alpha_share) for s, d, t in zip(src, dst, tensor)]
         colls = tuple(c for p in plans for c in p.collectives)
         return ReshardPlan(colls, sum(p.cost for p in plans)) if colls else _FREE
     if src == dst:
@@ -179,7 +196,14 @@ def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: Tensor
     for spec in (src, dst):
         spec.check(shape, mesh)
     return _plan(src.axis_roles(shape, mesh), dst.axis_roles(shape, mesh), tensor, mesh,
-                 cost, _gather_moves(src, dst, cost))
+                 cost, _gather_moves(src, dst, cost), _groups(src, dst), alpha_share)
+
+
+def _groups(src: ShardingSpec, dst: ShardingSpec) -> tuple | None:
+    """The reduction groups ``_plan`` needs: None when neither spec has any."""
+    if not (src.partial_groups or dst.partial_groups):
+        return None
+    return src, dst.partial_groups
 
 
 def _strided(spec: ShardingSpec) -> bool:
@@ -191,9 +215,18 @@ def _gather_moves(src: ShardingSpec, dst: ShardingSpec, cost: CostModel) -> bool
 
 
 def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh, cost: CostModel,
-          gather_moves: bool = False) -> ReshardPlan:
-    """``reshard`` on axis roles (see the module docstring for the steps)."""
-    if rs == rd:
+          gather_moves: bool = False, groups: tuple | None = None,
+          alpha_share: float = 1.0) -> ReshardPlan:
+    """``reshard`` on axis roles (see the module docstring for the steps); ``groups``:
+    None, or the source spec and the target's ``partial_groups`` (``_groups``)."""
+    regroup: set[int] = set()
+    if groups is not None:
+        src, dst_groups = groups
+        for g in dst_groups:   # pending on both sides, reduced together only on the target
+            if all(rs[a] == rd[a] for a in g) and not any(
+                    set(g) <= set(h) for h in src.partial_groups):
+                regroup.update(g)
+    if rs == rd and not regroup:
         return _FREE
     total = tensor.nbytes
     split = [r is not None and r[0] == "dim" and mesh.shape[a] > 1 for a, r in enumerate(rs)]
@@ -204,6 +237,9 @@ def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh, cost: Co
     slices, scatters, a2a, reduces, gathers = [], {}, [], {}, []
     for a in range(mesh.ndim):
         s, d = rs[a], rd[a]
+        if a in regroup and mesh.shape[a] > 1:
+            reduces.setdefault(s[1], []).append(a)     # reduce, then re-pend for free
+            continue
         if s == d or mesh.shape[a] == 1:
             continue
         s_kind = None if s is None else s[0]
@@ -228,33 +264,58 @@ def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh, cost: Co
         # Platforms without a reduce-scatter pass (XLA:CPU) all-reduce and slice locally.
         kind = REDUCE_SCATTER if cost.native_reduce_scatter else ALL_REDUCE
         out.append(Collective(kind, tuple(axes), b, red,
-                              collective_cost(kind, axes, b, mesh, cost)))
+                              collective_cost(kind, axes, b, mesh, cost, alpha_share),
+                              alpha_share))
         for a in axes:
             split[a] = True
-    if len(a2a) == 1 and not gather_moves:
+    if a2a and not gather_moves and _moves_as_one(a2a, rs, rd):
         b = local()
         out.append(Collective(ALL_TO_ALL, tuple(a2a), b, None,
-                              collective_cost(ALL_TO_ALL, a2a, b, mesh, cost)))
+                              collective_cost(ALL_TO_ALL, a2a, b, mesh, cost, alpha_share),
+                              alpha_share))
     elif a2a:
-        # XLA's partitioner moves one mesh axis between dims with an all-to-all; moving
-        # several at once it "fully rematerializes": gathers the tensor, then slices.
+        # XLA's partitioner moves one mesh axis, or a group of axes together, between
+        # dims with an all-to-all; moving several apart it "fully rematerializes": gathers
+        # the tensor, then slices.
         gathers = sorted(set(gathers) | set(a2a))
     for red, axes in sorted(reduces.items()):
-        # XLA's partitioner reduces a sum pending over several mesh axes one axis at a
-        # time (one all-reduce per axis), so that is what is charged.
+        # XLA's partitioner reduces a sum that one split dimension left over several axes
+        # with one all-reduce over the group, and sums left by different dimensions one
+        # axis at a time: the source's partial_groups say which.
         b = local()
+        parts = ([(a,) for a in axes] if groups is None
+                 else groups[0].reduction_groups(axes))
+        for g in parts:
+            out.append(Collective(ALL_REDUCE, g, b, red,
+                                  collective_cost(ALL_REDUCE, g, b, mesh, cost, alpha_share),
+                                  alpha_share))
+    # One all-gather per source dim (XLA gathers a dim split over several axes at once,
+    # and two split dims one after the other, the minor one first).
+    by_dim: dict[int, list[int]] = {}
+    for a in gathers:
+        by_dim.setdefault(rs[a][1], []).append(a)
+    for d in sorted(by_dim, reverse=True):
+        axes = by_dim[d]
         for a in axes:
-            out.append(Collective(ALL_REDUCE, (a,), b, red,
-                                  collective_cost(ALL_REDUCE, (a,), b, mesh, cost)))
-    if gathers:
-        for a in gathers:
             split[a] = False
         b = local()
-        out.append(Collective(ALL_GATHER, tuple(gathers), b, None,
-                              collective_cost(ALL_GATHER, gathers, b, mesh, cost)))
+        out.append(Collective(ALL_GATHER, tuple(axes), b, None,
+                              collective_cost(ALL_GATHER, axes, b, mesh, cost, alpha_share),
+                              alpha_share))
     if not out:
         return _FREE
     return ReshardPlan(tuple(out), float(sum(c.cost for c in out)))
+
+
+def _moves_as_one(axes: Sequence[int], rs: tuple, rd: tuple) -> bool:
+    """Whether ``axes`` move from one dim to one other dim, in the same order (major
+    first): one all-to-all over the group (checked on jax 0.10.2: ``S[x,y]`` from dim 2
+    to dim 1 of a (2, 4) mesh compiles to one all-to-all over the 8 devices)."""
+    if len(axes) == 1:
+        return True
+    if len({rs[a][1] for a in axes}) != 1 or len({rd[a][1] for a in axes}) != 1:
+        return False
+    return sorted(axes, key=lambda a: -rs[a][2]) == sorted(axes, key=lambda a: -rd[a][2])
 
 
 class ReshardCostTable:
@@ -284,18 +345,20 @@ class ReshardCostTable:
             self._roles[key] = got
         return got
 
-    def cost(self, src, dst, tensor) -> float:
+    def cost(self, src, dst, tensor, alpha_share: float = 1.0) -> float:
+        """``reshard(src, dst, tensor, mesh, cost, alpha_share).cost``, memoised."""
         if src is dst or src == dst:
             return 0.0
-        key = (src, dst, tensor)
+        key = (src, dst, tensor, alpha_share)
         got = self._memo.get(key)
         if got is None:
             if isinstance(src, tuple) or isinstance(dst, tuple):
-                got = reshard(src, dst, tensor, self.mesh, self.cost_model).cost
+                got = reshard(src, dst, tensor, self.mesh, self.cost_model, alpha_share).cost
             else:
                 got = _plan(self._roles_of(src, tensor), self._roles_of(dst, tensor), tensor,
                             self.mesh, self.cost_model,
-                            _gather_moves(src, dst, self.cost_model)).cost
+                            _gather_moves(src, dst, self.cost_model), _groups(src, dst),
+                            alpha_share).cost
             self._memo[key] = got
         return got
 

@@ -5,7 +5,8 @@ A ``CostModel`` holds what the hardware costs, per axis of one logical mesh
 
 * ``alpha``, ``beta``: latency (s per collective) and inverse bandwidth (s per byte) of a
   collective over each mesh axis (``rhino.planner.collectives``: a group of axes pays the
-  sum of their α and the slowest β);
+  α and the β of its slowest axis, so a collective over every axis of a (2, 4) mesh costs
+  what it costs over the one axis of an (8) mesh of the same devices);
 * ``flops_per_s``: FLOP/s of one device for float32 work and for any dtype without its own
   rate; ``dtype_flops_per_s``: the rates of other dtypes (``bf16``, ``f16``, ...). An op's
   compute costs ``op.flops / (rate of its dtype × devices sharing it)``, its dtype read from
@@ -219,8 +220,14 @@ class CostModel:
         return self.flops_per_s
 
     def group_alpha(self, axes: Sequence[int]) -> float:
-        """Latency of one collective over ``axes``: the sum of the axes' α."""
-        return float(sum(self.alpha[a] for a in axes))
+        """Latency of one collective over ``axes``: the largest of the axes' α.
+
+        One collective over a group of devices is launched and synchronised once; its
+        latency is that of its slowest link, as its bandwidth is (``group_beta``). (A sum
+        would price the same 8 devices' all-reduce higher when they are viewed as a (2, 4)
+        mesh than as an (8) one, and so every 2-D plan that uses both axes together.)
+        """
+        return float(max((self.alpha[a] for a in axes), default=0.0))
 
     def group_beta(self, axes: Sequence[int]) -> float:
         """Seconds per byte of a collective over ``axes``: the slowest axis' β."""

@@ -2,11 +2,15 @@
 
 Pipeline of ``solve_o2``::
 
+    problem ──(0) small core with an integral LP relaxation? its optimum──► Solution
     problem ──(1) exact reductions, pivots kept──► core (cones folded into their roots)
     core ──(2) segment tables: reductions, elimination, conditioning ──(3) chain DP──► A
     core ──TRW message passing (skip edges)──► B
     A, B ──skip-edge passes + ICM──► the better one ──block, window moves + ICM──► core choice
     core choice ──back-substitution + ICM──► Solution
+
+Step 0 (small problems): O3's LP relaxation within a budget of simplex iterations, kept
+where integral, which proves it optimal (``solvers.solve_small_ilp`` says when and why).
 
 Level 1 (cones). The paper fixes each cone root's choice and picks its members by DP over the
 cone (a forest once the root is fixed), ignoring the members' edges that leave the cone. We
@@ -93,7 +97,7 @@ from rhino.planner.blocks import improve_blocks
 from rhino.planner.problem import Edge, ShardingProblem, Solution
 from rhino.planner.solvers import (
     InfeasibleProblemError, PairwiseGraph, back_substitute, improve_local, reduce_exact,
-    reduce_graph, solve_ilp, solve_trw)
+    reduce_graph, solve_ilp, solve_small_ilp, solve_trw)
 from rhino.planner.windows import improve_windows
 
 __all__ = ["Partition", "solve_o2", "solve_o3"]
@@ -105,6 +109,8 @@ _HARD_DECODE_WORK = 1e7       # budget of a decode in a segment whose table exce
 _ELIM_MAX_FACTOR = 1 << 22    # entries (float64) of the largest factor elimination builds
 _ICM_SWEEPS = 20              # sweeps of the batched ICM of an approximate table
 _MAX_PASSES = 4               # skip-edge passes after the first chain DP
+_SMALL_ILP_ENTRIES = 60_000   # step 0: core pair entries the ILP is handed (module doc)
+_SMALL_ILP_ITERATIONS = (1000, 0.3)   # its budget: simplex iterations, a + b per entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -749,8 +755,8 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
             layered training step they cost about as much again as the rest of O2.
 
     Returns:
-        A ``Solution`` with status ``"heuristic"`` and ``objective ==
-        problem.objective(choice)``.
+        A ``Solution`` with ``objective == problem.objective(choice)``: status
+        ``"optimal"`` from step 0, else ``"heuristic"``.
 
     Raises:
         ValueError: malformed partition.
@@ -759,6 +765,11 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
     t0 = time.perf_counter()
     deadline = t0 + time_limit
     partition.check(problem)
+    a, b = _SMALL_ILP_ITERATIONS
+    small = solve_small_ilp(problem, max_entries=_SMALL_ILP_ENTRIES, mip_rel_gap=mip_rel_gap,
+                            time_limit=time_limit / 4, iterations=lambda n: a + b * n)
+    if small is not None:
+        return dataclasses.replace(small, seconds=time.perf_counter() - t0)
     red = reduce_exact(problem, protected=partition.pivots)
     core = red.core
     k = len(partition.pivots)

@@ -92,6 +92,25 @@ class ShardingProblem:
         total += sum(float(e.cost[choice[e.u], choice[e.v]]) for e in self.edges)
         return total
 
+    def restricted(self, keep: Sequence[Sequence[int]]) -> "ShardingProblem":
+        """The problem with node ``i`` limited to its choices ``keep[i]`` (in that order):
+        choice ``c`` of the result is choice ``keep[i][c]`` here.
+
+        Example:
+            >>> p = ShardingProblem(("a",), (("R", "S", "T"),), (np.array([3.0, 1.0, 2.0]),), ())
+            >>> p.restricted([[2, 0]]).costs[0].tolist()
+            [2.0, 3.0]
+        """
+        if len(keep) != self.num_nodes or any(len(k) == 0 for k in keep):
+            raise ValueError(f"restricted: expected a non-empty list of choices for each of "
+                             f"the {self.num_nodes} nodes, found {len(keep)} lists")
+        idx = [np.asarray(k, dtype=np.intp) for k in keep]
+        return ShardingProblem(
+            self.names, tuple(tuple(lab[j] for j in k) for lab, k in zip(self.labels, idx)),
+            tuple(c[k] for c, k in zip(self.costs, idx)),
+            tuple(Edge(e.u, e.v, e.cost[np.ix_(idx[e.u], idx[e.v])]) for e in self.edges),
+            None if self.memory is None else tuple(m[k] for m, k in zip(self.memory, idx)))
+
     def neighbors(self) -> list[list[int]]:
         """Undirected adjacency lists (edge indices per node)."""
         adj: list[list[int]] = [[] for _ in range(self.num_nodes)]

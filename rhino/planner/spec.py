@@ -9,7 +9,14 @@ A ``ShardingSpec`` says how one tensor is laid out on an ``AbstractMesh``:
   first axis most significant). ``stride=None`` means the maximum ``D / n``: plain blocked
   sharding. A smaller stride deals chunks of ``stride`` elements round-robin to the shards;
 * ``partial``: mesh axes over which the value is a pending reduction (each device holds a
-  term of a ``"sum"``, or a candidate of a ``"max"``/``"min"``).
+  term of a ``"sum"``, or a candidate of a ``"max"``/``"min"``);
+* ``partial_groups``: which pending axes one collective reduces together. XLA reduces a
+  sum left by one split dimension (a dot contracting a dimension split over ``x`` and
+  ``y``) with one all-reduce over the group, but sums left by different dimensions (a
+  reduction over a dimension split on ``x`` and another split on ``y``) one axis at a
+  time. A group is written ``P(sum@x+y)``; axes in no group (``P(sum@x,sum@y)``) are
+  reduced one at a time. Grouping says how the reduction runs, not where data lies: the
+  axis roles below ignore it (``collectives.reshard`` reads it).
 
 Every mesh axis is used at most once per spec. Replicated = no axes, no partial.
 
@@ -103,13 +110,18 @@ class ShardingSpec:
         dims: one ``DimSharding`` per tensor dimension.
         partial: ``(axis, reducer)`` pairs, sorted by axis: the value is a pending
             ``reducer`` ("sum", "max", "min") over those mesh axes.
+        partial_groups: sorted tuples of two or more pending axes of one reducer that one
+            collective reduces together (module docstring); other pending axes are
+            reduced one at a time.
 
     Raises:
-        InvalidSpecError: a mesh axis used twice, or an unknown reducer.
+        InvalidSpecError: a mesh axis used twice, an unknown reducer, or a group that is
+            not two or more pending axes of one reducer, disjoint from the other groups.
     """
 
     dims: tuple[DimSharding, ...]
     partial: tuple[tuple[int, str], ...] = ()
+    partial_groups: tuple[tuple[int, ...], ...] = ()
     _key: tuple = dataclasses.field(init=False, repr=False, compare=False)
     _hash: int = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -129,18 +141,22 @@ class ShardingSpec:
                                        f"found {r!r}")
         if any(a < 0 for a in used):
             raise InvalidSpecError(f"spec {self}: expected axis indices >= 0, found {used}")
-        key = (tuple((d.axes, d.stride) for d in dims), partial)
+        groups = _check_groups(self, self.partial_groups, dict(partial))
+        object.__setattr__(self, "partial_groups", groups)
+        key = (tuple((d.axes, d.stride) for d in dims), partial, groups)
         object.__setattr__(self, "_key", key)
         object.__setattr__(self, "_hash", hash(key))
 
     @classmethod
     def unchecked(cls, dims: tuple[DimSharding, ...],
-                 partial: tuple[tuple[int, str], ...] = ()) -> "ShardingSpec":
+                 partial: tuple[tuple[int, str], ...] = (),
+                 partial_groups: tuple[tuple[int, ...], ...] = ()) -> "ShardingSpec":
         """Construct without validation (callers guarantee canonical, valid fields)."""
         obj = object.__new__(cls)
-        key = (tuple((d.axes, d.stride) for d in dims), partial)
+        key = (tuple((d.axes, d.stride) for d in dims), partial, partial_groups)
         object.__setattr__(obj, "dims", dims)
         object.__setattr__(obj, "partial", partial)
+        object.__setattr__(obj, "partial_groups", partial_groups)
         object.__setattr__(obj, "_key", key)
         object.__setattr__(obj, "_hash", hash(key))
         return obj
@@ -163,8 +179,10 @@ class ShardingSpec:
     @classmethod
     def sharded(cls, rank: int, splits: dict[int, Sequence[int] | int],
                 strides: dict[int, int] | None = None,
-                partial: Sequence[tuple[int, str]] = ()) -> "ShardingSpec":
-        """Build a spec from ``{dim: axes}`` (an int = one axis) and optional strides.
+                partial: Sequence[tuple[int, str]] = (),
+                partial_groups: Sequence[Sequence[int]] = ()) -> "ShardingSpec":
+        """Build a spec from ``{dim: axes}`` (an int = one axis), optional strides, and
+        pending reductions (``partial_groups``: axes reduced together).
 
         Example:
             >>> str(ShardingSpec.sharded(2, {1: 0}, partial=[(1, "sum")]))
@@ -179,7 +197,7 @@ class ShardingSpec:
         for d in splits:
             if not 0 <= d < rank:
                 raise InvalidSpecError(f"sharded(): expected dims in 0..{rank - 1}, found {d}")
-        return cls(tuple(dims), tuple(partial))
+        return cls(tuple(dims), tuple(partial), tuple(tuple(g) for g in partial_groups))
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -208,6 +226,21 @@ class ShardingSpec:
     def without_partial(self) -> "ShardingSpec":
         """The same spec with the pending reductions done."""
         return ShardingSpec(self.dims) if self.partial else self
+
+    def reduction_groups(self, axes: Sequence[int]) -> list[tuple[int, ...]]:
+        """The collectives that reduce the pending ``axes`` (a subset of the partial
+        ones): a group wholly among them is one collective, every other axis its own.
+
+        Example:
+            >>> s = ShardingSpec.parse("R·P(sum@x+y,sum@z)")
+            >>> s.reduction_groups((0, 1, 2)), s.reduction_groups((1, 2))
+            ([(0, 1), (2,)], [(1,), (2,)])
+        """
+        want = set(axes)
+        out = [g for g in self.partial_groups if want.issuperset(g)]
+        done = {a for g in out for a in g}
+        out += [(a,) for a in sorted(want - done)]
+        return sorted(out)
 
     def dim_shards(self, dim: int, mesh: AbstractMesh) -> int:
         """Number of shards of dimension ``dim``."""
@@ -262,7 +295,7 @@ class ShardingSpec:
                 changed = True
             else:
                 dims.append(d)
-        return ShardingSpec(tuple(dims), self.partial) if changed else self
+        return ShardingSpec(tuple(dims), self.partial, self.partial_groups) if changed else self
 
     # -- per-axis view ----------------------------------------------------------------------
     def axis_roles(self, global_shape: Sequence[int],
@@ -283,11 +316,13 @@ class ShardingSpec:
 
     @classmethod
     def from_axis_roles(cls, roles: Sequence[AxisRole], global_shape: Sequence[int],
-                        mesh: AbstractMesh) -> "ShardingSpec | None":
+                        mesh: AbstractMesh, partial_groups: Sequence[Sequence[int]] = ()
+                        ) -> "ShardingSpec | None":
         """The spec with these axis roles, or None if no single-stride spec has them.
 
         Axes on one dimension must nest: ordered by decreasing axis stride, each stride is
         the next one times the next axis' size. The result is normalized (blocked = None).
+        ``partial_groups`` (those whose axes all keep one pending reducer) are kept.
         """
         per_dim: dict[int, list[tuple[int, int]]] = {}
         partial = []
@@ -311,7 +346,10 @@ class ShardingSpec:
             if size % (n * base):
                 return None
             dims[d] = DimSharding(axes, None if base * n == size else base)
-        return cls(tuple(dims), tuple(partial))
+        red = dict(partial)
+        groups = tuple(tuple(g) for g in partial_groups
+                       if all(a in red for a in g) and len({red[a] for a in g}) == 1)
+        return cls(tuple(dims), tuple(partial), groups)
 
     # -- text and JSON ----------------------------------------------------------------------
     def to_str(self, mesh: AbstractMesh | None = None) -> str:
@@ -322,7 +360,12 @@ class ShardingSpec:
             default_axis_names(need))
         parts = [d.to_str(names) for d in self.dims] or ["()"]
         if self.partial:
-            parts.append("P(" + ",".join(f"{r}@{names[a]}" for a, r in self.partial) + ")")
+            red = dict(self.partial)
+            items = [(g[0], f"{red[g[0]]}@" + "+".join(names[a] for a in g))
+                     for g in self.partial_groups]
+            grouped = {a for g in self.partial_groups for a in g}
+            items += [(a, f"{r}@{names[a]}") for a, r in self.partial if a not in grouped]
+            parts.append("P(" + ",".join(x for _, x in sorted(items)) + ")")
         if not self.dims and self.partial:
             parts = parts[1:]
         return "·".join(parts)
@@ -330,7 +373,7 @@ class ShardingSpec:
     def __str__(self) -> str:
         try:
             return self.to_str()
-        except (AttributeError, IndexError):  # during __post_init__ error reporting
+        except (AttributeError, IndexError, KeyError):  # during __post_init__ error reporting
             return repr((self.dims, self.partial))
 
     def __repr__(self) -> str:
@@ -345,6 +388,7 @@ class ShardingSpec:
             return cls(())
         dims: list[DimSharding] = []
         partial: list[tuple[int, str]] = []
+        groups: list[tuple[int, ...]] = []
 
         def axis(name: str) -> int:
             if name not in names:
@@ -360,30 +404,39 @@ class ShardingSpec:
             elif m := re.fullmatch(r"S\[([\w,]+?)(?:/s(\d+))?\]", tok):
                 axes = tuple(axis(x) for x in m.group(1).split(","))
                 dims.append(DimSharding(axes, int(m.group(2)) if m.group(2) else None))
-            elif m := re.fullmatch(r"P\(([\w@,]+)\)", tok):
+            elif m := re.fullmatch(r"P\(([\w@,+]+)\)", tok):
                 for item in m.group(1).split(","):
                     r, _, a = item.partition("@")
-                    partial.append((axis(a), r))
+                    axes = [axis(x) for x in a.split("+")]
+                    partial.extend((x, r) for x in axes)
+                    if len(axes) > 1:
+                        groups.append(tuple(sorted(axes)))
             else:
                 raise InvalidSpecError(f"spec {text!r}: expected R, S[axes], S[axes/sN] or "
-                                       f"P(reducer@axis), found {tok!r}")
+                                       f"P(reducer@axis[+axis...]), found {tok!r}")
         try:
-            return cls(tuple(dims), tuple(partial))
+            return cls(tuple(dims), tuple(partial), tuple(groups))
         except InvalidSpecError as e:
             raise InvalidSpecError(f"spec {text!r}: " + str(e).split(": ", 1)[-1]) from None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dims": [{"axes": list(d.axes), "stride": d.stride} for d in self.dims],
-                "partial": [[a, r] for a, r in self.partial]}
+        out: dict[str, Any] = {
+            "dims": [{"axes": list(d.axes), "stride": d.stride} for d in self.dims],
+            "partial": [[a, r] for a, r in self.partial]}
+        if self.partial_groups:
+            out["partial_groups"] = [list(g) for g in self.partial_groups]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ShardingSpec":
         try:
             return cls(tuple(DimSharding(tuple(x["axes"]), x.get("stride")) for x in d["dims"]),
-                       tuple((int(a), str(r)) for a, r in d.get("partial", ())))
+                       tuple((int(a), str(r)) for a, r in d.get("partial", ())),
+                       tuple(tuple(int(a) for a in g) for g in d.get("partial_groups", ())))
         except (KeyError, TypeError) as e:
             raise InvalidSpecError(f"spec JSON: expected {{'dims': [{{'axes': [...], "
-                                   f"'stride': ...}}], 'partial': [[axis, reducer]]}}, found "
+                                   f"'stride': ...}}], 'partial': [[axis, reducer]], "
+                                   f"'partial_groups' (optional): [[axis, ...]]}}, found "
                                    f"{d!r} ({e})") from None
 
     def to_json(self) -> str:
@@ -392,6 +445,27 @@ class ShardingSpec:
     @classmethod
     def from_json(cls, text: str) -> "ShardingSpec":
         return cls.from_dict(json.loads(text))
+
+
+def _check_groups(spec: ShardingSpec, groups: Any, reducer: dict[int, str]
+                  ) -> tuple[tuple[int, ...], ...]:
+    """``groups`` in normal form (sorted, of two or more axes), checked against the
+    pending axes ``reducer`` (axis -> reducer)."""
+    out = []
+    seen: set[int] = set()
+    for g in groups:
+        axes = tuple(sorted(int(a) for a in g))
+        if len(axes) < 2:
+            continue
+        if (any(a not in reducer for a in axes) or len({reducer[a] for a in axes}) != 1
+                or seen.intersection(axes) or len(set(axes)) != len(axes)):
+            raise InvalidSpecError(f"spec {spec}: expected each partial group to be two or "
+                                   f"more pending axes of one reducer, in no other group; "
+                                   f"found group {axes} with pending axes "
+                                   f"{sorted(reducer.items())}")
+        seen.update(axes)
+        out.append(axes)
+    return tuple(sorted(out))
 
 
 def inner_sizes(shape: Sequence[int]) -> list[int]:
@@ -443,4 +517,4 @@ def map_reshape(spec: ShardingSpec, in_shape: Sequence[int], out_shape: Sequence
         if hit is None:
             return None
         roles.append(("dim", hit[0], hit[1]))
-    return ShardingSpec.from_axis_roles(roles, out_shape, mesh)
+    return ShardingSpec.from_axis_roles(roles, out_shape, mesh, spec.partial_groups)

@@ -79,6 +79,8 @@ class PlannedCollective:
         tensor: the op whose value is communicated; consumer: the op that needs it, or
             ``"<output>"`` / ``"<carry to PARAM>"``.
         source: ``file:line`` of the producing op.
+        alpha_share: the part of the latency α charged: ``1/K`` for one of ``K`` scalar
+            reductions XLA combines into one all-reduce (``build.combined_reductions``).
     """
 
     kind: str
@@ -88,6 +90,7 @@ class PlannedCollective:
     tensor: str
     consumer: str
     source: str | None
+    alpha_share: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +135,28 @@ class UnplannedOp:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitAlternative:
+    """Why a plan that splits nothing won: the cheapest plan found that splits the step's
+    largest op (its replicated choices removed), priced by the same cost model.
+
+    Attributes:
+        op: the largest op's name; flops: its FLOPs; source: its ``file:line``.
+        step_s, compute_s, communication_s: that plan's estimates.
+        collectives: how many collectives it needs.
+        note: why there is no such plan (e.g. no op can be split), else "".
+    """
+
+    op: str
+    flops: float
+    source: str | None
+    step_s: float
+    compute_s: float
+    communication_s: float
+    collectives: int
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class SpmdPlan:
     """An SPMD plan for one program on one mesh (see the module docstring).
 
@@ -142,6 +167,8 @@ class SpmdPlan:
         collectives: those the plan implies; memory: per-device bytes.
         memory_budget: the budget planned for; compute_s, communication_s: estimates.
         search: how it was found; unplanned: ops kept replicated for lack of a rule.
+        split_alternative: where the plan splits nothing on a mesh of several devices,
+            the cheapest plan that splits the largest op, for the report's "why".
     """
 
     program: str
@@ -157,6 +184,13 @@ class SpmdPlan:
     communication_s: float
     search: SearchStats
     unplanned: tuple[UnplannedOp, ...]
+    split_alternative: SplitAlternative | None = None
+
+    @property
+    def splits_nothing(self) -> bool:
+        """Whether every device runs the whole step: no value split, no collective."""
+        return not self.collectives and all(
+            o.out_spec is None or o.out_spec.is_replicated for o in self.ops)
 
     @property
     def step_time_s(self) -> float:
@@ -180,6 +214,21 @@ class SpmdPlan:
             nbytes[c.kind] += c.bytes
         return {k: (count[k], nbytes[k]) for k in sorted(count)}
 
+    def why_whole(self) -> str:
+        """Why every device runs the whole step (for a plan that ``splits_nothing``)."""
+        a, ms = self.split_alternative, 1e3
+        head = (f"every one of the {self.mesh.num_devices} devices runs the whole step "
+                f"({ms * self.compute_s:.3f} ms of compute each)")
+        if a is None:
+            return head
+        if a.note:
+            return f"{head}: {a.note}"
+        return (f"{head}: the cheapest plan found that splits its largest op ({a.op}, "
+                f"{a.flops:.3g} FLOP{', ' + a.source if a.source else ''}) is estimated at "
+                f"{ms * a.step_s:.3f} ms: compute falls to {ms * a.compute_s:.3f} ms but its "
+                f"{a.collectives} collectives cost {ms * a.communication_s:.3f} ms. A larger "
+                f"batch (more work per collective) or slower devices favour splitting")
+
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:
         def spec(s):
@@ -195,6 +244,8 @@ class SpmdPlan:
             "compute_s": self.compute_s, "communication_s": self.communication_s,
             "search": dataclasses.asdict(self.search),
             "unplanned": [dataclasses.asdict(u) for u in self.unplanned],
+            "split_alternative": (None if self.split_alternative is None
+                                  else dataclasses.asdict(self.split_alternative)),
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -228,7 +279,9 @@ class SpmdPlan:
             memory=MemoryEstimate(**d["memory"]), memory_budget=d["memory_budget"],
             compute_s=d["compute_s"], communication_s=d["communication_s"],
             search=SearchStats(**dict(d["search"], status=SolverStatus(d["search"]["status"]))),
-            unplanned=tuple(UnplannedOp(**u) for u in d["unplanned"]))
+            unplanned=tuple(UnplannedOp(**u) for u in d["unplanned"]),
+            split_alternative=(None if d.get("split_alternative") is None
+                               else SplitAlternative(**d["split_alternative"])))
 
     @classmethod
     def from_json(cls, text: str) -> "SpmdPlan":
@@ -262,6 +315,8 @@ class SpmdPlan:
             f"  memory / device   parameters {_bytes(self.memory.parameters)}, peak "
             f"{_bytes(self.memory.peak)} (estimated)" + self._budget_text(),
         ]
+        if self.splits_nothing and m.num_devices > 1:
+            lines.append("  splits nothing    " + self.why_whole())
         summary = self.collective_summary()
         lines.append("  collectives       " + (", ".join(
             f"{k} ×{c} ({_bytes(b)})" for k, (c, b) in summary.items()) or "none")
@@ -271,6 +326,8 @@ class SpmdPlan:
         for c in big:
             lines.append(f"    {c.kind:<15} over {','.join(c.axes):<5} {_bytes(c.bytes):>12}  "
                          f"{1e3 * c.seconds:8.3f} ms  {c.tensor} -> {c.consumer}"
+                         + (f" (combined with {round(1 / c.alpha_share) - 1} others)"
+                            if c.alpha_share < 1 else "")
                          + (f"  [{c.source}]" if c.source else ""))
         if len(self.collectives) > len(big):
             lines.append(f"    ... {len(self.collectives) - len(big)} more ({MORE_HINT})")

@@ -17,8 +17,11 @@ changes. Only those ``(shard count, stride)`` pairs are offered as extra candida
 only on those dims; reshapes themselves map specs exactly (``spec.map_reshape``), so the
 fused-QKV head-parallel plan needs no resharding at the reshape.
 
-Ops without a rule (tuple-shaped ops, get-tuple-element, while, conditional, custom-call,
-unknown opcodes) get the single replicated strategy and are listed in ``unknown_ops``.
+Custom calls with a sharding rule (declared, or built in for cuDNN attention) are split
+by it (``custom_calls``), and the ``get-tuple-element`` ops reading their results mirror
+them. Ops without a rule (other tuple-shaped ops and their elements, while, conditional,
+custom calls without a rule, unknown opcodes) get the single replicated strategy and are
+listed in ``unknown_ops`` with their source line.
 
 Example:
     >>> import jax.numpy as jnp, rhino
@@ -38,6 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 from rhino.hlo_passes.graph import HloGraph, Op, TensorType, flatten_shape
 from rhino.planner.cost_model import CostModel, compute_dtype
+from rhino.planner.custom_calls import custom_loops, enumerate_custom, is_custom_tuple
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import (DimSharding, ShardingSpec, inner_sizes, map_linear_axis,
                                 map_reshape)
@@ -84,7 +88,7 @@ class StrategyOptions:
     Attributes:
         strided: offer strided candidates found through reshapes (§4.3.3).
         partial_passthrough: let linear ops take and produce pending sums.
-        max_strides_per_dim: cap on the extra (shard count, stride) pairs per tensor dim.
+        max_strides_per_dim: cap on the extra strides per tensor dim and shard count.
         hint_sweeps: cap on the propagation sweeps of ``stride_hints``.
     """
 
@@ -146,7 +150,9 @@ def _add_hint(hints: dict, graph: HloGraph, i: int, d: int, n: int, s: int, cap:
     if size % (n * s) or n * s == size:
         return False
     h = hints.setdefault(i, {}).setdefault(d, set())
-    if (n, s) in h or len(h) >= cap:
+    # The cap is per shard count, so that a 2-D mesh keeps every stride its one-axis
+    # mesh of the same devices has (planner/fold.py).
+    if (n, s) in h or sum(nn == n for nn, _ in h) >= cap:
         return False
     h.add((n, s))
     return True
@@ -327,13 +333,18 @@ def assignments(loops: Sequence[Loop], mesh: AbstractMesh,
 
 
 def spec_of(rank: int, which: int, loops: Sequence[Loop], assignment: Assignment,
-            intern: dict | None = None) -> ShardingSpec:
+            intern: dict | None = None, group_passthrough: bool = True) -> ShardingSpec:
     """The spec of the output (``which=-1``) or operand ``which`` under an assignment.
 
-    ``intern`` (optional) maps a spec's key to one shared instance.
+    ``intern`` (optional) maps a spec's key to one shared instance. A pending sum one loop
+    leaves over several axes is reduced by one collective (``ShardingSpec.partial_groups``);
+    a pass-through loop (size None: a linear op handing a pending sum on) keeps whatever
+    grouping its operand has, so it is enumerated both grouped and, with
+    ``group_passthrough=False``, apart.
     """
     dims = [_REPL] * rank
     partial = []
+    groups = []
     for li, (axes, stride) in assignment.items():
         loop = loops[li]
         role = loop.out if which < 0 else loop.ins[which]
@@ -341,19 +352,32 @@ def spec_of(rank: int, which: int, loops: Sequence[Loop], assignment: Assignment
             continue
         if isinstance(role, str):
             partial.extend((a, role) for a in axes)
+            if len(axes) > 1 and (group_passthrough or loop.size is not None):
+                groups.append(tuple(sorted(axes)))
         else:
             dims[role] = (axes, stride)
     partial.sort()
-    key = (tuple(d if isinstance(d, tuple) else ((), None) for d in dims), tuple(partial))
+    groups.sort()
+    key = (tuple(d if isinstance(d, tuple) else ((), None) for d in dims), tuple(partial),
+           tuple(groups))
     if intern is not None:
         got = intern.get(key)
         if got is not None:
             return got
     spec = ShardingSpec.unchecked(
-        tuple(DimSharding(*d) if isinstance(d, tuple) else d for d in dims), tuple(partial))
+        tuple(DimSharding(*d) if isinstance(d, tuple) else d for d in dims), tuple(partial),
+        tuple(groups))
     if intern is not None:
         intern[key] = spec
     return spec
+
+
+def _groupings(loops: Sequence[Loop], assignment: Assignment) -> tuple[bool, ...]:
+    """``spec_of``'s ``group_passthrough`` values to enumerate: both where a pass-through
+    loop holds several axes (its operand's sum may be grouped or apart), else one."""
+    if any(loops[li].size is None and len(axes) > 1 for li, (axes, _) in assignment.items()):
+        return (True, False)
+    return (True,)
 
 
 def _label(opcode: str, loops: Sequence[Loop], assignment: Assignment,
@@ -417,12 +441,24 @@ class _Generator:
         return (Strategy(replicated_like(op.shape), ins, op.flops / self._rate(op), 0.0,
                          f"{op.opcode}[R]"),)
 
-    def for_op(self, op: Op) -> tuple[Strategy, ...]:
+    def for_op(self, op: Op, done: Sequence[tuple[Strategy, ...]] = ()) -> tuple[Strategy, ...]:
+        """``op``'s strategies; ``done``: those of the ops before it (a tuple element
+        mirrors its producer's)."""
         pair = _reshape_pair(self.graph, op)
         if pair is not None:
             return self._reshape(op, *pair)
+        if op.opcode == "custom-call":
+            custom = self._custom(op)
+            if custom is not None:
+                return custom
+        if is_custom_tuple(self.graph, op) and op.operands[0] < len(done):
+            return self._element(op, done[op.operands[0]])
         loops = self.loops_of[op.id]
         if loops is None:
+            if op.opcode == "custom-call":
+                target = op.attrs.get("custom_call_target", "?")
+                return self.replicated(op, f"custom call {target!r} declares no sharding "
+                                           f"rule rhino reads (kept whole on every device)")
             if not isinstance(op.shape, TensorType):
                 return self.replicated(op, "tuple-shaped result")
             if any(not isinstance(self.graph.ops[o].shape, TensorType) for o in op.operands):
@@ -446,21 +482,44 @@ class _Generator:
             return hit
         seen: dict[tuple, Strategy] = {}
         for asg in assignments(loops, mesh, fn):
-            out = spec_of(out_rank, -1, loops, asg, self.intern)
-            ins = tuple(spec_of(r, k, loops, asg, self.intern) for k, r in enumerate(ranks))
-            pair = (out, ins)
-            if pair in seen:
-                continue
-            share = 1
-            for li, (axes, _) in asg.items():
-                if loops[li].shares_work:
-                    share *= mesh.group_size(axes)
-            cost = op.flops / (rate * share)
-            seen[pair] = Strategy(out, ins, cost, 0.0, _label(op.opcode, loops, asg, mesh))
+            for grouped in _groupings(loops, asg):
+                out = spec_of(out_rank, -1, loops, asg, self.intern, grouped)
+                ins = tuple(spec_of(r, k, loops, asg, self.intern, grouped)
+                            for k, r in enumerate(ranks))
+                pair = (out, ins)
+                if pair in seen:
+                    continue
+                share = 1
+                for li, (axes, _) in asg.items():
+                    if loops[li].shares_work:
+                        share *= mesh.group_size(axes)
+                cost = op.flops / (rate * share)
+                seen[pair] = Strategy(out, ins, cost, 0.0, _label(op.opcode, loops, asg, mesh))
         if not seen:  # cannot happen: the empty assignment is always valid
             return self.replicated(op, "no valid assignment")
         self.enumerated[key] = tuple(seen.values())
         return self.enumerated[key]
+
+    def _custom(self, op: Op) -> tuple[Strategy, ...] | None:
+        """A custom call with a sharding rule (``custom_calls``), or None without one."""
+        loops = custom_loops(self.graph, op)
+        if loops is None:
+            return None
+        ranks = [self.graph.ops[o].shape.rank for o in op.operands]
+        rate = self._rate(op)
+        out = []
+        for spec, ins, share, asg in enumerate_custom(op, loops, ranks, self.mesh,
+                                                      assignments, spec_of, self.intern):
+            out.append(Strategy(spec, ins, op.flops / (rate * share), 0.0,
+                                _label("custom-call", loops, asg, self.mesh)))
+        return tuple(out)
+
+    def _element(self, op: Op, src: Sequence[Strategy]) -> tuple[Strategy, ...]:
+        """A ``get-tuple-element`` of a custom call: one choice per tuple spec it reads."""
+        i = int(op.attrs["index"])
+        specs = dict.fromkeys(s.out_spec for s in src)
+        return tuple(Strategy(t[i], (t,), 0.0, 0.0, f"get-tuple-element[{i}]")
+                     for t in specs)
 
     def _tensor_specs(self, t: TensorType, producer: int, partial: bool) -> list[ShardingSpec]:
         loops = [Loop(f"d{i}", s, i, ()) for i, s in enumerate(t.dims) if s > 1]
@@ -471,8 +530,8 @@ class _Generator:
             def fn(li: int, n: int) -> list[int]:
                 lp = loops[li]
                 return sorted(s for nn, s in self._hint_set(producer, lp.out) if nn == n)
-        return [spec_of(t.rank, -1, loops, asg, self.intern)
-                for asg in assignments(loops, self.mesh, fn)]
+        return [spec_of(t.rank, -1, loops, asg, self.intern, grouped)
+                for asg in assignments(loops, self.mesh, fn) for grouped in _groupings(loops, asg)]
 
     def _reshape(self, op: Op, x: TensorType, y: TensorType) -> tuple[Strategy, ...]:
         mesh, rate = self.mesh, self._rate(op)
@@ -527,8 +586,10 @@ def generate_strategies(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
         OptionsError: the cost model is for another number of mesh axes.
     """
     gen = _Generator(graph, mesh, cost, options)
-    strategies = tuple(gen.for_op(op) for op in graph.ops)
-    return StrategySet(strategies, tuple(gen.unknown), gen.hints)
+    done: list[tuple[Strategy, ...]] = []
+    for op in graph.ops:
+        done.append(gen.for_op(op, done))
+    return StrategySet(tuple(done), tuple(gen.unknown), gen.hints)
 
 
 def op_strategies(graph: HloGraph, op_id: int, mesh: AbstractMesh, cost: CostModel,

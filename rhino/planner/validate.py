@@ -42,15 +42,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
 from rhino.errors import RhinoError
 from rhino.hlo_passes.costs import ELEMENTWISE
 from rhino.hlo_passes.graph import HloGraph, Op, TensorType, flatten_shape
-from rhino.planner.collectives import reshard
+from rhino.planner.collectives import reshard as _reshard
 from rhino.planner.cost_model import CostModel, compute_dtype
+from rhino.planner.custom_calls import check_custom, is_custom_tuple, op_rule
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
 
@@ -372,7 +373,10 @@ def _reshape_check(src: ShardingSpec, dst: ShardingSpec, x: TensorType, y: Tenso
 
 
 # ------------------------------------------------------------------------------ checks
-def _check_fit(op: Op, what: str, spec: Any, shape: Any, mesh: AbstractMesh) -> None:
+def _check_fit(op: Op, what: str, spec: Any, shape: Any, mesh: AbstractMesh,
+               sharded: bool = False) -> None:
+    """The spec fits; a tuple value's specs are replicated unless ``sharded`` (a custom
+    call with a rule, and the elements read from it)."""
     if isinstance(shape, TensorType):
         if not isinstance(spec, ShardingSpec):
             raise _fail(op, f"{what}: expected a ShardingSpec for {shape}, found {spec!r}")
@@ -383,24 +387,37 @@ def _check_fit(op: Op, what: str, spec: Any, shape: Any, mesh: AbstractMesh) -> 
         return
     leaves = flatten_shape(shape)
     if not (isinstance(spec, tuple) and len(spec) == len(leaves)
-            and all(isinstance(s, ShardingSpec) and s.is_replicated and s.rank == t.rank
-                    for s, t in zip(spec, leaves))):
-        raise _fail(op, f"{what}: expected {len(leaves)} replicated specs for tuple shape, "
-                    f"found {spec!r}")
+            and all(isinstance(s, ShardingSpec) and s.rank == t.rank
+                    and (sharded or s.is_replicated) for s, t in zip(spec, leaves))):
+        raise _fail(op, f"{what}: expected {len(leaves)} "
+                    f"{'' if sharded else 'replicated '}specs for tuple shape, found {spec!r}")
+    for s, t in zip(spec, leaves):
+        if s.problems(t.dims, mesh):
+            raise _fail(op, f"{what} {s.to_str(mesh)} does not fit {t}: "
+                        + "; ".join(s.problems(t.dims, mesh)))
 
 
 def check_strategy(graph: HloGraph, op: Op, strategy: Any, mesh: AbstractMesh) -> None:
     """Raise ``PlanValidationError`` unless ``strategy`` is legal for ``op``."""
-    _check_fit(op, "output spec", strategy.out_spec, op.shape, mesh)
+    custom = op_rule(graph, op) is not None or is_custom_tuple(graph, op)
+    _check_fit(op, "output spec", strategy.out_spec, op.shape, mesh, custom)
     if len(strategy.in_specs) != len(op.operands):
         raise _fail(op, f"expected {len(op.operands)} operand specs, found "
                     f"{len(strategy.in_specs)}")
     for k, (o, s) in enumerate(zip(op.operands, strategy.in_specs)):
-        _check_fit(op, f"operand {k} spec", s, graph.ops[o].shape, mesh)
+        _check_fit(op, f"operand {k} spec", s, graph.ops[o].shape, mesh, custom)
+    if custom:
+        why = check_custom(graph, op, strategy, mesh)
+        if why:
+            raise _fail(op, f"{why} (strategy {strategy.describe(mesh)})")
+        return
     x = graph.ops[op.operands[0]].shape if len(op.operands) == 1 else None
     if (op.opcode in ("reshape", "bitcast") and isinstance(x, TensorType)
             and isinstance(op.shape, TensorType) and x.dims != op.shape.dims):
         why = _reshape_ok(strategy.in_specs[0], strategy.out_spec, x, op.shape, mesh)
+        if not why and strategy.out_spec.partial_groups != strategy.in_specs[0].partial_groups:
+            why = (f"pending groups {strategy.in_specs[0].partial_groups} become "
+                   f"{strategy.out_spec.partial_groups}")
         if why:
             raise _fail(op, f"reshape {strategy.in_specs[0].to_str(mesh)} -> "
                         f"{strategy.out_spec.to_str(mesh)} moves data: {why}")
@@ -422,13 +439,42 @@ def check_strategy(graph: HloGraph, op: Op, strategy: Any, mesh: AbstractMesh) -
             raise _fail(op, f"on mesh axis {mesh.axis_names[a]} the roles (output {ro}, "
                         f"operands {rins}) match none of the op's dimension correspondences "
                         f"(strategy {strategy.describe(mesh)})")
+    _check_partial_groups(op, specs, roles, mesh, strategy)
+
+
+def _check_partial_groups(op: Op, specs: Sequence[Any], roles: Sequence[tuple],
+                          mesh: AbstractMesh, strategy: Any) -> None:
+    """A group of the output's pending axes is reduced by one collective, which is only
+    what XLA does for a sum one loop of the op leaves: on every operand the group's axes
+    must all be unused, all split one dimension, or all a pending sum grouped alike."""
+    out = specs[0]
+    if not isinstance(out, ShardingSpec):
+        return
+    for g in out.partial_groups:
+        for k, (spec, r) in enumerate(zip(specs[1:], roles[1:])):
+            got = [r[a] for a in g]
+            if all(x is None for x in got):
+                continue
+            if all(x is not None and x[0] == "dim" and x[1] == got[0][1] for x in got):
+                continue
+            if all(x is not None and x[0] == "partial" for x in got) and any(
+                    set(g) <= set(h) for h in spec.partial_groups):
+                continue
+            names = "+".join(mesh.axis_names[a] for a in g)
+            raise _fail(op, f"output pending over {names} reduced as one group: expected "
+                        f"operand {k}'s roles on those axes all unused, all one split "
+                        f"dimension or a pending sum grouped alike, found {got} (strategy "
+                        f"{strategy.describe(mesh)})")
 
 
 def _share(op: Op, strategy: Any, shapes: Sequence[Any], mesh: AbstractMesh) -> int:
-    specs = [strategy.out_spec, *strategy.in_specs]
+    specs = [x for s in [strategy.out_spec, *strategy.in_specs]
+             for x in (s if isinstance(s, tuple) else (s,))]
+    if op.opcode == "get-tuple-element":
+        specs = []   # reading an element computes nothing
     share = 1
     for a in range(mesh.ndim):
-        for s, t in zip(specs, shapes):
+        for s in specs:
             if isinstance(s, ShardingSpec) and any(a in d.axes for d in s.dims):
                 share *= mesh.shape[a]
                 break
@@ -489,6 +535,7 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Se
                   objective: float | None = None,
                   carried: Sequence[tuple[int, int]] = (),
                   resolved: Collection[int] | None = None,
+                  alpha_share: Mapping[int, float] | None = None,
                   rel_tol: float = 1e-9) -> PlanCheck:
     """Check a plan from scratch (see the module docstring).
 
@@ -501,6 +548,9 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Se
         carried: ``(output op id, parameter op id)`` pairs (``BuiltProblem.carried``).
         resolved: op ids of the pending sums reduced once (``BuiltProblem.resolved``);
             None: every shared pending sum that some reader needs reduced.
+        alpha_share: op id -> the part of α its value's collectives are charged
+            (``BuiltProblem.alpha_share``: scalars XLA reduces in one all-reduce); each
+            must be ``1/K`` for ``K`` scalars of that share. None: every collective pays α.
         rel_tol: relative tolerance on costs.
 
     Returns:
@@ -518,8 +568,12 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Se
                                       f": expected an output and a parameter of one type")
     outs_free = set(graph.outputs) - {o for o, _ in carried}
     resolved = _check_resolved(graph, mesh, plan, carried, outs_free, resolved)
+    share = _check_shares(graph, alpha_share or {})
     compute = comm = 0.0
     resharded = 0
+
+    def reshard(src: Any, dst: Any, u: int) -> Any:
+        return _reshard(src, dst, graph.ops[u].shape, mesh, cost, share.get(u, 1.0))
 
     def source(u: int, need: Any) -> Any:
         spec = plan[u].out_spec
@@ -537,22 +591,21 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Se
         compute += c
         for k, u in enumerate(op.operands):
             need = st.in_specs[k]
-            secs = reshard(source(u, need), need, graph.ops[u].shape, mesh, cost).cost
+            secs = reshard(source(u, need), need, u).cost
             comm += secs
             resharded += secs > 0
     for u in sorted(resolved):  # after check_strategy: the specs fit
         op, spec = graph.ops[u], plan[u].out_spec
         if u not in outs_free:  # a free output's reduction is its strategy's comm cost
-            comm += reshard(spec, spec.without_partial(), op.shape, mesh, cost).cost
+            comm += reshard(spec, spec.without_partial(), u).cost
     for o, p in carried:
         need = plan[p].out_spec
-        comm += reshard(source(o, need), need, graph.ops[o].shape, mesh, cost).cost
+        comm += reshard(source(o, need), need, o).cost
     for o in dict.fromkeys(graph.outputs):
         st, op = plan[o], graph.ops[o]
         inner = 0.0
         if o in outs_free and isinstance(st.out_spec, ShardingSpec):
-            inner = reshard(st.out_spec, st.out_spec.without_partial(), op.shape, mesh,
-                            cost).cost
+            inner = reshard(st.out_spec, st.out_spec.without_partial(), o).cost
         if not _close(inner, st.comm_cost, rel_tol):
             raise _fail(op, f"comm cost inside the op: expected {inner:.6g} s (resolving the "
                         f"output's pending reduction), found {st.comm_cost:.6g}")
@@ -569,10 +622,29 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Se
     return check
 
 
+def _check_shares(graph: HloGraph, share: Mapping[int, float]) -> Mapping[int, float]:
+    """Latency shares must be ``1/K`` on whole groups of ``K >= 2`` scalars, so that a
+    group's one combined all-reduce is charged at most one α."""
+    count: dict[float, int] = {}
+    for u, f in share.items():
+        op = graph.ops[u]
+        if not (isinstance(op.shape, TensorType) and op.shape.rank == 0):
+            raise _fail(op, f"latency share {f}: expected only scalars to share an "
+                        f"all-reduce, found shape {op.shape}")
+        count[f] = count.get(f, 0) + 1
+    for f, k in count.items():
+        groups = round(1 / f) if f > 0 else 0         # K: the scalars of one group
+        if groups < 2 or not _close(f * groups, 1.0, 1e-12) or k % groups:
+            raise PlanValidationError(f"latency shares: expected 1/K for groups of K >= 2 "
+                                      f"scalars, found share {f} on {k} scalars")
+    return share
+
+
 def validate_built(built: Any, choice: Sequence[int], objective: float | None = None
                    ) -> PlanCheck:
     """``validate_plan`` for a ``BuiltProblem`` and an assignment (objective defaults to
     ``built.problem.objective(choice)``)."""
     obj = built.problem.objective(choice) if objective is None else objective
     return validate_plan(built.graph, built.mesh, built.cost, built.plan(choice), objective=obj,
-                         carried=built.carried, resolved=built.resolved(choice))
+                         carried=built.carried, resolved=built.resolved(choice),
+                         alpha_share=built.alpha_share)
