@@ -396,27 +396,6 @@ def arg_names(fn: Callable, nargs: int) -> list[str]:
     return [names[i] if i < len(names) else f"arg{i}" for i in range(nargs)]
 
 
-def _custom_partitioned(jaxpr: Any) -> list:
-    """The ``custom_partitioning`` equations of a jaxpr and the jaxprs it calls, in
-    program order."""
-    from jax.extend import core as jcore
-
-    found: list = []
-
-    def walk(j: Any) -> None:
-        j = j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
-        for eqn in j.eqns:
-            if eqn.primitive.name == "custom_partitioning":
-                found.append(eqn)
-                continue
-            for v in eqn.params.values():
-                for x in (v if isinstance(v, (list, tuple)) else (v,)):
-                    if isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-                        walk(x)
-    walk(jaxpr)
-    return found
-
-
 def _lower(jitted: Any, args: tuple) -> tuple[Any, list]:
     """``(jitted.lower(*args), custom_partitioning equations)``. A function holding
     ``custom_partitioning`` calls is lowered replicated on two devices (when there are
@@ -429,7 +408,9 @@ def _lower(jitted: Any, args: tuple) -> tuple[Any, list]:
         traced = jitted.trace(*args)
     except AttributeError:
         return jitted.lower(*args), []
-    calls = _custom_partitioned(traced.jaxpr) if len(jax.devices()) >= 2 else []
+    from rhino.jaxpr.private import custom_partitioning_bodies
+
+    calls = custom_partitioning_bodies(traced.jaxpr) if len(jax.devices()) >= 2 else []
     if not calls:
         return traced.lower(), []
     import numpy as np
@@ -443,9 +424,6 @@ def _body_flops(graph: HloGraph, calls: list) -> None:
     """Give each ``CustomSPMDPartitioning`` op of ``graph`` the FLOPs of its call's body
     (the function it runs per shard, ingested on its own), matched in program order and by
     result shapes; calls that do not match keep the estimate of ``custom_calls.py``."""
-    import jax
-    from jax.extend.core import jaxpr_as_fun
-
     from .custom_calls import CUSTOM_PARTITIONING
 
     ops = [op for op in graph.ops if op.opcode == "custom-call"
@@ -453,15 +431,11 @@ def _body_flops(graph: HloGraph, calls: list) -> None:
     if len(ops) != len(calls):
         return
     memo: dict[str, float] = {}      # a layer's calls are the same body: ingested once
-    for op, eqn in zip(ops, calls):
-        body = eqn.params["call"]
-        outs = [tuple(v.aval.shape) for v in body.jaxpr.outvars]
+    for op, (fn, ins, outs, key) in zip(ops, calls):
         if outs != [t.dims for t in flatten_shape(op.shape)]:
             continue
-        key = str(body)
         if key not in memo:
-            ins = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
-            memo[key] = graph_from_function(jaxpr_as_fun(body), *ins).total_flops
+            memo[key] = graph_from_function(fn, *ins).total_flops
         op.flops = memo[key]
 
 

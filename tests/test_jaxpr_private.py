@@ -190,3 +190,20 @@ def test_flatten_inlines_bodies_and_marks_checkpoints():
     (path,) = flat.remats
     assert [fe.remat for fe in flat.eqns] == [path, path, None]
     assert isinstance(flat.eqns[1].ins[1], interpret.Lit)
+
+
+def test_custom_partitioning_bodies_are_found_inside_calls():
+    """The ``custom_partitioning`` equation keeps its per-shard body in ``call``, found
+    inside a ``jit`` and a ``custom_vjp`` (rhino's fused attention has both)."""
+    from rhino.models.attention import fused_attention
+
+    q = jax.ShapeDtypeStruct((2, 8, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((2, 8, 2, 16), jnp.float32)
+    closed = jax.make_jaxpr(jax.jit(lambda q, k, v: fused_attention(q, k, v).sum()))(q, kv, kv)
+    found = jp.custom_partitioning_bodies(closed)
+    assert len(found) == 1
+    fn, ins, outs, key = found[0]
+    assert [s.shape for s in ins] == [(2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16)]
+    assert outs == [(2, 8, 4, 16)] and key
+    got = fn(*[jnp.ones(s.shape, s.dtype) for s in ins])
+    assert got[0].shape == (2, 8, 4, 16)

@@ -192,3 +192,35 @@ def kept_arg_indices(lowered: Any) -> tuple[int, ...] | None:
                               else f"keys {sorted(compile_args)[:8]}"))
     kept = compile_args["kept_var_idx"]
     return None if kept is None else tuple(sorted(kept))
+
+
+CUSTOM_PARTITIONING = "custom_partitioning"
+
+
+def custom_partitioning_bodies(closed: Any) -> list[tuple[Any, list, list, str]]:
+    """The per-shard bodies of the ``custom_partitioning`` equations of a traced function
+    (``ClosedJaxpr``) and of every jaxpr it holds, in program order: ``(fn,
+    argument ShapeDtypeStructs, result shapes, key)`` each, ``fn`` the body as a function of
+    its arguments and ``key`` its text (the calls of repeated layers share one body).
+    Reads the equation's ``call`` parameter (a ``ClosedJaxpr``)."""
+    import jax
+
+    jcore = _jcore()
+    found: list = []
+
+    def walk(j: Any) -> None:
+        j = j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+        for eqn in j.eqns:
+            if eqn.primitive.name == CUSTOM_PARTITIONING:
+                body = eqn.params["call"]
+                ins = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                       for v in body.jaxpr.invars]
+                outs = [tuple(v.aval.shape) for v in body.jaxpr.outvars]
+                found.append((jcore.jaxpr_as_fun(body), ins, outs, str(body)))
+                continue
+            for v in eqn.params.values():
+                for x in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if isinstance(x, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                        walk(x)
+    walk(closed)
+    return found
