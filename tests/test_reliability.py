@@ -148,12 +148,19 @@ def test_stuck_stage_fails_the_step_and_never_holds_up_close_or_exit(tmp_path, m
     assert took < 100, took
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_a_step_within_seconds(tmp_path):
     """SIGINT during a step whose stage is stuck: ``KeyboardInterrupt`` within seconds, the
     process stays usable and exits (before: Ctrl-C did not end it; a third one aborted)."""
+    # A child inherits an ignored SIGINT (an earlier test's Ray or multiprocessing may leave
+    # the test process ignoring it), and Python then installs no KeyboardInterrupt handler:
+    # the child starts with the default disposition, as from a terminal.
     proc = subprocess.Popen([sys.executable, _script(tmp_path, STUCK_STEP), "60", "callback"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+                            env=_env(), preexec_fn=_default_sigint)
     try:
         head = []
         for line in proc.stdout:  # the step has started once STEP is printed
