@@ -590,7 +590,7 @@ def step_plan(check: Check, rec: dict) -> None:
         if not path:
             rec[key] = {"status": "skipped", "reason": "no HLO file"}
             continue
-        cmd = [sys.executable, "-m", "rhino.cli", "plan", path, "--mesh", str(mesh),
+        cmd = [sys.executable, "-m", "rhino.cli", "plan", os.path.abspath(path), "--mesh", str(mesh),
                "--quiet", "--time-limit", str(int(check.mode.plan_timeout_s))]
         if rec["backend"]:
             cmd += ["--backend", rec["backend"]]
@@ -598,7 +598,10 @@ def step_plan(check: Check, rec: dict) -> None:
         env.pop("XLA_FLAGS", None)
         t = time.perf_counter()
         try:
+            # Not in the caller's folder: run from a checkout, ``-m`` would put its
+            # ``rhino/`` (which lacks ``hlo_passes``, mapped in only by installing) first.
             p = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                               cwd=os.path.dirname(os.path.abspath(path)),
                                timeout=check.mode.plan_timeout_s + 60)
             out = {"returncode": p.returncode, "stderr_tail": p.stderr[-2000:]}
             text = p.stdout

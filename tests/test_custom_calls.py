@@ -139,6 +139,34 @@ def test_gpu_dump_with_cudnn_attention_is_planned_with_the_calls_split(mesh):
         assert plan.param_spec(p).dims[1].axes
 
 
+H200_HLO = DATA / "h200_cudnn_attention_step.hlo"
+
+
+@pytest.mark.parametrize("mesh", [(8,), (2, 4)])
+def test_a_real_h200_dump_with_cudnn_attention_is_planned_with_the_calls_split(mesh):
+    """The attention step ``benchmarks/gpu_check.py`` lowered on an H200 (jax 0.11.2,
+    2026-11-26; causal, ``implementation="cudnn"``, batch 4, 16 heads of 64): XLA:GPU's own
+    ``__cudnn$fmhaSoftmax`` / ``__cudnn$fmhaSoftmaxBackward`` calls are planned through the
+    built-in rule, split over heads (dim 2 of the BTNH operands, dim 1 of the BNT.. results;
+    batch 4 cannot take 8 devices), nothing kept whole for lack of a rule."""
+    g = rhino.ingest(str(H200_HLO))
+    targets = sorted(op.attrs.get("custom_call_target", "") for op in g.ops
+                     if op.opcode == "custom-call")
+    assert targets == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], targets
+    calls = [op for op in g.ops if op.opcode == "custom-call"]
+    assert all(op.flops > 0 for op in calls)
+    plan = rhino.plan(g, mesh_shape=mesh).spmd
+    found = _calls(plan)
+    for op in calls:
+        for s in found[op.name].in_specs:
+            heads = s.dims[2].axes if s.rank == 4 else s.dims[1].axes      # BTNH; stats BNT
+            assert heads, (op.name, s)
+    for o in found.values():
+        if o.opcode == "get-tuple-element" and o.out_spec.rank >= 3:
+            assert o.out_spec.dims[1].axes, o
+    assert not plan.unplanned and "replicated for lack of a rule: none" in plan.report()
+
+
 def test_a_custom_call_without_a_rule_stays_whole_and_is_listed(tmp_path):
     text = GPU_HLO.read_text().replace('"__cudnn$fmhaSoftmax"', '"__gpu$xla.gpu.triton"', 1)
     path = tmp_path / "triton.hlo"

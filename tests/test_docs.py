@@ -11,8 +11,9 @@ The README's test command is what ``.ci/run`` runs (checked here, not run: it wo
 suite again). In an environment of unpinned versions (``.ci/latest``: the installed jax is not
 the one ``constraints.txt`` pins) the blocks' ``pip install -c constraints.txt`` run without
 the constraints: with them, the block would turn the environment under test into the pinned
-one halfway through the suite. Blocks that take minutes (``ray job submit``) run trimmed in the default suite
-(``TRIMMED``: fewer steps) and as written under ``-m slow``.
+one halfway through the suite. Blocks that take minutes (``ray job submit``) run trimmed
+(``TRIMMED``: fewer steps), and as written under ``-m slow``; the blocks of documents that
+start a Ray cluster (``SLOW_DOCS``) run only under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -111,7 +112,14 @@ def _check(bid: str, out: subprocess.CompletedProcess) -> None:
                                  f"{out.stdout[-4000:]}\n--- stderr\n{out.stderr[-4000:]}")
 
 
-@pytest.mark.parametrize("bid,lang,code", BLOCKS, ids=[b[0] for b in BLOCKS])
+# Documents whose blocks each start a Ray cluster (19-86 s a block on 2 cores, 126 s of the
+# default suite's time together): run with -m slow, with the untrimmed long blocks.
+SLOW_DOCS = {"ray.md"}
+
+
+@pytest.mark.parametrize("bid,lang,code", [
+    pytest.param(*b, marks=pytest.mark.slow) if b[0].split(":")[0] in SLOW_DOCS else b
+    for b in BLOCKS], ids=[b[0] for b in BLOCKS])
 def test_block_runs(bid: str, lang: str, code: str, tmp_path: pathlib.Path):
     code, _ = _trim(code)
     _check(bid, _run(lang, code, tmp_path, timeout=900))

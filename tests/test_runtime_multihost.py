@@ -101,7 +101,10 @@ def test_whole_cluster_spmd_spans_two_hosts_and_matches_one_device(ray_cluster):
 
 
 # Direct channels over two hosts per stage and UNet run with -m slow (the default suite's
-# time): GPT through the object store covers the multi-host stage path here.
+# time): GPT through the object store covers the multi-host stage path here. So do the
+# lost-host restore, distributed init on the actors and one-node-per-host placement
+# (12-34 s each); the default suite keeps this test, the whole-cluster SPMD run and the
+# remote-results test.
 @pytest.mark.parametrize("model,transport", [
     ("gpt", "object_store"), pytest.param("gpt", "direct", marks=pytest.mark.slow),
     pytest.param("unet", "object_store", marks=pytest.mark.slow)])
@@ -175,6 +178,7 @@ def test_remote_results_live_until_dropped(ray_cluster):
         assert before >= 3 * n - 3 and after <= n + 2, (before, after, n)
 
 
+@pytest.mark.slow
 def test_lost_host_then_restore_continues_with_no_step_lost(ray_cluster, tmp_path):
     """GPT over 2 hosts (2x4 SPMD), a checkpoint after every step written by the actors.
     One host's actor is killed during step 6 of 10: the step fails naming the stage and
@@ -277,6 +281,7 @@ def test_a_cluster_with_too_few_nodes_is_refused_before_any_actor(ray_cluster, m
     assert ray.available_resources().get("CPU", 0.0) == cpus   # no actor was started
 
 
+@pytest.mark.slow
 def test_distributed_init_makes_the_state_on_the_actors(ray_cluster):
     """§6.3 on Ray: the state is created by each stage's actors with its shardings (stages
     spanning 2 hosts), equal to one-device init; the first step sends only the batch."""
@@ -302,6 +307,7 @@ def test_distributed_init_makes_the_state_on_the_actors(ray_cluster):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=STATE_ATOL)
 
 
+@pytest.mark.slow
 def test_on_several_nodes_each_plan_host_is_a_node_of_its_own(ray_cluster):
     """A Ray cluster of 2 nodes (``ray.cluster_utils``, both on this machine): the 2x2 plan's
     two hosts go to the two nodes through a placement group; the step matches jax.jit.

@@ -251,6 +251,7 @@ def test_actor_that_cannot_start_is_named(gpt_ray, gpt):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow
 def test_unet_on_two_actors_matches_one_device(ray_cluster):
     """UNet (skip tensors cross the stage boundary), 2 stage actors × 4 devices, 4
     microbatches, 10 steps: losses and final state equal single-device ``jax.jit``. The
