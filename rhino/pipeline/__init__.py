@@ -7,6 +7,7 @@ Pass order (data flows top to bottom)::
     stage_ilp.py   StageProblem: the §5.1 ILP with §5.2 bound tightening (rhino.milp)
     stages.py      assign_stages: unit stages -> op stages, crossings, validation
     cost.py        stage profiles from SPMD plans, cross-mesh transfers, 1F1B step, memory
+    candidates.py  one split's stage subgraphs, costed: 1F1B step and memory per stage
     search.py      the search over splits of the cluster (parallel) and the controller
     api.py         plan_pipeline: ingest + search
 

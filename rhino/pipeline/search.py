@@ -11,7 +11,8 @@ Phases (the paper's Fig. 2: enumerate mesh configurations, plan each in parallel
              step found is pruned (with process workers every wave is queued up front,
              so workers never idle at a wave's end; a pruned wave's unstarted plans are
              dropped)
-          ─► per candidate: profiles, transfers, 1F1B step, memory (cost.py)
+          ─► per candidate: profiles, transfers, 1F1B step, memory (candidates.py,
+             cost.py)
           ─► candidates over the memory budget, once every wave is costed: re-planned with
              the SPMD planner's memory constraint (the whole graph, or the stages over
              budget), unless their plan with no limit is already no faster than the best
@@ -38,28 +39,26 @@ from typing import Any, Callable, Sequence
 
 from rhino.errors import (InfeasiblePlanError, OptionsError, PlanningError, RhinoError,
                           format_bytes)
-from rhino.hlo_passes.graph import HloGraph, shape_str
-from rhino.hlo_passes.subgraph import CUT_PREFIX, Subgraph, extract_subgraph
+from rhino.hlo_passes.graph import HloGraph
 from rhino.cluster import Cluster, MeshSplit, enumerate_splits
+from rhino.pipeline.candidates import Costed, StageWork, cost_pipeline, stage_works
+# Imported under its old name: a global of this module, which tests may swap.
+from rhino.pipeline.candidates import cost_spmd as _cost_spmd
 from rhino.pipeline.coarsen import classify_ops, coarsen
-from rhino.pipeline.cost import (StageProfile, gather_seconds, in_flight, memory_floor,
-                                 pipeline_step, profile_stage, transfer_seconds)
+from rhino.pipeline.cost import memory_floor
 from rhino.pipeline.gradient import (BoundaryOptions, GradientBoundary, find_gradient_boundary,
                                      gradient_weights)
-from rhino.parallel_plan import (Candidate, CrossTensor, Plan, SearchTimes, StageEstimate,
-                                 StageMemory, StagePlan, decision_text)
+from rhino.parallel_plan import Candidate, Plan, SearchTimes, StagePlan, decision_text
 from rhino.pipeline.stage_ilp import StageAssignmentError, StageOptions
 from rhino.pipeline.stages import StageAssignment, assign_given_stages, assign_stages
 from rhino.planner.api import PlanOptions
 from rhino.planner.build import carried_pairs
-from rhino.planner.collectives import collective_cost
 from rhino.planner.cost_model import CostModel, flops_by_rate
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.pins import annotation_pins
-from rhino.planner.spmd_plan import SpmdPlan
 from rhino.pipeline.spmd_pool import SpmdPool
 from rhino.progress import Countdown
-from rhino.vocabulary import PlanKind, Role, ScheduleKind
+from rhino.vocabulary import PlanKind, ScheduleKind
 
 KINDS = ("spmd", "pipeline", "hybrid")
 EXECUTORS = ("auto", "thread", "process", "serial")
@@ -159,165 +158,8 @@ class PipelineOptions:
             raise OptionsError(f"memory_budget: expected > 0 bytes, found {self.memory_budget}")
 
 
-# ------------------------------------------------------------------------------ stages
-@dataclasses.dataclass
-class _StageWork:
-    """One stage of one stage count: its subgraph and what the cost model needs."""
-
-    index: int
-    sub: Subgraph
-    carried: tuple[tuple[int, int], ...]
-    apply_ops: set[str]
-    gradient_ops: set[str]
-    batch_dependent: set[str]
-    counts: dict[str, int]
-    weights: tuple[str, ...]
-
-
-def _stage_works(graph: HloGraph, boundary: GradientBoundary, a: StageAssignment,
-                 carried: Sequence[tuple[int, int]]) -> list[_StageWork]:
-    role = a.roles.role
-    free = [i for i, r in enumerate(role) if r == Role.FREE]
-    # Program outputs nobody assigned computes (e.g. the optimizer's step count) go with
-    # stage 0, which copies what they need.
-    orphans = [o for o in dict.fromkeys(graph.outputs) if a.stage_of[o] < 0
-               and graph.ops[o].opcode != "parameter"]
-    dep = boundary.batch_dependent
-    grads = set(boundary.gradients)
-    state = set(boundary.state_params)
-    out = []
-    for s in range(a.num_stages):
-        ops = a.ops_of(s) + (orphans if s == 0 else [])
-        sub = extract_subgraph(graph, ops, duplicate=free, name=f"{graph.name}.stage{s}")
-        index = {src: k for k, src in enumerate(sub.origin)}
-        cut = {index[i] for i in sub.inputs}
-        pairs = tuple((index[o], index[p]) for o, p in carried
-                      if o in index and p in index and index[o] not in cut)
-        counts = {"forward": sum(1 for i in ops if role[i] == Role.FORWARD),
-                  "backward": sum(1 for i in ops if role[i] == Role.BACKWARD),
-                  "apply": sum(1 for i in ops if role[i] == Role.APPLY),
-                  "copied": len(sub.duplicated)}
-        weights = tuple(graph.ops[i].arg.path for i in sub.duplicated
-                        if graph.ops[i].opcode == "parameter" and i in state
-                        and graph.ops[i].arg is not None)
-        out.append(_StageWork(
-            s, sub, pairs, {graph.ops[i].name for i in ops if role[i] == Role.APPLY},
-            {graph.ops[i].name for i in ops if i in grads},
-            {op.name for op in sub.graph.ops if dep[sub.origin[op.id]]},
-            counts, weights))
-    return out
-
-
-# ------------------------------------------------------------------------------ costing
-@dataclasses.dataclass
-class _Costed:
-    candidate: Candidate
-    split: MeshSplit
-    plans: list[SpmdPlan] | None = None
-    profiles: list[StageProfile] | None = None
-    estimates: list[StageEstimate] | None = None
-    memories: list[StageMemory] | None = None
-    cross: list[CrossTensor] | None = None
-    assignment: StageAssignment | None = None
-    works: list[_StageWork] | None = None
-    free_step: float | None = None   # over the budget: the step estimated with no memory limit
-
-
-def _cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: StageAssignment,
-                   works: list[_StageWork], plans: list[SpmdPlan],
-                   state_args: Sequence[str], m: int, budget: int | None,
-                   lower_bound: float = 0.0) -> _Costed:
-    p = split.num_stages
-    mesh, cost = split.stage_mesh(cluster), split.stage_cost(cluster)
-    n = split.devices_per_stage
-    profiles = [profile_stage(w.sub.graph, pl, w.apply_ops, w.gradient_ops, state_args)
-                for w, pl in zip(works, plans)]
-    # Per-microbatch collectives: batch-independent tensors (weights gathered) keep their size.
-    micro = []
-    for w, pl in zip(works, plans):
-        total = 0.0
-        for c in pl.collectives:
-            if c.consumer.startswith("<") or c.consumer in w.apply_ops:
-                continue
-            axes = tuple(mesh.axis_index(x) for x in c.axes)
-            scale = m if c.tensor in w.batch_dependent else 1
-            total += collective_cost(c.kind, axes, c.bytes / scale, mesh, cost)
-        micro.append(total)
-    cut_specs = [{q.path[len(CUT_PREFIX):]: q.spec for q in pl.params
-                  if q.path.startswith(CUT_PREFIX)} for pl in plans]
-    send = [0.0] * p
-    step_send = [0.0] * p
-    cross: list[CrossTensor] = []
-    seen: set[tuple[int, int]] = set()
-    for c in a.crossings:
-        op = graph.ops[c.op]
-        per_mb = c.per_microbatch
-        secs = 0.0
-        for d in c.dsts:
-            if (c.op, d) in seen:
-                continue
-            seen.add((c.op, d))
-            alpha, beta = split.link(cluster, c.src, d)
-            nbytes = c.bytes / m if per_mb else c.bytes
-            secs += transfer_seconds(nbytes, n, n, alpha, beta)
-            secs += gather_seconds(nbytes, cut_specs[d].get(op.name), mesh, cost)
-        if per_mb:
-            send[c.src] += secs
-        else:
-            step_send[c.src] += secs
-        cross.append(CrossTensor(op.name, shape_str(op.shape), c.bytes, c.src, c.dsts, c.kind,
-                                 secs))
-    for pid, stages in a.shared_weights:   # updated on its owner, sent to the others
-        nbytes = graph.ops[pid].out_bytes
-        for d in stages[1:]:
-            alpha, beta = split.link(cluster, stages[0], d)
-            step_send[stages[0]] += transfer_seconds(nbytes, n, n, alpha, beta)
-    estimates, memories = [], []
-    for s, pr in enumerate(profiles):
-        est = StageEstimate(pr.compute_s / m, micro[s], send[s],
-                            pr.apply_compute_s + pr.step_comm_s + step_send[s])
-        k = in_flight(s, p, m)
-        per_mb = (pr.activation_bytes + pr.input_bytes) // m
-        total = pr.state_bytes + pr.gradient_bytes + k * per_mb
-        estimates.append(est)
-        memories.append(StageMemory(pr.state_bytes, pr.gradient_bytes, per_mb, k, total))
-    parts = pipeline_step([e.microbatch_s for e in estimates], m, [e.apply_s for e in estimates])
-    b = max(range(p), key=lambda s: estimates[s].microbatch_s)
-    peak = max(x.total for x in memories)
-    over = [s for s, x in enumerate(memories) if budget is not None and x.total > budget]
-    note = (f"stage {over[0]} needs {format_bytes(memories[over[0]].total)} > budget "
-            f"{format_bytes(budget)}" if over else "")
-    if a.solution.rounds > 1:
-        note = (note + "; " if note else "") + f"ε relaxed to {a.solution.epsilon:g}"
-    cand = Candidate(split.kind, p, split.stage_shape, feasible=not over,
-                     step_s=None if over else parts["step"],
-                     compute_s=m * estimates[b].compute_s,
-                     communication_s=m * estimates[b].communication_s,
-                     transfer_s=m * estimates[b].send_s, bubble_s=parts["fill"],
-                     apply_s=parts["apply"], memory=int(peak), note=note,
-                     lower_bound_s=lower_bound)
-    return _Costed(cand, split, plans, profiles, estimates, memories, cross, a, works,
-                   parts["step"] if over else None)
-
-
-def _cost_spmd(split: MeshSplit, plan: SpmdPlan | None, err: str,
-               budget: int | None, lower_bound: float = 0.0) -> _Costed:
-    if plan is None:
-        cand = Candidate("spmd", 1, split.stage_shape, note=err or "no plan",
-                         lower_bound_s=lower_bound)
-        return _Costed(cand, split)
-    mem = plan.memory.peak
-    feasible = budget is None or mem <= budget
-    note = "" if feasible else f"needs {format_bytes(mem)} > budget {format_bytes(budget)}"
-    cand = Candidate("spmd", 1, split.stage_shape, feasible=feasible,
-                     step_s=plan.step_time_s if feasible else None, compute_s=plan.compute_s,
-                     communication_s=plan.communication_s, memory=int(mem), note=note,
-                     lower_bound_s=lower_bound)
-    return _Costed(cand, split, plans=[plan], free_step=None if feasible else plan.step_time_s)
-
-
 # ------------------------------------------------------------------------------ controller
-def _no_plan(costed: Sequence[_Costed], cluster: Cluster, budget: int | None) -> RhinoError:
+def _no_plan(costed: Sequence[Costed], cluster: Cluster, budget: int | None) -> RhinoError:
     """The error for a search with no feasible candidate, carrying the real reasons: memory
     (``InfeasiblePlanError``) when some candidate was planned and was only too big,
     otherwise why each could not be planned (``PlanningError``)."""
@@ -405,7 +247,7 @@ class _Search:
         self.boundary: GradientBoundary | None = None
         self.coarse = None
         self.assignments: dict[int, StageAssignment | str] = {}
-        self.works: dict[int, list[_StageWork]] = {}
+        self.works: dict[int, list[StageWork]] = {}
         self.ilp_s = self.cost_s = 0.0
         self.best_step = float("inf")
         # Candidates are planned without O2's window moves and one-axis fallback; the
@@ -509,7 +351,7 @@ class _Search:
                 self.assignments[p] = a
                 self.ilp_s += secs
         carried = carried_pairs(self.graph)
-        self.works = {p: _stage_works(self.graph, self.boundary, a, carried)
+        self.works = {p: stage_works(self.graph, self.boundary, a, carried)
                       for p, a in self.assignments.items() if isinstance(a, StageAssignment)}
 
     def _assign(self, p: int) -> tuple[int, StageAssignment | str, float]:
@@ -531,7 +373,7 @@ class _Search:
             return p, str(e), time.perf_counter() - t
         return p, a, time.perf_counter() - t
 
-    def _cost_all(self, pool: "SpmdPool") -> list[_Costed]:
+    def _cost_all(self, pool: "SpmdPool") -> list[Costed]:
         """SPMD plans and costs, in waves of equal stage count by increasing lower bound; a
         wave whose lower bound exceeds the best step found is pruned. With process workers
         every wave's plans are queued at the start, wave by wave, so a worker that finishes
@@ -540,7 +382,7 @@ class _Search:
         before a wave those that could beat it, the rest at the end."""
         graph, b = self.graph, self.boundary
         cg_ops = list(b.compute) if b is not None else None
-        by_k: dict[int, _Costed] = {}
+        by_k: dict[int, Costed] = {}
         waves = []
         for p in sorted({sp.num_stages for sp in self.splits}):
             wave = [k for k, sp in enumerate(self.splits) if sp.num_stages == p]
@@ -570,10 +412,10 @@ class _Search:
         self._fit_all(pool, by_k)
         return [by_k[k] for k in range(len(self.splits))]
 
-    def _unplanned(self, k: int, note: str, lb: float) -> _Costed:
+    def _unplanned(self, k: int, note: str, lb: float) -> Costed:
         sp = self.splits[k]
-        return _Costed(Candidate(sp.kind, sp.num_stages, sp.stage_shape, note=note,
-                                 lower_bound_s=lb), sp)
+        return Costed(Candidate(sp.kind, sp.num_stages, sp.stage_shape, note=note,
+                                lower_bound_s=lb), sp)
 
     def _pins(self, mesh: AbstractMesh) -> dict:
         """The annotations as op id -> spec on ``mesh`` (OptionsError: one does not fit)."""
@@ -592,7 +434,7 @@ class _Search:
         return got
 
     def _submit_wave(self, pool: "SpmdPool", p: int, wave: list[int], lb: float
-                     ) -> tuple[dict[int, dict[int, Any]], dict[int, _Costed]]:
+                     ) -> tuple[dict[int, dict[int, Any]], dict[int, Costed]]:
         """Queue the SPMD plans of one wave: handles per split and stage, and the splits
         refused before planning (an annotation their mesh cannot hold)."""
         jobs, refused = [], {}
@@ -602,13 +444,13 @@ class _Search:
             try:
                 pins = self._pins(mesh)
             except OptionsError as e:
-                refused[k] = _Costed(Candidate(sp.kind, sp.num_stages, sp.stage_shape,
-                                               note=str(e), lower_bound_s=lb), sp)
+                refused[k] = Costed(Candidate(sp.kind, sp.num_stages, sp.stage_shape,
+                                              note=str(e), lower_bound_s=lb), sp)
                 continue
             if p == 1:
                 floor = memory_floor(self.graph) // mesh.num_devices
                 if self.budget is not None and floor > self.budget:   # not planned
-                    refused[k] = _Costed(Candidate(sp.kind, 1, sp.stage_shape, memory=floor, note=(
+                    refused[k] = Costed(Candidate(sp.kind, 1, sp.stage_shape, memory=floor, note=(
                         f"needs at least {format_bytes(floor)} > budget {format_bytes(self.budget)}"
                         f" (the step's peak values over {mesh.num_devices} devices)"),
                         lower_bound_s=lb), sp)
@@ -626,8 +468,8 @@ class _Search:
         return handles, refused
 
     def _finish_wave(self, pool: "SpmdPool", p: int, wave: list[int], lb: float,
-                     handles: dict[int, dict[int, Any]], refused: dict[int, _Costed]
-                     ) -> dict[int, _Costed]:
+                     handles: dict[int, dict[int, Any]], refused: dict[int, Costed]
+                     ) -> dict[int, Costed]:
         out = {}
         for k in wave:
             if k in refused:
@@ -642,7 +484,7 @@ class _Search:
                 self.best_step = min(self.best_step, c.candidate.step_s)
         return out
 
-    def _stage_options(self, w: _StageWork, budget: int | None = None,
+    def _stage_options(self, w: StageWork, budget: int | None = None,
                        pins: dict | None = None) -> PlanOptions:
         div = self.options.microbatch_divisors or {}
         sub_div = {k: div[src] for k, src in enumerate(w.sub.origin) if src in div}
@@ -654,7 +496,7 @@ class _Search:
                                                              divisors=sub_div, pinned=pinned))
 
     def _cost_split(self, pool: "SpmdPool", k: int, p: int, hs: list, lb: float
-                    ) -> _Costed:
+                    ) -> Costed:
         sp = self.splits[k]
         if p == 1:
             return self._cost_whole(pool, sp, hs[0], lb)[0]
@@ -663,7 +505,7 @@ class _Search:
         return self._cost_stages(sp, p, plans, lb)
 
     def _cost_whole(self, pool: "SpmdPool", sp: MeshSplit, handle: Any, lb: float
-                    ) -> tuple[_Costed, str]:
+                    ) -> tuple[Costed, str]:
         """An SPMD candidate costed from its whole-graph plan (and the planner's error)."""
         plan, err = pool.result(handle, self.graph)
         t = time.perf_counter()
@@ -671,7 +513,7 @@ class _Search:
         self.cost_s += time.perf_counter() - t
         return c, err
 
-    def _fit_all(self, pool: "SpmdPool", by_k: dict[int, _Costed],
+    def _fit_all(self, pool: "SpmdPool", by_k: dict[int, Costed],
                  below: float = float("inf")) -> None:
         """Re-plan the candidates over the memory budget whose step with no memory limit is
         under ``below`` with the SPMD memory constraint (the whole graph for SPMD, the
@@ -716,7 +558,7 @@ class _Search:
             if got.candidate.feasible:
                 self.best_step = min(self.best_step, got.candidate.step_s)
 
-    def _not_fitted(self, by_k: dict[int, _Costed], k: int) -> bool:
+    def _not_fitted(self, by_k: dict[int, Costed], k: int) -> bool:
         """Mark candidate ``k`` not fitted when its no-limit step is no faster than the
         best (and ``prune`` allows it); True if so."""
         c = by_k[k]
@@ -729,7 +571,7 @@ class _Search:
             f"and a memory limit only adds constraints"))
         return True
 
-    def _submit_fit(self, pool: "SpmdPool", k: int, c: _Costed) -> list:
+    def _submit_fit(self, pool: "SpmdPool", k: int, c: Costed) -> list:
         """(stage, handle) of the memory-constrained plans of candidate ``k``."""
         sp, p = c.split, c.candidate.num_stages
         mesh, cost = sp.stage_mesh(self.cluster), sp.stage_cost(self.cluster)
@@ -742,7 +584,7 @@ class _Search:
                                  repr(c.works[st].carried), p))
                 for st, mem in enumerate(c.memories) if mem.total > self.budget]
 
-    def _refine(self, pool: "SpmdPool", best: _Costed) -> _Costed:
+    def _refine(self, pool: "SpmdPool", best: Costed) -> Costed:
         """The chosen candidate re-planned with O2's window moves (``PlanOptions.refine``)
         and one-axis fallback (``fold_seed``), each plan with the memory budget it was
         planned for; kept if feasible and no slower by the search's estimate (a stage
@@ -787,17 +629,17 @@ class _Search:
                 opts.build, pinned={**opts.build.pinned, **pins}))
         return opts
 
-    def _cost_stages(self, sp: MeshSplit, p: int, plans: list, lb: float) -> _Costed:
+    def _cost_stages(self, sp: MeshSplit, p: int, plans: list, lb: float) -> Costed:
         b = self.boundary
         t = time.perf_counter()
-        c = _cost_pipeline(self.graph, self.cluster, sp, self.assignments[p], self.works[p],
-                           plans, b.state_args, self.m, self.budget, lb)
+        c = cost_pipeline(self.graph, self.cluster, sp, self.assignments[p], self.works[p],
+                          plans, b.state_args, self.m, self.budget, lb)
         self.cost_s += time.perf_counter() - t
         return c
 
 
 def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
-                boundary: GradientBoundary | None, best: _Costed, cands: tuple[Candidate, ...],
+                boundary: GradientBoundary | None, best: Costed, cands: tuple[Candidate, ...],
                 times: SearchTimes, budget: int | None) -> Plan:
     sp = best.split
     summary = boundary.summary(graph) if boundary is not None else {}
