@@ -31,6 +31,8 @@ Modules (data flows top to bottom)::
     problem.py       ShardingProblem / Edge / Solution: the named ILP data object
     solvers.py       brute force, exact PBQP reductions, highspy ILP (tight pairwise form)
     hierarchical.py  O2: cone DP -> segment ILP -> segment-chain DP
+                     (segments and the chain DP: chain.py; exact min-sum variable
+                     elimination: elimination.py)
     validate.py      independent validator of a plan
     spmd_plan.py     SpmdPlan: report(), to_json()/from_json()
     api.py           plan_graph: build -> solve (O2/O3) -> memory (§4.4) -> validate

@@ -37,7 +37,7 @@ and eliminates the rest, cheaply and exactly. The whole exact computation has a 
 segment (a 29-node core of 9-24 choices per node, treewidth ~5) that needs 1.7e8 of it.
 
 Approximate tables (documented approximation). A segment past the budget gets an upper-bound
-table instead (``_approx_table``): TRW's choice of its non-pivot nodes, improved by ICM
+table instead (``chain.approx_table``): TRW's choice of its non-pivot nodes, improved by ICM
 for all pivot pairs at once in vectorised sweeps; every entry is the cost of a real
 assignment. Such a segment is remembered by its shape (sizes and edge endpoints, which fix
 the exact work), so its cost variants (skip-edge passes, repeated layers) skip the exact
@@ -86,19 +86,23 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
-from typing import Sequence
 
 import numpy as np
 
 from rhino.milp import SolverStatus
 from rhino.planner.blocks import improve_blocks
+from rhino.planner.chain import Segment, approx_table, chain_passes, make_chain
+from rhino.planner.elimination import (BudgetExceeded, charge, eliminate, eliminated_choice,
+                                       elimination_order, pivot_table)
 from rhino.planner.problem import Edge, ShardingProblem, Solution
 from rhino.planner.solvers import (
     InfeasibleProblemError, PairwiseGraph, back_substitute, improve_local, reduce_exact,
     reduce_graph, solve_ilp, solve_small_ilp, solve_trw)
 from rhino.planner.windows import improve_windows
+# Moved to chain.py; still here under their old names, which tests read.
+from rhino.planner.chain import MAX_PASSES as _MAX_PASSES  # noqa: F401
+from rhino.planner.chain import make_segment as _make_segment  # noqa: F401
 
 __all__ = ["Partition", "solve_o2", "solve_o3"]
 
@@ -107,8 +111,6 @@ _EXACT_WORK = 3e8             # work budget of an exact table or decode (factor 
 _NODE_WORK = 1e5              # work charged per conditioning node (copy + reductions)
 _HARD_DECODE_WORK = 1e7       # budget of a decode in a segment whose table exceeded it
 _ELIM_MAX_FACTOR = 1 << 22    # entries (float64) of the largest factor elimination builds
-_ICM_SWEEPS = 20              # sweeps of the batched ICM of an approximate table
-_MAX_PASSES = 4               # skip-edge passes after the first chain DP
 _SMALL_ILP_ENTRIES = 60_000   # step 0: core pair entries the ILP is handed (module doc)
 _SMALL_ILP_ITERATIONS = (1000, 0.3)   # its budget: simplex iterations, a + b per entry
 
@@ -168,124 +170,13 @@ def solve_o3(problem: ShardingProblem, *, time_limit: float = 600.0,
 
 
 # ----------------------------------------------------------------------------------------
-# Levels 2 + 3: segment tables and the chain DP
+# Levels 2 + 3: exact segment tables and decodes (segments and the chain DP: chain.py)
 # ----------------------------------------------------------------------------------------
-class _Budget(Exception):
-    pass
-
-
-def _pivot_table(g: PairwiseGraph, piv: tuple[int, ...], off: float) -> np.ndarray:
-    if not piv:
-        return np.array(off)
-    if len(piv) == 1:
-        return g.costs[piv[0]] + off
-    p, q = piv
-    t = g.costs[p][:, None] + g.costs[q][None, :] + off
-    m = g.adj[p].get(q)
-    return t if m is None else t + m
-
-
-def _charge(budget: list[float], work: float) -> None:
-    budget[0] -= work
-    if budget[0] < 0:
-        raise _Budget
-
-
-def _elimination_order(g: PairwiseGraph, alive: list[bool], keep: tuple[int, ...]
-                       ) -> tuple[list[int], float, float]:
-    """Greedy min-size order of the alive nodes outside ``keep``, its largest factor and
-    its work (the factors' total entries).
-
-    A node's factor spans it and its current neighbours (``keep`` included); eliminating it
-    joins those neighbours pairwise, as min-sum variable elimination does.
-    """
-    nb = {i: set(g.adj[i]) for i, a in enumerate(alive) if a}
-    size = {i: len(g.costs[i]) for i in nb}
-    todo = set(nb) - set(keep)
-    order, largest, work = [], 1.0, 0.0
-    while todo:
-        best, v = np.inf, -1
-        for u in todo:
-            c = float(size[u])
-            for x in nb[u]:
-                c *= size[x]
-            if c < best:
-                best, v = c, u
-        largest, work = max(largest, best), work + best
-        rest = nb.pop(v)
-        for x in rest:
-            nb[x].discard(v)
-            nb[x] |= rest - {x}
-        todo.discard(v)
-        order.append(v)
-    return order, largest, work
-
-
-def _eliminate(g: PairwiseGraph, alive: list[bool], keep: tuple[int, ...], order: list[int],
-               steps: list[tuple] | None = None) -> np.ndarray:
-    """Exact min-sum variable elimination of ``order`` (from ``_elimination_order``).
-
-    Returns the min-cost table over ``keep`` (one axis per kept node, in ``keep``'s order;
-    a 0-d array when ``keep`` is empty). With ``steps``, appends ``(v, scope, argmin)`` per
-    eliminated node for ``_eliminated_choice``.
-    """
-    nodes = [i for i, a in enumerate(alive) if a]
-    size = {i: len(g.costs[i]) for i in nodes}
-    factors: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
-    of: dict[int, set[int]] = {i: set() for i in nodes}
-    for i in nodes:
-        of[i].add(len(factors))
-        factors[len(factors)] = ((i,), g.costs[i])
-    for i, j, m in g.edges(nodes):
-        of[i].add(len(factors))
-        of[j].add(len(factors))
-        factors[len(factors)] = ((i, j), m)
-    fid = len(factors)
-
-    def aligned(scope: tuple[int, ...], s: tuple[int, ...], arr: np.ndarray) -> np.ndarray:
-        pos = [scope.index(x) for x in s]
-        shape = [1] * len(scope)
-        for x in s:
-            shape[scope.index(x)] = size[x]
-        return np.transpose(arr, np.argsort(pos)).reshape(shape)
-
-    for v in order:
-        fs = sorted(of.pop(v))
-        scope = (v,) + tuple(sorted({x for f in fs for x in factors[f][0]} - {v}))
-        total = np.zeros([size[x] for x in scope])
-        for f in fs:
-            s, arr = factors.pop(f)
-            total += aligned(scope, s, arr)
-            for x in s:
-                if x != v:
-                    of[x].discard(f)
-        if steps is None:
-            new = total.min(axis=0)
-        else:
-            arg = np.argmin(total, axis=0)
-            steps.append((v, scope[1:], arg))
-            new = np.take_along_axis(total, arg[None], axis=0)[0]
-        factors[fid] = (scope[1:], new)
-        for x in scope[1:]:
-            of[x].add(fid)
-        fid += 1
-    out = np.zeros([size[x] for x in keep])
-    for s, arr in factors.values():
-        out = out + aligned(keep, s, arr)
-    return out
-
-
-def _eliminated_choice(steps: list[tuple], choice: np.ndarray) -> None:
-    """Back-substitution of ``_eliminate``'s steps into ``choice`` (kept nodes set)."""
-    for v, scope, arg in reversed(steps):
-        choice[v] = arg[tuple(int(choice[x]) for x in scope)]
-
-
 def _table(g: PairwiseGraph, alive: list[bool], piv: tuple[int, ...], off: float,
            budget: list[float]) -> tuple[np.ndarray, tuple | None]:
     """Exact min-cost table over the protected pivots ``piv``: reductions, then variable
     elimination when its factors stay small, else conditioning on the highest-degree node
-    and recursion. Raises ``_Budget`` past ``budget[0]`` units of work.
+    and recursion. Raises ``BudgetExceeded`` past ``budget[0]`` units of work.
 
     Returns the table and a hint for ``_hinted_fixes``: the best choice of every non-pivot
     node conditioned on, per pivot choice (None when nothing was conditioned on).
@@ -293,12 +184,12 @@ def _table(g: PairwiseGraph, alive: list[bool], piv: tuple[int, ...], off: float
     off += reduce_graph(g, alive, frozenset(piv), _SEGMENT_MAX_PAIR, [])
     core = [i for i, a in enumerate(alive) if a and i not in piv]
     if not core:
-        return _pivot_table(g, piv, off), None
-    order, largest, work = _elimination_order(g, alive, piv)
+        return pivot_table(g, piv, off), None
+    order, largest, work = elimination_order(g, alive, piv)
     if largest <= _ELIM_MAX_FACTOR:
-        _charge(budget, work)
-        return _eliminate(g, alive, piv, order) + off, None
-    _charge(budget, _NODE_WORK)
+        charge(budget, work)
+        return eliminate(g, alive, piv, order) + off, None
+    charge(budget, _NODE_WORK)
     z = max(core + list(piv), key=lambda i: (len(g.adj[i]), -len(g.costs[i])))
     rest = tuple(p for p in piv if p != z)
     results, kids = [], []
@@ -336,21 +227,21 @@ def _condition(g: PairwiseGraph, alive: list[bool], budget: list[float]
     """Exact minimum (and argmin over the alive nodes) of a small graph.
 
     Reduces; eliminates the rest when its factors stay small; else conditions on the
-    highest-degree node and recurses. Raises ``_Budget`` past ``budget[0]`` units of work
+    highest-degree node and recurses. Raises ``BudgetExceeded`` past ``budget[0]`` units of work
     (factor entries; ``_NODE_WORK`` per conditioning node). Entries of dead nodes are
     unspecified.
     """
-    _charge(budget, _NODE_WORK)
+    charge(budget, _NODE_WORK)
     log: list[tuple] = []
     off = reduce_graph(g, alive, frozenset(), _SEGMENT_MAX_PAIR, log)
     core = [i for i, a in enumerate(alive) if a]
     choice = np.zeros(len(alive), dtype=np.int64)
-    order, largest, work = _elimination_order(g, alive, ()) if core else ([], 1.0, 0.0)
+    order, largest, work = elimination_order(g, alive, ()) if core else ([], 1.0, 0.0)
     if core and largest <= _ELIM_MAX_FACTOR:
-        _charge(budget, work)
+        charge(budget, work)
         steps: list[tuple] = []
-        off += float(_eliminate(g, alive, (), order, steps))
-        _eliminated_choice(steps, choice)
+        off += float(eliminate(g, alive, (), order, steps))
+        eliminated_choice(steps, choice)
     elif core:
         z = max(core, key=lambda i: (len(g.adj[i]), -len(g.costs[i])))
         best_val, best = np.inf, None
@@ -369,34 +260,6 @@ def _condition(g: PairwiseGraph, alive: list[bool], budget: list[float]
         choice, off = best, off + best_val
     back_substitute(log, choice)
     return off, choice
-
-
-@dataclasses.dataclass(frozen=True)
-class _Segment:
-    """A segment re-indexed locally: pivots first (left, right, where present), then nodes."""
-
-    nodes: tuple[int, ...]            # core-problem indices of the local nodes
-    npiv: int
-    costs: tuple[np.ndarray, ...]     # pivots' unary costs zeroed (the chain DP adds them)
-    edges: tuple[tuple[int, int, np.ndarray], ...]
-    key: bytes                        # hash of the cost data: memoises tables and decodes
-    shape_key: bytes                  # hash of sizes and edge endpoints: the exact work
-
-
-def _make_segment(nodes: list[int], npiv: int, costs: list[np.ndarray],
-                  edges: list[tuple[int, int, np.ndarray]]) -> _Segment:
-    h = hashlib.blake2b(digest_size=20)
-    shape = [len(nodes), npiv] + [len(c) for c in costs]
-    edges = sorted(edges, key=lambda t: (t[0], t[1]))
-    for i, j, m in edges:
-        shape += [i, j]
-    for c in costs:
-        h.update(np.ascontiguousarray(c, dtype=np.float64).tobytes())
-    for i, j, m in edges:
-        h.update(np.ascontiguousarray(m, dtype=np.float64).tobytes())
-    shape_key = hashlib.blake2b(np.array(shape, np.int64).tobytes(), digest_size=20).digest()
-    h.update(shape_key)
-    return _Segment(tuple(nodes), npiv, tuple(costs), tuple(edges), h.digest(), shape_key)
 
 
 class _ExactMemo:
@@ -457,7 +320,7 @@ class _SegmentSolver:
     A segment whose exact table exceeds the work budget ``_EXACT_WORK`` is remembered by its
     shape (sizes and edge endpoints, which fix the work), so that the same segment with
     other costs (the skip-edge passes add unary terms; repeated layers) goes straight to
-    ``_approx_table`` and its decodes try elimination only briefly before the ILP.
+    ``chain.approx_table`` and its decodes try elimination only briefly before the ILP.
 
     ``stats`` counts: ``tables`` built (``table_hits`` memoised), ``approx_tables``,
     ``budget_exceeded`` (exact attempts abandoned), ``decodes``, ``decode_ilps`` (decodes
@@ -474,7 +337,7 @@ class _SegmentSolver:
                       "decodes": 0, "decode_ilps": 0, "decode_icm": 0}
         _EXACT.check()
 
-    def table(self, seg: _Segment) -> np.ndarray:
+    def table(self, seg: Segment) -> np.ndarray:
         if seg.key in self.tables:
             self.stats["table_hits"] += 1
             return self.tables[seg.key]
@@ -496,16 +359,16 @@ class _SegmentSolver:
                 if hint is not None:
                     self.hints[seg.key] = hint
                 _EXACT.put_table(seg.key, t, hint)
-            except _Budget:
+            except BudgetExceeded:
                 self.stats["budget_exceeded"] += 1
                 _EXACT.hard.add(seg.shape_key)
         if t is None:
             self.stats["approx_tables"] += 1
-            t = _approx_table(seg, self.deadline)
+            t = approx_table(seg, self.deadline)
         self.tables[seg.key] = t
         return t
 
-    def decode(self, seg: _Segment, fixed: tuple[int, ...],
+    def decode(self, seg: Segment, fixed: tuple[int, ...],
                exact: bool = True) -> tuple[float, np.ndarray]:
         """Best cost and local choices of the segment with its pivots fixed to ``fixed``.
 
@@ -541,7 +404,7 @@ class _SegmentSolver:
                 sub_val, sub_choice = _condition(g, alive, budget)
                 choice[core] = sub_choice[core]
                 core, val = [], val + sub_val
-            except _Budget:
+            except BudgetExceeded:
                 pass
         if core:
             loc = {i: k for k, i in enumerate(core)}
@@ -569,176 +432,6 @@ class _SegmentSolver:
         if pure and np.isfinite(val):
             _EXACT.put_decode(key[:2], val, choice)
         return val, choice
-
-
-def _approx_table(seg: _Segment, deadline: float) -> np.ndarray:
-    """Upper-bound table of a segment too dense for the exact one: the cost, per pivot
-    choice, of batched ICM started from TRW's choice of the non-pivot nodes.
-
-    Every entry is the cost of a real assignment of the segment, so the chain DP's value
-    for a pick is never below the decoded (exact) one; the pivot pairs share one sweep of
-    vectorised array operations, so this costs milliseconds where a solve per pair took
-    minutes.
-    """
-    n, npiv = len(seg.costs), seg.npiv
-    sizes = [len(seg.costs[p]) for p in range(npiv)]
-    sub = ShardingProblem(tuple(f"n{i}" for i in range(n)),
-                          tuple(("",) * len(c) for c in seg.costs), seg.costs,
-                          tuple(Edge(i, j, m) for i, j, m in seg.edges))
-    try:
-        seed = np.asarray(solve_trw(sub, time_limit=max(
-            min(5.0, deadline - time.perf_counter()), 0.1)).choice)
-    except InfeasibleProblemError:
-        seed = np.array([int(np.argmin(c)) for c in seg.costs])
-    pairs = np.indices(sizes).reshape(npiv, int(np.prod(sizes)))
-    cur = np.repeat(seed[:, None], pairs.shape[1], axis=1)
-    cur[:npiv] = pairs
-    nbrs: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
-    for i, j, m in seg.edges:
-        nbrs[i].append((j, m))
-        nbrs[j].append((i, m.T))
-    cols = np.arange(cur.shape[1])
-    for _ in range(_ICM_SWEEPS):
-        changed = False
-        for i in range(npiv, n):
-            vec = np.repeat(np.asarray(seg.costs[i])[:, None], cur.shape[1], axis=1)
-            for j, m in nbrs[i]:
-                vec = vec + m[:, cur[j]]
-            b = np.argmin(vec, axis=0)
-            old, new = vec[cur[i], cols], vec[b, cols]
-            move = (new < old) & (~np.isfinite(old) | (old - new > 1e-12 * np.abs(old)))
-            if move.any():
-                cur[i] = np.where(move, b, cur[i])
-                changed = True
-        if not changed:
-            break
-    val = np.zeros(cur.shape[1])
-    for i in range(n):
-        val = val + np.asarray(seg.costs[i])[cur[i]]
-    for i, j, m in seg.edges:
-        val = val + m[cur[i], cur[j]]
-    return val.reshape(sizes)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Chain:
-    """Segments of a problem and the skip edges that leave them."""
-
-    pivots: tuple[int, ...]                       # node index of each pivot
-    members: tuple[tuple[int, ...], ...]          # per segment, its non-pivot nodes
-    local_edges: tuple[tuple[int, ...], ...]      # per segment, indices into prob.edges
-    skip_edges: tuple[int, ...]                   # indices into prob.edges
-
-
-def _make_chain(prob: ShardingProblem, seg_of: Sequence[int],
-                pivots: Sequence[int]) -> _Chain:
-    k = len(pivots)
-    pidx = {p: t for t, p in enumerate(pivots)}
-    members: list[list[int]] = [[] for _ in range(k + 1)]
-    for c, s in enumerate(seg_of):
-        if c not in pidx:
-            members[s].append(c)
-    local: list[list[int]] = [[] for _ in range(k + 1)]
-    skip = []
-    for ei, e in enumerate(prob.edges):
-        su = ("p", pidx[e.u]) if e.u in pidx else ("s", seg_of[e.u])
-        sv = ("p", pidx[e.v]) if e.v in pidx else ("s", seg_of[e.v])
-        seg = _edge_segment(su, sv)
-        if seg is None:
-            skip.append(ei)
-        else:
-            local[seg].append(ei)
-    return _Chain(tuple(pivots), tuple(tuple(m) for m in members),
-                  tuple(tuple(x) for x in local), tuple(skip))
-
-
-def _edge_segment(a: tuple[str, int], b: tuple[str, int]) -> int | None:
-    """The segment an edge belongs to, or None for a skip edge."""
-    if a[0] == "s" and b[0] == "s":
-        return a[1] if a[1] == b[1] else None
-    if a[0] == "p" and b[0] == "p":
-        lo, hi = sorted((a[1], b[1]))
-        return hi if hi == lo + 1 else None
-    t, s = (a[1], b[1]) if a[0] == "p" else (b[1], a[1])
-    return s if s in (t, t + 1) else None
-
-
-def _solve_chain(prob: ShardingProblem, chain: _Chain, extra: list[np.ndarray],
-                 solver: _SegmentSolver) -> np.ndarray:
-    """Chain DP over pivot choices; returns a choice per node of ``prob``."""
-    k = len(chain.pivots)
-    unary = [np.asarray(c) + x for c, x in zip(prob.costs, extra)]
-    segs = []
-    for s in range(k + 1):
-        piv = ([chain.pivots[s - 1]] if s > 0 else []) + ([chain.pivots[s]] if s < k else [])
-        nodes = piv + list(chain.members[s])
-        loc = {c: j for j, c in enumerate(nodes)}
-        costs = [np.zeros(len(unary[c])) for c in piv] + [unary[c] for c in chain.members[s]]
-        edges = [(loc[prob.edges[ei].u], loc[prob.edges[ei].v], prob.edges[ei].cost)
-                 for ei in chain.local_edges[s]]
-        segs.append(_make_segment(nodes, len(piv), costs, edges))
-    tables = [solver.table(seg) for seg in segs]
-    if k == 0:
-        fixed: list[tuple[int, ...]] = [()]
-        piv_choice: list[int] = []
-    else:
-        pu = [unary[p] for p in chain.pivots]
-        value = tables[0] + pu[0]
-        back = []
-        for s in range(1, k):
-            tot = value[:, None] + tables[s]
-            arg = np.argmin(tot, axis=0)
-            back.append(arg)
-            value = tot[arg, np.arange(tot.shape[1])] + pu[s]
-        value = value + tables[k]
-        last = int(np.argmin(value))
-        if not np.isfinite(value[last]):
-            raise InfeasibleProblemError("the chain DP found no finite-cost choice of pivots")
-        piv_choice = [last]
-        for arg in reversed(back):
-            piv_choice.append(int(arg[piv_choice[-1]]))
-        piv_choice.reverse()
-        fixed = [((piv_choice[s - 1],) if s > 0 else ()) + ((piv_choice[s],) if s < k else ())
-                 for s in range(k + 1)]
-    out = np.zeros(prob.num_nodes, dtype=np.int64)
-    for p, c in zip(chain.pivots, piv_choice):
-        out[p] = c
-    for seg, f in zip(segs, fixed):
-        _, local = solver.decode(seg, f)
-        for j in range(seg.npiv, len(seg.nodes)):
-            out[seg.nodes[j]] = local[j]
-    return out
-
-
-def _skip_unary(prob: ShardingProblem, chain: _Chain, choice: np.ndarray) -> list[np.ndarray]:
-    extra = [np.zeros(len(c)) for c in prob.costs]
-    for ei in chain.skip_edges:
-        e = prob.edges[ei]
-        extra[e.u] = extra[e.u] + e.cost[:, choice[e.v]]
-        extra[e.v] = extra[e.v] + e.cost[choice[e.u], :]
-    return extra
-
-
-def _chain_passes(prob: ShardingProblem, chain: _Chain, solver: _SegmentSolver,
-                  start: np.ndarray | None, deadline: float) -> np.ndarray:
-    """Chain DP (or ``start``); then skip-edge passes while they lower the objective."""
-    if start is None:
-        best = _solve_chain(prob, chain, [np.zeros(len(c)) for c in prob.costs], solver)
-    else:
-        best = start
-    best_obj = prob.objective(best)
-    for _ in range(_MAX_PASSES if chain.skip_edges else 0):
-        if time.perf_counter() > deadline:
-            break
-        try:
-            cand = _solve_chain(prob, chain, _skip_unary(prob, chain, best), solver)
-        except InfeasibleProblemError:  # forbidden skip pairs at the current choice
-            break
-        obj = prob.objective(cand)
-        if not obj < best_obj:
-            break
-        best, best_obj = cand, obj
-    return best
 
 
 def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: float = 60.0,
@@ -780,11 +473,11 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
         s = s if s >= 0 else pidx.get(r, partition.segment_of[r])
         seg.append(min(max(s, 0), k))
     loc = {node: j for j, node in enumerate(red.core_nodes)}
-    chain = _make_chain(core, seg, [loc[p] for p in partition.pivots])
+    chain = make_chain(core, seg, [loc[p] for p in partition.pivots])
     solver = _SegmentSolver(time_limit, mip_rel_gap, deadline)
     cands = []
     if core.num_nodes:
-        first = _chain_passes(core, chain, solver, None, deadline)
+        first = chain_passes(core, chain, solver, None, deadline)
         cands.append(improve_local(core, first, max_sweeps=20, deadline=deadline))
         if chain.skip_edges and time.perf_counter() < deadline:
             left = deadline - time.perf_counter()
@@ -793,7 +486,7 @@ def solve_o2(problem: ShardingProblem, partition: Partition, *, time_limit: floa
             except InfeasibleProblemError:
                 trw = None
             if trw is not None:
-                start = _chain_passes(core, chain, solver, trw, deadline)
+                start = chain_passes(core, chain, solver, trw, deadline)
                 cands.append(improve_local(core, start, max_sweeps=20, deadline=deadline))
     best = min(cands, key=core.objective) if cands else ()
     if cands:   # block moves, then mirrored windows (module docstring); ICM after each
