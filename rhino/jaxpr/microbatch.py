@@ -38,6 +38,23 @@ it per microbatch and the step is refused, naming the equation and the statistic
 source line, unless ``per_microbatch_statistics`` accepts that each microbatch uses its own
 estimate (its partial sum times ``m``: for a mean over the batch, the microbatch's mean).
 
+*Pairs* (``per_microbatch_statistics`` only). An equation whose per-example operands meet
+along two factors (``z @ z.T``: every example against every example) is computed by each
+microbatch on its own examples against its own examples, the diagonal block, which is what
+the step computes on that microbatch alone: its result is ``split(a,b)``, cut along both
+dimensions by the same microbatch index. Later equations keep it consistent (``_pairs``):
+elementwise with values of the same block; a sum, maximum or minimum over one dimension of
+pairs reduces within the block (the result is split along the other, no partial value);
+a whole constant is read as its diagonal block only where every block is alike (a
+comparison of iotas such as ``eye`` or ``tril``, a broadcast of a scalar: ``_even``); a
+per-example value along its other dimension only where it is constant along it. Refused,
+naming the line: index values (positions of the whole batch, outside the block), a
+reshape merging a dimension of pairs, a contraction of pairs with a whole value, a mean
+over a dimension of pairs (a sum over it scaled by a constant or a count of the batch: it
+counts the whole batch's pairs), a sum over pairs used as a statistic, and a value over
+pairs read once per step or returned. ``jnp.diagonal``'s platform-dependent branches are
+read as its mask-and-reduce one (``interpret.flatten(platform_branches=True)``).
+
 Nothing here depends on tracing at microbatch shapes: per-microbatch equations are bound
 with the shape parameters of their results rewritten (``MicrobatchLayout.params``), and
 the stage programs check every result's shape against ``mb_avals``.
@@ -76,21 +93,33 @@ class Layout:
     kind: str                  # whole | split | partial | total | local
     axis: int | None = None    # split: the dimension cut into microbatches
     op: str | None = None      # partial: sum | max | min
+    pair: int | None = None    # split: a second dimension cut by the same microbatch index
 
     def __str__(self) -> str:
-        return {"split": f"split({self.axis})", "partial": f"partial({self.op})"}.get(
+        cut = f"{self.axis}" if self.pair is None else f"{self.axis},{self.pair}"
+        return {"split": f"split({cut})", "partial": f"partial({self.op})"}.get(
             self.kind, self.kind)
 
     @property
     def per_microbatch(self) -> bool:
         return self.kind in ("split", "partial", "local")
 
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The dimensions a microbatch cuts (split only)."""
+        if self.kind != "split":
+            return ()
+        return (self.axis,) if self.pair is None else (self.axis, self.pair)
+
 
 WHOLE, TOTAL, LOCAL = Layout("whole"), Layout("total"), Layout("local")
 
 
-def split(axis: int) -> Layout:
-    return Layout("split", axis=int(axis))
+def split(axis: int, pair: int | None = None) -> Layout:
+    if pair is None:
+        return Layout("split", axis=int(axis))
+    a, b = sorted((int(axis), int(pair)))
+    return Layout("split", axis=a, pair=b)
 
 
 def partial(op: str = "sum") -> Layout:
@@ -101,7 +130,9 @@ def partial(op: str = "sum") -> Layout:
 class Use:
     """How an equation reads an operand when that is not as it was made.
 
-    ``slice``: a whole value's chunk of the current microbatch along ``axis``; ``whole``: a
+    ``slice``: a whole value's chunk of the current microbatch along ``axis`` (and along
+    ``pair`` too: its diagonal block; a split value's chunk along another dimension it is
+    constant along, ``pair`` None); ``whole``: a
     value computed from the batch alone, computed whole by the prologue; ``total``: the sum
     over microbatches of a partial value; ``concat``: a split value's chunks put together
     along ``axis``; ``local``: a partial value as the microbatch's own estimate of the
@@ -109,6 +140,7 @@ class Use:
 
     kind: str
     axis: int | None = None
+    pair: int | None = None
 
 
 class Place(str, enum.Enum):
@@ -183,6 +215,11 @@ class MicrobatchLayout:
         """ref -> the dimension of a split value (what a microbatch divides)."""
         return {r: lay.axis for r, lay in self.layout.items() if lay.kind == "split"}
 
+    def cut_dims(self) -> dict[int, tuple[int, ...]]:
+        """ref -> every dimension a microbatch divides of a split value (two for a value
+        over pairs of the batch)."""
+        return {r: lay.dims for r, lay in self.layout.items() if lay.kind == "split"}
+
 
 # ------------------------------------------------------------------------------ analysis
 @dataclasses.dataclass
@@ -192,6 +229,7 @@ class _Outcome:
     params: dict | None = None
     needs_total: tuple[int, ...] = ()      # operands whose total it needs
     reason: str = ""
+    block_sum: bool = False                # sums over a dimension of pairs (in its block)
 
 
 def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int, *,
@@ -245,6 +283,23 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
     post = set(post)
     feeds = set(feeds_gradient or ())
     own = None if per_microbatch is None else set(per_microbatch)
+    spread: dict[int, frozenset[int]] = {}      # ref -> dimensions it is constant along
+    block_sums: set[int] = set()     # sums over a dimension of pairs (and their reshapes)
+    pair_totals: set[int] = set()    # those, also summed further (over the batch)
+    scalars: set[int] = set()        # rank 0, or broadcasts of such
+    iotas: dict[int, tuple[int, Any]] = {}     # constant iotas: ref -> (dimension, offset)
+    even: set[int] = set()           # constants alike on every diagonal block (see _even)
+
+    def spread_of(x: Any) -> frozenset[int]:
+        return spread.get(x, frozenset()) if isinstance(x, int) else frozenset()
+
+    def steady(x: Any) -> frozenset[int]:
+        """Dimensions along which ``x``'s diagonal blocks are what a microbatch alone
+        computes: those it is constant along, or all of a constant mask of iota
+        comparisons (``eye``, ``tril``: the same on every block)."""
+        if isinstance(x, int) and x in even:
+            return frozenset(range(len(avals[x].shape)))
+        return spread_of(x)
 
     def is_data(x: Any) -> bool:
         return isinstance(x, int) and x not in dep_state
@@ -260,6 +315,8 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
         ins_shapes = [operand_shape(x, avals) for x in fe.ins]
         ins = [lay(x) for x in fe.ins]
         kinds = {x.kind for x in ins}
+        pairs = per_microbatch_statistics and (own is None or i in own)
+        why = ""
         if i in post or "total" in kinds:
             got = _total(fe, ins)
         elif kinds <= {"whole"}:
@@ -276,7 +333,7 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                                               flat.source(fe), fe.path, None, False))
                 got = _total(fe, ins)
         else:
-            got = _micro(fe, ins, ins_shapes, outs_shapes, m, zero, is_data)
+            got = _micro(fe, ins, ins_shapes, outs_shapes, m, zero, is_data, pairs, steady)
             if got.needs_total:
                 data_ops = [j for j in got.needs_total if is_data(fe.ins[j])]
                 if data_ops:
@@ -286,8 +343,12 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                         ins2[j] = WHOLE
                     got2 = (_Outcome([WHOLE] * len(fe.outs), {}) if all(
                         x.kind == "whole" for x in ins2) else
-                        _micro(fe, ins2, ins_shapes, outs_shapes, m, zero, is_data))
-                    if not got2.needs_total:
+                        _micro(fe, ins2, ins_shapes, outs_shapes, m, zero, is_data, pairs,
+                               steady))
+                    if not got2.needs_total and not (pairs and any(
+                            j in got2.uses for j in data_ops)):
+                        # (a value of the batch alone read whole cannot also be read as
+                        # its block: what it addresses is the whole batch's positions)
                         for j in data_ops:
                             got2.uses[j] = Use("whole")
                             wholes.add(fe.ins[j])
@@ -298,12 +359,18 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                                        (own is None or i in own))
                 if got.needs_total and (i in feeds or localized):
                     stat = _statistic(flat, fe, got, ins, producer)
-                    if localized and all(
+                    over_pairs = any(fe.ins[j] in pair_totals for j in got.needs_total)
+                    if over_pairs:
+                        got.reason = ("a sum over pairs of the batch's examples used as a "
+                                      "statistic (a microbatch's estimate of it would count "
+                                      "its own pairs m times)")
+                    if localized and not over_pairs and all(
                             ins[j].kind == "partial" for j in got.needs_total):
                         ins3 = list(ins)
                         for j in got.needs_total:
                             ins3[j] = LOCAL
-                        got3 = _micro(fe, ins3, ins_shapes, outs_shapes, m, zero, is_data)
+                        got3 = _micro(fe, ins3, ins_shapes, outs_shapes, m, zero, is_data,
+                                      pairs, steady)
                         if not got3.needs_total:
                             for j in got.needs_total:
                                 u = got3.uses.get(j)
@@ -314,9 +381,60 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                     if got.needs_total and i in feeds:
                         couplings.append(Coupling(
                             got.reason, prims.name(fe.eqn), flat.source(fe), fe.path, stat,
-                            all(ins[j].kind == "partial" for j in got.needs_total)))
+                            not over_pairs and all(ins[j].kind == "partial"
+                                                   for j in got.needs_total)))
                 if got.needs_total:
+                    why = got.reason
                     got = _total(fe, ins)
+        paired = [x for x in fe.ins if isinstance(x, int) and layout[x].pair is not None]
+        if paired and any(x.kind == "total" for x in got.outs) and not (
+                couplings and couplings[-1].path == fe.path):
+            couplings.append(Coupling(
+                why or "a value over pairs of the batch's examples read once per step (each "
+                "microbatch holds only its own pairs)", prims.name(fe.eqn), flat.source(fe),
+                fe.path, None, False))
+        name = prims.name(fe.eqn)
+        if name in (prims.MUL, prims.DIV) and any(
+                isinstance(x, int) and x in block_sums for x in fe.ins) and any(
+                (isinstance(x, Lit) and np.ndim(x.value) == 0) or
+                (isinstance(x, int) and x in scalars and x not in dep_state)
+                for x in fe.ins if not (isinstance(x, int) and x in block_sums)):
+            # sum(pairs) / n: the mean over a dimension of pairs divides by the whole
+            # batch's count, a microbatch holds n / m of them (a constant or a count of
+            # the batch; a scalar of the training state is a learned scale).
+            couplings.append(Coupling(
+                "a sum over pairs of the batch's examples scaled by a constant (a mean over "
+                "pairs counts the whole batch's; each microbatch holds only its own)",
+                name, flat.source(fe), fe.path, None, False))
+        outs_ok = [r for r in fe.outs if r is not None]
+        if got.block_sum or (name in _CARRY_SPREAD and fe.ins and isinstance(
+                fe.ins[0], int) and fe.ins[0] in block_sums):
+            block_sums.update(outs_ok)
+        if any(isinstance(x, int) and x in block_sums | pair_totals for x in fe.ins) and (
+                name in _CARRY_SPREAD or name == "reduce_sum"):
+            pair_totals.update(outs_ok)
+        pair_totals.update(r for r in outs_ok if r in block_sums)
+        if name == prims.BROADCAST and outs_ok:
+            (x,) = fe.ins
+            old = ins_shapes[0]
+            dims = fe.eqn.params["broadcast_dimensions"]
+            new = {d for d in range(len(outs_shapes[0])) if d not in dims}
+            new |= {dims[k] for k, n in enumerate(old) if n == 1 and
+                    outs_shapes[0][dims[k]] != 1}
+            spread[outs_ok[0]] = frozenset(new) | frozenset(
+                dims[d] for d in spread_of(x))
+            if isinstance(x, Lit) or x in scalars or len(old) == 0:
+                scalars.update(outs_ok)
+        elif name in _CARRY_SPREAD - {prims.RESHAPE, prims.TRANSPOSE, prims.SQUEEZE} \
+                and len(fe.ins) == 1 and outs_ok:
+            spread[outs_ok[0]] = spread_of(fe.ins[0])
+            if isinstance(fe.ins[0], int) and fe.ins[0] in scalars:
+                scalars.update(outs_ok)
+        for r in outs_ok:
+            if not avals[r].shape:
+                scalars.add(r)
+        if not bdep and not sdep and outs_ok:
+            _even(fe, outs_ok[0], iotas, even, spread_of)
         for j, u in got.uses.items():
             uses[(i, j)] = u
         if got.params is not None:
@@ -340,15 +458,84 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                 dep_state.add(r)
             if got.outs[k].kind == "split":
                 shape = list(avals[r].shape)
-                shape[got.outs[k].axis] //= m
+                for d in got.outs[k].dims:
+                    shape[d] //= m
                 mb_shapes[r] = tuple(shape)
         if _makes_zero(fe, zero):
             zero.update(r for r in fe.outs if r is not None)
+    for x in flat.outs:
+        if isinstance(x, int) and layout[x].pair is not None and x in producer:
+            fe = flat.eqns[producer[x]]
+            couplings.append(Coupling(
+                "a value over pairs of the batch's examples returned by the step (each "
+                "microbatch holds only its own pairs)", prims.name(fe.eqn), flat.source(fe),
+                fe.path, None, False))
     wholes = _close_wholes(flat, wholes, producer, dep_state)
     return MicrobatchLayout(m, layout, tuple(place), uses, params, mb_shapes,
                             frozenset(r for r in layout if r not in dep_state),
                             frozenset(wholes), frozenset(dep_batch), tuple(couplings),
                             frozenset(local_eqns))
+
+
+# One-operand equations a broadcast's constancy and a sum over pairs pass through as they
+# are (reshapes and transposes carry a sum over pairs, not dimensions' constancy).
+_CARRY_SPREAD = prims.IDENTITY_LIKE | {prims.CONVERT, "neg", "copy", "copy_p",
+                                       prims.RESHAPE, prims.TRANSPOSE, prims.SQUEEZE,
+                                       prims.BROADCAST}
+
+
+_COMPARE = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+
+
+def _even(fe: Any, r: int, iotas: dict[int, tuple[int, Any]], even: set[int],
+          spread_of: Callable[[Any], frozenset[int]]) -> None:
+    """Track constants whose diagonal blocks are all alike (``r``: the result of ``fe``,
+    which reads no batch and no state): a comparison of iotas along two dimensions with
+    the same offset (``eye``: ``iota0 + 0 == iota1``; ``tril``: ``>=``), and what
+    elementwise ops, broadcasts and transposes make of such masks, scalars and values
+    constant along every dimension. An iota alone is positions of the whole batch (not
+    even); so is an offset by a constant between the two iotas (it may be ``n / 2``)."""
+    name = prims.name(fe.eqn)
+    ins = fe.ins
+    if name == prims.IOTA:
+        iotas[r] = (int(fe.eqn.params["dimension"]), 0)
+        return
+    if name in (prims.BROADCAST, prims.CONVERT) and isinstance(ins[0], int) and \
+            ins[0] in iotas:
+        d, off = iotas[ins[0]]
+        if name == prims.BROADCAST:
+            d = fe.eqn.params["broadcast_dimensions"][d]
+        iotas[r] = (d, off)
+        return
+    if name in ("add", "sub") and len(ins) == 2:
+        a, b = ins
+        if isinstance(a, int) and a in iotas and isinstance(b, Lit) and np.ndim(b.value) == 0:
+            d, off = iotas[a]
+            iotas[r] = (d, off + (1 if name == "add" else -1) * np.asarray(b.value).item())
+            return
+        if name == "add" and isinstance(b, int) and b in iotas and isinstance(a, Lit) \
+                and np.ndim(a.value) == 0:
+            d, off = iotas[b]
+            iotas[r] = (d, off + np.asarray(a.value).item())
+            return
+    if name in _COMPARE and len(ins) == 2 and all(isinstance(x, int) and x in iotas
+                                                 for x in ins):
+        (da, oa), (db, ob) = iotas[ins[0]], iotas[ins[1]]
+        if da != db and oa == ob:
+            even.add(r)
+        return
+
+    if name in prims.ELEMENTWISE or name in (prims.BROADCAST, prims.TRANSPOSE) or \
+            name in prims.IDENTITY_LIKE:
+        def alike(k: int, x: Any) -> bool:       # a mask, a scalar, or constant
+            if isinstance(x, Lit) or x in even:
+                return True
+            return all(n == 1 or d in spread_of(x)
+                       for d, n in enumerate(fe.eqn.invars[k].aval.shape))
+
+        if any(isinstance(x, int) and x in even for x in ins) and all(
+                alike(k, x) for k, x in enumerate(ins)):
+            even.add(r)
 
 
 def _makes_zero(fe: Any, zero: set[int]) -> bool:
@@ -397,9 +584,12 @@ def _statistic(flat: FlatProgram, fe: Any, got: _Outcome, ins: list[Layout],
 
 
 def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
-           m: int, zero: set[int], is_data: Callable[[Any], bool]) -> _Outcome:
+           m: int, zero: set[int], is_data: Callable[[Any], bool], pairs: bool = False,
+           spread: Callable[[Any], Collection[int]] = lambda x: ()) -> _Outcome:
     """An equation with a per-microbatch operand: its results' layouts and how it reads
-    its operands, or the operands whose totals it needs."""
+    its operands, or the operands whose totals it needs. ``pairs``: an equation pairing
+    the examples of the batch is computed per microbatch on its own pairs (``_pairs``);
+    ``spread(x)``: the dimensions operand ``x`` is constant along (a broadcast's)."""
     n_out = len(fe.outs)
     partials = [j for j, x in enumerate(ins) if x.kind == "partial"]
     splits = [j for j, x in enumerate(ins) if x.kind == "split"]
@@ -430,6 +620,23 @@ def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: lis
     if rules is None:
         return _unsupported(fe, ins, splits, f"a per-example value enters {name}, which "
                                              f"cannot be cut into microbatches")
+    hit: list | None = []
+    for j in splits:
+        for d in ins[j].dims:
+            fa = next((fa for fa in rules if (j, d) in fa[0]), None)
+            if fa is None:
+                hit = None
+                break
+            if fa not in hit:
+                hit.append(fa)
+        if hit is None:
+            break
+    over_pairs = any(ins[j].pair is not None for j in splits)
+    if pairs and (over_pairs or (hit is not None and len(hit) == 2)):
+        return _pairs(fe, ins, ins_shapes, outs_shapes, m, hit or [], spread)
+    if any(ins[j].pair is not None for j in splits):
+        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
+                                             f"(over pairs of them)")
     first = splits[0]
     f = next((fa for fa in rules if (first, ins[first].axis) in fa[0]), None)
     if f is None or not all((j, ins[j].axis) in f[0] for j in splits):
@@ -464,6 +671,99 @@ def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: lis
                                                  f"by {m} microbatches")
         outs.append(split(res[k]))
     return _Outcome(outs, uses, _rewrite(fe.eqn, ins, ins_shapes, outs_shapes, res, m))
+
+
+# What an equation over pairs of the batch's examples may be: ops that treat the pairs'
+# positions alike (no index values, no windows, no random draws), and sums, maxima and
+# minima within the microbatch's block.
+_PAIR_OPS = (prims.ELEMENTWISE | {prims.BROADCAST, prims.TRANSPOSE, prims.SQUEEZE,
+                                  prims.RESHAPE, prims.DOT, prims.CONVERT}
+             | {"reduce_sum", "reduce_max", "reduce_min"})
+
+
+def _pairs(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
+           m: int, hit: list, spread: Callable[[Any], Collection[int]]) -> _Outcome:
+    """An equation whose per-example operands meet along two factors (``per_microbatch_
+    statistics``): ``z @ z.T`` pairs every example with every example. Each microbatch
+    computes the diagonal block (its examples against its own examples), what the step
+    computes on that microbatch alone: a result keeping both factors is split along both
+    dimensions by the same microbatch index; one reduced by a sum, maximum or minimum
+    within the block is split along the other (no partial value: no other microbatch
+    holds a term of it); both reduced, a partial value. A whole operand is read as its
+    diagonal block (iota comparisons are the same on every block), a per-example operand
+    along its other dimension only where it is constant along it (a broadcast). Anything
+    else is unsupported (named): index values (global positions of the batch), a reshape
+    merging a dimension of pairs, a contraction of pairs with a value of the whole batch's
+    positions, an operand of another size."""
+    name = prims.name(fe.eqn)
+    splits = [j for j, x in enumerate(ins) if x.kind == "split"]
+    if name in prims.INDEXING:
+        return _unsupported(fe, ins, splits, f"{name} addresses values over pairs of the "
+                                             f"batch's examples by index values (positions "
+                                             f"of the whole batch, outside a microbatch's "
+                                             f"own pairs)")
+    if name not in _PAIR_OPS:
+        return _unsupported(fe, ins, splits, f"{name} on values over pairs of the batch's "
+                                             f"examples (it addresses positions of the "
+                                             f"whole batch)")
+    if len(hit) != 2:
+        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
+                                             f"(over pairs of them)")
+    cut: dict[int, list[int]] = {}
+    kept: list[dict[int, int]] = []
+    reduced: list[str | None] = []
+    for members, reduce in hit:
+        slots = [(s, d) for s, d in members if s >= 0]
+        size = next(ins_shapes[s][d] for s, d in slots
+                    if ins[s].kind == "split" and d in ins[s].dims)
+        for s, d in slots:
+            x = ins[s]
+            if ins_shapes[s][d] != size:
+                return _unsupported(fe, ins, splits, f"{name} reads a value along the batch "
+                                                     f"at another size")
+            if x.kind == "split" and d in x.dims:
+                continue
+            if reduce is not None and x.kind == "whole":
+                return _unsupported(fe, ins, splits, f"{name} contracts pairs of the batch's "
+                                                     f"examples with a value over the whole "
+                                                     f"batch's positions")
+            if x.kind == "whole" or (x.kind == "split" and d in spread(fe.ins[s])):
+                cut.setdefault(s, []).append(d)
+                continue
+            return _unsupported(fe, ins, splits, f"{name} reads a per-example value along "
+                                                 f"the positions of the batch against pairs "
+                                                 f"of its examples (a microbatch holds only "
+                                                 f"its own pairs)")
+        res = {-1 - s: d for s, d in members if s < 0}
+        if res:
+            kept.append(res)
+        else:
+            reduced.append(reduce)
+    uses = {s: Use("slice", d[0], d[1] if len(d) > 1 else None) for s, d in cut.items()}
+    n_out = len(fe.outs)
+    if any(len(r) != n_out for r in kept):
+        return _unsupported(fe, ins, splits, f"{name} gives results not cut with the batch")
+    if any(op not in ("sum", "max", "min") for op in reduced) or len(set(reduced)) > 1:
+        return _unsupported(fe, ins, splits, f"{name} reduces over pairs of the batch")
+    block_sum = name in prims.REDUCTIONS and reduced == ["sum"]
+    if not kept:
+        return _Outcome([partial(reduced[0])] * n_out, uses, block_sum=block_sum)
+    dims = [tuple(r[k] for r in kept) for k in range(n_out)]
+    for k, ds in enumerate(dims):
+        if any(outs_shapes[k][d] % m for d in ds):
+            return _unsupported(fe, ins, splits, f"{name}'s result {outs_shapes[k]} is not "
+                                                 f"divisible by {m} microbatches")
+    params = None
+    key = _SHAPE_PARAMS.get(name)
+    if key is not None:
+        from rhino.jaxpr.private import bind_params
+
+        params = bind_params(fe.eqn)
+        sizes = list(params[key])
+        for d in dims[0]:
+            sizes[d] //= m
+        params[key] = tuple(sizes)
+    return _Outcome([split(*ds) for ds in dims], uses, params, block_sum=block_sum)
 
 
 def _unsupported(fe: Any, ins: list[Layout], splits: list[int], reason: str) -> _Outcome:
@@ -597,6 +897,9 @@ def simulate(flat: FlatProgram, layout: MicrobatchLayout, args: Sequence[Any]) -
         if lay.kind == "partial":
             return _combine(lay.op, [parts[k][x] for k in range(m)])
         if lay.kind == "split":
+            if lay.pair is not None:
+                raise MicrobatchError(f"value #{x} over pairs of the batch ({lay}) read "
+                                      f"whole: only its diagonal blocks are computed")
             return jnp.concatenate([parts[k][x] for k in range(m)], axis=lay.axis)
         if lay.kind == "local":
             return sum(parts[k][x] for k in range(m)) / m
@@ -636,8 +939,9 @@ def simulate(flat: FlatProgram, layout: MicrobatchLayout, args: Sequence[Any]) -
                     vals.append(parts[k][x] if layout.layout[x].per_microbatch
                                 else read_whole(x))
                 elif use.kind == "slice":
-                    base = parts[k][x] if layout.layout[x].kind == "local" else read_whole(x)
-                    vals.append(chunk(base, use.axis, k))
+                    base = parts[k][x] if layout.layout[x].per_microbatch else read_whole(x)
+                    v = chunk(base, use.axis, k)
+                    vals.append(v if use.pair is None else chunk(v, use.pair, k))
                 elif use.kind == "whole":
                     vals.append(read_whole(x))
                 elif use.kind == "local":
