@@ -46,7 +46,7 @@ dimensions by the same microbatch index. Later equations keep it consistent (``_
 elementwise with values of the same block; a sum, maximum or minimum over one dimension of
 pairs reduces within the block (the result is split along the other, no partial value);
 a whole constant is read as its diagonal block only where every block is alike (a
-comparison of iotas such as ``eye`` or ``tril``, a broadcast of a scalar: ``_even``); a
+comparison of iotas such as ``eye`` or ``tril``, a broadcast of a scalar: ``pairs.PairFacts``); a
 per-example value along its other dimension only where it is constant along it. Refused,
 naming the line: index values (positions of the whole batch, outside the block), a
 reshape merging a dimension of pairs, a contraction of pairs with a whole value, a mean
@@ -82,6 +82,7 @@ import numpy as np
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.factors import ORDER_PRESERVING, factors, linear_groups, operand_shape
 from rhino.jaxpr.interpret import FlatProgram, Lit
+from rhino.jaxpr.pairs import PAIR_OPS, PairFacts
 from rhino.jaxpr.private import eqn_source, name_stack_text
 
 
@@ -160,6 +161,8 @@ class Coupling:
         estimable: each microbatch could use its own estimate instead (it reads sums or
             maxima over the batch: ``per_microbatch_statistics``); not where it pairs the
             examples of the batch with each other (a whole-batch softmax's ``z @ z.T``).
+        pairable: it pairs the examples (two factors of the batch) in a way the pairs of
+            ``per_microbatch_statistics`` could compute (found without that option).
     """
 
     what: str
@@ -168,6 +171,7 @@ class Coupling:
     path: tuple[int, ...]
     statistic: tuple[str, str | None] | None = None
     estimable: bool = True
+    pairable: bool = False
 
     def describe(self) -> str:
         at = f"{self.primitive} at {self.source or 'an unknown line'}"
@@ -230,6 +234,7 @@ class _Outcome:
     needs_total: tuple[int, ...] = ()      # operands whose total it needs
     reason: str = ""
     block_sum: bool = False                # sums over a dimension of pairs (in its block)
+    pairable: bool = False                 # pairs the examples (two factors of the batch)
 
 
 def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int, *,
@@ -283,23 +288,8 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
     post = set(post)
     feeds = set(feeds_gradient or ())
     own = None if per_microbatch is None else set(per_microbatch)
-    spread: dict[int, frozenset[int]] = {}      # ref -> dimensions it is constant along
-    block_sums: set[int] = set()     # sums over a dimension of pairs (and their reshapes)
-    pair_totals: set[int] = set()    # those, also summed further (over the batch)
-    scalars: set[int] = set()        # rank 0, or broadcasts of such
-    iotas: dict[int, tuple[int, Any]] = {}     # constant iotas: ref -> (dimension, offset)
-    even: set[int] = set()           # constants alike on every diagonal block (see _even)
-
-    def spread_of(x: Any) -> frozenset[int]:
-        return spread.get(x, frozenset()) if isinstance(x, int) else frozenset()
-
-    def steady(x: Any) -> frozenset[int]:
-        """Dimensions along which ``x``'s diagonal blocks are what a microbatch alone
-        computes: those it is constant along, or all of a constant mask of iota
-        comparisons (``eye``, ``tril``: the same on every block)."""
-        if isinstance(x, int) and x in even:
-            return frozenset(range(len(avals[x].shape)))
-        return spread_of(x)
+    facts = PairFacts(avals)
+    steady = facts.steady
 
     def is_data(x: Any) -> bool:
         return isinstance(x, int) and x not in dep_state
@@ -359,7 +349,7 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                                        (own is None or i in own))
                 if got.needs_total and (i in feeds or localized):
                     stat = _statistic(flat, fe, got, ins, producer)
-                    over_pairs = any(fe.ins[j] in pair_totals for j in got.needs_total)
+                    over_pairs = facts.summed_pairs([fe.ins[j] for j in got.needs_total])
                     if over_pairs:
                         got.reason = ("a sum over pairs of the batch's examples used as a "
                                       "statistic (a microbatch's estimate of it would count "
@@ -382,7 +372,8 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                         couplings.append(Coupling(
                             got.reason, prims.name(fe.eqn), flat.source(fe), fe.path, stat,
                             not over_pairs and all(ins[j].kind == "partial"
-                                                   for j in got.needs_total)))
+                                                   for j in got.needs_total),
+                            got.pairable))
                 if got.needs_total:
                     why = got.reason
                     got = _total(fe, ins)
@@ -394,47 +385,12 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                 "microbatch holds only its own pairs)", prims.name(fe.eqn), flat.source(fe),
                 fe.path, None, False))
         name = prims.name(fe.eqn)
-        if name in (prims.MUL, prims.DIV) and any(
-                isinstance(x, int) and x in block_sums for x in fe.ins) and any(
-                (isinstance(x, Lit) and np.ndim(x.value) == 0) or
-                (isinstance(x, int) and x in scalars and x not in dep_state)
-                for x in fe.ins if not (isinstance(x, int) and x in block_sums)):
-            # sum(pairs) / n: the mean over a dimension of pairs divides by the whole
-            # batch's count, a microbatch holds n / m of them (a constant or a count of
-            # the batch; a scalar of the training state is a learned scale).
+        if facts.mean_over_pairs(fe, dep_state):
             couplings.append(Coupling(
                 "a sum over pairs of the batch's examples scaled by a constant (a mean over "
                 "pairs counts the whole batch's; each microbatch holds only its own)",
                 name, flat.source(fe), fe.path, None, False))
-        outs_ok = [r for r in fe.outs if r is not None]
-        if got.block_sum or (name in _CARRY_SPREAD and fe.ins and isinstance(
-                fe.ins[0], int) and fe.ins[0] in block_sums):
-            block_sums.update(outs_ok)
-        if any(isinstance(x, int) and x in block_sums | pair_totals for x in fe.ins) and (
-                name in _CARRY_SPREAD or name == "reduce_sum"):
-            pair_totals.update(outs_ok)
-        pair_totals.update(r for r in outs_ok if r in block_sums)
-        if name == prims.BROADCAST and outs_ok:
-            (x,) = fe.ins
-            old = ins_shapes[0]
-            dims = fe.eqn.params["broadcast_dimensions"]
-            new = {d for d in range(len(outs_shapes[0])) if d not in dims}
-            new |= {dims[k] for k, n in enumerate(old) if n == 1 and
-                    outs_shapes[0][dims[k]] != 1}
-            spread[outs_ok[0]] = frozenset(new) | frozenset(
-                dims[d] for d in spread_of(x))
-            if isinstance(x, Lit) or x in scalars or len(old) == 0:
-                scalars.update(outs_ok)
-        elif name in _CARRY_SPREAD - {prims.RESHAPE, prims.TRANSPOSE, prims.SQUEEZE} \
-                and len(fe.ins) == 1 and outs_ok:
-            spread[outs_ok[0]] = spread_of(fe.ins[0])
-            if isinstance(fe.ins[0], int) and fe.ins[0] in scalars:
-                scalars.update(outs_ok)
-        for r in outs_ok:
-            if not avals[r].shape:
-                scalars.add(r)
-        if not bdep and not sdep and outs_ok:
-            _even(fe, outs_ok[0], iotas, even, spread_of)
+        facts.update(fe, ins_shapes, outs_shapes, got.block_sum, not bdep and not sdep)
         for j, u in got.uses.items():
             uses[(i, j)] = u
         if got.params is not None:
@@ -475,67 +431,6 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                             frozenset(r for r in layout if r not in dep_state),
                             frozenset(wholes), frozenset(dep_batch), tuple(couplings),
                             frozenset(local_eqns))
-
-
-# One-operand equations a broadcast's constancy and a sum over pairs pass through as they
-# are (reshapes and transposes carry a sum over pairs, not dimensions' constancy).
-_CARRY_SPREAD = prims.IDENTITY_LIKE | {prims.CONVERT, "neg", "copy", "copy_p",
-                                       prims.RESHAPE, prims.TRANSPOSE, prims.SQUEEZE,
-                                       prims.BROADCAST}
-
-
-_COMPARE = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
-
-
-def _even(fe: Any, r: int, iotas: dict[int, tuple[int, Any]], even: set[int],
-          spread_of: Callable[[Any], frozenset[int]]) -> None:
-    """Track constants whose diagonal blocks are all alike (``r``: the result of ``fe``,
-    which reads no batch and no state): a comparison of iotas along two dimensions with
-    the same offset (``eye``: ``iota0 + 0 == iota1``; ``tril``: ``>=``), and what
-    elementwise ops, broadcasts and transposes make of such masks, scalars and values
-    constant along every dimension. An iota alone is positions of the whole batch (not
-    even); so is an offset by a constant between the two iotas (it may be ``n / 2``)."""
-    name = prims.name(fe.eqn)
-    ins = fe.ins
-    if name == prims.IOTA:
-        iotas[r] = (int(fe.eqn.params["dimension"]), 0)
-        return
-    if name in (prims.BROADCAST, prims.CONVERT) and isinstance(ins[0], int) and \
-            ins[0] in iotas:
-        d, off = iotas[ins[0]]
-        if name == prims.BROADCAST:
-            d = fe.eqn.params["broadcast_dimensions"][d]
-        iotas[r] = (d, off)
-        return
-    if name in ("add", "sub") and len(ins) == 2:
-        a, b = ins
-        if isinstance(a, int) and a in iotas and isinstance(b, Lit) and np.ndim(b.value) == 0:
-            d, off = iotas[a]
-            iotas[r] = (d, off + (1 if name == "add" else -1) * np.asarray(b.value).item())
-            return
-        if name == "add" and isinstance(b, int) and b in iotas and isinstance(a, Lit) \
-                and np.ndim(a.value) == 0:
-            d, off = iotas[b]
-            iotas[r] = (d, off + np.asarray(a.value).item())
-            return
-    if name in _COMPARE and len(ins) == 2 and all(isinstance(x, int) and x in iotas
-                                                 for x in ins):
-        (da, oa), (db, ob) = iotas[ins[0]], iotas[ins[1]]
-        if da != db and oa == ob:
-            even.add(r)
-        return
-
-    if name in prims.ELEMENTWISE or name in (prims.BROADCAST, prims.TRANSPOSE) or \
-            name in prims.IDENTITY_LIKE:
-        def alike(k: int, x: Any) -> bool:       # a mask, a scalar, or constant
-            if isinstance(x, Lit) or x in even:
-                return True
-            return all(n == 1 or d in spread_of(x)
-                       for d, n in enumerate(fe.eqn.invars[k].aval.shape))
-
-        if any(isinstance(x, int) and x in even for x in ins) and all(
-                alike(k, x) for k, x in enumerate(ins)):
-            even.add(r)
 
 
 def _makes_zero(fe: Any, zero: set[int]) -> bool:
@@ -640,8 +535,10 @@ def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: lis
     first = splits[0]
     f = next((fa for fa in rules if (first, ins[first].axis) in fa[0]), None)
     if f is None or not all((j, ins[j].axis) in f[0] for j in splits):
-        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
-                                             f"(along the dimension split into microbatches)")
+        got = _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
+                                            f"(along the dimension split into microbatches)")
+        got.pairable = hit is not None and len(hit) == 2 and name in PAIR_OPS
+        return got
     members, reduce = f
     size = ins_shapes[first][ins[first].axis]
     uses: dict[int, Use] = {}
@@ -673,14 +570,6 @@ def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: lis
     return _Outcome(outs, uses, _rewrite(fe.eqn, ins, ins_shapes, outs_shapes, res, m))
 
 
-# What an equation over pairs of the batch's examples may be: ops that treat the pairs'
-# positions alike (no index values, no windows, no random draws), and sums, maxima and
-# minima within the microbatch's block.
-_PAIR_OPS = (prims.ELEMENTWISE | {prims.BROADCAST, prims.TRANSPOSE, prims.SQUEEZE,
-                                  prims.RESHAPE, prims.DOT, prims.CONVERT}
-             | {"reduce_sum", "reduce_max", "reduce_min"})
-
-
 def _pairs(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
            m: int, hit: list, spread: Callable[[Any], Collection[int]]) -> _Outcome:
     """An equation whose per-example operands meet along two factors (``per_microbatch_
@@ -702,7 +591,7 @@ def _pairs(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: lis
                                              f"batch's examples by index values (positions "
                                              f"of the whole batch, outside a microbatch's "
                                              f"own pairs)")
-    if name not in _PAIR_OPS:
+    if name not in PAIR_OPS:
         return _unsupported(fe, ins, splits, f"{name} on values over pairs of the batch's "
                                              f"examples (it addresses positions of the "
                                              f"whole batch)")

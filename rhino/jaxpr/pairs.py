@@ -1,0 +1,178 @@
+"""Facts about the values of a step that decide whether pairs of the batch's examples can be
+computed per microbatch (``rhino.jaxpr.microbatch``, under ``per_microbatch_statistics``).
+
+A value over pairs (``z @ z.T``) is computed by each microbatch as its diagonal block: its
+examples against its own examples, what the step computes on that microbatch alone. That
+holds only where what meets the block reads it consistently; ``PairFacts`` follows, in
+program order, what the pass needs to tell:
+
+====================  ==================================================================
+constant along        dimensions a value is constant along (made by a broadcast): a
+                      per-example value read against pairs along such a dimension is
+                      its block there too
+even                  constants whose diagonal blocks are all alike: comparisons of
+                      iotas along two dimensions with the same offset (``eye``, ``tril``)
+                      and what elementwise ops make of them with scalars and constants;
+                      an iota alone, or an offset between the two (``n / 2``), is
+                      positions of the whole batch
+block sums            sums over a dimension of pairs (within the block): scaled by a
+                      constant, a count of the batch or a statistic they are a mean over
+                      the whole batch's pairs (refused); summed further and used as a
+                      statistic, a microbatch's estimate would count its pairs ``m``
+                      times (refused)
+====================  ==================================================================
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from rhino.jaxpr.interpret import flatten
+    >>> flat = flatten(jax.make_jaxpr(lambda: jnp.eye(4))())
+    >>> facts = PairFacts(flat.avals)
+    >>> for fe in flat.eqns:
+    ...     facts.update(fe, [()] * len(fe.ins), [tuple(fe.eqn.outvars[0].aval.shape)],
+    ...                  False, True)
+    >>> sorted(facts.steady(flat.outs[0]))           # eye(n): every block is eye(n / m)
+    [0, 1]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection, Mapping
+
+import numpy as np
+
+from rhino.jaxpr import primitives as prims
+from rhino.jaxpr.interpret import Lit
+
+# What an equation over pairs of the batch's examples may be: ops that treat the pairs'
+# positions alike (no index values, no windows, no random draws), and sums, maxima and
+# minima within the microbatch's block.
+PAIR_OPS = (prims.ELEMENTWISE | {prims.BROADCAST, prims.TRANSPOSE, prims.SQUEEZE,
+                                 prims.RESHAPE, prims.DOT, prims.CONVERT}
+            | {"reduce_sum", "reduce_max", "reduce_min"})
+
+# One-operand equations a broadcast's constancy and a sum over pairs pass through as they
+# are (reshapes and transposes carry a sum over pairs, not dimensions' constancy).
+_CARRY = prims.IDENTITY_LIKE | {prims.CONVERT, "neg", "copy", "copy_p", prims.RESHAPE,
+                                prims.TRANSPOSE, prims.SQUEEZE, prims.BROADCAST}
+_COMPARE = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+
+
+class PairFacts:
+    """What ``microbatch.analyze`` knows of each value for pairs (see the module
+    docstring), updated equation by equation (``update``)."""
+
+    def __init__(self, avals: Mapping[int, Any]):
+        self.avals = avals
+        self.spread: dict[int, frozenset[int]] = {}   # ref -> dimensions constant along
+        self.block_sums: set[int] = set()   # sums over a dimension of pairs (reshaped)
+        self.pair_totals: set[int] = set()  # those, also summed further
+        self.scalars: set[int] = set()      # rank 0, or broadcasts of such
+        self.iotas: dict[int, tuple[int, Any]] = {}   # constant iota -> (dim, offset)
+        self.even: set[int] = set()         # constants alike on every diagonal block
+
+    def spread_of(self, x: Any) -> frozenset[int]:
+        return self.spread.get(x, frozenset()) if isinstance(x, int) else frozenset()
+
+    def steady(self, x: Any) -> frozenset[int]:
+        """Dimensions along which ``x``'s diagonal blocks are what a microbatch alone
+        computes: those it is constant along, or all of an even constant."""
+        if isinstance(x, int) and x in self.even:
+            return frozenset(range(len(self.avals[x].shape)))
+        return self.spread_of(x)
+
+    def summed_pairs(self, refs: Collection[Any]) -> bool:
+        """Whether one of ``refs`` is a sum over pairs (also summed further)."""
+        return any(isinstance(x, int) and x in self.pair_totals for x in refs)
+
+    def mean_over_pairs(self, fe: Any, dep_state: Collection[int]) -> bool:
+        """Whether ``fe`` scales a sum over a dimension of pairs by a constant or a count
+        of the batch (a scalar computed without the training state; a learned scale is
+        one of the state): ``sum(sim, 1) / n`` divides by the whole batch's count, a
+        microbatch holds ``n / m`` of the pairs."""
+        if prims.name(fe.eqn) not in (prims.MUL, prims.DIV):
+            return False
+        sums = [x for x in fe.ins if isinstance(x, int) and x in self.block_sums]
+        return bool(sums) and any(
+            (isinstance(x, Lit) and np.ndim(x.value) == 0) or
+            (isinstance(x, int) and x in self.scalars and x not in dep_state)
+            for x in fe.ins if x not in sums)
+
+    def update(self, fe: Any, ins_shapes: list[tuple], outs_shapes: list[tuple],
+               block_sum: bool, constant: bool) -> None:
+        """Take in equation ``fe``: ``block_sum``, it sums over a dimension of pairs;
+        ``constant``, it reads neither the batch nor the training state."""
+        name = prims.name(fe.eqn)
+        outs = [r for r in fe.outs if r is not None]
+        if not outs:
+            return
+        first = fe.ins[0] if fe.ins else None
+        if block_sum or (name in _CARRY and isinstance(first, int) and
+                         first in self.block_sums):
+            self.block_sums.update(outs)
+        if any(isinstance(x, int) and (x in self.block_sums or x in self.pair_totals)
+               for x in fe.ins) and (name in _CARRY or name == "reduce_sum"):
+            self.pair_totals.update(outs)
+        self.pair_totals.update(r for r in outs if r in self.block_sums)
+        if name == prims.BROADCAST:
+            old = ins_shapes[0]
+            dims = fe.eqn.params["broadcast_dimensions"]
+            new = {d for d in range(len(outs_shapes[0])) if d not in dims}
+            new |= {dims[k] for k, n in enumerate(old) if n == 1 and
+                    outs_shapes[0][dims[k]] != 1}
+            self.spread[outs[0]] = frozenset(new) | frozenset(
+                dims[d] for d in self.spread_of(first))
+            if isinstance(first, Lit) or first in self.scalars or len(old) == 0:
+                self.scalars.update(outs)
+        elif name in _CARRY - {prims.RESHAPE, prims.TRANSPOSE, prims.SQUEEZE} and \
+                len(fe.ins) == 1:
+            self.spread[outs[0]] = self.spread_of(first)
+            if isinstance(first, int) and first in self.scalars:
+                self.scalars.update(outs)
+        self.scalars.update(r for r in outs if not self.avals[r].shape)
+        if constant:
+            self._even(fe, outs[0])
+
+    def _even(self, fe: Any, r: int) -> None:
+        """Track iotas (with their offsets) and even constants (``r``: ``fe``'s result)."""
+        name = prims.name(fe.eqn)
+        ins, iotas = fe.ins, self.iotas
+        if name == prims.IOTA:
+            iotas[r] = (int(fe.eqn.params["dimension"]), 0)
+            return
+        if name in (prims.BROADCAST, prims.CONVERT) and isinstance(ins[0], int) and \
+                ins[0] in iotas:
+            d, off = iotas[ins[0]]
+            if name == prims.BROADCAST:
+                d = fe.eqn.params["broadcast_dimensions"][d]
+            iotas[r] = (d, off)
+            return
+        if name in ("add", "sub") and len(ins) == 2:
+            a, b = ins
+            if isinstance(a, int) and a in iotas and isinstance(b, Lit) and \
+                    np.ndim(b.value) == 0:
+                d, off = iotas[a]
+                sign = 1 if name == "add" else -1
+                iotas[r] = (d, off + sign * np.asarray(b.value).item())
+                return
+            if name == "add" and isinstance(b, int) and b in iotas and \
+                    isinstance(a, Lit) and np.ndim(a.value) == 0:
+                d, off = iotas[b]
+                iotas[r] = (d, off + np.asarray(a.value).item())
+                return
+        if name in _COMPARE and len(ins) == 2 and all(isinstance(x, int) and x in iotas
+                                                     for x in ins):
+            (da, oa), (db, ob) = iotas[ins[0]], iotas[ins[1]]
+            if da != db and oa == ob:
+                self.even.add(r)
+            return
+        if name in prims.ELEMENTWISE or name in (prims.BROADCAST, prims.TRANSPOSE) or \
+                name in prims.IDENTITY_LIKE:
+            def alike(k: int, x: Any) -> bool:      # even, a scalar, or constant
+                if isinstance(x, Lit) or x in self.even:
+                    return True
+                return all(n == 1 or d in self.spread_of(x)
+                           for d, n in enumerate(fe.eqn.invars[k].aval.shape))
+
+            if any(isinstance(x, int) and x in self.even for x in ins) and all(
+                    alike(k, x) for k, x in enumerate(ins)):
+                self.even.add(r)
