@@ -412,11 +412,15 @@ def refuse_couplings(layout: MicrobatchLayout, m: int,
         fix = ("Pass per_microbatch_statistics=True to let each microbatch use its own "
                "statistics (as gradient accumulation does), or run the step as one SPMD "
                "stage (mesh_shape=..., or stages=1)")
-    elif not per_microbatch_statistics:
+    elif first.pairable and not per_microbatch_statistics:
         fix = ("It pairs examples of the batch with each other, which no microbatch can do "
                "on its own: pass per_microbatch_statistics=True to let each microbatch pair "
                "only its own examples (as running the step on that microbatch alone does), "
                "or run the step as one SPMD stage (mesh_shape=..., or stages=1)")
+    elif not per_microbatch_statistics:
+        fix = ("It pairs examples of the batch with each other, which no microbatch can do "
+               "on its own (per_microbatch_statistics=True does not apply): run the step as "
+               "one SPMD stage (mesh_shape=..., or stages=1)")
     else:
         fix = ("It pairs examples of the batch with each other in a way that "
                "per_microbatch_statistics=True does not cover (each microbatch pairs only "

@@ -183,6 +183,7 @@ def test_a_whole_batch_softmax_is_a_coupling():
     lay, *_ = run(step, (mlp_params(jax.random.PRNGKey(0)), x), batch=(1,), grads=(1, 2))
     assert lay.couplings
     assert lay.couplings[0].source.endswith(f"test_microbatch.py:{_line('sim = z @ z.T')}")
+    assert lay.couplings[0].pairable and not lay.couplings[0].estimable
 
 
 def _per_microbatch(step, p, x, m=M):
