@@ -40,14 +40,16 @@ from rhino.hlo_passes.stage_programs import (FlatProgram, StageShardings, StageS
                                              StepSplit, assignment_from_ops, flatten,
                                              split_step)
 from rhino.hlo_passes.strided import StridedRealizer
+from rhino.hlo_passes.unroll import trace
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.microbatch import MicrobatchLayout
+from rhino.jaxpr.pairs import batch_size_constants
 from rhino.parallel_plan import Plan
 from rhino.planner.build import carried_pairs
 from rhino.planner.collectives import reshard
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.vocabulary import PlanKind
+from rhino.vocabulary import PlanKind, Role
 
 
 # ------------------------------------------------------------------------------ specs
@@ -389,11 +391,45 @@ def lower_stages(traced: ScopedFunction, graph: HloGraph, plan: Plan, abstract: 
     except StageSplitError as e:
         raise LoweringError(str(e)) from e
     refuse_couplings(split.layout, m, per_microbatch_statistics)
+    if per_microbatch_statistics:
+        refuse_pair_constants(traced, abstract, split, batch_refs)
     emap = EqnMap(traced, graph)
     shardings = tuple(_stage_shardings(st.spmd, st.index, graph, emap, flat, split)
                       for st in plan.stages)
     return StageLowering(split, abstract, assignment, batch_refs, shardings, keys,
                          per_microbatch_statistics)
+
+
+def refuse_pair_constants(traced: ScopedFunction, abstract: tuple, split: StepSplit,
+                          batch_refs: Sequence[int]) -> None:
+    """Under ``per_microbatch_statistics``, with values over pairs of the batch
+    (``rhino.jaxpr.pairs``): trace the step again at one microbatch's size and refuse it,
+    naming the line, where a constant the pairs meet differs (``batch_size_constants``):
+    the microbatch's block of pairs would be scaled for the whole batch's, silently.
+
+    Raises:
+        BatchCouplingError: such a constant.
+    """
+    lay = split.layout
+    if not any(x.pair is not None for x in lay.layout.values()):
+        return
+    m = split.num_microbatches
+    leaves, tree = jax.tree_util.tree_flatten(abstract)
+    batch = set(batch_refs)
+    small = [jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype) if k in batch
+             else x for k, x in enumerate(leaves)]
+    micro = flatten(trace(traced.fn, *jax.tree_util.tree_unflatten(tree, small)),
+                    platform_branches=True)
+    late = {i for i, r in enumerate(split.role) if r in (Role.BACKWARD, Role.APPLY)}
+    found = batch_size_constants(split.flat, micro, lay, late)
+    if found:
+        fe, why = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise BatchCouplingError(
+            f"per_microbatch_statistics: {why}: {prims.name(fe.eqn)} at "
+            f"{split.flat.source(fe) or 'an unknown line'}{more}. Compute the pairs' "
+            f"scale from a value that does not depend on the batch's size, or run the step "
+            f"as one SPMD stage (mesh_shape=..., or stages=1)")
 
 
 def refuse_couplings(layout: MicrobatchLayout, m: int,
@@ -456,6 +492,8 @@ def microbatch_divisors(traced: ScopedFunction, graph: HloGraph, abstract: tuple
     except StageSplitError as e:
         raise LoweringError(str(e)) from e
     refuse_couplings(split.layout, m, per_microbatch_statistics)
+    if per_microbatch_statistics:
+        refuse_pair_constants(traced, abstract, split, refs)
     dims = split.layout.cut_dims()
     ref_of = {(fe.path, k): r for fe in flat.eqns for k, r in enumerate(fe.outs)
               if r is not None}

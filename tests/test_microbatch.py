@@ -11,7 +11,8 @@ import pytest
 
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.interpret import flatten
-from rhino.jaxpr.microbatch import Place, analyze, ancestors, simulate
+from rhino.jaxpr.microbatch import Place, analyze, ancestors
+from rhino.jaxpr.simulate import simulate
 
 M = 4
 

@@ -335,6 +335,50 @@ def test_a_contrastive_loss_is_refused_then_per_microbatch_with_the_opt_in():
     assert abs(losses[0] - float(jax.jit(step)(params, tx.init(params), x)[2])) > 1e-3
 
 
+@pytest.mark.parametrize("scaled", ["temperature", "before the sum", "by a whole constant"])
+def test_pairs_scaled_by_the_batch_size_are_refused_with_the_opt_in(scaled):
+    """The contrastive step with a constant of the batch's size applied to its pairs: a
+    temperature of ``n / 8``, a mean over one dimension of pairs written as a scale by
+    ``1 / n`` before the sum, or a product with a whole ``full((n, n), 1 / n)``. Each
+    microbatch's block holds ``n / m`` pairs per row, and the step on that microbatch alone
+    would use its own ``n``: the whole batch's constant would be silently wrong. rhino
+    traces the step again at one microbatch and refuses it where a constant the pairs meet
+    depends on the batch's size, naming the line."""
+    tx = optax.adam(1e-2)
+
+    def step(params, opt_state, x):
+        def loss_fn(p):
+            z = _apply(p, x)
+            z = z / jnp.linalg.norm(z, axis=1, keepdims=True)
+            n = x.shape[0]
+            sim = z @ z.T / 0.5
+            reg = 0.0
+            if scaled == "temperature":
+                sim = sim * (n / 8.0)                                     # sized: temperature
+            elif scaled == "before the sum":
+                reg = jnp.mean(jnp.sum(sim ** 2 / n, axis=1))             # sized: before the sum
+            else:
+                reg = jnp.mean(jnp.sum(sim ** 2 * jnp.full((n, n), 1.0 / n), axis=1))  # sized: whole
+            return -jnp.mean(jax.nn.log_softmax(sim, axis=1).diagonal()) + 0.1 * reg
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    params = _mlp(jax.random.key(0), (8, 32, 32, 16))
+    x = jax.random.normal(jax.random.key(1), (B, 8))
+    piped = rhino.auto_parallel(step, per_microbatch_statistics=True, **PIPE)
+    try:
+        with pytest.raises(rhino.BatchCouplingError) as err:
+            piped(_host(params), _host(tx.init(params)), x)
+    finally:
+        piped.close()
+    msg = str(err.value)
+    tag = {"temperature": "# sized: temperature", "before the sum": "# sized: before the sum",
+           "by a whole constant": "# sized: whole"}[scaled]
+    assert f"test_pipeline_exact.py:{_line(tag)}" in msg, msg
+    assert "depends on the batch's size" in msg, msg
+
+
 def test_a_cond_on_the_loss_around_the_gradients_is_named():
     """The gradients computed inside ``lax.cond(jnp.isfinite(loss), ...)`` (marked with
     ``rhino.grad``): the branch needs the whole batch's loss before any gradient; the error

@@ -176,3 +176,84 @@ class PairFacts:
             if any(isinstance(x, int) and x in self.even for x in ins) and all(
                     alike(k, x) for k, x in enumerate(ins)):
                 self.even.add(r)
+
+
+def batch_size_constants(whole: Any, micro: Any, layout: Any, backward: Collection[int] = ()
+                         ) -> list[tuple[Any, str]]:
+    """Where the values over pairs meet a constant that depends on the batch's size.
+
+    Each microbatch computes its block of pairs as the step computes them on that
+    microbatch alone, but every constant of the step was fixed at the whole batch: a
+    ``1 / n`` that scales a value over pairs (or a per-example value made from one, before
+    it is reduced over the batch), or a whole constant built from one, would count the
+    whole batch's pairs where the block holds only its own. ``whole`` and ``micro`` are
+    the step's flat programs (``interpret.flatten``) traced at the whole batch and at one
+    microbatch; ``layout`` the whole-batch ``MicrobatchLayout``. The equations the pairs
+    reach are compared literal by literal (and the whole values they read, with the
+    equations computing those); a sum over the batch ends the reach, as a partial value's
+    per-microbatch estimate is scaled by its own rule. ``backward``: equations of the
+    backward pass and after (by index), not compared: they are linear in the loss's
+    cotangent, whose ``1 / n`` (a mean's) the sum of the microbatches' gradients
+    compensates, and they repeat the forward's other constants, which are compared.
+
+    Returns:
+        ``(equation of whole, why)`` per difference, in program order; one entry if the
+        two traces are not the same equations (nothing could be compared).
+    """
+    import numpy as np
+
+    from rhino.jaxpr import primitives as prims
+    from rhino.jaxpr.interpret import Lit
+
+    lay = layout.layout
+    if len(whole.eqns) != len(micro.eqns) or any(
+            prims.name(a.eqn) != prims.name(b.eqn) for a, b in zip(whole.eqns, micro.eqns)):
+        first = next((a for a, b in zip(whole.eqns, micro.eqns)
+                      if prims.name(a.eqn) != prims.name(b.eqn)), whole.eqns[-1])
+        return [(first, "the step traces to other equations at the microbatch's size, so "
+                        "the constants the pairs meet cannot be compared")]
+    reach = {r for r, x in lay.items() if getattr(x, "pair", None) is not None}
+    producer = {r: i for i, fe in enumerate(whole.eqns) for r in fe.outs if r is not None}
+    checked: set[int] = set()
+    backward = set(backward)
+    for i, fe in enumerate(whole.eqns):
+        if i in backward:
+            continue
+        refs = [x for x in fe.ins if isinstance(x, int)]
+        outs = [r for r in fe.outs if r is not None]
+        if any(r in reach for r in refs) or any(r in reach for r in outs):
+            checked.add(i)
+            reach.update(r for r in outs if lay.get(r) is not None and lay[r].kind == "split")
+    todo = [x for i in checked for x in whole.eqns[i].ins
+            if isinstance(x, int) and lay.get(x) is not None and lay[x].kind == "whole"]
+    seen: set[int] = set()
+    while todo:                       # the whole values the pairs read, and their makers
+        r = todo.pop()
+        if r in seen:
+            continue
+        seen.add(r)
+        i = producer.get(r)
+        if i is not None and i not in backward:
+            checked.add(i)
+            todo.extend(x for x in whole.eqns[i].ins if isinstance(x, int))
+    found: list[tuple[Any, str]] = []
+    for i in sorted(checked):
+        a, b = whole.eqns[i], micro.eqns[i]
+        for x, y in zip(a.ins, b.ins):
+            if isinstance(x, Lit) or isinstance(y, Lit):
+                same = isinstance(x, Lit) and isinstance(y, Lit) and np.array_equal(
+                    np.asarray(x.value), np.asarray(y.value))
+            elif x in whole.consts or y in micro.consts:
+                same = x in whole.consts and y in micro.consts and np.array_equal(
+                    np.asarray(whole.consts[x]), np.asarray(micro.consts[y]))
+            else:
+                continue
+            if not same:
+                shown = [np.asarray(v.value).tolist() if isinstance(v, Lit) else "an array"
+                         for v in (x, y)]
+                found.append((a, f"a constant that depends on the batch's size ({shown[0]} "
+                                 f"at the whole batch, {shown[1]} at one microbatch) meets "
+                                 f"values over pairs of the batch's examples (each microbatch "
+                                 f"holds only its own pairs)"))
+                break
+    return found
