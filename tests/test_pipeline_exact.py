@@ -335,12 +335,14 @@ def test_a_contrastive_loss_is_refused_then_per_microbatch_with_the_opt_in():
     assert abs(losses[0] - float(jax.jit(step)(params, tx.init(params), x)[2])) > 1e-3
 
 
-@pytest.mark.parametrize("scaled", ["temperature", "before the sum", "by a whole constant"])
+@pytest.mark.parametrize("scaled", ["temperature", "before the sum", "by a whole constant",
+                                    "by a whole count"])
 def test_pairs_scaled_by_the_batch_size_are_refused_with_the_opt_in(scaled):
     """The contrastive step with a constant of the batch's size applied to its pairs: a
     temperature of ``n / 8``, a mean over one dimension of pairs written as a scale by
     ``1 / n`` before the sum, or a product with a whole ``full((n, n), 1 / n)``. Each
-    microbatch's block holds ``n / m`` pairs per row, and the step on that microbatch alone
+    microbatch's block holds ``n / m`` pairs per row (and a count ``ones((n, n)).sum(1)``,
+    with no constant of the batch's size in it, is ``n`` per row), and the step on that microbatch alone
     would use its own ``n``: the whole batch's constant would be silently wrong. rhino
     traces the step again at one microbatch and refuses it where a constant the pairs meet
     depends on the batch's size, naming the line."""
@@ -357,8 +359,11 @@ def test_pairs_scaled_by_the_batch_size_are_refused_with_the_opt_in(scaled):
                 sim = sim * (n / 8.0)                                     # sized: temperature
             elif scaled == "before the sum":
                 reg = jnp.mean(jnp.sum(sim ** 2 / n, axis=1))             # sized: before the sum
-            else:
+            elif scaled == "by a whole constant":
                 reg = jnp.mean(jnp.sum(sim ** 2 * jnp.full((n, n), 1.0 / n), axis=1))  # sized: whole
+            else:
+                count = jnp.ones((n, n)).sum(axis=1)                      # sized: count
+                reg = jnp.mean(jnp.sum(sim ** 2, axis=1) / count)
             return -jnp.mean(jax.nn.log_softmax(sim, axis=1).diagonal()) + 0.1 * reg
         loss, g = jax.value_and_grad(loss_fn)(params)
         u, opt_state = tx.update(g, opt_state, params)
@@ -374,9 +379,9 @@ def test_pairs_scaled_by_the_batch_size_are_refused_with_the_opt_in(scaled):
         piped.close()
     msg = str(err.value)
     tag = {"temperature": "# sized: temperature", "before the sum": "# sized: before the sum",
-           "by a whole constant": "# sized: whole"}[scaled]
+           "by a whole constant": "# sized: whole", "by a whole count": "# sized: count"}[scaled]
     assert f"test_pipeline_exact.py:{_line(tag)}" in msg, msg
-    assert "depends on the batch's size" in msg, msg
+    assert "batch's size" in msg, msg
 
 
 def test_a_cond_on_the_loss_around_the_gradients_is_named():

@@ -237,6 +237,7 @@ def batch_size_constants(whole: Any, micro: Any, layout: Any, backward: Collecti
             checked.add(i)
             todo.extend(x for x in whole.eqns[i].ins if isinstance(x, int))
     found: list[tuple[Any, str]] = []
+    found += _uneven_blocks(whole, micro, layout, checked, producer)
     for i in sorted(checked):
         a, b = whole.eqns[i], micro.eqns[i]
         for x, y in zip(a.ins, b.ins):
@@ -255,5 +256,61 @@ def batch_size_constants(whole: Any, micro: Any, layout: Any, backward: Collecti
                                  f"at the whole batch, {shown[1]} at one microbatch) meets "
                                  f"values over pairs of the batch's examples (each microbatch "
                                  f"holds only its own pairs)"))
+                break
+    return found
+
+
+def _constant_values(flat: Any, eqns: Collection[int]) -> dict[int, Any]:
+    """ref -> value of the results of ``eqns`` computable from literals and constants alone
+    (iotas, broadcasts, ``full``), in program order; the others are left out."""
+    from rhino.jaxpr.interpret import Lit
+    from rhino.jaxpr.private import bind
+
+    env: dict[int, Any] = dict(flat.consts)
+    for i in sorted(eqns):
+        fe = flat.eqns[i]
+        if not all(isinstance(x, Lit) or x in env for x in fe.ins):
+            continue
+        try:
+            outs = bind(fe.eqn, [x.value if isinstance(x, Lit) else env[x] for x in fe.ins])
+        except Exception:            # noqa: BLE001 (not computable here: left out)
+            continue
+        env.update((r, v) for r, v in zip(fe.outs, outs) if r is not None)
+    return env
+
+
+def _uneven_blocks(whole: Any, micro: Any, layout: Any, checked: Collection[int],
+                   producer: Mapping[int, int]) -> list[tuple[Any, str]]:
+    """Whole constants the pairs read as their microbatch's block (``Use.slice``) whose
+    blocks are not what one microbatch computes (``jnp.ones((n, n)).sum(1)`` is ``n`` at the
+    whole batch, ``n / m`` at one microbatch): computed at both sizes and compared."""
+    import numpy as np
+
+    m = layout.num_microbatches
+    reads = [(i, j, x) for i in sorted(checked) for j, x in enumerate(whole.eqns[i].ins)
+             if isinstance(x, int) and x in producer and layout.uses.get((i, j)) is not None
+             and layout.uses[(i, j)].kind == "slice"]
+    if not reads:
+        return []
+    big = _constant_values(whole, checked)
+    small = _constant_values(micro, checked)
+    found: list[tuple[Any, str]] = []
+    for i, j, x in reads:
+        y = micro.eqns[i].ins[j]
+        if x not in big or not isinstance(y, int) or y not in small:
+            continue
+        use = layout.uses[(i, j)]
+        w, v = np.asarray(big[x]), np.asarray(small[y])
+        dims = [d for d in (use.axis, use.pair) if d is not None]
+        for k in range(m):
+            block = w
+            for d in dims:
+                size = w.shape[d] // m
+                block = np.take(block, np.arange(k * size, (k + 1) * size), axis=d)
+            if block.shape != v.shape or not np.array_equal(block, v):
+                fe = whole.eqns[producer[x]]
+                found.append((fe, "a whole value computed from the batch's size is not, in "
+                                  f"microbatch {k}'s block, what one microbatch computes "
+                                  "(it meets values over pairs of the batch's examples)"))
                 break
     return found
