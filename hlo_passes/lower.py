@@ -40,14 +40,16 @@ from rhino.hlo_passes.stage_programs import (FlatProgram, StageShardings, StageS
                                              StepSplit, assignment_from_ops, flatten,
                                              split_step)
 from rhino.hlo_passes.strided import StridedRealizer
+from rhino.hlo_passes.unroll import trace
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.microbatch import MicrobatchLayout
+from rhino.jaxpr.pairs import batch_size_constants
 from rhino.parallel_plan import Plan
 from rhino.planner.build import carried_pairs
 from rhino.planner.collectives import reshard
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.vocabulary import PlanKind
+from rhino.vocabulary import PlanKind, Role
 
 
 # ------------------------------------------------------------------------------ specs
@@ -382,13 +384,15 @@ def lower_stages(traced: ScopedFunction, graph: HloGraph, plan: Plan, abstract: 
     assignment = assignment_from_ops(traced, graph, _stage_of(plan, graph), roles)
     batch_refs = batch_leaves(traced, graph, abstract, batch_params, m)
     keys = tuple(sorted(key_args(traced)))
-    flat = flatten(traced.closed)
+    flat = flatten(traced.closed, platform_branches=per_microbatch_statistics)
     try:
         split = split_step(flat, assignment, batch_refs, plan.num_stages, m, key_refs=keys,
                            per_microbatch_statistics=per_microbatch_statistics)
     except StageSplitError as e:
         raise LoweringError(str(e)) from e
-    refuse_couplings(split.layout, m)
+    refuse_couplings(split.layout, m, per_microbatch_statistics)
+    if per_microbatch_statistics:
+        refuse_pair_constants(traced, abstract, split, batch_refs)
     emap = EqnMap(traced, graph)
     shardings = tuple(_stage_shardings(st.spmd, st.index, graph, emap, flat, split)
                       for st in plan.stages)
@@ -396,7 +400,40 @@ def lower_stages(traced: ScopedFunction, graph: HloGraph, plan: Plan, abstract: 
                          per_microbatch_statistics)
 
 
-def refuse_couplings(layout: MicrobatchLayout, m: int) -> None:
+def refuse_pair_constants(traced: ScopedFunction, abstract: tuple, split: StepSplit,
+                          batch_refs: Sequence[int]) -> None:
+    """Under ``per_microbatch_statistics``, with values over pairs of the batch
+    (``rhino.jaxpr.pairs``): trace the step again at one microbatch's size and refuse it,
+    naming the line, where a constant the pairs meet differs (``batch_size_constants``):
+    the microbatch's block of pairs would be scaled for the whole batch's, silently.
+
+    Raises:
+        BatchCouplingError: such a constant.
+    """
+    lay = split.layout
+    if not any(x.pair is not None for x in lay.layout.values()):
+        return
+    m = split.num_microbatches
+    leaves, tree = jax.tree_util.tree_flatten(abstract)
+    batch = set(batch_refs)
+    small = [jax.ShapeDtypeStruct((x.shape[0] // m, *x.shape[1:]), x.dtype) if k in batch
+             else x for k, x in enumerate(leaves)]
+    micro = flatten(trace(traced.fn, *jax.tree_util.tree_unflatten(tree, small)),
+                    platform_branches=True)
+    late = {i for i, r in enumerate(split.role) if r in (Role.BACKWARD, Role.APPLY)}
+    found = batch_size_constants(split.flat, micro, lay, late)
+    if found:
+        fe, why = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise BatchCouplingError(
+            f"per_microbatch_statistics: {why}: {prims.name(fe.eqn)} at "
+            f"{split.flat.source(fe) or 'an unknown line'}{more}. Compute the pairs' "
+            f"scale from a value that does not depend on the batch's size, or run the step "
+            f"as one SPMD stage (mesh_shape=..., or stages=1)")
+
+
+def refuse_couplings(layout: MicrobatchLayout, m: int,
+                     per_microbatch_statistics: bool = False) -> None:
     """``BatchCouplingError`` naming the first value the gradients need of the whole batch.
 
     Raises:
@@ -411,10 +448,21 @@ def refuse_couplings(layout: MicrobatchLayout, m: int) -> None:
         fix = ("Pass per_microbatch_statistics=True to let each microbatch use its own "
                "statistics (as gradient accumulation does), or run the step as one SPMD "
                "stage (mesh_shape=..., or stages=1)")
-    else:
+    elif first.pairable and not per_microbatch_statistics:
+        fix = ("It pairs examples of the batch with each other, which no microbatch can do "
+               "on its own: pass per_microbatch_statistics=True to let each microbatch pair "
+               "only its own examples (as running the step on that microbatch alone does), "
+               "or run the step as one SPMD stage (mesh_shape=..., or stages=1)")
+    elif not per_microbatch_statistics:
         fix = ("It pairs examples of the batch with each other, which no microbatch can do "
                "on its own (per_microbatch_statistics=True does not apply): run the step as "
                "one SPMD stage (mesh_shape=..., or stages=1)")
+    else:
+        fix = ("It pairs examples of the batch with each other in a way that "
+               "per_microbatch_statistics=True does not cover (each microbatch pairs only "
+               "its own examples, and no value over the pairs may address positions of the "
+               "whole batch, be read whole, or be a mean over the whole batch's pairs): run "
+               "the step as one SPMD stage (mesh_shape=..., or stages=1)")
     raise BatchCouplingError(
         f"the step's gradients depend on statistics of the whole batch, which {m} "
         f"microbatches cannot compute one by one: {first.describe()}{more}. {fix}")
@@ -436,26 +484,28 @@ def microbatch_divisors(traced: ScopedFunction, graph: HloGraph, abstract: tuple
             pipeline is searched).
     """
     refs = batch_leaves(traced, graph, abstract, batch_params, m)
-    flat = flatten(traced.closed)
+    flat = flatten(traced.closed, platform_branches=per_microbatch_statistics)
     assignment = assignment_from_ops(traced, graph, [0] * len(graph.ops), roles)
     try:
         split = split_step(flat, assignment, refs, 1, m, key_refs=tuple(key_args(traced)),
                            per_microbatch_statistics=per_microbatch_statistics)
     except StageSplitError as e:
         raise LoweringError(str(e)) from e
-    refuse_couplings(split.layout, m)
-    dims = split.layout.split_dims()
+    refuse_couplings(split.layout, m, per_microbatch_statistics)
+    if per_microbatch_statistics:
+        refuse_pair_constants(traced, abstract, split, refs)
+    dims = split.layout.cut_dims()
     ref_of = {(fe.path, k): r for fe in flat.eqns for k, r in enumerate(fe.outs)
               if r is not None}
     out: dict[int, dict[int, int]] = {}
     for key, op in EqnMap(traced, graph).producer.items():
         r = ref_of.get(key)
         if r in dims:
-            out[op] = {dims[r]: m}
+            out[op] = {d: m for d in dims[r]}
     for q in graph.params:
         r = graph.ops[q].arg.index
         if r in dims:
-            out[q] = {dims[r]: m}
+            out[q] = {d: m for d in dims[r]}
     return out
 
 

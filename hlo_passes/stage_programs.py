@@ -452,7 +452,7 @@ def _acc_rule(layout: MicrobatchLayout, ref: int) -> tuple[str, int | None]:
     lay = layout.layout[ref]
     if lay.kind == "partial":
         return (lay.op, None)
-    if lay.kind == "split":
+    if lay.kind == "split" and lay.pair is None:
         return ("concat", lay.axis)
     if lay.kind == "local":
         return ("mean", None)       # each microbatch's own (per_microbatch_statistics)
@@ -613,9 +613,10 @@ def _read(split: StepSplit, i: int, j: int, x: Any, env: Mapping, whole: Mapping
         return env[x] if x in env else whole[x]
     m = split.num_microbatches
     if use.kind == "slice":
-        local = split.layout.layout[x].kind == "local"
-        base = env[x] if local or x not in whole else whole[x]
-        return _chunk(base, use.axis, mb, m)
+        own = split.layout.layout[x].per_microbatch      # local, or split along another dim
+        base = env[x] if own or x not in whole else whole[x]
+        base = _chunk(base, use.axis, mb, m)
+        return base if use.pair is None else _chunk(base, use.pair, mb, m)   # its block
     if use.kind == "local":
         v = env[x]
         if split.layout.layout[x].op == "sum":

@@ -76,8 +76,8 @@ class PlanRequest:
         parallel: plan the pipeline search's candidates in parallel workers (only how
             fast the search runs; the plan is the same).
         per_microbatch_statistics: a pipeline may let each microbatch use its own
-            estimate of a statistic of the whole batch (``auto_parallel``'s option): which
-            values a microbatch cuts depends on it.
+            estimate of a statistic of the whole batch, and pair only its own examples
+            (``auto_parallel``'s option): which values a microbatch cuts depends on it.
     """
 
     opt_level: str = "O2"

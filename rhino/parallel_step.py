@@ -647,7 +647,10 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             the whole batch (BatchNorm statistics, a whole-batch softmax) is refused
             (``BatchCouplingError``, naming the op and its source line) unless this
             accepts that each microbatch uses its own estimate of it (as gradient
-            accumulation does).
+            accumulation does); a value pairing the examples with each other (``z @
+            z.T``) is then each microbatch's own pairs (its diagonal block), what is not
+            computable so (positions of the whole batch, a mean over pairs) still refused
+            (``rhino.jaxpr.microbatch``).
         min_split_flops: ops of at least this many FLOPs must not run whole on every
             device (their replicated choices are removed): for cost models where compute
             is nearly free next to communication, under which replicating heavy work

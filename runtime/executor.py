@@ -100,7 +100,8 @@ class WorkerSpec:
     per_microbatch_statistics: bool = False
 
     def split(self) -> StepSplit:
-        flat = flatten(trace(self.fn, *self.abstract))
+        flat = flatten(trace(self.fn, *self.abstract),
+                       platform_branches=self.per_microbatch_statistics)
         return split_step(flat, self.assignment, self.batch_refs, self.num_stages,
                           self.num_microbatches, key_refs=self.key_refs,
                           per_microbatch_statistics=self.per_microbatch_statistics)

@@ -27,7 +27,8 @@ def split_like_auto_parallel(step, args, m=4, per_microbatch_statistics=False):
     roles = classify_ops(g, b).role
     asg = assignment_from_ops(traced, g, [0] * len(g.ops), roles)
     refs = batch_leaves(traced, g, abstract, b.batch_params, m)
-    return split_step(flatten(traced.closed), asg, refs, 1, m,
+    return split_step(flatten(traced.closed, platform_branches=per_microbatch_statistics),
+                      asg, refs, 1, m,
                       key_refs=tuple(sorted(key_args(traced))),
                       per_microbatch_statistics=per_microbatch_statistics)
 

@@ -11,7 +11,8 @@ import pytest
 
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.interpret import flatten
-from rhino.jaxpr.microbatch import Place, analyze, ancestors, simulate
+from rhino.jaxpr.microbatch import Place, analyze, ancestors
+from rhino.jaxpr.simulate import simulate
 
 M = 4
 
@@ -29,7 +30,7 @@ def run(step, args, batch, m=M, grads=None, per_microbatch_statistics=False):
     state = [k for k in range(len(flat_args)) if k not in batch_refs and k not in keyish]
     closed = jax.make_jaxpr(lambda *f: step(*jax.tree_util.tree_unflatten(tree, f)))(
         *flat_args)
-    flat = flatten(closed)
+    flat = flatten(closed, platform_branches=per_microbatch_statistics)
     feeds = None
     if grads is not None:
         feeds = ancestors(flat, [flat.outs[k] for k in grads])
@@ -183,6 +184,119 @@ def test_a_whole_batch_softmax_is_a_coupling():
     lay, *_ = run(step, (mlp_params(jax.random.PRNGKey(0)), x), batch=(1,), grads=(1, 2))
     assert lay.couplings
     assert lay.couplings[0].source.endswith(f"test_microbatch.py:{_line('sim = z @ z.T')}")
+    assert lay.couplings[0].pairable and not lay.couplings[0].estimable
+
+
+def _per_microbatch(step, p, x, m=M):
+    """The step on each microbatch alone, its results averaged over the microbatches."""
+    n = x.shape[0] // m
+    chunks = [jax.jit(step)(p, x[n * k:n * (k + 1)]) for k in range(m)]
+    return jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda *v: sum(v) / m, *chunks))
+
+
+def _contrastive(p, x):
+    z = jnp.tanh(x @ p["w1"]) @ p["w2"]
+    z = z / jnp.linalg.norm(z, axis=1, keepdims=True)
+    return z @ z.T / 0.5                                  # every pair of the batch
+
+
+def test_pairs_of_the_batch_are_each_microbatchs_own_under_the_opt_in():
+    """SimCLR-style: with ``per_microbatch_statistics`` each microbatch computes its
+    diagonal block of ``z @ z.T`` (its examples against its own), as running the step on
+    that microbatch alone does; ``diagonal`` is the mask-and-reduce branch of its
+    platform-dependent cond (an iota comparison, the same on every block)."""
+    def step(p, x):
+        def loss(p):
+            sim = _contrastive(p, x)
+            return -jnp.mean(jax.nn.log_softmax(sim, axis=1).diagonal())
+        return jax.value_and_grad(loss)(p)
+
+    p = {"w1": jax.random.normal(jax.random.PRNGKey(0), (8, 12)) * 0.3,
+         "w2": jax.random.normal(jax.random.PRNGKey(3), (12, 6)) * 0.3}
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
+    lay, flat, got, whole = run(step, (p, x), batch=(1,), grads=(1, 2),
+                                per_microbatch_statistics=True)
+    assert not lay.couplings
+    pairs = [r for r, v in lay.layout.items() if v.pair is not None]
+    assert pairs and all(lay.mb_shapes[r] == (4, 4) for r in pairs)
+    close(got, _per_microbatch(step, p, x), rtol=1e-5, atol=1e-6)
+    # not the whole batch's loss: each example's negatives are its microbatch's only
+    assert abs(float(got[0]) - float(whole[0])) > 1e-3
+
+
+def test_clip_style_pairs_with_a_learned_scale_and_both_directions():
+    """Two encoders, a learned temperature, the cross entropy over rows and over columns
+    with labels from ``eye(n)``: reductions over either dimension of pairs stay within the
+    microbatch's block; the temperature's gradient sums over both."""
+    def step(p, x):
+        def loss(p):
+            a = x @ p["wa"]
+            b = jnp.tanh(x) @ p["wb"]
+            logits = (a @ b.T) * jnp.exp(p["t"])
+            labels = jnp.eye(x.shape[0])
+            rows = -jnp.sum(labels * jax.nn.log_softmax(logits, axis=1), axis=1)
+            cols = -jnp.sum(labels * jax.nn.log_softmax(logits, axis=0), axis=0)
+            return jnp.mean(rows + cols) / 2
+        return jax.value_and_grad(loss)(p)
+
+    p = {"wa": jax.random.normal(jax.random.PRNGKey(0), (8, 6)) * 0.3,
+         "wb": jax.random.normal(jax.random.PRNGKey(3), (8, 6)) * 0.3,
+         "t": jnp.float32(0.7)}
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
+    lay, flat, got, _ = run(step, (p, x), batch=(1,), grads=(1, 2, 3),
+                            per_microbatch_statistics=True)
+    assert not lay.couplings
+    close(got, _per_microbatch(step, p, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["take_along_axis", "fancy_index", "mean_over_pairs",
+                                     "labels_along_positions", "returned"])
+def test_pairs_read_by_positions_of_the_whole_batch_are_refused(variant):
+    """What a microbatch's block cannot compute as the microbatch alone would is refused
+    under the opt-in too, naming the line: index values from ``arange(n)`` (global
+    positions, pointing outside the block), a mean over a dimension of pairs (it counts
+    the whole batch's pairs), a per-example value along the batch's positions (labels of
+    other examples), a value over pairs returned whole."""
+    def step(p, x, y):
+        def loss(p):
+            sim = _contrastive(p, x)
+            n = x.shape[0]
+            lsm = jax.nn.log_softmax(sim, axis=1)
+            if variant == "take_along_axis":
+                d = jnp.take_along_axis(lsm, jnp.arange(n)[:, None], axis=1)  # refused
+            elif variant == "fancy_index":
+                d = lsm[jnp.arange(n), jnp.arange(n)]                      # refused
+            elif variant == "mean_over_pairs":
+                d = lsm.diagonal() - jnp.mean(sim, axis=1)                 # refused
+            elif variant == "labels_along_positions":
+                d = jnp.sum(jax.nn.one_hot(y, n) * lsm, axis=1)            # refused
+            else:
+                d = lsm.diagonal()
+            return -jnp.mean(d), sim
+        (l, sim), g = jax.value_and_grad(loss, has_aux=True)(p)
+        return (l, g, sim) if variant == "returned" else (l, g)
+
+    p = {"w1": jax.random.normal(jax.random.PRNGKey(0), (8, 12)) * 0.3,
+         "w2": jax.random.normal(jax.random.PRNGKey(3), (12, 6)) * 0.3}
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
+    y = (jnp.arange(16) + 8) % 16                   # each example's positive: another one
+    lay, *_ = run(step, (p, x, y), batch=(1, 2), grads=(1, 2),
+                  per_microbatch_statistics=True)
+    assert lay.couplings
+    assert not any(c.estimable for c in lay.couplings)
+    want = "every pair of the batch" if variant == "returned" else "# refused"
+    lines = {int(c.source.rsplit(":", 1)[1]) for c in lay.couplings
+             if c.source and "test_microbatch.py" in c.source}
+    assert _line_of(want, variant) in lines, [c.describe() for c in lay.couplings]
+
+
+def _line_of(text: str, variant: str) -> int:
+    """The line holding ``text`` (for ``# refused``: the one of ``variant``'s branch)."""
+    lines = open(__file__).read().splitlines()
+    if text != "# refused":
+        return _line(text)
+    start = next(k for k, ln in enumerate(lines) if f'variant == "{variant}"' in ln)
+    return next(k + 1 for k in range(start, len(lines)) if text in lines[k])
 
 
 def test_a_statistic_used_only_after_the_gradients_is_no_coupling():
@@ -255,3 +369,23 @@ def test_convolutions_and_their_weight_gradients():
     lay, flat, got, want = run(step, (p, x), batch=(1,), grads=(1,))
     assert not lay.couplings
     close(got, want, rtol=1e-4)
+
+
+def test_a_sum_over_pairs_used_as_a_statistic_is_refused():
+    """``sim / sum(sim)``: the total over pairs normalises every pair; a microbatch's
+    estimate (``m`` times its own sum, as for a statistic over examples) would count its
+    pairs ``m`` times, so it is refused under the opt-in, naming the line."""
+    def step(p, x):
+        def loss(p):
+            sim = jnp.exp(_contrastive(p, x))
+            total = jnp.sum(jnp.sum(sim, axis=1))
+            return -jnp.mean(jnp.log(sim / total).diagonal())        # the statistic
+        return jax.value_and_grad(loss)(p)
+
+    p = {"w1": jax.random.normal(jax.random.PRNGKey(0), (8, 12)) * 0.3,
+         "w2": jax.random.normal(jax.random.PRNGKey(3), (12, 6)) * 0.3}
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8))
+    lay, *_ = run(step, (p, x), batch=(1,), grads=(1, 2), per_microbatch_statistics=True)
+    assert lay.couplings and not lay.couplings[0].estimable
+    assert "used as a statistic" in lay.couplings[0].describe()
+    assert lay.couplings[0].source.endswith(f"test_microbatch.py:{_line('# the statistic')}")

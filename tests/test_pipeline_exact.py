@@ -274,32 +274,114 @@ def _line(text: str) -> int:
     return next(k + 1 for k, ln in enumerate(lines) if text in ln and "_line(" not in ln)
 
 
-def test_a_contrastive_loss_is_refused_with_its_line():
+def test_a_contrastive_loss_is_refused_then_per_microbatch_with_the_opt_in():
     """A whole-batch softmax (SimCLR-style: every example's normaliser sums over every
     example): the gradients need every pair of examples at once. Refused naming the user's
-    line, also with ``per_microbatch_statistics=True``, which cannot apply to pairs (the
-    error says so and what to do instead)."""
+    line; with ``per_microbatch_statistics=True`` each microbatch pairs its own examples
+    (the diagonal block of ``z @ z.T``), and 5 Adam steps equal the step's gradient
+    computation run on each microbatch alone, averaged, the optimizer applied once."""
+    tx = optax.adam(1e-2)
+    m = PIPE["num_microbatches"]
+
+    def grads(params, x):
+        def loss_fn(p):
+            z = _apply(p, x)
+            z = z / jnp.linalg.norm(z, axis=1, keepdims=True)
+            sim = z @ z.T / 0.5                                  # every pair of the batch
+            return -jnp.mean(jax.nn.log_softmax(sim, axis=1).diagonal())
+        return jax.value_and_grad(loss_fn)(params)
+
+    def step(params, opt_state, x):
+        loss, g = grads(params, x)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    def per_microbatch(params, opt_state, x):
+        parts = [grads(params, xs) for xs in jnp.split(x, m)]
+        loss, g = jax.tree.map(lambda *a: sum(a) / m, *parts)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    params = _mlp(jax.random.key(0), (8, 32, 32, 16))
+    x = jax.random.normal(jax.random.key(1), (B, 8))
+    refused = rhino.auto_parallel(step, **PIPE)
+    with pytest.raises(rhino.BatchCouplingError) as err:
+        refused(_host(params), _host(tx.init(params)), x)
+    msg = str(err.value)
+    assert f"test_pipeline_exact.py:{_line('every pair of the batch')}" in msg, msg
+    assert "pairs examples of the batch" in msg and "one SPMD stage" in msg
+    assert "per_microbatch_statistics=True" in msg
+
+    ref = jax.jit(per_microbatch)
+    piped = rhino.auto_parallel(step, per_microbatch_statistics=True, **PIPE)
+    s1, s2 = (params, tx.init(params)), (_host(params), _host(tx.init(params)))
+    losses = []
+    try:
+        for _ in range(STEPS):
+            *s1, l1 = ref(*s1, x)
+            *s2, l2 = piped(*s2, x)
+            np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5)
+            losses.append(float(l2))
+        for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+        plan = piped.plan_for(*s2, x)
+        assert plan.num_stages == 2 and plan.num_microbatches == m
+        split = piped.split_for(*s2, x)
+        pairs = [r for r, v in split.layout.layout.items() if v.pair is not None]
+        assert pairs and all(split.microbatch_shape(r) == (B // m, B // m) for r in pairs)
+    finally:
+        piped.close()
+    # not the whole batch's loss: each example's negatives are its microbatch's only
+    assert abs(losses[0] - float(jax.jit(step)(params, tx.init(params), x)[2])) > 1e-3
+
+
+@pytest.mark.parametrize("scaled", ["temperature", "before the sum", "by a whole constant",
+                                    "by a whole count"])
+def test_pairs_scaled_by_the_batch_size_are_refused_with_the_opt_in(scaled):
+    """The contrastive step with a constant of the batch's size applied to its pairs: a
+    temperature of ``n / 8``, a mean over one dimension of pairs written as a scale by
+    ``1 / n`` before the sum, or a product with a whole ``full((n, n), 1 / n)``. Each
+    microbatch's block holds ``n / m`` pairs per row (and a count ``ones((n, n)).sum(1)``,
+    with no constant of the batch's size in it, is ``n`` per row), and the step on that microbatch alone
+    would use its own ``n``: the whole batch's constant would be silently wrong. rhino
+    traces the step again at one microbatch and refuses it where a constant the pairs meet
+    depends on the batch's size, naming the line."""
     tx = optax.adam(1e-2)
 
     def step(params, opt_state, x):
         def loss_fn(p):
             z = _apply(p, x)
             z = z / jnp.linalg.norm(z, axis=1, keepdims=True)
-            sim = z @ z.T / 0.5                                  # every pair of the batch
-            return -jnp.mean(jax.nn.log_softmax(sim, axis=1).diagonal())
+            n = x.shape[0]
+            sim = z @ z.T / 0.5
+            reg = 0.0
+            if scaled == "temperature":
+                sim = sim * (n / 8.0)                                     # sized: temperature
+            elif scaled == "before the sum":
+                reg = jnp.mean(jnp.sum(sim ** 2 / n, axis=1))             # sized: before the sum
+            elif scaled == "by a whole constant":
+                reg = jnp.mean(jnp.sum(sim ** 2 * jnp.full((n, n), 1.0 / n), axis=1))  # sized: whole
+            else:
+                count = jnp.ones((n, n)).sum(axis=1)                      # sized: count
+                reg = jnp.mean(jnp.sum(sim ** 2, axis=1) / count)
+            return -jnp.mean(jax.nn.log_softmax(sim, axis=1).diagonal()) + 0.1 * reg
         loss, g = jax.value_and_grad(loss_fn)(params)
         u, opt_state = tx.update(g, opt_state, params)
         return optax.apply_updates(params, u), opt_state, loss
 
     params = _mlp(jax.random.key(0), (8, 32, 32, 16))
     x = jax.random.normal(jax.random.key(1), (B, 8))
-    for opt_in in (False, True):
-        refused = rhino.auto_parallel(step, per_microbatch_statistics=opt_in, **PIPE)
+    piped = rhino.auto_parallel(step, per_microbatch_statistics=True, **PIPE)
+    try:
         with pytest.raises(rhino.BatchCouplingError) as err:
-            refused(_host(params), _host(tx.init(params)), x)
-        msg = str(err.value)
-        assert f"test_pipeline_exact.py:{_line('every pair of the batch')}" in msg, msg
-        assert "pairs examples of the batch" in msg and "one SPMD stage" in msg
+            piped(_host(params), _host(tx.init(params)), x)
+    finally:
+        piped.close()
+    msg = str(err.value)
+    tag = {"temperature": "# sized: temperature", "before the sum": "# sized: before the sum",
+           "by a whole constant": "# sized: whole", "by a whole count": "# sized: count"}[scaled]
+    assert f"test_pipeline_exact.py:{_line(tag)}" in msg, msg
+    assert "batch's size" in msg, msg
 
 
 def test_a_cond_on_the_loss_around_the_gradients_is_named():

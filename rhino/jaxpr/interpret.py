@@ -129,8 +129,20 @@ class FlatProgram:
         return own
 
 
-def flatten(closed: Any) -> FlatProgram:
-    """The leaf equations of a ClosedJaxpr over integer refs (bodies inlined)."""
+def flatten(closed: Any, platform_branches: bool = False) -> FlatProgram:
+    """The leaf equations of a ClosedJaxpr over integer refs (bodies inlined).
+
+    ``platform_branches``: a platform-dependent ``cond`` (``jax.lax.platform_dependent``,
+    as ``jnp.diagonal`` makes: its branches compute the same values, each lowered for its
+    platforms) is inlined as a branch that addresses no position by index values
+    (``primitives.index_free_branches``; its paths are below the cond's, which ``calls``
+    holds); the branch index is not read. The same for such a cond written as every
+    branch and a ``select_n`` on the platform index (``unroll.trace``): the select is the
+    chosen branch's values, and what only the other branches need is left out. Every cond
+    or select of the same platforms takes the same branch (the first that is index-free
+    in all of them; none: they stay), so the residuals a forward branch hands to its
+    transpose are the ones that branch reads."""
+    choice, picks = _platform_choices(closed.jaxpr) if platform_branches else ({}, {})
     avals: dict[int, Any] = {}
     consts: dict[int, Any] = {}
     eqns: list[FlatEqn] = []
@@ -161,6 +173,13 @@ def flatten(closed: Any) -> FlatProgram:
             p = path + (i,)
             ins = [read(v) for v in eqn.invars]
             body = prims.call_body(eqn)
+            free = prims.index_free_branches(eqn) if choice and body is None else None
+            if free is not None and choice.get(free[0]) is not None:
+                body = prims.cond_branches(eqn)[choice[free[0]]]
+                ins = ins[1:]                             # the branch index
+            if id(eqn) in picks:                          # select_n on the platform
+                env[eqn.outvars[0]] = ins[1 + picks[id(eqn)]]
+                continue
             if body is not None:
                 inner = remat
                 calls[p] = eqn
@@ -178,7 +197,85 @@ def flatten(closed: Any) -> FlatProgram:
 
     args = [new(v.aval) for v in closed.jaxpr.invars]
     outs = walk(closed.jaxpr, closed.consts, args, (), None)
+    if picks:      # what only the branches not taken read
+        live = {x for x in outs if isinstance(x, int)}
+        keep = []
+        for fe in reversed(eqns):
+            if any(r in live for r in fe.outs if r is not None) or \
+                    getattr(fe.eqn, "effects", None):
+                keep.append(fe)
+                live.update(x for x in fe.ins if isinstance(x, int))
+        eqns = keep[::-1]
     return FlatProgram(tuple(eqns), len(args), consts, tuple(outs), avals, remats, calls)
+
+
+def _platform_choices(jaxpr: Any) -> tuple[dict[Any, int | None], dict[int, int]]:
+    """For ``flatten(platform_branches=True)``: platforms -> the branch every
+    platform-dependent cond or select with them takes (None where no branch is index-free
+    in all), and ``id(select_n equation)`` -> the case it takes."""
+    free: dict[Any, frozenset[int]] = {}
+    selects: list[tuple[Any, Any]] = []
+
+    def walk(j: Any) -> None:
+        made = {v: e for e in j.eqns for v in e.outvars}
+        platform: dict[Any, Any] = {}       # var -> platforms of the index it holds
+        for eqn in j.eqns:
+            got = prims.index_free_branches(eqn)
+            if got is not None:
+                free[got[0]] = free.get(got[0], got[1]) & got[1]
+                continue
+            name = eqn.primitive.name
+            ins = [v for v in eqn.invars if not private.is_literal(v)]
+            if name == prims.PLATFORM_INDEX:
+                platform[eqn.outvars[0]] = eqn.params.get("platforms")
+            elif name in ("clamp", prims.CONVERT) and len(ins) == 1 and ins[0] in platform:
+                platform[eqn.outvars[0]] = platform[ins[0]]
+            elif name == prims.SELECT_N and not private.is_literal(eqn.invars[0]) and \
+                    eqn.invars[0] in platform:
+                key = platform[eqn.invars[0]]
+                cases = [_index_free_cases(eqn, made)]
+                free[key] = free.get(key, cases[0]) & cases[0]
+                selects.append((key, eqn))
+            body = prims.call_body(eqn)
+            if body is not None:
+                walk(body[0])
+    walk(jaxpr)
+    choice = {k: min(v) if v else None for k, v in free.items()}
+    picks = {id(e): choice[k] for k, e in selects if choice.get(k) is not None}
+    return choice, picks
+
+
+def _index_free_cases(select: Any, made: Mapping[Any, Any]) -> frozenset[int]:
+    """The cases of a ``select_n`` none of whose own equations (those no other case reads)
+    address positions by index values."""
+    def cone(v: Any) -> set[int]:
+        seen: dict[int, Any] = {}
+        stack = [v]
+        while stack:
+            x = stack.pop()
+            if private.is_literal(x) or x not in made or id(made[x]) in seen:
+                continue
+            e = made[x]
+            seen[id(e)] = e
+            stack.extend(e.invars)
+        return seen
+
+    cones = [cone(v) for v in select.invars[1:]]
+    out = set()
+    for c, mine in enumerate(cones):
+        others = set().union(*(set(k) for j, k in enumerate(cones) if j != c))
+        if not any(any_equation_of(mine[k], lambda e: e.primitive.name in prims.INDEXING)
+                   for k in mine if k not in others):
+            out.add(c)
+    return frozenset(out)
+
+
+def any_equation_of(eqn: Any, pred: Callable[[Any], bool]) -> bool:
+    """Whether ``pred`` holds for ``eqn`` or an equation of a body it holds."""
+    if pred(eqn):
+        return True
+    body = prims.call_body(eqn)
+    return body is not None and any_equation(body[0], pred)
 
 
 # ------------------------------------------------------------------------------ evaluating

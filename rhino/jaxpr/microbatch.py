@@ -38,6 +38,23 @@ it per microbatch and the step is refused, naming the equation and the statistic
 source line, unless ``per_microbatch_statistics`` accepts that each microbatch uses its own
 estimate (its partial sum times ``m``: for a mean over the batch, the microbatch's mean).
 
+*Pairs* (``per_microbatch_statistics`` only). An equation whose per-example operands meet
+along two factors (``z @ z.T``: every example against every example) is computed by each
+microbatch on its own examples against its own examples, the diagonal block, which is what
+the step computes on that microbatch alone: its result is ``split(a,b)``, cut along both
+dimensions by the same microbatch index. Later equations keep it consistent (``_pairs``):
+elementwise with values of the same block; a sum, maximum or minimum over one dimension of
+pairs reduces within the block (the result is split along the other, no partial value);
+a whole constant is read as its diagonal block only where every block is alike (a
+comparison of iotas such as ``eye`` or ``tril``, a broadcast of a scalar: ``pairs.PairFacts``); a
+per-example value along its other dimension only where it is constant along it. Refused,
+naming the line: index values (positions of the whole batch, outside the block), a
+reshape merging a dimension of pairs, a contraction of pairs with a whole value, a mean
+over a dimension of pairs (a sum over it scaled by a constant or a count of the batch: it
+counts the whole batch's pairs), a sum over pairs used as a statistic, and a value over
+pairs read once per step or returned. ``jnp.diagonal``'s platform-dependent branches are
+read as its mask-and-reduce one (``interpret.flatten(platform_branches=True)``).
+
 Nothing here depends on tracing at microbatch shapes: per-microbatch equations are bound
 with the shape parameters of their results rewritten (``MicrobatchLayout.params``), and
 the stage programs check every result's shape against ``mb_avals``.
@@ -65,7 +82,8 @@ import numpy as np
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.factors import ORDER_PRESERVING, factors, linear_groups, operand_shape
 from rhino.jaxpr.interpret import FlatProgram, Lit
-from rhino.jaxpr.private import eqn_source, name_stack_text
+from rhino.jaxpr.pairs import PAIR_OPS, PairFacts
+from rhino.jaxpr.private import name_stack_text
 
 
 # ------------------------------------------------------------------------------ data
@@ -76,21 +94,33 @@ class Layout:
     kind: str                  # whole | split | partial | total | local
     axis: int | None = None    # split: the dimension cut into microbatches
     op: str | None = None      # partial: sum | max | min
+    pair: int | None = None    # split: a second dimension cut by the same microbatch index
 
     def __str__(self) -> str:
-        return {"split": f"split({self.axis})", "partial": f"partial({self.op})"}.get(
+        cut = f"{self.axis}" if self.pair is None else f"{self.axis},{self.pair}"
+        return {"split": f"split({cut})", "partial": f"partial({self.op})"}.get(
             self.kind, self.kind)
 
     @property
     def per_microbatch(self) -> bool:
         return self.kind in ("split", "partial", "local")
 
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The dimensions a microbatch cuts (split only)."""
+        if self.kind != "split":
+            return ()
+        return (self.axis,) if self.pair is None else (self.axis, self.pair)
+
 
 WHOLE, TOTAL, LOCAL = Layout("whole"), Layout("total"), Layout("local")
 
 
-def split(axis: int) -> Layout:
-    return Layout("split", axis=int(axis))
+def split(axis: int, pair: int | None = None) -> Layout:
+    if pair is None:
+        return Layout("split", axis=int(axis))
+    a, b = sorted((int(axis), int(pair)))
+    return Layout("split", axis=a, pair=b)
 
 
 def partial(op: str = "sum") -> Layout:
@@ -101,7 +131,9 @@ def partial(op: str = "sum") -> Layout:
 class Use:
     """How an equation reads an operand when that is not as it was made.
 
-    ``slice``: a whole value's chunk of the current microbatch along ``axis``; ``whole``: a
+    ``slice``: a whole value's chunk of the current microbatch along ``axis`` (and along
+    ``pair`` too: its diagonal block; a split value's chunk along another dimension it is
+    constant along, ``pair`` None); ``whole``: a
     value computed from the batch alone, computed whole by the prologue; ``total``: the sum
     over microbatches of a partial value; ``concat``: a split value's chunks put together
     along ``axis``; ``local``: a partial value as the microbatch's own estimate of the
@@ -109,6 +141,7 @@ class Use:
 
     kind: str
     axis: int | None = None
+    pair: int | None = None
 
 
 class Place(str, enum.Enum):
@@ -128,6 +161,8 @@ class Coupling:
         estimable: each microbatch could use its own estimate instead (it reads sums or
             maxima over the batch: ``per_microbatch_statistics``); not where it pairs the
             examples of the batch with each other (a whole-batch softmax's ``z @ z.T``).
+        pairable: it pairs the examples (two factors of the batch) in a way the pairs of
+            ``per_microbatch_statistics`` could compute (found without that option).
     """
 
     what: str
@@ -136,6 +171,7 @@ class Coupling:
     path: tuple[int, ...]
     statistic: tuple[str, str | None] | None = None
     estimable: bool = True
+    pairable: bool = False
 
     def describe(self) -> str:
         at = f"{self.primitive} at {self.source or 'an unknown line'}"
@@ -183,6 +219,11 @@ class MicrobatchLayout:
         """ref -> the dimension of a split value (what a microbatch divides)."""
         return {r: lay.axis for r, lay in self.layout.items() if lay.kind == "split"}
 
+    def cut_dims(self) -> dict[int, tuple[int, ...]]:
+        """ref -> every dimension a microbatch divides of a split value (two for a value
+        over pairs of the batch)."""
+        return {r: lay.dims for r, lay in self.layout.items() if lay.kind == "split"}
+
 
 # ------------------------------------------------------------------------------ analysis
 @dataclasses.dataclass
@@ -192,6 +233,8 @@ class _Outcome:
     params: dict | None = None
     needs_total: tuple[int, ...] = ()      # operands whose total it needs
     reason: str = ""
+    block_sum: bool = False                # sums over a dimension of pairs (in its block)
+    pairable: bool = False                 # pairs the examples (two factors of the batch)
 
 
 def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int, *,
@@ -245,6 +288,8 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
     post = set(post)
     feeds = set(feeds_gradient or ())
     own = None if per_microbatch is None else set(per_microbatch)
+    facts = PairFacts(avals)
+    steady = facts.steady
 
     def is_data(x: Any) -> bool:
         return isinstance(x, int) and x not in dep_state
@@ -260,6 +305,8 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
         ins_shapes = [operand_shape(x, avals) for x in fe.ins]
         ins = [lay(x) for x in fe.ins]
         kinds = {x.kind for x in ins}
+        pairs = per_microbatch_statistics and (own is None or i in own)
+        why = ""
         if i in post or "total" in kinds:
             got = _total(fe, ins)
         elif kinds <= {"whole"}:
@@ -276,7 +323,7 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                                               flat.source(fe), fe.path, None, False))
                 got = _total(fe, ins)
         else:
-            got = _micro(fe, ins, ins_shapes, outs_shapes, m, zero, is_data)
+            got = _micro(fe, ins, ins_shapes, outs_shapes, m, zero, is_data, pairs, steady)
             if got.needs_total:
                 data_ops = [j for j in got.needs_total if is_data(fe.ins[j])]
                 if data_ops:
@@ -286,8 +333,12 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                         ins2[j] = WHOLE
                     got2 = (_Outcome([WHOLE] * len(fe.outs), {}) if all(
                         x.kind == "whole" for x in ins2) else
-                        _micro(fe, ins2, ins_shapes, outs_shapes, m, zero, is_data))
-                    if not got2.needs_total:
+                        _micro(fe, ins2, ins_shapes, outs_shapes, m, zero, is_data, pairs,
+                               steady))
+                    if not got2.needs_total and not (pairs and any(
+                            j in got2.uses for j in data_ops)):
+                        # (a value of the batch alone read whole cannot also be read as
+                        # its block: what it addresses is the whole batch's positions)
                         for j in data_ops:
                             got2.uses[j] = Use("whole")
                             wholes.add(fe.ins[j])
@@ -298,12 +349,18 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                                        (own is None or i in own))
                 if got.needs_total and (i in feeds or localized):
                     stat = _statistic(flat, fe, got, ins, producer)
-                    if localized and all(
+                    over_pairs = facts.summed_pairs([fe.ins[j] for j in got.needs_total])
+                    if over_pairs:
+                        got.reason = ("a sum over pairs of the batch's examples used as a "
+                                      "statistic (a microbatch's estimate of it would count "
+                                      "its own pairs m times)")
+                    if localized and not over_pairs and all(
                             ins[j].kind == "partial" for j in got.needs_total):
                         ins3 = list(ins)
                         for j in got.needs_total:
                             ins3[j] = LOCAL
-                        got3 = _micro(fe, ins3, ins_shapes, outs_shapes, m, zero, is_data)
+                        got3 = _micro(fe, ins3, ins_shapes, outs_shapes, m, zero, is_data,
+                                      pairs, steady)
                         if not got3.needs_total:
                             for j in got.needs_total:
                                 u = got3.uses.get(j)
@@ -314,9 +371,26 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                     if got.needs_total and i in feeds:
                         couplings.append(Coupling(
                             got.reason, prims.name(fe.eqn), flat.source(fe), fe.path, stat,
-                            all(ins[j].kind == "partial" for j in got.needs_total)))
+                            not over_pairs and all(ins[j].kind == "partial"
+                                                   for j in got.needs_total),
+                            got.pairable))
                 if got.needs_total:
+                    why = got.reason
                     got = _total(fe, ins)
+        paired = [x for x in fe.ins if isinstance(x, int) and layout[x].pair is not None]
+        if paired and any(x.kind == "total" for x in got.outs) and not (
+                couplings and couplings[-1].path == fe.path):
+            couplings.append(Coupling(
+                why or "a value over pairs of the batch's examples read once per step (each "
+                "microbatch holds only its own pairs)", prims.name(fe.eqn), flat.source(fe),
+                fe.path, None, False))
+        name = prims.name(fe.eqn)
+        if facts.mean_over_pairs(fe, dep_state):
+            couplings.append(Coupling(
+                "a sum over pairs of the batch's examples scaled by a constant (a mean over "
+                "pairs counts the whole batch's; each microbatch holds only its own)",
+                name, flat.source(fe), fe.path, None, False))
+        facts.update(fe, ins_shapes, outs_shapes, got.block_sum, not bdep and not sdep)
         for j, u in got.uses.items():
             uses[(i, j)] = u
         if got.params is not None:
@@ -340,10 +414,18 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                 dep_state.add(r)
             if got.outs[k].kind == "split":
                 shape = list(avals[r].shape)
-                shape[got.outs[k].axis] //= m
+                for d in got.outs[k].dims:
+                    shape[d] //= m
                 mb_shapes[r] = tuple(shape)
         if _makes_zero(fe, zero):
             zero.update(r for r in fe.outs if r is not None)
+    for x in flat.outs:
+        if isinstance(x, int) and layout[x].pair is not None and x in producer:
+            fe = flat.eqns[producer[x]]
+            couplings.append(Coupling(
+                "a value over pairs of the batch's examples returned by the step (each "
+                "microbatch holds only its own pairs)", prims.name(fe.eqn), flat.source(fe),
+                fe.path, None, False))
     wholes = _close_wholes(flat, wholes, producer, dep_state)
     return MicrobatchLayout(m, layout, tuple(place), uses, params, mb_shapes,
                             frozenset(r for r in layout if r not in dep_state),
@@ -397,9 +479,12 @@ def _statistic(flat: FlatProgram, fe: Any, got: _Outcome, ins: list[Layout],
 
 
 def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
-           m: int, zero: set[int], is_data: Callable[[Any], bool]) -> _Outcome:
+           m: int, zero: set[int], is_data: Callable[[Any], bool], pairs: bool = False,
+           spread: Callable[[Any], Collection[int]] = lambda x: ()) -> _Outcome:
     """An equation with a per-microbatch operand: its results' layouts and how it reads
-    its operands, or the operands whose totals it needs."""
+    its operands, or the operands whose totals it needs. ``pairs``: an equation pairing
+    the examples of the batch is computed per microbatch on its own pairs (``_pairs``);
+    ``spread(x)``: the dimensions operand ``x`` is constant along (a broadcast's)."""
     n_out = len(fe.outs)
     partials = [j for j, x in enumerate(ins) if x.kind == "partial"]
     splits = [j for j, x in enumerate(ins) if x.kind == "split"]
@@ -430,11 +515,30 @@ def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: lis
     if rules is None:
         return _unsupported(fe, ins, splits, f"a per-example value enters {name}, which "
                                              f"cannot be cut into microbatches")
+    hit: list | None = []
+    for j in splits:
+        for d in ins[j].dims:
+            fa = next((fa for fa in rules if (j, d) in fa[0]), None)
+            if fa is None:
+                hit = None
+                break
+            if fa not in hit:
+                hit.append(fa)
+        if hit is None:
+            break
+    over_pairs = any(ins[j].pair is not None for j in splits)
+    if pairs and (over_pairs or (hit is not None and len(hit) == 2)):
+        return _pairs(fe, ins, ins_shapes, outs_shapes, m, hit or [], spread)
+    if any(ins[j].pair is not None for j in splits):
+        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
+                                             f"(over pairs of them)")
     first = splits[0]
     f = next((fa for fa in rules if (first, ins[first].axis) in fa[0]), None)
     if f is None or not all((j, ins[j].axis) in f[0] for j in splits):
-        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
-                                             f"(along the dimension split into microbatches)")
+        got = _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
+                                            f"(along the dimension split into microbatches)")
+        got.pairable = hit is not None and len(hit) == 2 and name in PAIR_OPS
+        return got
     members, reduce = f
     size = ins_shapes[first][ins[first].axis]
     uses: dict[int, Use] = {}
@@ -464,6 +568,91 @@ def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: lis
                                                  f"by {m} microbatches")
         outs.append(split(res[k]))
     return _Outcome(outs, uses, _rewrite(fe.eqn, ins, ins_shapes, outs_shapes, res, m))
+
+
+def _pairs(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
+           m: int, hit: list, spread: Callable[[Any], Collection[int]]) -> _Outcome:
+    """An equation whose per-example operands meet along two factors (``per_microbatch_
+    statistics``): ``z @ z.T`` pairs every example with every example. Each microbatch
+    computes the diagonal block (its examples against its own examples), what the step
+    computes on that microbatch alone: a result keeping both factors is split along both
+    dimensions by the same microbatch index; one reduced by a sum, maximum or minimum
+    within the block is split along the other (no partial value: no other microbatch
+    holds a term of it); both reduced, a partial value. A whole operand is read as its
+    diagonal block (iota comparisons are the same on every block), a per-example operand
+    along its other dimension only where it is constant along it (a broadcast). Anything
+    else is unsupported (named): index values (global positions of the batch), a reshape
+    merging a dimension of pairs, a contraction of pairs with a value of the whole batch's
+    positions, an operand of another size."""
+    name = prims.name(fe.eqn)
+    splits = [j for j, x in enumerate(ins) if x.kind == "split"]
+    if name in prims.INDEXING:
+        return _unsupported(fe, ins, splits, f"{name} addresses values over pairs of the "
+                                             f"batch's examples by index values (positions "
+                                             f"of the whole batch, outside a microbatch's "
+                                             f"own pairs)")
+    if name not in PAIR_OPS:
+        return _unsupported(fe, ins, splits, f"{name} on values over pairs of the batch's "
+                                             f"examples (it addresses positions of the "
+                                             f"whole batch)")
+    if len(hit) != 2:
+        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
+                                             f"(over pairs of them)")
+    cut: dict[int, list[int]] = {}
+    kept: list[dict[int, int]] = []
+    reduced: list[str | None] = []
+    for members, reduce in hit:
+        slots = [(s, d) for s, d in members if s >= 0]
+        size = next(ins_shapes[s][d] for s, d in slots
+                    if ins[s].kind == "split" and d in ins[s].dims)
+        for s, d in slots:
+            x = ins[s]
+            if ins_shapes[s][d] != size:
+                return _unsupported(fe, ins, splits, f"{name} reads a value along the batch "
+                                                     f"at another size")
+            if x.kind == "split" and d in x.dims:
+                continue
+            if reduce is not None and x.kind == "whole":
+                return _unsupported(fe, ins, splits, f"{name} contracts pairs of the batch's "
+                                                     f"examples with a value over the whole "
+                                                     f"batch's positions")
+            if x.kind == "whole" or (x.kind == "split" and d in spread(fe.ins[s])):
+                cut.setdefault(s, []).append(d)
+                continue
+            return _unsupported(fe, ins, splits, f"{name} reads a per-example value along "
+                                                 f"the positions of the batch against pairs "
+                                                 f"of its examples (a microbatch holds only "
+                                                 f"its own pairs)")
+        res = {-1 - s: d for s, d in members if s < 0}
+        if res:
+            kept.append(res)
+        else:
+            reduced.append(reduce)
+    uses = {s: Use("slice", d[0], d[1] if len(d) > 1 else None) for s, d in cut.items()}
+    n_out = len(fe.outs)
+    if any(len(r) != n_out for r in kept):
+        return _unsupported(fe, ins, splits, f"{name} gives results not cut with the batch")
+    if any(op not in ("sum", "max", "min") for op in reduced) or len(set(reduced)) > 1:
+        return _unsupported(fe, ins, splits, f"{name} reduces over pairs of the batch")
+    block_sum = name in prims.REDUCTIONS and reduced == ["sum"]
+    if not kept:
+        return _Outcome([partial(reduced[0])] * n_out, uses, block_sum=block_sum)
+    dims = [tuple(r[k] for r in kept) for k in range(n_out)]
+    for k, ds in enumerate(dims):
+        if any(outs_shapes[k][d] % m for d in ds):
+            return _unsupported(fe, ins, splits, f"{name}'s result {outs_shapes[k]} is not "
+                                                 f"divisible by {m} microbatches")
+    params = None
+    key = _SHAPE_PARAMS.get(name)
+    if key is not None:
+        from rhino.jaxpr.private import bind_params
+
+        params = bind_params(fe.eqn)
+        sizes = list(params[key])
+        for d in dims[0]:
+            sizes[d] //= m
+        params[key] = tuple(sizes)
+    return _Outcome([split(*ds) for ds in dims], uses, params, block_sum=block_sum)
 
 
 def _unsupported(fe: Any, ins: list[Layout], splits: list[int], reason: str) -> _Outcome:
@@ -547,112 +736,3 @@ def ancestors(flat: FlatProgram, refs: Collection[int]) -> set[int]:
         out.add(e)
         stack.extend(x for x in flat.eqns[e].ins if isinstance(x, int) and x in producer)
     return out
-
-
-def _combine(op: str, parts: list) -> Any:
-    import jax.numpy as jnp
-
-    out = parts[0]
-    for x in parts[1:]:
-        out = out + x if op == "sum" else jnp.maximum(out, x) if op == "max" \
-            else jnp.minimum(out, x)
-    return out
-
-
-def simulate(flat: FlatProgram, layout: MicrobatchLayout, args: Sequence[Any]) -> list[Any]:
-    """Run ``flat`` on ``args`` the way the pipelined step runs it, in one place: values
-    read whole are computed whole (the prologue), per-microbatch equations once per
-    microbatch on their slices, per-step equations once on sums and concatenations. The
-    reference the stage programs are tested against (and a check of ``layout``: every
-    per-microbatch result has its microbatch shape).
-
-    Raises:
-        MicrobatchError: a per-microbatch result of another shape than ``mb_shapes``.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from rhino.jaxpr.private import bind
-
-    m = layout.num_microbatches
-    producer = {r: i for i, fe in enumerate(flat.eqns) for r in fe.outs if r is not None}
-    whole: dict[int, Any] = dict(flat.consts)
-    whole.update(enumerate(args))
-    parts: list[dict[int, Any]] = [dict() for _ in range(m)]
-
-    def read_whole(x: Any) -> Any:
-        """A value whole (the prologue's form of a value computed from the batch)."""
-        if isinstance(x, Lit):
-            return x.value
-        if x not in whole:
-            fe = flat.eqns[producer[x]]
-            outs = bind(fe.eqn, [read_whole(y) for y in fe.ins])
-            for r, v in zip(fe.outs, outs):
-                if r is not None:
-                    whole[r] = v
-        return whole[x]
-
-    def finished(x: Any) -> Any:
-        lay = layout.layout[x]
-        if lay.kind == "partial":
-            return _combine(lay.op, [parts[k][x] for k in range(m)])
-        if lay.kind == "split":
-            return jnp.concatenate([parts[k][x] for k in range(m)], axis=lay.axis)
-        if lay.kind == "local":
-            return sum(parts[k][x] for k in range(m)) / m
-        return read_whole(x)
-
-    def chunk(x: Any, axis: int, k: int) -> Any:
-        size = x.shape[axis] // m
-        return jax.lax.slice_in_dim(x, k * size, (k + 1) * size, axis=axis)
-
-    for r in range(flat.num_args):
-        lay = layout.layout[r]
-        if lay.kind == "split":
-            for k in range(m):
-                parts[k][r] = chunk(jnp.asarray(args[r]), lay.axis, k)
-    for i, fe in enumerate(flat.eqns):
-        where = layout.place[i]
-        if where in (Place.FREE, Place.PROLOGUE):
-            if any(r is not None and r not in whole for r in fe.outs):
-                outs = bind(fe.eqn, [read_whole(y) for y in fe.ins])
-                whole.update((r, v) for r, v in zip(fe.outs, outs) if r is not None)
-            continue
-        if where is Place.POST:
-            vals = []
-            for j, x in enumerate(fe.ins):
-                vals.append(x.value if isinstance(x, Lit) else finished(x))
-            outs = bind(fe.eqn, vals)
-            whole.update((r, v) for r, v in zip(fe.outs, outs) if r is not None)
-            continue
-        params = layout.params.get(i)
-        for k in range(m):
-            vals = []
-            for j, x in enumerate(fe.ins):
-                use = layout.use(i, j)
-                if isinstance(x, Lit):
-                    vals.append(x.value)
-                elif use is None:
-                    vals.append(parts[k][x] if layout.layout[x].per_microbatch
-                                else read_whole(x))
-                elif use.kind == "slice":
-                    base = parts[k][x] if layout.layout[x].kind == "local" else read_whole(x)
-                    vals.append(chunk(base, use.axis, k))
-                elif use.kind == "whole":
-                    vals.append(read_whole(x))
-                elif use.kind == "local":
-                    v = parts[k][x] * m if layout.layout[x].op == "sum" else parts[k][x]
-                    vals.append(v if use.axis is None else chunk(v, use.axis, k))
-                else:
-                    raise MicrobatchError(f"equation {fe.path}: use {use} per microbatch")
-            outs = bind(fe.eqn, vals, params)
-            for r, v in zip(fe.outs, outs):
-                if r is None:
-                    continue
-                want = layout.mb_shapes.get(r)
-                if want is not None and tuple(v.shape) != want:
-                    raise MicrobatchError(f"{prims.name(fe.eqn)} at {eqn_source(fe.eqn)}: "
-                                          f"expected a microbatch result of shape {want}, "
-                                          f"found {tuple(v.shape)}")
-                parts[k][r] = v
-    return [x.value if isinstance(x, Lit) else finished(x) for x in flat.outs]

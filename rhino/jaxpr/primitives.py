@@ -31,6 +31,7 @@ CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
 REMAT = {"remat": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
 HI = "call_hi_primitive"
 SCAN, COND, WHILE = "scan", "cond", "while"
+PLATFORM_INDEX = "platform_index"
 CONTROL_FLOW = frozenset({SCAN, COND, WHILE})
 OPTIMIZATION_BARRIER = "optimization_barrier"
 
@@ -166,6 +167,34 @@ def cond_branches(eqn: Any) -> list[tuple[Any, Sequence[Any]]] | None:
     return [private.open_body(b) for b in eqn.params["branches"]]
 
 
+# Primitives that address positions by index values (an iota of the batch's size read as
+# positions of the whole batch).
+INDEXING = frozenset({GATHER, DYNAMIC_SLICE, DYNAMIC_UPDATE_SLICE}) | SCATTERS
+
+
+def index_free_branches(eqn: Any) -> tuple[Any, frozenset[int]] | None:
+    """For a platform-dependent ``cond`` (``jax.lax.platform_dependent``, as
+    ``jnp.diagonal`` makes: its branches compute the same values, each lowered for its
+    platforms): its ``branches_platforms`` and the branches that address no position by
+    index values (none of ``INDEXING``, also in nested calls: a mask-and-reduce rather
+    than a gather). None for other equations."""
+    platforms = eqn.params.get("branches_platforms") if eqn.primitive.name == COND else None
+    branches = cond_branches(eqn) if platforms is not None else None
+    if branches is None:
+        return None
+
+    def free(jaxpr: Any) -> bool:
+        for e in jaxpr.eqns:
+            if e.primitive.name in INDEXING or e.primitive.name in CONTROL_FLOW:
+                return False
+            body = call_body(e)
+            if body is not None and not free(body[0]):
+                return False
+        return True
+
+    return platforms, frozenset(b for b, (jaxpr, _) in enumerate(branches) if free(jaxpr))
+
+
 def while_parts(eqn: Any) -> tuple[int, int, Any] | None:
     """``(cond constants, body constants, cond jaxpr)`` of a ``while`` equation (operands:
     the cond's constants, the body's constants, then the carry)."""
@@ -209,5 +238,6 @@ def all_names() -> frozenset[str]:
     names |= RNG_SHAPED | LINEAR_UNARY | SUMS | {RANDOM_WRAP, RANDOM_UNWRAP} | HEAVY | SCATTERS | REDUCE_WINDOWS
     names |= {DOT, CONV, BROADCAST, RESHAPE, TRANSPOSE, SQUEEZE, CONVERT, IOTA, SLICE,
               DYNAMIC_SLICE, DYNAMIC_UPDATE_SLICE, CONCATENATE, PAD, REV, SPLIT, GATHER, SORT,
-              TOP_K, SELECT_N, MUL, DIV, INTEGER_POW, SUB, OPTIMIZATION_BARRIER} | ADDS
+              TOP_K, SELECT_N, MUL, DIV, INTEGER_POW, SUB, OPTIMIZATION_BARRIER,
+              PLATFORM_INDEX} | ADDS
     return frozenset(names)
