@@ -352,6 +352,13 @@ class Interpreter:
               invals: list) -> list[Any]:
         """A checkpoint: its body evaluated by ``remat_body``, traced, and bound under the
         same primitive and parameters (the traced constants first)."""
+        hi = private.hi_remat_params(eqn)
+        if hi is not None:           # jax_remat3: bound again through jax.checkpoint
+            import jax
+
+            outs = jax.checkpoint(lambda *a: self.remat_body(eqn, path, body, list(a)),
+                                  **hi)(*invals)
+            return list(outs)
         jaxpr, consts = private.trace_without_name_stack(
             lambda *a: self.remat_body(eqn, path, body, list(a)), invals)
         params = dict(eqn.params, jaxpr=jaxpr)

@@ -11,7 +11,8 @@ call               a function call whose body is inlined by the interpreter (``j
 custom             a custom_jvp / custom_vjp function: its primal body is inlined
 remat              ``jax.checkpoint``: its body is evaluated and bound again under it
 hi                 jax ≥ 0.11's ``call_hi_primitive`` (checkpoint / custom_vjp under
-                   ``jax_remat3`` / ``jax_custom_vjp3``): its body is inlined
+                   ``jax_remat3`` / ``jax_custom_vjp3``): its body is inlined; a
+                   checkpoint's is bound again under ``jax.checkpoint`` (remat)
 scan / cond /      control flow (bodies kept; scans of a bounded length are unrolled)
 while
 =================  ===========================================================================
@@ -128,8 +129,10 @@ def call_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
 
 
 def is_remat(eqn: Any) -> bool:
-    """A ``jax.checkpoint`` equation bound as such (its body recomputed in the backward)."""
-    return eqn.primitive.name in REMAT
+    """A ``jax.checkpoint`` equation bound as such (its body recomputed in the backward):
+    ``checkpoint`` / ``remat``, or under ``jax_remat3`` a ``call_hi_primitive`` holding a
+    checkpoint."""
+    return eqn.primitive.name in REMAT or private.hi_remat_params(eqn) is not None
 
 
 def is_call(eqn: Any) -> bool:

@@ -156,6 +156,19 @@ def hi_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     return open_body(body) if body is not None else None
 
 
+def hi_remat_params(eqn: Any) -> dict | None:
+    """``{"policy", "prevent_cse"}`` of a ``call_hi_primitive`` equation that is a
+    ``jax.checkpoint`` (jax ≥ 0.11 under ``jax_remat3``: its ``_prim`` is a ``RematTraced``
+    holding the body, the policy and ``prevent_cse``); None for any other equation."""
+    if eqn.primitive.name != "call_hi_primitive":
+        return None
+    prim = eqn.params.get("_prim")
+    params = getattr(prim, "params", None) or {}
+    if not type(prim).__name__.startswith("Remat") or "prevent_cse" not in params:
+        return None
+    return {"policy": params.get("policy"), "prevent_cse": bool(params["prevent_cse"])}
+
+
 # ------------------------------------------------------------------------------ lowering
 def stablehlo_text_to_hlo_text(mlir_text: str) -> str:
     """Convert a StableHLO/MHLO MLIR module (text) to HLO text with metadata.
@@ -217,6 +230,11 @@ def custom_partitioning_bodies(closed: Any) -> list[tuple[Any, list, list, str]]
                        for v in body.jaxpr.invars]
                 outs = [tuple(v.aval.shape) for v in body.jaxpr.outvars]
                 found.append((jcore.jaxpr_as_fun(body), ins, outs, str(body)))
+                continue
+            if eqn.primitive.name == "call_hi_primitive":     # remat3 / custom_vjp3
+                inner = hi_body(eqn)
+                if inner is not None:
+                    walk(inner[0])
                 continue
             for v in eqn.params.values():
                 for x in (v if isinstance(v, (list, tuple)) else (v,)):
