@@ -384,20 +384,37 @@ def lower_stages(traced: ScopedFunction, graph: HloGraph, plan: Plan, abstract: 
     assignment = assignment_from_ops(traced, graph, _stage_of(plan, graph), roles)
     batch_refs = batch_leaves(traced, graph, abstract, batch_params, m)
     keys = tuple(sorted(key_args(traced)))
+    split = _checked_split(traced, abstract, assignment, batch_refs, plan.num_stages, m,
+                           keys, per_microbatch_statistics)
+    flat = split.flat
+    emap = EqnMap(traced, graph)
+    shardings = tuple(_stage_shardings(st.spmd, st.index, graph, emap, flat, split)
+                      for st in plan.stages)
+    return StageLowering(split, abstract, assignment, batch_refs, shardings, keys,
+                         per_microbatch_statistics)
+
+
+def _checked_split(traced: ScopedFunction, abstract: tuple, assignment: Any,
+                   batch_refs: Sequence[int], num_stages: int, m: int, keys: Sequence[int],
+                   per_microbatch_statistics: bool) -> StepSplit:
+    """The step flattened and cut (``split_step``), its couplings refused (and, under
+    ``per_microbatch_statistics``, its pairs' batch-size constants): what both the
+    lowering and the planner's microbatch divisors start from.
+
+    Raises:
+        LoweringError: the step cannot be cut; BatchCouplingError: as ``refuse_couplings``
+            and ``refuse_pair_constants``.
+    """
     flat = flatten(traced.closed, platform_branches=per_microbatch_statistics)
     try:
-        split = split_step(flat, assignment, batch_refs, plan.num_stages, m, key_refs=keys,
+        split = split_step(flat, assignment, batch_refs, num_stages, m, key_refs=tuple(keys),
                            per_microbatch_statistics=per_microbatch_statistics)
     except StageSplitError as e:
         raise LoweringError(str(e)) from e
     refuse_couplings(split.layout, m, per_microbatch_statistics)
     if per_microbatch_statistics:
         refuse_pair_constants(traced, abstract, split, batch_refs)
-    emap = EqnMap(traced, graph)
-    shardings = tuple(_stage_shardings(st.spmd, st.index, graph, emap, flat, split)
-                      for st in plan.stages)
-    return StageLowering(split, abstract, assignment, batch_refs, shardings, keys,
-                         per_microbatch_statistics)
+    return split
 
 
 def refuse_pair_constants(traced: ScopedFunction, abstract: tuple, split: StepSplit,
@@ -484,16 +501,10 @@ def microbatch_divisors(traced: ScopedFunction, graph: HloGraph, abstract: tuple
             pipeline is searched).
     """
     refs = batch_leaves(traced, graph, abstract, batch_params, m)
-    flat = flatten(traced.closed, platform_branches=per_microbatch_statistics)
     assignment = assignment_from_ops(traced, graph, [0] * len(graph.ops), roles)
-    try:
-        split = split_step(flat, assignment, refs, 1, m, key_refs=tuple(key_args(traced)),
-                           per_microbatch_statistics=per_microbatch_statistics)
-    except StageSplitError as e:
-        raise LoweringError(str(e)) from e
-    refuse_couplings(split.layout, m, per_microbatch_statistics)
-    if per_microbatch_statistics:
-        refuse_pair_constants(traced, abstract, split, refs)
+    split = _checked_split(traced, abstract, assignment, refs, 1, m,
+                           tuple(key_args(traced)), per_microbatch_statistics)
+    flat = split.flat
     dims = split.layout.cut_dims()
     ref_of = {(fe.path, k): r for fe in flat.eqns for k, r in enumerate(fe.outs)
               if r is not None}

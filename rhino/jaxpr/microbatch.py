@@ -708,16 +708,7 @@ def prologue_equations(flat: FlatProgram, layout: MicrobatchLayout, refs: Collec
                        ) -> list[int]:
     """Equation indices (in program order) that compute ``refs`` whole, from the whole
     batch arguments: every equation they depend on, bound at its own shapes."""
-    producer = {r: i for i, fe in enumerate(flat.eqns) for r in fe.outs if r is not None}
-    need: set[int] = set()
-    stack = [r for r in refs if r in producer]
-    while stack:
-        e = producer[stack.pop()]
-        if e in need:
-            continue
-        need.add(e)
-        stack.extend(x for x in flat.eqns[e].ins if isinstance(x, int) and x in producer)
-    return sorted(need)
+    return sorted(ancestors(flat, refs))
 
 
 class MicrobatchError(ValueError):
