@@ -80,7 +80,7 @@ _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
 _DIM_RE = re.compile(r"(<=)?([0-9]+)")
 _INT_RE = re.compile(r"-?[0-9]+")
 NAME_RE = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")  # an instruction or computation name
-_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")   # control-predecessors has a dash
 _OPCODE_RE = re.compile(r"[a-z][a-z0-9\-]*")
 _DELIM_RE = re.compile(r'"(?:[^"\\]|\\.)*"|["{}()\[\],]')  # a whole string, or one delimiter
 # name {  /  name (a: f32[]) -> f32[] {  /  name, execution_thread="x" {  (optionally ENTRY)

@@ -327,6 +327,22 @@ class ParallelStep:
             tl.draw(path, title=title)
         return tl
 
+    def save_stages(self, directory: str, *args: Any, platform: str | None = None) -> str:
+        """Export the stage programs planned for these arguments to ``directory``: a plan
+        and its programs that ``rhino.runtime.artifacts.SavedPipeline`` runs later, in a
+        process that never imports the step's code (the same JAX is needed). ``platform``:
+        what to lower for (default: this process's backend, e.g. ``cpu``, ``cuda``).
+        Returns the file's path."""
+        from rhino.runtime import artifacts
+
+        run = self._entry(args).run
+        if not isinstance(run, StagedRun):
+            raise RhinoError("save_stages: expected a step run as stage programs, found a "
+                             "one-stage SPMD program run directly")
+        platform = platform or artifacts.this_platform()
+        arts = artifacts.export_stages(run.specs, run.lowering.split, platform)
+        return artifacts.save(directory, arts)
+
     def distributed_init(self, init_fn: Callable, *init_args: Any, example_args: tuple):
         """Create the training state directly on its devices (Rhino §6.3).
 
@@ -528,11 +544,15 @@ class _Builder:
                             per_microbatch_statistics=o.per_microbatch_statistics)
                  for st in plan.stages]
         if o.executor is ExecutorKind.RAY:
-            from rhino.runtime.ray_executor import RayExecutor
+            from rhino.runtime.artifacts import export_stages
+            from rhino.runtime.ray_executor import RayExecutor, actor_platform
 
+            platform = actor_platform(o.ray_actor_options)
+            self.progress(f"exporting the stage programs for the actors ({platform})")
+            specs_out = export_stages(specs, lowering.split, platform)
             self.progress(f"starting {plan.num_stages} stage(s) on Ray actors, which compile "
                           f"their stage programs with one step on zeros")
-            executor = RayExecutor(specs, plan.cluster, timeout=o.timeout,
+            executor = RayExecutor(specs_out, plan.cluster, timeout=o.timeout,
                                    address=o.ray_address, actor_options=o.ray_actor_options,
                                    host_ids=[st.hosts for st in plan.stages],
                                    transport=o.transport.value, pin_cpus=o.ray_pin_cpus)

@@ -153,10 +153,14 @@ class StageWorker:
         shardings: its ``StageShardings``; schedule: the static schedule.
         measure: time each task (a watcher thread waits for its results, so dispatch of the
             next task is not held up).
+        programs: ``(kind, with_acc) -> callable``: the stage's programs compiled from its
+            artifacts (``runtime.artifacts``); without, each is jitted from ``split`` on
+            first use.
     """
 
     def __init__(self, split: StepSplit, stage: int, mesh: Any, shardings: StageShardings,
-                 schedule: Schedule, measure: bool = True):
+                 schedule: Schedule, measure: bool = True,
+                 programs: Mapping[tuple[str, bool], Any] | None = None):
         from jax.sharding import NamedSharding, PartitionSpec
 
         self.split, self.stage, self.mesh, self.schedule = split, stage, mesh, schedule
@@ -167,7 +171,9 @@ class StageWorker:
         self._ref_sharding = {r: self._named(p) for r, p in shardings.refs.items()}
         self._value_sharding = {k: self._named(p) for k, p in shardings.values.items()}
         self._replicated = self._named(None)
-        self._programs: dict[tuple[str, bool], Any] = {}
+        # Compiled from artifacts (``runtime.artifacts``), or jitted from the split on use.
+        self._from_artifacts = programs is not None
+        self._programs: dict[tuple[str, bool], Any] = dict(programs or {})
         # How many tasks of this stage read each (ref, microbatch) value: released after.
         self._readers: dict[int, int] = {}
         mine = [t for (k, s), t in split.tasks.items() if s == stage]
@@ -196,6 +202,10 @@ class StageWorker:
     def program(self, kind: str, with_acc: bool) -> Any:
         key = (kind, with_acc)
         fn = self._programs.get(key)
+        if fn is None and self._from_artifacts:
+            raise ExecutorError(f"stage {self.stage}: no program {kind}"
+                                f"{'+acc' if with_acc else ''} among its artifacts "
+                                f"{sorted(self._programs)}", stage=self.stage)
         if fn is None:
             task = self.split.task(kind, self.stage)
             cons = self._value_sharding
@@ -213,7 +223,7 @@ class StageWorker:
     def prologue_program(self) -> Any:
         """The stage's prologue, jitted (None when it computes nothing)."""
         fn = self._programs.get(("P", False))
-        if fn is None and self._prologue.outputs:
+        if fn is None and self._prologue.outputs and not self._from_artifacts:
             cons = self._value_sharding
 
             def constrain(path, k, x):

@@ -267,7 +267,7 @@ class StageActor:
                                     f"jax.distributed job at {coordinator} within "
                                     f"{timeout:.0f} s: {type(e).__name__}: {e}",
                                     stage=self.stage, failure=Failure.PROGRAM) from e
-        spec = import_ray().cloudpickle.loads(spec_blob)
+        art = pickle.loads(spec_blob)       # a StageArtifact: rhino's data, no user code
         local = jax.local_devices()
         if len(local) < devices:
             raise ExecutorError(f"{self.where}: expected {devices} devices in the actor, "
@@ -284,8 +284,8 @@ class StageActor:
             mesh_devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         else:
             mesh_devices = local[:devices]
-        split = spec.split()
-        self.worker = spec.build(mesh_devices, split)
+        split = art.split
+        self.worker = art.build(mesh_devices)
         self.outputs = tuple(o.ref for o in split.outputs if o.producer is not None
                              and o.producer[1] == self.stage and o.source in ("task", "acc"))
         self.args = split.stage_args(self.stage)

@@ -88,6 +88,25 @@ them."""
 __all__ = ["RayExecutor", "RemoteArray", "fetch", "init", "RayInfo", "xla_flags"]
 
 
+def actor_platform(actor_options: Mapping[str, Any] | None) -> str:
+    """What the actors' JAX runs on: ``cuda`` where they are given GPUs (``num_gpus``), else
+    ``cpu`` (hosts simulated by forced host devices)."""
+    return "cuda" if (actor_options or {}).get("num_gpus") else "cpu"
+
+
+def _artifacts(specs: Sequence[Any], actor_options: Mapping[str, Any]) -> list:
+    """``specs`` as ``StageArtifact``s: a ``WorkerSpec`` is split here (the driver has the
+    user's code) and its programs exported for the actors' platform (``cuda`` where the
+    actors are given GPUs, else ``cpu``)."""
+    from rhino.runtime.artifacts import StageArtifact, export_stages
+
+    todo = [s for s in specs if not isinstance(s, StageArtifact)]
+    if not todo:
+        return list(specs)
+    made = iter(export_stages(todo, todo[0].split(), actor_platform(actor_options)))
+    return [s if isinstance(s, StageArtifact) else next(made) for s in specs]
+
+
 def hosts_per_stage(specs: Sequence[Any], cluster: Any) -> list[int]:
     """Host processes per stage: its devices over the cluster's devices per host (one
     host without a cluster)."""
@@ -190,6 +209,7 @@ class RayExecutor:
         # per actor: the shapes and dtypes of the results it keeps (the same every step)
         self._meta: dict[int, dict[int, tuple]] = {}
         self._check_plan(ray)
+        self.specs = _artifacts(self.specs, actor_options or {})   # before any actor
         cls = ray.remote(StageActor)
         self.actors, self.groups, self.owners = [], [], []
         self._cpus = 0.0
@@ -223,7 +243,9 @@ class RayExecutor:
                                   "finding a coordinator port", timeout,
                                   [(s, 0) for s in multi], close=True)
             coord = dict(zip(multi, found))
-            blobs = [ray.cloudpickle.dumps(spec) for spec in self.specs]
+            # Plain pickle of rhino's own data and jax.export bytes: the actors never
+            # unpickle, import or trace the user's code.
+            blobs = [pickle.dumps(spec) for spec in self.specs]
             self._describe = self._collect(
                 [a.setup.remote(blobs[s], per_host[s], coord.get(s), timeout, cpus)
                  for a, (s, _), cpus in zip(self.actors, self.owners, self.pinned)],

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
@@ -111,6 +111,21 @@ def _typed_as(x: Any, aval: Any) -> Any:
     return x
 
 
+def step_results(split: Any, flat: Sequence[Any], outs: Mapping[int, Any]) -> list:
+    """The step's flat results from an executor's (``ref -> value``) and its flat
+    arguments (results that are arguments passed through, or literals)."""
+    avals = split.flat.avals
+    res = []
+    for o in split.outputs:
+        if o.source == "lit":
+            res.append(jax.numpy.asarray(o.value))
+        elif o.source == "arg":
+            res.append(flat[o.ref])
+        else:
+            res.append(_typed_as(outs[o.ref], avals[o.ref]))
+    return res
+
+
 class StagedRun:
     """Stage programs under a static schedule, by a local or a Ray executor.
 
@@ -162,17 +177,7 @@ class StagedRun:
 
     def __call__(self, args: tuple) -> list:
         flat = jax.tree_util.tree_leaves(args)
-        outs = self.executor.run(flat)
-        avals = self.lowering.split.flat.avals
-        res = []
-        for o in self.lowering.split.outputs:
-            if o.source == "lit":
-                res.append(jax.numpy.asarray(o.value))
-            elif o.source == "arg":
-                res.append(flat[o.ref])
-            else:
-                res.append(_typed_as(outs[o.ref], avals[o.ref]))
-        return res
+        return step_results(self.lowering.split, flat, self.executor.run(flat))
 
     def report_lines(self) -> list[str]:
         sp = self.lowering.split

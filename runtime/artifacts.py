@@ -1,0 +1,350 @@
+"""Stage programs as artifacts: every program of a stage (``F``, ``B``, ``B+acc``, the apply
+phases, the prologue) exported once where the step is planned, shipped as bytes, compiled
+where it runs. A process that runs a stage from its ``StageArtifact`` never imports,
+unpickles or traces the user's code: the artifact is plain data (``pickle`` of rhino's own
+dataclasses and ``jax.export`` serializations), so a model class defined in the training
+script's ``__main__`` or a closure over it costs nothing on the actors.
+
+Pass order::
+
+    driver:  StepSplit (traced, split) ─► signatures (jax.eval_shape, task by task, in
+             dependency order) ─► jax.export of each program on an AbstractMesh of the
+             stage's shape (its sharding constraints inside) ─► StageArtifact (bytes)
+    worker:  StageArtifact ─► StageWorker(programs = jax.jit(deserialized.call)) on its
+             devices: the caller's jit places the arguments as they come (their shardings),
+             the exported body keeps every constraint of the plan
+
+Nothing of the user's step survives in the artifact: ``split.flat`` keeps its abstract
+values only (``strip``), the microbatch layout loses its bind parameters. A plan and its
+artifacts can be saved (``save``) and run later by any process with rhino and the same JAX
+(``load``; ``StageArtifact.build`` checks both).
+
+Example:
+    >>> arts = export_stages(specs, split, platform="cpu")        # doctest: +SKIP
+    >>> save("run/", arts); arts = load("run/")                   # doctest: +SKIP
+    >>> worker = arts[0].build(jax.devices()[:4])                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from rhino.errors import RhinoError
+from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, is_apply,
+                                             prologue_function, task_function)
+
+ARTIFACT_FORMAT = 1
+"""Bumped when ``StageArtifact``'s fields change meaning; ``load`` refuses other formats."""
+
+_FILE = "stages.rhino"
+
+
+class ArtifactError(RhinoError):
+    """A stage program that cannot be exported, or an artifact this process cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageArtifact:
+    """One stage, ready to run without the user's code.
+
+    Attributes:
+        stage: the stage; mesh_shape, axis_names: its mesh; shardings: its shardings.
+        split: the step split with every equation dropped (``strip``): which task reads
+            and writes what, the abstract values, the microbatch shapes.
+        schedule, num_stages, num_microbatches: as ``make_schedule`` takes them.
+        programs: ``(kind, with_acc) -> jax.export serialization``; the prologue is
+            ``("P", False)``.
+        platform: what the programs were lowered for (``cpu``, ``cuda``, ``rocm``, ``tpu``).
+        jax_version: the JAX that exported them (serializations are read by the same).
+        measure: time every task.
+    """
+
+    stage: int
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    shardings: StageShardings
+    split: StepSplit
+    schedule: str
+    num_stages: int
+    num_microbatches: int
+    programs: Mapping[tuple[str, bool], bytes]
+    platform: str
+    jax_version: str
+    measure: bool = True
+    format: int = ARTIFACT_FORMAT
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self.programs.values())
+
+    def check(self) -> None:
+        """Refuse an artifact this process cannot run (another JAX, another platform)."""
+        import jax
+
+        if self.format != ARTIFACT_FORMAT:
+            raise ArtifactError(f"stage {self.stage}: artifact format {self.format}, this "
+                                f"rhino reads format {ARTIFACT_FORMAT}")
+        if self.jax_version != jax.__version__:
+            raise ArtifactError(f"stage {self.stage}: programs exported by jax "
+                                f"{self.jax_version}, this process has jax {jax.__version__}; "
+                                f"export and run with the same JAX")
+        here = this_platform()
+        if here != self.platform:
+            raise ArtifactError(f"stage {self.stage}: programs lowered for "
+                                f"'{self.platform}', this process runs on '{here}'")
+
+    def programs_on(self) -> dict[tuple[str, bool], Any]:
+        """The stage's programs, deserialized and jitted (the accumulators donated)."""
+        import jax
+        from jax import export
+
+        self.check()
+        out = {}
+        for (kind, with_acc), blob in self.programs.items():
+            exp = export.deserialize(bytearray(blob))
+            out[(kind, with_acc)] = jax.jit(exp.call, donate_argnums=(1,) if with_acc
+                                            else ())
+        return out
+
+    def build(self, devices: Sequence[Any]) -> Any:
+        """The ``StageWorker`` on ``devices`` (as many as the mesh has), its programs
+        compiled from the artifact."""
+        from rhino.runtime.executor import ExecutorError, StageWorker
+        from rhino.runtime.schedules import make_schedule
+        from rhino.runtime.spmd import device_mesh
+
+        need = int(np.prod(self.mesh_shape))
+        if len(devices) != need:
+            raise ExecutorError(f"stage {self.stage}: expected {need} devices for mesh "
+                                f"{self.mesh_shape}, found {len(devices)}")
+        mesh = device_mesh(self.mesh_shape, self.axis_names, list(devices))
+        schedule = make_schedule(self.schedule, self.num_stages, self.num_microbatches)
+        return StageWorker(self.split, self.stage, mesh, self.shardings, schedule,
+                           self.measure, programs=self.programs_on())
+
+
+def this_platform() -> str:
+    """This process's JAX backend as ``jax.export`` names platforms (``gpu`` is ``cuda``)."""
+    import jax
+
+    backend = jax.default_backend()
+    return {"gpu": "cuda"}.get(backend, backend)
+
+
+def strip(split: StepSplit) -> StepSplit:
+    """``split`` without the user's program: no equations, constants or inlined calls (they
+    hold the user's functions), the microbatch layout without bind parameters. What a
+    ``StageWorker`` reads of a split is left: tasks, outputs, refs, abstract values, shapes."""
+    import jax
+
+    flat = split.flat
+    avals = {r: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype,
+                                     weak_type=bool(getattr(a, "weak_type", False)))
+             for r, a in flat.avals.items()}
+    bare = dataclasses.replace(flat, eqns=(), consts={}, outs=(), avals=avals, remats={},
+                               calls={})
+    layout = dataclasses.replace(split.layout, params={})
+    return dataclasses.replace(split, flat=bare, layout=layout)
+
+
+def _aval(a: Any, shape: Sequence[int] | None = None) -> Any:
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(a.shape if shape is None else shape), a.dtype,
+                                weak_type=bool(getattr(a, "weak_type", False)))
+
+
+def signatures(split: StepSplit) -> dict[tuple[str, int, bool], tuple]:
+    """The abstract arguments of every stage program: ``(kind, stage, with_acc) ->
+    (inputs, accs, mb)`` as ``StageWorker._run`` passes them (``("P", stage, False) ->
+    (args,)`` for a prologue), found with ``jax.eval_shape`` task by task in dependency
+    order, so a value's abstract type is what its producer returns."""
+    import jax
+
+    avals = split.flat.avals
+    mb0 = np.int32(0)
+    out: dict[tuple[str, int, bool], tuple] = {}
+    whole: dict[int, dict[int, Any]] = {}            # stage -> ref -> whole value
+    for s in range(split.num_stages):
+        whole[s] = {r: _aval(avals[r]) for r in split.whole_batch_args(s)}
+        pro = split.prologues[s]
+        if pro.outputs:
+            args = [whole[s].get(r, _aval(avals[r])) for r in pro.inputs]
+            res = jax.eval_shape(prologue_function(split, s), args)
+            whole[s].update(zip(pro.outputs, res))
+            out[("P", s, False)] = (args,)
+    made: dict[tuple[str, int], dict[int, Any]] = {}     # task -> ref -> its output
+    accs: dict[tuple[str, int], dict[int, Any]] = {}     # task -> ref -> its accumulator
+    todo = [key for key, t in split.tasks.items() if t.eqns or t.outputs or t.accumulate]
+    while todo:
+        ready = [k for k in todo if all(i.producer in made for i in split.tasks[k].inputs
+                                        if i.source in ("task", "acc"))]
+        if not ready:
+            raise ArtifactError(f"stage programs {sorted(todo)}: their inputs come from "
+                                f"each other (no task can be traced first)")
+        for kind, s in ready:
+            task = split.tasks[(kind, s)]
+            inputs = []
+            for i in task.inputs:
+                if i.source == "arg":
+                    inputs.append(_aval(avals[i.ref]))
+                elif i.source == "batch":
+                    inputs.append(_aval(avals[i.ref], split.microbatch_shape(i.ref)))
+                elif i.source == "pre":
+                    inputs.append(whole[s][i.ref])
+                elif i.source == "acc":
+                    inputs.append(accs[i.producer][i.ref])
+                else:
+                    inputs.append(made[i.producer][i.ref])
+            fn = task_function(split, task, False)
+            outs, new = jax.eval_shape(fn, inputs, [], mb0)
+            made[(kind, s)] = dict(zip(task.outputs, outs))
+            accs[(kind, s)] = dict(zip(task.accumulate, new))
+            out[(kind, s, False)] = (inputs, [], mb0)
+            if not is_apply(kind) and split.num_microbatches > 1:
+                out[(kind, s, True)] = (inputs, list(new), mb0)
+            todo.remove((kind, s))
+    return out
+
+
+def _abstract_mesh(shape: Sequence[int], names: Sequence[str]) -> Any:
+    from jax.sharding import AbstractMesh, AxisType
+
+    return AbstractMesh(tuple(shape), tuple(names), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def export_stage(split: StepSplit, stage: int, mesh_shape: Sequence[int],
+                 axis_names: Sequence[str], shardings: StageShardings, schedule: str,
+                 platform: str, measure: bool = True,
+                 sigs: Mapping[tuple[str, int, bool], tuple] | None = None) -> StageArtifact:
+    """``stage``'s programs exported for ``platform`` on an abstract mesh of its shape."""
+    import jax
+    from jax import export
+    from jax.sharding import NamedSharding
+
+    sigs = signatures(split) if sigs is None else sigs
+    mesh = _abstract_mesh(mesh_shape, axis_names)
+    cons = {k: NamedSharding(mesh, p) for k, p in shardings.values.items() if p is not None}
+
+    def constrain(path, k, x):
+        s = cons.get((path, k))
+        return x if s is None else jax.lax.with_sharding_constraint(x, s)
+
+    programs: dict[tuple[str, bool], bytes] = {}
+    for (kind, s, with_acc), args in sigs.items():
+        if s != stage:
+            continue
+        if kind == "P":
+            fn = jax.jit(prologue_function(split, stage, constrain))
+        else:
+            fn = jax.jit(task_function(split, split.task(kind, stage), with_acc, constrain),
+                         donate_argnums=(1,) if with_acc else ())
+        label = kind + ("+acc" if with_acc else "")
+        try:
+            exp = export.export(fn, platforms=[platform],
+                                disabled_checks=_custom_calls_allowed())(*args)
+            programs[(kind, with_acc)] = bytes(exp.serialize())
+        except Exception as e:
+            raise ArtifactError(f"stage {stage}, program {label}: cannot be exported for "
+                                f"{platform}: {type(e).__name__}: {e}") from e
+    return StageArtifact(stage, tuple(mesh_shape), tuple(axis_names), shardings,
+                         strip(split), schedule, split.num_stages, split.num_microbatches,
+                         programs, platform, jax.__version__, measure)
+
+
+def _custom_calls_allowed() -> list:
+    """Every custom call target may appear: the artifact is run by the JAX that exported it
+    (``StageArtifact.check``), so the cross-version stability ``jax.export`` guards by
+    default does not apply."""
+    from jax import export
+
+    return [export.DisabledSafetyCheck.custom_call("ALL")]   # jax.export's wildcard
+
+
+def export_stages(specs: Sequence[Any], split: StepSplit, platform: str) -> list[StageArtifact]:
+    """One artifact per ``WorkerSpec`` of ``specs`` (all of one step split)."""
+    sigs = signatures(split)
+    return [export_stage(split, sp.stage, sp.mesh_shape, sp.axis_names, sp.shardings,
+                         sp.schedule, platform, sp.measure, sigs) for sp in specs]
+
+
+def save(directory: str, artifacts: Sequence[StageArtifact]) -> str:
+    """Write ``artifacts`` to ``directory`` (created); returns the file's path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, _FILE)
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump({"format": ARTIFACT_FORMAT, "stages": list(artifacts)}, f)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load(directory: str) -> list[StageArtifact]:
+    """The artifacts ``save`` wrote to ``directory``."""
+    path = os.path.join(directory, _FILE)
+    if not os.path.exists(path):
+        raise ArtifactError(f"{directory}: expected saved stage programs ({_FILE}), found "
+                            f"none")
+    with open(path, "rb") as f:
+        got = pickle.load(f)
+    if not isinstance(got, dict) or got.get("format") != ARTIFACT_FORMAT:
+        raise ArtifactError(f"{path}: expected rhino stage artifacts of format "
+                            f"{ARTIFACT_FORMAT}, found "
+                            f"{got.get('format') if isinstance(got, dict) else type(got)}")
+    return list(got["stages"])
+
+
+class SavedPipeline:
+    """Saved stage artifacts run in this process by the local executor, without the step's
+    code: called with the step's arguments (any pytree with the step's leaves, in order),
+    it returns the step's results as a flat list (``jax.tree_util.tree_leaves`` order).
+
+    Args:
+        stages: the artifacts, or the directory ``save`` wrote them to.
+        devices: per stage, the devices of its mesh (default: this process's devices, stage
+            after stage, as many as each mesh has). Stages may share devices.
+        timeout: seconds any wait may take.
+    """
+
+    def __init__(self, stages: Sequence[StageArtifact] | str,
+                 devices: Sequence[Sequence[Any]] | None = None, timeout: float | None = None):
+        import jax
+
+        from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
+
+        self.stages = load(stages) if isinstance(stages, str) else list(stages)
+        sizes = [int(np.prod(a.mesh_shape)) for a in self.stages]
+        if devices is None:
+            local = jax.local_devices()
+            if sum(sizes) > len(local):
+                raise ArtifactError(f"{len(self.stages)} stages of {sizes} devices: expected "
+                                    f"{sum(sizes)} devices in this process, found "
+                                    f"{len(local)} (give devices= per stage to share them)")
+            first = np.cumsum([0] + sizes)
+            devices = [local[first[s]:first[s + 1]] for s in range(len(sizes))]
+        if len(devices) != len(self.stages):
+            raise ArtifactError(f"devices: expected one list per stage ({len(self.stages)}), "
+                                f"found {len(devices)}")
+        self.workers = [a.build(list(d)) for a, d in zip(self.stages, devices)]
+        self.executor = LocalExecutor(self.workers, timeout or DEFAULT_TIMEOUT_S)
+
+    def __call__(self, *args: Any) -> list:
+        import jax
+
+        from rhino.runtime.runs import step_results
+
+        flat = jax.tree_util.tree_leaves(args)
+        return step_results(self.stages[0].split, flat, self.executor.run(flat))
+
+    def close(self) -> None:
+        self.executor.close()
+
+    def __enter__(self) -> "SavedPipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
