@@ -329,3 +329,22 @@ def test_prng_keys_in_the_state_and_between_stages_on_ray(ray_cluster):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     finally:
         piped.close()
+
+
+def test_an_equinox_class_of_the_scripts_main_runs_on_ray():
+    """``examples/equinox_ray.py``: an Equinox model class defined in the training script
+    (``__main__.Net``, closed over by the step) and per-example dropout keys made on one
+    stage and read on the other, as a 2-stage pipeline on Ray actors, 3 steps equal to
+    ``jax.jit``. The actors get the driver's exported stage programs; before, they unpickled
+    the step and ``Net`` arrived without its fields (``AttributeError: 'Net' object has no
+    attribute 'layers'``)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, os.path.join(REPO, "examples", "equinox_ray.py"),
+                           "--steps", "3", "--num-cpus", "2"], capture_output=True,
+                          text=True, timeout=400, cwd=REPO,
+                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "key-typed values between the stages: 1" in done.stdout
+    assert done.stdout.count("pipelined loss") == 3 and "OK" in done.stdout
