@@ -348,3 +348,39 @@ class SavedPipeline:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def export_init(init_fn: Any, init_args: tuple, refs: Sequence[int], art: StageArtifact
+                ) -> bytes:
+    """The initializer of ``art``'s stage as an artifact: ``init_fn(*init_args)``'s leaves
+    ``refs`` (those the stage reads), each made with the stage's sharding for it (on an
+    abstract mesh of the stage's shape), exported for its platform. ``run_init`` runs it
+    where the stage is, so the actors never receive ``init_fn`` itself."""
+    import jax
+    from jax import export
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = _abstract_mesh(art.mesh_shape, art.axis_names)
+    refs = list(refs)
+    outs = [NamedSharding(mesh, art.shardings.refs.get(k) or PartitionSpec()) for k in refs]
+
+    def mine(*a):
+        leaves = jax.tree_util.tree_leaves(init_fn(*a))
+        return [leaves[k] for k in refs]
+
+    try:
+        exp = export.export(jax.jit(mine, out_shardings=outs), platforms=[art.platform],
+                            disabled_checks=_custom_calls_allowed())(*init_args)
+    except Exception as e:
+        raise ArtifactError(f"stage {art.stage}, its initializer: cannot be exported for "
+                            f"{art.platform}: {type(e).__name__}: {e}") from e
+    return bytes(exp.serialize())
+
+
+def run_init(blob: bytes, init_args: tuple, shardings: Sequence[Any]) -> list:
+    """Run an ``export_init`` artifact: its leaves, each with its sharding."""
+    import jax
+    from jax import export
+
+    exp = export.deserialize(bytearray(blob))
+    return list(jax.jit(exp.call, out_shardings=list(shardings))(*init_args))

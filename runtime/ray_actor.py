@@ -471,25 +471,20 @@ class StageActor:
         return host, meta, records, secs
 
     def init_state(self, blob: bytes, refs: Sequence[int]) -> dict[int, tuple]:
-        """Create the step's argument leaves ``refs`` (those this stage reads) from the
-        user's ``init_fn(*init_args)`` (pickled in ``blob``) directly on this stage's devices
-        with their planned shardings (``runtime.sharded_init``); kept as step 0's results.
-        Returns ref -> (shape, dtype name) (from the first host)."""
+        """Create the step's argument leaves ``refs`` (those this stage reads) directly on
+        this stage's devices with their planned shardings: ``blob`` holds the user's
+        initializer as the driver exported it (``artifacts.export_init``) and its arguments
+        (plain pickle: no user code here); kept as step 0's results. Returns ref ->
+        (shape, dtype name) (from the first host)."""
         import jax
 
-        from rhino.runtime.sharded_init import distributed_init
+        from rhino.runtime.artifacts import run_init
 
-        init_fn, args = import_ray().cloudpickle.loads(blob)
+        program, args = pickle.loads(blob)
         args = jax.tree_util.tree_map(lambda x: unpack_key(x), args,
                                       is_leaf=lambda x: isinstance(x, PackedKey))
         refs = list(refs)
-
-        def mine(*a):
-            leaves = jax.tree_util.tree_leaves(init_fn(*a))
-            return [leaves[k] for k in refs]
-
-        values = distributed_init(mine, *args,
-                                  shardings=[self.worker.sharding(k) for k in refs])
+        values = run_init(program, args, [self.worker.sharding(k) for k in refs])
         for k, v in zip(refs, values):
             self.kept[(0, k)] = v
         if self.rank != 0:

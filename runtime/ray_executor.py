@@ -576,16 +576,18 @@ class RayExecutor:
         driver but leaves no stage reads): ``RemoteArray`` handles in leaf order."""
         import jax
 
+        from rhino.runtime.artifacts import export_init
 
-        ray = import_ray()
         with self._lock:
             self._usable()
             args = jax.tree_util.tree_map(pack_key, tuple(init_args))
-            blob = ray.cloudpickle.dumps((init_fn, args))
             calls, owners = [], []
             for s, group in enumerate(self.groups):
                 refs = tuple(k for k in self._args[s] if k < num_leaves)
                 if refs:
+                    # The initializer goes as an exported program, never as code.
+                    blob = pickle.dumps((export_init(init_fn, tuple(init_args), refs,
+                                                     self.specs[s]), args))
                     calls += [a.init_state.remote(blob, refs) for a in group]
                     owners += [(s, r) for r in range(len(group))]
             got = self._collect(calls, "initializing the state", 2 * self.timeout, owners)

@@ -348,3 +348,33 @@ def test_an_equinox_class_of_the_scripts_main_runs_on_ray():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "key-typed values between the stages: 1" in done.stdout
     assert done.stdout.count("pipelined loss") == 3 and "OK" in done.stdout
+
+
+def test_distributed_init_on_ray_sends_an_exported_initializer(ray_cluster):
+    """``distributed_init`` on Ray: each stage's actor makes the leaves it reads from the
+    initializer the driver exported (an initializer closing over an instance of a class
+    local to this test, which no actor could unpickle); equal to ``jax.jit(init)``, and the
+    first step equals jax.jit's."""
+    m = get_model("gpt", **GPT)
+
+    class Seeds:             # local to the test: only its exported program can travel
+        offset = 3
+
+    seeds = Seeds()
+
+    def init(key):
+        return m.init(jax.random.fold_in(key, seeds.offset))
+
+    key = jax.random.PRNGKey(0)
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    abstract = jax.eval_shape(init, key)
+    with rhino.auto_parallel(m.step, cluster="2x2", stages=2, num_microbatches=2,
+                             executor="ray", timeout=120.0) as step:
+        params, opt = step.distributed_init(init, key, example_args=(*abstract, batch))
+        want = jax.jit(init)(key)
+        for a, b in zip(jax.tree_util.tree_leaves(rhino.fetch((params, opt))),
+                        jax.tree_util.tree_leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        _, _, loss = step(params, opt, batch)
+        np.testing.assert_allclose(float(loss), float(jax.jit(m.step)(*want, batch)[2]),
+                                   rtol=1e-5)
