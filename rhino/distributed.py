@@ -127,6 +127,19 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _transfer_address(launched: dict | None) -> str | None:
+    """A free ``HOST:PORT`` of this host for cross-process transfers (127.0.0.1 when the
+    coordinator is local); None where the host's address cannot be found (logged)."""
+    try:
+        host = ("127.0.0.1" if launched and launched["coordinator"].startswith(
+            ("127.", "localhost")) else socket.gethostbyname(socket.gethostname()))
+        return f"{host}:{_free_port(host)}"
+    except OSError as e:
+        log.warning("rhino: no socket for cross-process transfers (%s); set %s=HOST:PORT "
+                    "if the job moves values between processes", e, ENV_TRANSFER_ADDRESS)
+        return None
+
+
 def _cpu_only() -> bool:
     """Whether JAX will run on CPU only (``JAX_PLATFORMS=cpu``, or no accelerator plugin
     installed), judged without starting JAX's backends."""
@@ -190,9 +203,7 @@ def distributed_init(*, timeout_s: float = DEFAULT_INIT_TIMEOUT_S) -> Job:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     transfer = launched["transfer"] if launched else None
     if transfer is None and _cpu_only():
-        host = "127.0.0.1" if launched and launched["coordinator"].startswith(
-            ("127.", "localhost")) else socket.gethostbyname(socket.gethostname())
-        transfer = f"{host}:{_free_port(host)}"
+        transfer = _transfer_address(launched)
     if transfer:
         jax.config.update("jax_cross_host_transfer_socket_address", transfer)
     timeout = max(1, int(timeout_s))

@@ -446,8 +446,14 @@ class _Builder:
         elif o.cluster is None:
             return self._spmd_on_mesh()
         else:
+            request = o.request
+            if self.multi:
+                if request.stage_count not in (None, 1):
+                    self._refuse_staged(f"stages={o.stages!r}")
+                # Stage programs do not run across processes yet: SPMD candidates only.
+                request = dataclasses.replace(request, stages=1)
             self.progress("planning over the cluster")
-            plan = plan_on_cluster(self.step, o.request, self._cluster(), self.progress)
+            plan = plan_on_cluster(self.step, request, self._cluster(), self.progress)
             self.progress.always(plan.choice_line())
         if plan.num_stages == 1 and o.executor is ExecutorKind.LOCAL:
             return self._entry(plan, self._direct(plan))
@@ -530,16 +536,18 @@ class _Builder:
                              f"{need} before importing jax")
         return [self.devices[d] for d in ids]
 
+    def _refuse_staged(self, what: str) -> None:
+        raise DistributedError(
+            f"auto_parallel in a multi-controller job ({jax.process_count()} processes): "
+            f"expected a one-stage SPMD plan run by every process, found {what}; stage "
+            f"programs across processes are not supported yet (pass stages=1 or leave it "
+            f"out, or a mesh: mesh_shape=..., and executor='local')")
+
     def _staged(self, plan: Plan) -> StagedRun:
         o, graph = self.o, self.graph
         if self.multi:
-            what = (f"a {plan.num_stages}-stage {plan.kind} plan" if plan.num_stages > 1
-                    else f"executor='{o.executor}'")
-            raise DistributedError(
-                f"auto_parallel in a multi-controller job ({jax.process_count()} processes): "
-                f"expected a one-stage SPMD plan run by every process, found {what}; stage "
-                f"programs across processes are not supported yet (pass stages=1, or a mesh: "
-                f"mesh_shape=..., and executor='local')")
+            self._refuse_staged(f"a {plan.num_stages}-stage {plan.kind} plan"
+                                if plan.num_stages > 1 else f"executor='{o.executor}'")
         self.progress("splitting the step into stage programs")
         boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
         check_batch_leaves(graph, boundary, plan.num_microbatches, key_args(self.traced))

@@ -5,7 +5,8 @@ against one-device ``jax.jit``.
 Options make it misbehave on purpose: ``--pin-on P`` (process P pins a weight's layout, so
 its plan differs from the others'), ``--fail-on P`` (process P exits with ``--exit-code``
 right after joining; the others wait), ``--raise-on P`` (process P raises instead),
-``--global-batch`` (each process passes only its own rows, through ``rhino.global_batch``).
+``--global-batch`` (each process passes only its own rows, through ``rhino.global_batch``);
+``--cluster``, ``--stages``: ``auto_parallel``'s options.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> int:
     ap.add_argument("--raise-on", type=int, default=None)
     ap.add_argument("--exit-code", type=int, default=3)
     ap.add_argument("--global-batch", action="store_true")
+    ap.add_argument("--cluster", default=None)
+    ap.add_argument("--stages", type=int, default=None)
     a = ap.parse_args()
 
     job = rhino.distributed_init()
@@ -59,7 +62,8 @@ def main() -> int:
     x = rng.normal(size=(128, 64)).astype(np.float32)
     y = rng.normal(size=(128, 16)).astype(np.float32)
     pins = {"params['w1']": "R·R"} if a.pin_on == me else {}
-    step = rhino.auto_parallel(train_step, annotations=pins)
+    step = rhino.auto_parallel(train_step, annotations=pins, cluster=a.cluster,
+                               stages=a.stages)
     if a.global_batch:        # each process only has its own rows
         rows = len(x) // n
         mine = slice(me * rows, (me + 1) * rows)

@@ -102,6 +102,22 @@ def test_process_local_rows_through_global_batch():
     assert "[p0] joined: process 0 of 2 (rhino.launch)" in out.stdout
 
 
+def test_a_pipeline_across_processes_is_refused_clearly():
+    out = _launch("--hosts", "2", str(JOB), "--cluster", "2x1", "--stages", "2")
+    assert out.returncode == 1, _show(out)
+    for p in (0, 1):
+        assert f"[p{p}] rhino.distributed.DistributedError: auto_parallel in a " \
+               f"multi-controller job (2 processes): expected a one-stage SPMD plan run by " \
+               f"every process, found stages=2; stage programs across processes are not " \
+               f"supported yet" in out.stderr, _show(out)
+
+
+def test_a_cluster_in_a_job_is_planned_with_spmd_candidates_only():
+    out = _launch("--hosts", "2", str(JOB), "--cluster", "2x1")
+    assert out.returncode == 0, _show(out)
+    assert "[p0] process 0: OK" in out.stdout and "[p1] process 1: OK" in out.stdout
+
+
 def test_the_launcher_times_out(tmp_path):
     script = tmp_path / "sleeps.py"
     script.write_text("import time\nprint('started', flush=True)\ntime.sleep(120)\n")
