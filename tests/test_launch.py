@@ -2,7 +2,9 @@
 simulated CPU devices, ``rhino.distributed_init`` and ``auto_parallel`` across processes.
 
 Each job runs as a subprocess of the test (a process that joined a job cannot leave it);
-the coordinator's and transfer sockets' ports are free ones the launcher picks.
+the coordinator's and transfer sockets' ports are free ones the launcher picks. About 55 s
+in the default suite; two more jobs (an exception's prompt exit, a cluster's SPMD-only
+search) under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def test_a_failing_process_stops_the_job_promptly_and_is_named():
     assert took < 60, took
 
 
+@pytest.mark.slow
 def test_an_exception_ends_its_process_at_once():
     """Without ending the process at once, JAX's exit would wait at the job's shutdown
     barrier for the others and the launcher would see nothing until its timeout."""
@@ -112,6 +115,7 @@ def test_a_pipeline_across_processes_is_refused_clearly():
                f"supported yet" in out.stderr, _show(out)
 
 
+@pytest.mark.slow
 def test_a_cluster_in_a_job_is_planned_with_spmd_candidates_only():
     out = _launch("--hosts", "2", str(JOB), "--cluster", "2x1")
     assert out.returncode == 0, _show(out)
