@@ -490,8 +490,9 @@ class _Builder:
         o, graph = self.o, self.graph
         given = o.mesh if o.mesh is not None else (
             AbstractMesh(o.mesh_shape) if o.mesh_shape is not None else None)
+        hosts = len({d.process_index for d in self.devices}) if self.multi else None
         mesh, cost, options, why = plan_on_mesh(graph, o.request, given, len(self.devices),
-                                                self._cost_for, self.progress)
+                                                self._cost_for, self.progress, hosts)
 
         def make_plan(opts: PlanOptions) -> Plan:
             return spmd_plan(graph, mesh, cost, opts, why, self.progress)

@@ -183,3 +183,26 @@ def test_distributed_init_after_jax_was_used_is_refused(tmp_path):
                          text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "refused: distributed_init: expected to run before JAX is used" in out.stdout
+
+
+def test_a_job_weighs_the_mesh_of_hosts_by_devices_per_host():
+    """In a multi-controller job the 1-D mesh over every device and the hosts × devices
+    mesh are both weighed (with H100 figures the links between hosts are much slower)."""
+    import jax
+    import jax.numpy as jnp
+
+    from rhino.backends import backend_figures
+    from rhino.front_door import PlanRequest, plan_on_mesh, runnable_cost, trace_step
+
+    def step(w, x):
+        return w - 0.1 * (x.T @ (x @ w)), jnp.sum(x @ w)
+
+    t = trace_step(step, (jax.ShapeDtypeStruct((512, 512), jnp.float32),
+                          jax.ShapeDtypeStruct((256, 512), jnp.float32)))
+    h100 = backend_figures("h100")
+    mesh, _, _, why = plan_on_mesh(t.graph, PlanRequest(), None, 8,
+                                   lambda m: runnable_cost(h100.cost_model(m, 4)), hosts=2)
+    assert why is not None and "(8,)" in why and "(2, 4)" in why, why
+    alone = plan_on_mesh(t.graph, PlanRequest(), None, 8,
+                         lambda m: runnable_cost(h100.cost_model(m, 4)))
+    assert alone[3] is None and alone[0].shape == (8,)
