@@ -220,7 +220,11 @@ def run_script(argv: Sequence[str]) -> None:
 
     script = argv[0]
     sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    here = os.path.dirname(os.path.abspath(script))   # what `python script` puts first
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path[0] = here
+    else:
+        sys.path.insert(0, here)
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")

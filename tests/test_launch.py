@@ -135,12 +135,14 @@ def test_the_launcher_times_out(tmp_path):
 
 def test_the_script_sees_its_arguments_and_a_job_of_one(tmp_path):
     script = tmp_path / "one.py"
-    script.write_text("import sys, rhino\n"
+    (tmp_path / "helper_module.py").write_text("X = 7\n")     # beside the script
+    script.write_text("import os, sys, rhino, helper_module\n"
                       "job = rhino.distributed_init()\n"
-                      "print(sys.argv[1:], job.num_processes, job.how, __name__)\n")
+                      "print(sys.argv[1:], job.num_processes, job.how, __name__, "
+                      "helper_module.X, os.path.basename(__file__))\n")
     out = _launch("--hosts", "1", str(script), "a", "--b")
     assert out.returncode == 0, _show(out)
-    assert "[p0] ['a', '--b'] 1 rhino.launch __main__" in out.stdout
+    assert "[p0] ['a', '--b'] 1 rhino.launch __main__ 7 one.py" in out.stdout
 
 
 @pytest.mark.parametrize("args,message", [
