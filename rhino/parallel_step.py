@@ -430,8 +430,10 @@ class _Builder:
         entry = self._build()
         if self.multi:
             name = getattr(self.fn, "__name__", "step")
-            agree_on_plan(entry.plan.to_json(search_times=False), f"auto_parallel({name})",
-                          self.o.timeout)
+            digest = agree_on_plan(entry.plan.to_json(search_times=False),
+                                   f"auto_parallel({name})", self.o.timeout)
+            self.progress(f"the {jax.process_count()} processes of the job made the same "
+                          f"plan (sha256 {digest[:16]})")
         return entry
 
     def _build(self) -> _Entry:

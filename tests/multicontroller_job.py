@@ -74,6 +74,11 @@ def main() -> int:
     ref_step = jax.jit(train_step)
     for k in range(a.steps):
         p, loss = step(p, xb, yb)
+        if k == 0:        # global arrays in the plan's layout, passed back as they are
+            leaves = jax.tree.leaves(p)
+            print(f"process {me}: results global: "
+                  f"{all(not x.is_fully_addressable for x in leaves)}, loss shape "
+                  f"{loss.shape} replicated: {loss.is_fully_replicated}", flush=True)
         ref, ref_loss = ref_step(ref, x, y)
         print(f"process {me}: step {k} ran: loss {float(loss):.6f} (jax.jit "
               f"{float(ref_loss):.6f})", flush=True)

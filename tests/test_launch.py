@@ -103,6 +103,9 @@ def test_process_local_rows_through_global_batch():
     assert out.returncode == 0, _show(out)
     assert "[p0] process 0: OK" in out.stdout and "[p1] process 1: OK" in out.stdout
     assert "[p0] joined: process 0 of 2 (rhino.launch)" in out.stdout
+    for p in (0, 1):
+        assert f"[p{p}] process {p}: results global: True, loss shape () replicated: True" \
+            in out.stdout, _show(out)
 
 
 def test_a_pipeline_across_processes_is_refused_clearly():
