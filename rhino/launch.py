@@ -37,10 +37,10 @@ from rhino.distributed import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_I
 
 DEFAULT_TIMEOUT_S = 1800.0
 """How long the launcher waits for the processes (seconds) unless ``--timeout`` says."""
-STOP_GRACE_S = 3.0
+STOP_GRACE_S = 2.0
 """After SIGTERM, how long a process has to end before SIGKILL (JAX catches SIGTERM in a
 job, as a preemption notice, and goes on)."""
-REPORT_GRACE_S = 2.0
+REPORT_GRACE_S = 1.5
 """After a process failed, how long the others may take to end on their own (and say why:
 processes that see the same error, e.g. plans that differ, all report it) before they are
 stopped."""

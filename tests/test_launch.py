@@ -3,8 +3,8 @@ simulated CPU devices, ``rhino.distributed_init`` and ``auto_parallel`` across p
 
 Each job runs as a subprocess of the test (a process that joined a job cannot leave it);
 the coordinator's and transfer sockets' ports are free ones the launcher picks. About 55 s
-in the default suite; two more jobs (an exception's prompt exit, a cluster's SPMD-only
-search) under ``-m slow``.
+in the default suite; three more jobs (an exception's prompt exit, a cluster's SPMD-only
+search, the script's arguments and path) under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -129,13 +129,14 @@ def test_the_launcher_times_out(tmp_path):
     script = tmp_path / "sleeps.py"
     script.write_text("import time\nprint('started', flush=True)\ntime.sleep(120)\n")
     t0 = time.monotonic()
-    out = _launch("--hosts", "2", "--timeout", "4", str(script))
+    out = _launch("--hosts", "2", "--timeout", "5", str(script))
     assert out.returncode == 124, _show(out)
-    assert "rhino.launch: timed out after 4 s; stopped processes 0, 1" in out.stderr
+    assert "rhino.launch: timed out after 5 s; stopped processes 0, 1" in out.stderr
     assert "[p0] started" in out.stdout and "[p1] started" in out.stdout
     assert time.monotonic() - t0 < 40
 
 
+@pytest.mark.slow
 def test_the_script_sees_its_arguments_and_a_job_of_one(tmp_path):
     script = tmp_path / "one.py"
     (tmp_path / "helper_module.py").write_text("X = 7\n")     # beside the script
