@@ -2,11 +2,14 @@
 
 The public API: ``auto_parallel`` (run a step in parallel; one ``ParallelStep`` type),
 ``plan`` (plan without running; one ``Plan`` type), ``ingest`` / ``analyze`` (the graph the
-planner sees), ``plan_pipeline`` (the cluster controller), ``init`` (join a Ray cluster).
+planner sees), ``plan_pipeline`` (the cluster controller), ``init`` (join a Ray cluster),
+``distributed_init`` (join a multi-controller job: the same script on every host, started by
+SLURM, Kubernetes or ``python -m rhino.launch``; ``global_batch`` makes a batch of each
+process's own rows).
 
 Layers, each importing only the ones above it::
 
-    errors · vocabulary · milp · progress
+    errors · vocabulary · milp · progress · distributed (multi-controller jobs; launch)
     hlo_passes  (ingest, analyses, annotate, stage programs, strided values)
     planner     (SPMD: mesh, cost model, spec, strategies, build, solvers, spmd_plan)
     backends · cluster · parallel_plan   (figures per backend; the one Plan type)
@@ -26,6 +29,8 @@ Example:
 
 from rhino._version import __version__
 from rhino.cluster import Cluster
+from rhino.distributed import (DistributedError, PlanDivergenceError, distributed_init,
+                               global_batch)
 from rhino.errors import (ArgumentError, BatchCouplingError, HloParseError, InfeasiblePlanError, IngestError, LoweringError,
                           OptionsError, PlanMismatchError, PlanningError, RhinoError,
                           UnsupportedOpError)
@@ -47,4 +52,5 @@ __all__ = ["__version__", "CheckpointError", "RemoteArray", "fetch", "restore_ch
            "LoweringError", "OptionsError", "PlanMismatchError", "PlanningError", "RhinoError",
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
            "AbstractMesh", "CostModel", "auto_parallel", "ParallelStep", "Plan", "SpmdPlan", "PlanOptions",
-           "ShardingSpec", "plan", "Cluster", "grad", "plan_pipeline", "init"]
+           "ShardingSpec", "plan", "Cluster", "grad", "plan_pipeline", "init",
+           "distributed_init", "global_batch", "DistributedError", "PlanDivergenceError"]

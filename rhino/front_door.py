@@ -255,7 +255,8 @@ def choose_mesh(graph: HloGraph, shapes: Sequence[tuple[int, ...]],
 
 def plan_on_mesh(graph: HloGraph, request: PlanRequest, mesh: AbstractMesh | None,
                  num_devices: int, cost_for: Callable[[AbstractMesh], CostModel],
-                 progress: Callable[[str], None] | None = None
+                 progress: Callable[[str], None] | None = None,
+                 hosts: int | None = None
                  ) -> tuple[AbstractMesh, CostModel, PlanOptions, str | None]:
     """The mesh, cost model and options of an SPMD plan, and why the mesh (None when it
     was given).
@@ -264,12 +265,19 @@ def plan_on_mesh(graph: HloGraph, request: PlanRequest, mesh: AbstractMesh | Non
     of two (and nothing is annotated) the least estimated step time of its 2-D
     factorizations too (``choose_mesh``; weighed without O2's window moves).
 
+    Where the devices are those of ``hosts`` hosts (a multi-controller job), the mesh of
+    hosts × devices per host is weighed too (an axis inside the hosts, one across them).
+
     Args:
         cost_for: the cost model of a mesh (already ``runnable_cost``).
+        hosts: the hosts the devices are on, host-major (None: one).
     """
     why = None
     if mesh is None:
         shapes = [] if request.annotations else mesh_shapes_to_weigh(num_devices)
+        if shapes and hosts and 1 < hosts < num_devices and num_devices % hosts == 0 and \
+                (hosts, num_devices // hosts) not in shapes:
+            shapes.append((hosts, num_devices // hosts))
         if len(shapes) > 1:
             mesh, why = choose_mesh(graph, shapes, lambda m: (m, cost_for(m)),
                                     request.spmd_options(refine=False), progress)

@@ -48,6 +48,7 @@ import numpy as np
 from rhino.backends import (backend_figures, cost_model_for_devices, devices_per_host,
                             figures_for_devices)
 from rhino.cluster import Cluster
+from rhino.distributed import DistributedError, agree_on_plan, job_devices, spans_processes
 from rhino.errors import OptionsError, RhinoError
 from rhino.front_door import (PlanRequest, TracedStep, plan_on_cluster, plan_on_mesh,
                               positive, runnable_cost, spmd_plan, trace_step)
@@ -258,7 +259,9 @@ class ParallelStep:
         entry = self._entry(args)
         self._last = entry
         if isinstance(entry.run, DirectRun):
-            self._direct = entry.run.compiled
+            # Across processes every call places host values itself (each process writes
+            # only its own devices' shards), so the executable is not called bare.
+            self._direct = None if entry.run.multi_process else entry.run.compiled
             return entry.run(args)
         self._direct = None
         return jax.tree_util.tree_unflatten(entry.out_tree, entry.run(args))
@@ -431,9 +434,25 @@ class _Builder:
         self.step, self.o, self.progress = step, options, progress
         self.fn, self.traced, self.graph, self.abstract = (step.fn, step.traced, step.graph,
                                                            step.abstract)
-        self.devices = list(options.devices) if options.devices is not None else jax.devices()
+        if options.devices is not None:
+            self.devices = list(options.devices)
+        else:     # a multi-controller job: every device of the job, host-major
+            self.devices = job_devices() if jax.process_count() > 1 else jax.devices()
+        self.multi = spans_processes(self.devices)
 
     def build(self) -> _Entry:
+        """The entry; in a multi-controller job, once every process has made the same plan
+        (``rhino.distributed.agree_on_plan``, before anything runs)."""
+        entry = self._build()
+        if self.multi:
+            name = getattr(self.fn, "__name__", "step")
+            digest = agree_on_plan(entry.plan.to_json(search_times=False),
+                                   f"auto_parallel({name})", self.o.timeout)
+            self.progress(f"the {jax.process_count()} processes of the job made the same "
+                          f"plan (sha256 {digest[:16]})")
+        return entry
+
+    def _build(self) -> _Entry:
         o = self.o
         if o.plan is not None:
             plan = o.plan
@@ -445,8 +464,14 @@ class _Builder:
         elif o.cluster is None:
             return self._spmd_on_mesh()
         else:
+            request = o.request
+            if self.multi:
+                if request.stage_count not in (None, 1):
+                    self._refuse_staged(f"stages={o.stages!r}")
+                # Stage programs do not run across processes yet: SPMD candidates only.
+                request = dataclasses.replace(request, stages=1)
             self.progress("planning over the cluster")
-            plan = plan_on_cluster(self.step, o.request, self._cluster(), self.progress)
+            plan = plan_on_cluster(self.step, request, self._cluster(), self.progress)
             self.progress.always(plan.choice_line())
         if plan.num_stages == 1 and o.executor is ExecutorKind.LOCAL:
             return self._entry(plan, self._direct(plan))
@@ -483,8 +508,9 @@ class _Builder:
         o, graph = self.o, self.graph
         given = o.mesh if o.mesh is not None else (
             AbstractMesh(o.mesh_shape) if o.mesh_shape is not None else None)
+        hosts = len({d.process_index for d in self.devices}) if self.multi else None
         mesh, cost, options, why = plan_on_mesh(graph, o.request, given, len(self.devices),
-                                                self._cost_for, self.progress)
+                                                self._cost_for, self.progress, hosts)
 
         def make_plan(opts: PlanOptions) -> Plan:
             return spmd_plan(graph, mesh, cost, opts, why, self.progress)
@@ -517,7 +543,8 @@ class _Builder:
         lowered = lower_spmd(self.traced, self.graph, plan.spmd, devices, self.abstract,
                              self.o.donate)
         compiled = compile_spmd(lowered, self.graph, self.abstract)
-        return DirectRun(lowered, compiled, spmd.compiled_memory(compiled))
+        return DirectRun(lowered, compiled, spmd.compiled_memory(compiled),
+                         multi_process=self.multi)
 
     def _stage_devices(self, plan: Plan, ids: Sequence[int]) -> list:
         need = max(ids) + 1
@@ -528,8 +555,18 @@ class _Builder:
                              f"{need} before importing jax")
         return [self.devices[d] for d in ids]
 
+    def _refuse_staged(self, what: str) -> None:
+        raise DistributedError(
+            f"auto_parallel in a multi-controller job ({jax.process_count()} processes): "
+            f"expected a one-stage SPMD plan run by every process, found {what}; stage "
+            f"programs across processes are not supported yet (pass stages=1 or leave it "
+            f"out, or a mesh: mesh_shape=..., and executor='local')")
+
     def _staged(self, plan: Plan) -> StagedRun:
         o, graph = self.o, self.graph
+        if self.multi:
+            self._refuse_staged(f"a {plan.num_stages}-stage {plan.kind} plan"
+                                if plan.num_stages > 1 else f"executor='{o.executor}'")
         self.progress("splitting the step into stage programs")
         boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
         check_batch_leaves(graph, boundary, plan.num_microbatches, key_args(self.traced))

@@ -19,10 +19,11 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from rhino.errors import RhinoError, format_bytes
 from rhino.hlo_passes.lower import SpmdLowering, StageLowering
-from rhino.runtime.executor import WorkerSpec
+from rhino.runtime.executor import WorkerSpec, place
 from rhino.vocabulary import ScheduleKind
 
 
@@ -30,8 +31,10 @@ class DirectRun:
     """One stage in this process: the compiled SPMD program, called directly."""
 
     def __init__(self, lowering: SpmdLowering, compiled: Any, memory: dict | None,
-                 budget: int | None = None, pressure: float | None = None):
+                 budget: int | None = None, pressure: float | None = None,
+                 multi_process: bool = False):
         self.lowering, self.compiled = lowering, compiled
+        self.multi_process = multi_process   # the mesh spans the processes of a job
         self.memory, self.budget, self.pressure = memory, budget, pressure
         self._accepted: list = [None] * len(lowering.in_shardings)
         self._hlo_text: str | None = None
@@ -52,7 +55,7 @@ class DirectRun:
                 continue
             if moved is None:
                 moved = list(flat)
-            moved[i] = jax.device_put(x, s)
+            moved[i] = put(x, s)
         if moved is None:
             return self.compiled(*args)
         out = self.compiled(*jax.tree_util.tree_unflatten(tree, moved))
@@ -212,6 +215,21 @@ class StagedRun:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def put(x: Any, sharding: Any) -> Any:
+    """``x`` with ``sharding``. On a mesh spanning the processes of a multi-controller job,
+    a host array (the same on every process) is placed by each process from its own copy,
+    writing only its devices' shards (``jax.make_array_from_callback``, no cross-process
+    check); a global ``jax.Array`` (e.g. ``rhino.distributed.global_batch``) is resharded;
+    Python numbers keep their weak type."""
+    if sharding.is_fully_addressable or isinstance(x, (bool, int, float, complex)):
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array):
+        if not x.is_fully_addressable or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.device_put(x, sharding)
+        x = np.asarray(x)     # a process's own array: the same on every process
+    return place(x, sharding)
 
 
 def leaves_of_args(in_tree: Any, argnums: Sequence[int]) -> frozenset[int]:

@@ -207,3 +207,48 @@ def test_custom_partitioning_bodies_are_found_inside_calls():
     assert outs == [(2, 8, 4, 16)] and key
     got = fn(*[jnp.ones(s.shape, s.dtype) for s in ins])
     assert got[0].shape == (2, 8, 4, 16)
+
+
+_KV_JOB = """
+import socket, sys
+import jax
+from rhino.jaxpr import private as jp
+assert not jp.backends_initialized()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0,
+                           initialization_timeout=30)
+jp.kv_set("rhino-test/a", "hello")
+assert jp.kv_get("rhino-test/a", 5.0) == "hello"
+try:
+    jp.kv_get("rhino-test/missing", 0.5)
+except TimeoutError as e:
+    print("timeout:", e)
+else:
+    sys.exit("expected a TimeoutError")
+jax.devices()
+assert jp.backends_initialized()
+print("OK")
+"""
+
+
+def test_key_value_store_and_backends_in_a_job_of_one(tmp_path):
+    """The jax.distributed key-value store (kv_set / kv_get with a timeout) and
+    backends_initialized, in a fresh process (joining a job changes the process for good)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", _KV_JOB], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "timeout: key 'rhino-test/missing': not written within 0.5 s" in out.stdout
+    assert out.stdout.strip().endswith("OK")
+
+
+def test_the_key_value_store_needs_a_job():
+    if jax.distributed.is_initialized():
+        pytest.skip("this process joined a jax.distributed job")
+    with pytest.raises(RuntimeError, match="expected a joined job"):
+        jp.kv_set("rhino-test/x", "1")

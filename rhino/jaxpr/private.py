@@ -242,3 +242,50 @@ def custom_partitioning_bodies(closed: Any) -> list[tuple[Any, list, list, str]]
                         walk(x)
     walk(closed)
     return found
+
+
+# ------------------------------------------------------------------------------ processes
+def backends_initialized() -> bool:
+    """Whether JAX has created its backends in this process (``jax.devices()``, an array or
+    a computation has happened): after that, ``jax.distributed.initialize`` can no longer
+    make this process part of a multi-process job."""
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def _kv_client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("the jax.distributed key-value store: expected a joined job "
+                           "(jax.distributed.initialize), found none")
+    return client
+
+
+def kv_set(key: str, value: str) -> None:
+    """Write ``key`` in the ``jax.distributed`` job's key-value store (the coordination
+    service every process of the job reaches). A key is written once.
+
+    Raises:
+        RuntimeError: no ``jax.distributed`` job; or the store's error (the key exists).
+    """
+    _kv_client().key_value_set(key, value)
+
+
+def kv_get(key: str, timeout_s: float) -> str:
+    """Wait up to ``timeout_s`` seconds for ``key`` in the job's key-value store and return
+    its value.
+
+    Raises:
+        TimeoutError: no process wrote ``key`` in time.
+        RuntimeError: no ``jax.distributed`` job.
+    """
+    client = _kv_client()
+    try:
+        return client.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+    except Exception as e:   # jax's runtime error (DEADLINE_EXCEEDED), not a public type
+        if "DEADLINE_EXCEEDED" in str(e) or "imed out" in str(e):
+            raise TimeoutError(f"key {key!r}: not written within {timeout_s:g} s") from e
+        raise

@@ -1,0 +1,104 @@
+"""A small multi-controller job for ``tests/test_launch.py``, run under ``python -m
+rhino.launch``: an MLP step under ``rhino.auto_parallel`` for a few steps, each checked
+against one-device ``jax.jit``.
+
+Options make it misbehave on purpose: ``--pin-on P`` (process P pins a weight's layout, so
+its plan differs from the others'), ``--fail-on P`` (process P exits with ``--exit-code``
+right after joining; the others wait), ``--raise-on P`` (process P raises instead),
+``--global-batch`` (each process passes only its own rows, through ``rhino.global_batch``);
+``--cluster``, ``--stages``: ``auto_parallel``'s options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rhino
+
+
+def train_step(params, x, y):
+    def loss_fn(p):
+        h = jax.nn.relu(x @ p["w1"])
+        return jnp.mean((h @ p["w2"] - y) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--pin-on", type=int, default=None)
+    ap.add_argument("--fail-on", type=int, default=None)
+    ap.add_argument("--raise-on", type=int, default=None)
+    ap.add_argument("--exit-code", type=int, default=3)
+    ap.add_argument("--global-batch", action="store_true")
+    ap.add_argument("--cluster", default=None)
+    ap.add_argument("--stages", type=int, default=None)
+    a = ap.parse_args()
+
+    job = rhino.distributed_init()
+    assert rhino.distributed_init() == dataclass_again(job), "distributed_init is idempotent"
+    me, n = job.process_id, job.num_processes
+    print(f"joined: process {me} of {n} ({job.how})", flush=True)
+    if a.fail_on is not None:
+        if me == a.fail_on:
+            print(f"process {me}: failing on purpose", flush=True)
+            return a.exit_code
+        time.sleep(120)
+        print(f"process {me}: not stopped", flush=True)
+        return 0
+    if a.raise_on == me:
+        raise RuntimeError(f"process {me}: raising on purpose")
+
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(size=(64, 256)).astype(np.float32) * 0.05,
+              "w2": rng.normal(size=(256, 16)).astype(np.float32) * 0.05}
+    x = rng.normal(size=(128, 64)).astype(np.float32)
+    y = rng.normal(size=(128, 16)).astype(np.float32)
+    pins = {"params['w1']": "R·R"} if a.pin_on == me else {}
+    step = rhino.auto_parallel(train_step, annotations=pins, cluster=a.cluster,
+                               stages=a.stages)
+    if a.global_batch:        # each process only has its own rows
+        rows = len(x) // n
+        mine = slice(me * rows, (me + 1) * rows)
+        xb, yb = rhino.global_batch((x[mine], y[mine]))
+    else:
+        xb, yb = x, y
+    p, ref = params, params
+    ref_step = jax.jit(train_step)
+    for k in range(a.steps):
+        p, loss = step(p, xb, yb)
+        if k == 0:        # global arrays in the plan's layout, passed back as they are
+            leaves = jax.tree.leaves(p)
+            print(f"process {me}: results global: "
+                  f"{all(not x.is_fully_addressable for x in leaves)}, loss shape "
+                  f"{loss.shape} replicated: {loss.is_fully_replicated}", flush=True)
+        ref, ref_loss = ref_step(ref, x, y)
+        print(f"process {me}: step {k} ran: loss {float(loss):.6f} (jax.jit "
+              f"{float(ref_loss):.6f})", flush=True)
+        if not np.allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-6):
+            print(f"process {me}: MISMATCH", flush=True)
+            return 1
+    for got, want in zip(jax.tree.leaves(p), jax.tree.leaves(ref)):
+        for shard in got.addressable_shards:
+            if not np.allclose(np.asarray(shard.data), np.asarray(want)[shard.index],
+                               rtol=1e-5, atol=1e-6):
+                print(f"process {me}: MISMATCH in a shard", flush=True)
+                return 1
+    print(f"process {me}: OK", flush=True)
+    return 0
+
+
+def dataclass_again(job):
+    import dataclasses
+    return dataclasses.replace(job, how="already joined")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Multi-controller jobs on one machine: ``python -m rhino.launch`` starting 2 processes × 4
+simulated CPU devices, ``rhino.distributed_init`` and ``auto_parallel`` across processes.
+
+Each job runs as a subprocess of the test (a process that joined a job cannot leave it);
+the coordinator's and transfer sockets' ports are free ones the launcher picks. About 55 s
+in the default suite; three more jobs (an exception's prompt exit, a cluster's SPMD-only
+search, the script's arguments and path) under ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rhino import launch
+from rhino.distributed import DistributedError, launch_environment
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "multicontroller_spmd.py"
+JOB = REPO / "tests" / "multicontroller_job.py"
+
+
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items()
+            if k not in ("XLA_FLAGS",) and not k.startswith("RHINO_")}
+
+
+def _launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rhino.launch", *args], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _show(out: subprocess.CompletedProcess) -> str:
+    return f"exit {out.returncode}\n--- stdout\n{out.stdout[-5000:]}\n--- stderr\n" \
+           f"{out.stderr[-5000:]}"
+
+
+def test_the_example_matches_jax_jit_on_two_processes():
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(EXAMPLE))
+    assert out.returncode == 0, _show(out)
+    for p in (0, 1):
+        assert f"[p{p}] process {p} of 2 (rhino.launch): 4 local devices, 8 in the job" \
+            in out.stdout, _show(out)
+        assert re.search(rf"^\[p{p}\] process {p}: OK: 3 steps match jax.jit", out.stdout,
+                         re.M), _show(out)
+        assert f"[p{p}] process {p}: plan spmd on mesh (8,)" in out.stdout
+    assert "MISMATCH" not in out.stdout
+    assert "[Gloo]" not in out.stdout        # gloo's per-connection lines are left out
+
+
+def test_plans_that_differ_are_refused_on_every_process_before_step_1():
+    """Process 1 pins a weight's layout, so its plan differs: both processes raise
+    PlanDivergenceError naming both hashes, and no step runs."""
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(JOB), "--pin-on", "1")
+    assert out.returncode == 1, _show(out)
+    for p in (0, 1):
+        line = next((ln for ln in out.stderr.splitlines()
+                     if ln.startswith(f"[p{p}] rhino.distributed.PlanDivergenceError: ")),
+                    None)
+        assert line is not None, _show(out)
+        assert re.search(r"process 0: [0-9a-f]{16}, process 1: [0-9a-f]{16}", line), line
+        assert f"this is process {p}" in line and "nothing has run" in line
+    hashes = re.findall(r"process (\d): ([0-9a-f]{16})", out.stderr)
+    assert len({h for _, h in hashes}) == 2
+    assert "step 0 ran" not in out.stdout
+    assert re.search(r"rhino\.launch: process [01] failed \(exit status 1\)", out.stderr)
+
+
+def test_a_failing_process_stops_the_job_promptly_and_is_named():
+    t0 = time.monotonic()
+    out = _launch("--hosts", "2", "--devices-per-host", "1", str(JOB), "--fail-on", "1",
+                  "--exit-code", "3")
+    took = time.monotonic() - t0
+    assert out.returncode == 3, _show(out)
+    assert "rhino.launch: process 1 failed (exit status 3); stopped process 0" in out.stderr
+    assert "[p1] process 1: failing on purpose" in out.stdout
+    assert "not stopped" not in out.stdout        # process 0 was sleeping for 120 s
+    assert took < 60, took
+
+
+@pytest.mark.slow
+def test_an_exception_ends_its_process_at_once():
+    """Without ending the process at once, JAX's exit would wait at the job's shutdown
+    barrier for the others and the launcher would see nothing until its timeout."""
+    t0 = time.monotonic()
+    out = _launch("--hosts", "2", "--timeout", "120", str(JOB), "--raise-on", "1")
+    assert out.returncode == 1, _show(out)
+    assert "[p1] RuntimeError: process 1: raising on purpose" in out.stderr
+    assert "rhino.launch: process 1 failed (exit status 1)" in out.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_process_local_rows_through_global_batch():
+    """Each process passes only its own half of the batch (rhino.global_batch); the
+    results are those of jax.jit on the whole batch."""
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(JOB), "--global-batch")
+    assert out.returncode == 0, _show(out)
+    assert "[p0] process 0: OK" in out.stdout and "[p1] process 1: OK" in out.stdout
+    assert "[p0] joined: process 0 of 2 (rhino.launch)" in out.stdout
+    for p in (0, 1):
+        assert f"[p{p}] process {p}: results global: True, loss shape () replicated: True" \
+            in out.stdout, _show(out)
+
+
+def test_a_pipeline_across_processes_is_refused_clearly():
+    out = _launch("--hosts", "2", str(JOB), "--cluster", "2x1", "--stages", "2")
+    assert out.returncode == 1, _show(out)
+    for p in (0, 1):
+        assert f"[p{p}] rhino.distributed.DistributedError: auto_parallel in a " \
+               f"multi-controller job (2 processes): expected a one-stage SPMD plan run by " \
+               f"every process, found stages=2; stage programs across processes are not " \
+               f"supported yet" in out.stderr, _show(out)
+
+
+@pytest.mark.slow
+def test_a_cluster_in_a_job_is_planned_with_spmd_candidates_only():
+    out = _launch("--hosts", "2", str(JOB), "--cluster", "2x1")
+    assert out.returncode == 0, _show(out)
+    assert "[p0] process 0: OK" in out.stdout and "[p1] process 1: OK" in out.stdout
+
+
+def test_the_launcher_times_out(tmp_path):
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(120)\n")
+    t0 = time.monotonic()
+    out = _launch("--hosts", "2", "--timeout", "5", str(script))
+    assert out.returncode == 124, _show(out)
+    assert "rhino.launch: timed out after 5 s; stopped processes 0, 1" in out.stderr
+    assert "[p0] started" in out.stdout and "[p1] started" in out.stdout
+    assert time.monotonic() - t0 < 40
+
+
+@pytest.mark.slow
+def test_the_script_sees_its_arguments_and_a_job_of_one(tmp_path):
+    script = tmp_path / "one.py"
+    (tmp_path / "helper_module.py").write_text("X = 7\n")     # beside the script
+    script.write_text("import os, sys, rhino, helper_module\n"
+                      "job = rhino.distributed_init()\n"
+                      "print(sys.argv[1:], job.num_processes, job.how, __name__, "
+                      "helper_module.X, os.path.basename(__file__))\n")
+    out = _launch("--hosts", "1", str(script), "a", "--b")
+    assert out.returncode == 0, _show(out)
+    assert "[p0] ['a', '--b'] 1 rhino.launch __main__ 7 one.py" in out.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--hosts", "0", "x.py"], "--hosts: expected a whole number >= 1, found 0"),
+    (["--hosts", "2", "--devices-per-host", "0", "x.py"],
+     "--devices-per-host: expected a whole number >= 1, found 0"),
+    (["--hosts", "2", "--port", "70000", "x.py"], "--port: expected 1 to 65535"),
+    (["--hosts", "2", "--timeout", "0", "x.py"], "--timeout: expected a positive number"),
+    (["--hosts", "2", "no/such/script.py"], "script 'no/such/script.py': no such file"),
+    (["script.py"], "the following arguments are required: --hosts"),
+])
+def test_bad_input_is_refused_with_a_message(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("")
+    with pytest.raises(SystemExit) as e:
+        launch.main(args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_launch_environment_is_checked():
+    ok = {"RHINO_COORDINATOR_ADDRESS": "127.0.0.1:5", "RHINO_NUM_PROCESSES": "2",
+          "RHINO_PROCESS_ID": "1", "RHINO_TRANSFER_ADDRESS": "127.0.0.1:6"}
+    assert launch_environment(ok)["transfer"] == "127.0.0.1:6"
+    assert launch_environment({}) is None
+    for change, message in [({"RHINO_COORDINATOR_ADDRESS": "nohost"}, "expected HOST:PORT"),
+                            ({"RHINO_NUM_PROCESSES": "two"}, "RHINO_NUM_PROCESSES: expected"),
+                            ({"RHINO_PROCESS_ID": "2"}, "0 <= process id < number")]:
+        with pytest.raises(DistributedError, match=message):
+            launch_environment({**ok, **change})
+
+
+def test_distributed_init_after_jax_was_used_is_refused(tmp_path):
+    code = ("import jax, rhino\njax.devices()\n"
+            "try:\n    rhino.distributed_init()\n"
+            "except rhino.DistributedError as e:\n    print('refused:', e)\n")
+    env = {**_env(), "RHINO_COORDINATOR_ADDRESS": "127.0.0.1:1", "RHINO_NUM_PROCESSES": "2",
+           "RHINO_PROCESS_ID": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused: distributed_init: expected to run before JAX is used" in out.stdout
+
+
+def test_a_job_weighs_the_mesh_of_hosts_by_devices_per_host():
+    """In a multi-controller job the 1-D mesh over every device and the hosts × devices
+    mesh are both weighed (with H100 figures the links between hosts are much slower)."""
+    import jax
+    import jax.numpy as jnp
+
+    from rhino.backends import backend_figures
+    from rhino.front_door import PlanRequest, plan_on_mesh, runnable_cost, trace_step
+
+    def step(w, x):
+        return w - 0.1 * (x.T @ (x @ w)), jnp.sum(x @ w)
+
+    t = trace_step(step, (jax.ShapeDtypeStruct((512, 512), jnp.float32),
+                          jax.ShapeDtypeStruct((256, 512), jnp.float32)))
+    h100 = backend_figures("h100")
+    mesh, _, _, why = plan_on_mesh(t.graph, PlanRequest(), None, 8,
+                                   lambda m: runnable_cost(h100.cost_model(m, 4)), hosts=2)
+    assert why is not None and "(8,)" in why and "(2, 4)" in why, why
+    alone = plan_on_mesh(t.graph, PlanRequest(), None, 8,
+                         lambda m: runnable_cost(h100.cost_model(m, 4)))
+    assert alone[3] is None and alone[0].shape == (8,)
