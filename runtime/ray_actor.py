@@ -51,6 +51,7 @@ from rhino.runtime.channels import (ChannelServer, Channels, PackedKey,  # noqa:
 from rhino.runtime.executor import place
 from rhino.runtime.transport import ExecutorError, Failure, LocalTransport
 from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray
+from rhino.runtime.remote_array import dtype_name
 
 
 GLOO_CHATTER = rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
@@ -456,7 +457,7 @@ class StageActor:
         for r, x in outs.items():
             self.kept[(step, r)] = x
             if keep_arrays and np.ndim(x) > 0:
-                meta[r] = (tuple(x.shape), str(x.dtype))
+                meta[r] = (tuple(x.shape), dtype_name(x))
             else:
                 host[r] = host_value(x)
                 self.inline.add((step, r))
@@ -494,7 +495,7 @@ class StageActor:
             self.kept[(0, k)] = v
         if self.rank != 0:
             return {}
-        return {k: (tuple(v.shape), str(v.dtype)) for k, v in zip(refs, values)}
+        return {k: (tuple(v.shape), dtype_name(v)) for k, v in zip(refs, values)}
 
     def save_part(self, directory: str, names: Mapping[str, tuple[int, int]]) -> int:
         """Write the kept results ``names`` (name -> (step, ref)) as one orbax checkpoint,

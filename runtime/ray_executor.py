@@ -382,7 +382,7 @@ class RayExecutor:
             if isinstance(hit[1], (np.ndarray, PackedKey)):  # passed in the call again
                 self.last_sent_bytes += getattr(hit[1], "nbytes", 0) or hit[1].data.nbytes
             return hit[1]
-        host = x.fetch() if isinstance(x, RemoteArray) else pack_key(x)
+        host = pack_key(x.fetch() if isinstance(x, RemoteArray) else x)
         if isinstance(host, PackedKey):          # a typed PRNG key array: its bits
             nbytes = host.data.nbytes
         else:
@@ -520,7 +520,8 @@ class RayExecutor:
         self._dropped.append((stage, step, ref))
 
     def fetch(self, handles: Sequence[RemoteArray]) -> list[np.ndarray]:
-        """The values of ``handles`` (this executor's, of its last step) as numpy.
+        """The values of ``handles`` (this executor's, of its last step) as numpy (typed
+        PRNG key arrays as jax key arrays: numpy has no key type).
 
         Raises:
             ExecutorError: a handle of another step (released) or executor, the executor is
@@ -544,8 +545,10 @@ class RayExecutor:
             for (s, rank), d in zip(owners, got):
                 if rank == 0:
                     for k, v in d.items():
-                        values[(s, *k)] = v
-                        self.fetched_bytes += v.nbytes
+                        # A typed PRNG key array comes as its bits: a key array again.
+                        self.fetched_bytes += v.data.nbytes if isinstance(
+                            v, PackedKey) else v.nbytes
+                        values[(s, *k)] = unpack_key(v)
             return [values[(h.stage, h.step, h.ref)] for h in handles]
 
     def init_state(self, init_fn: Any, init_args: tuple, num_leaves: int) -> list[Any]:
