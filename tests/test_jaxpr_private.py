@@ -207,3 +207,19 @@ def test_custom_partitioning_bodies_are_found_inside_calls():
     assert outs == [(2, 8, 4, 16)] and key
     got = fn(*[jnp.ones(s.shape, s.dtype) for s in ins])
     assert got[0].shape == (2, 8, 4, 16)
+
+
+def test_with_weak_type_changes_only_the_weak_type():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rhino.jaxpr.private import with_weak_type
+
+    x = jnp.arange(3, dtype=jnp.float32)
+    weak = with_weak_type(x, True)
+    assert weak.weak_type and weak.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(weak), np.asarray(x))
+    assert not with_weak_type(weak, False).weak_type
+    # As jax.jit treats a weakly typed value: bf16 minus it stays bf16.
+    assert (jnp.ones(2, jnp.bfloat16) - with_weak_type(jnp.float32(1), True)).dtype == \
+        jnp.bfloat16

@@ -242,3 +242,13 @@ def custom_partitioning_bodies(closed: Any) -> list[tuple[Any, list, list, str]]
                         walk(x)
     walk(closed)
     return found
+
+
+# ------------------------------------------------------------------------------ weak types
+def with_weak_type(x: Any, weak: bool) -> Any:
+    """The jax array ``x`` weakly typed (``weak``) or not, its dtype and value unchanged:
+    JAX has no public way to make a weakly typed array of a given value (a Python number
+    does it for 0-d values of the default dtypes only)."""
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
