@@ -66,6 +66,7 @@ from rhino.step_arguments import signature
 from rhino.progress import Progress
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
+from rhino.runtime.host_data import has_host_data, materialize
 from rhino.runtime.runs import DirectRun, StagedRun
 from rhino.vocabulary import ExecutorKind, ScheduleKind, TransportKind
 
@@ -266,6 +267,11 @@ class ParallelStep:
                 pass
         entry = self._entry(args)
         self._last = entry
+        if not getattr(getattr(entry.run, "executor", None), "takes_host_data", False):
+            # host_data batches: made here, for every row, where no host makes its own.
+            leaves = jax.tree_util.tree_leaves(args)
+            if has_host_data(leaves):
+                args = materialize(args)
         if isinstance(entry.run, DirectRun):
             self._direct = entry.run.compiled
             return entry.run(args)
