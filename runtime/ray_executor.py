@@ -39,7 +39,16 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
   ``.fetch()`` bring the value). Passed back in as the next step's arguments they move
   nothing; 0-d results (losses, metrics, counters) come back as arrays. Steady state moves
   the batch in and the metrics out (``last_sent_bytes``, ``last_received_bytes``).
-  ``keep_state=False`` brings every result back each step instead.
+  ``keep_state=False`` brings every result back each step instead. Handles and 0-d
+  results take the step's result types (``StagedRun``: dtype, weak type, typed PRNG
+  keys), so passed back they hit the plan made for the first call.
+* Batches made on the hosts (``rhino.host_data(fn, like, step=i)`` in place of the batch;
+  ``runtime.host_data``): ``run_step``'s control message names per batch leaf the source,
+  the step and the rows this actor needs (all on a stage of one host, its devices' rows
+  on a stage spanning hosts: ``describe()["rows"]``); the actor calls ``fn(HostRequest)``
+  and places the rows. ``fn`` (user code) is pickled by value with ``ray.cloudpickle``
+  and sent to each actor once. The driver sends no batch bytes (``last_sent_bytes`` 0
+  with the state kept); ``last_control_bytes`` does not grow with the batch.
 * Failures: every wait has a timeout. A dead actor (``RayActorError``), an error on a stage
   or a step that does not finish within ``2 × timeout`` raises ``ExecutorError`` naming the
   stage (and host, and the task, from the ``StageWorker``; the root cause first,
@@ -54,6 +63,8 @@ Example:
     ...                            executor="ray")              # doctest: +SKIP
     >>> params, opt, loss = step(params, opt, batch)            # doctest: +SKIP
     >>> rhino.fetch(params)          # numpy, from the actors   # doctest: +SKIP
+    >>> batch = rhino.host_data(make_rows, like, step=1)  # made on the actors # doctest: +SKIP
+    >>> params, opt, loss = step(params, opt, batch)            # doctest: +SKIP
 """
 
 from __future__ import annotations
