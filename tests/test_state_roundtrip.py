@@ -110,7 +110,7 @@ def _close(a, b):
 
 
 @pytest.mark.parametrize("executor", ["local", "ray"])
-def test_returned_state_takes_the_first_plan(executor, request):
+def test_returned_state_takes_the_first_plan(executor, request, tmp_path):
     if executor == "ray":
         ray = pytest.importorskip("ray")
         request.getfixturevalue("ray_cluster")
@@ -138,6 +138,9 @@ def test_returned_state_takes_the_first_plan(executor, request):
             leaves = jax.tree.leaves(state)
             assert any(isinstance(x, rhino.RemoteArray) and
                        jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in leaves)
+            # A key handle in a checkpoint is refused as a local key array is.
+            with pytest.raises(rhino.CheckpointError, match="found PRNG keys"):
+                rhino.save_checkpoint(str(tmp_path / "ckpt"), state)
             ex = step._last.run.executor
             # The state stays on the actors: only the batch and another stage's values move.
             assert ex.last_kept > 0
