@@ -85,11 +85,14 @@ def test_a_function_returning_other_rows_is_named():
         materialize(host_data(lambda req: {"x": np.zeros((8, D_IN))}, like(8)))
 
 
-def test_host_data_on_the_local_executor_equals_jit():
+@pytest.mark.parametrize("options", [dict(cluster="2x4", stages=2, num_microbatches=2),
+                                     dict(mesh_shape=(8,))])
+def test_host_data_on_the_local_executor_equals_jit(options):
+    """Stage programs and a directly run SPMD program (which donates the state: two
+    copies) both take a host_data batch, made here."""
     ref = jax.jit(mlp_step)
-    want = got = mlp_params()
-    with rhino.auto_parallel(mlp_step, cluster="2x4", stages=2, num_microbatches=2,
-                             timeout=120.0) as step:
+    want, got = mlp_params(), mlp_params()
+    with rhino.auto_parallel(mlp_step, timeout=120.0, **options) as step:
         for i in range(2):
             batch = host_data(make_rows, like(16), step=i)
             got, loss = step(got, batch)
