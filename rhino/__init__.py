@@ -44,10 +44,11 @@ from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planning import plan
+from rhino.runtime.host_data import HostRequest, host_data
 from rhino.runtime.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from rhino.runtime.ray_executor import RemoteArray, fetch, init
 
-__all__ = ["__version__", "CheckpointError", "RemoteArray", "fetch", "restore_checkpoint",
+__all__ = ["__version__", "HostRequest", "host_data", "CheckpointError", "RemoteArray", "fetch", "restore_checkpoint",
            "save_checkpoint", "ArgumentError", "BatchCouplingError", "HloParseError", "InfeasiblePlanError", "IngestError",
            "LoweringError", "OptionsError", "PlanMismatchError", "PlanningError", "RhinoError",
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",

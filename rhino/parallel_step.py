@@ -67,6 +67,7 @@ from rhino.step_arguments import signature
 from rhino.progress import Progress
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
+from rhino.runtime.host_data import has_host_data, materialize
 from rhino.runtime.runs import DirectRun, StagedRun
 from rhino.vocabulary import ExecutorKind, ScheduleKind, TransportKind
 
@@ -235,12 +236,21 @@ class ParallelStep:
 
         with rhino.auto_parallel(m.step, cluster="2x4", stages=2) as step:
             params, opt, loss = step(params, opt, batch)
+
+    Attributes:
+        plans_built: how many argument signatures (pytree structure; per leaf shape, dtype
+            and weak type, as ``jax.jit`` keys its cache) this step has planned, lowered
+            and started a run for. A call whose signature was seen before plans nothing:
+            the results of a call (arrays, ``RemoteArray`` handles kept on Ray actors)
+            have the signature ``jax.jit`` gives them, so passed back as the next call's
+            state they take the same plan.
     """
 
     def __init__(self, fn: Callable, options: StepOptions):
         self.fn = fn
         self.options = options
         self._cache: dict[Any, _Entry] = {}
+        self.plans_built = 0
         self._last: _Entry | None = None
         self._direct: Any = None      # the last signature's executable, when it is direct
         functools.update_wrapper(self, fn)
@@ -258,6 +268,11 @@ class ParallelStep:
                 pass
         entry = self._entry(args)
         self._last = entry
+        if not getattr(getattr(entry.run, "executor", None), "takes_host_data", False):
+            # host_data batches: made here, for every row, where no host makes its own.
+            leaves = jax.tree_util.tree_leaves(args)
+            if has_host_data(leaves):
+                args = materialize(args)
         if isinstance(entry.run, DirectRun):
             # Across processes every call places host values itself (each process writes
             # only its own devices' shards), so the executable is not called bare.
@@ -383,8 +398,8 @@ class ParallelStep:
                                  f"the step's argument leaf {k}: expected {want}, found {found}")
         init_state = getattr(getattr(entry.run, "executor", None), "init_state", None)
         if init_state is not None:    # Ray: each stage's actors make the leaves it reads
-            return jax.tree_util.tree_unflatten(tree, init_state(init_fn, init_args,
-                                                                 len(leaves)))
+            made = entry.run.typed_args(init_state(init_fn, init_args, len(leaves)))
+            return jax.tree_util.tree_unflatten(tree, made)
         shardings = entry.run.shardings(len(leaves))
         return distributed_init(init_fn, *init_args,
                                 shardings=jax.tree_util.tree_unflatten(tree, shardings))
@@ -411,6 +426,7 @@ class ParallelStep:
         if entry is None:
             entry = self._build(args)
             self._cache[key] = entry
+            self.plans_built += 1
         return entry
 
     def _build(self, args: tuple) -> _Entry:
@@ -604,7 +620,8 @@ class _Builder:
                                                len(workers), plan.cluster.devices_per_host,
                                                strategy=o.transport.value)
             executor = LocalExecutor(workers, o.timeout, transport)
-        run = StagedRun(lowering, specs, executor, plan.schedule)
+        run = StagedRun(lowering, specs, executor, plan.schedule,
+                        out_avals=self.traced.closed.out_avals)
         try:
             run.warm_up(self.progress.always)
         except BaseException:

@@ -22,6 +22,8 @@ def _leaf_key(x: Any) -> tuple:
         return x.shape, x.dtype, getattr(x, "weak_type", False)   # key arrays have none
     if getattr(x, "rhino_remote", False):     # a result kept on Ray actors
         return tuple(x.shape), x.dtype, x.weak_type
+    if getattr(x, "rhino_host_data", False):  # a batch leaf the hosts make (host_data)
+        return x.shape, x.dtype, False
     aval = jax.typeof(x)
     return aval.shape, aval.dtype, aval.weak_type
 

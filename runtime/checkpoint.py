@@ -86,6 +86,10 @@ def save_checkpoint(path: str, tree: Any) -> str:
     leaves = []
     for k, (keypath, x) in enumerate(flat):
         name = f"leaf{k}"
+        if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+            raise CheckpointError(f"save_checkpoint: leaf {jax.tree_util.keystr(keypath)}: "
+                                  f"expected numeric arrays, found PRNG keys; save "
+                                  f"jax.random.key_data(keys) instead")
         if getattr(x, "rhino_remote", False):   # a RemoteArray: its actors write it
             key = (id(x.executor), x.stage)
             executors[id(x.executor)] = x.executor
@@ -97,10 +101,6 @@ def save_checkpoint(path: str, tree: Any) -> str:
             except Exception as e:
                 raise CheckpointError(f"save_checkpoint: leaf {jax.tree_util.keystr(keypath)}: "
                                       f"expected an array, found {type(x).__name__}") from e
-            if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
-                raise CheckpointError(f"save_checkpoint: leaf {jax.tree_util.keystr(keypath)}"
-                                      f": expected numeric arrays, found PRNG keys; save "
-                                      f"jax.random.key_data(keys) instead")
             local[name] = arr
             shape, dtype = arr.shape, arr.dtype
         leaves.append({"path": jax.tree_util.keystr(keypath), "shape": list(shape),

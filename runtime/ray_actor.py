@@ -51,6 +51,7 @@ from rhino.runtime.channels import (ChannelServer, Channels, PackedKey,  # noqa:
 from rhino.runtime.executor import place
 from rhino.runtime.transport import ExecutorError, Failure, LocalTransport
 from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray
+from rhino.runtime.remote_array import dtype_name
 
 
 GLOO_CHATTER = rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
@@ -231,6 +232,7 @@ class StageActor:
         self.inline: set[tuple[int, int]] = set()    # those sent back whole
         self.args: tuple[int, ...] = ()
         self.outputs: tuple[int, ...] = ()
+        self.sources: dict[int, Any] = {}   # host_data functions, by the driver's token
 
     def coordinator(self) -> str:
         """``host:port`` for the stage's ``jax.distributed`` job: this node, a free port."""
@@ -400,7 +402,8 @@ class StageActor:
               keep_arrays: bool, partial: Mapping[int, int],
               push: Sequence[tuple[tuple[int, int], Sequence[int]]],
               pull: Mapping[int, tuple[int, int, int]], refs: Sequence[int],
-              want_meta: bool, *values: Any) -> tuple:
+              want_meta: bool, hosted: Mapping[int, tuple] = None,
+              ship: Mapping[int, bytes] = None, *values: Any) -> tuple:
         """One step: ``refs[i] -> values[i]`` (resolved by Ray) and ``kept``: argument ref
         -> (step, ref) of a result this actor kept. ``partial``: batch arguments sent as
         only this host's rows (``describe()["rows"]``), ref -> the whole batch's size; the
@@ -409,6 +412,9 @@ class StageActor:
         older than the last step. ``push``: kept results ((step, ref)) other stages read
         this step, sent to them first (a tied weight, actor to actor); ``pull``: argument
         ref -> (stage, step, ref) of such a result from another stage, waited for here.
+        ``hosted``: batch arguments this actor makes itself (``rhino.host_data``), ref ->
+        (source token, leaf, user step, rows, whole batch size); ``ship``: source token ->
+        its cloudpickled ``fn``, the first time this actor needs it.
 
         Returns:
             (results sent back: ref -> numpy (0-d ones only with ``keep_arrays``), the
@@ -429,6 +435,7 @@ class StageActor:
         args = {r: unpack_key(v) for r, v in zip(refs, values)}
         for r, n in partial.items():
             args[r] = _whole(args[r], n, self.rows[r])
+        args.update(self._host_rows(hosted or {}, ship or {}))
         missing = [r for r, k in kept.items() if tuple(k) not in self.kept]
         if missing:
             raise ExecutorError(f"{self.where}: the driver referred to kept results for "
@@ -456,7 +463,7 @@ class StageActor:
         for r, x in outs.items():
             self.kept[(step, r)] = x
             if keep_arrays and np.ndim(x) > 0:
-                meta[r] = (tuple(x.shape), str(x.dtype))
+                meta[r] = (tuple(x.shape), dtype_name(x))
             else:
                 host[r] = host_value(x)
                 self.inline.add((step, r))
@@ -469,6 +476,41 @@ class StageActor:
         records = [dataclasses.replace(r, start=r.start + shift, end=r.end + shift)
                    for r in records]
         return host, meta, records, secs
+
+    def _host_rows(self, hosted: Mapping[int, tuple], ship: Mapping[int, bytes]
+                   ) -> dict[int, np.ndarray]:
+        """The batch arguments ``hosted`` made here by their ``host_data`` functions (one
+        call per source, step and rows): each the whole batch's shape, this host's rows
+        filled (zeros elsewhere: no device of this host reads them; ``place`` then puts
+        only this host's shards on a mesh spanning hosts)."""
+        from rhino.runtime.host_data import HostRequest
+
+        for token, blob in ship.items():
+            self.sources[token] = import_ray().cloudpickle.loads(blob)
+        used = {h[0] for h in hosted.values()}
+        self.sources = {k: v for k, v in self.sources.items() if k in used}
+        made: dict[tuple, list[np.ndarray]] = {}
+        out = {}
+        for r, (token, leaf, user_step, rows, size) in hosted.items():
+            key = (token, user_step, rows)
+            if key not in made:
+                source = self.sources.get(token)
+                if source is None:
+                    raise ExecutorError(f"{self.where}: expected the host_data function "
+                                        f"#{token}, found none (it was not sent)",
+                                        stage=self.stage)
+                req = HostRequest(self.stage, self.rank, self.hosts, user_step,
+                                  tuple(tuple(x) for x in rows), size)
+                try:
+                    made[key] = source(req)
+                except Exception as e:
+                    raise ExecutorError(f"{self.where}: the host_data function failed on "
+                                        f"{req}: {type(e).__name__}: {e}",
+                                        stage=self.stage, failure=Failure.PROGRAM) from e
+            part = made[key][leaf]
+            whole = rows == ((0, size),)
+            out[r] = part if whole else _whole(part, size, rows)
+        return out
 
     def init_state(self, blob: bytes, refs: Sequence[int]) -> dict[int, tuple]:
         """Create the step's argument leaves ``refs`` (those this stage reads) directly on
@@ -489,7 +531,7 @@ class StageActor:
             self.kept[(0, k)] = v
         if self.rank != 0:
             return {}
-        return {k: (tuple(v.shape), str(v.dtype)) for k, v in zip(refs, values)}
+        return {k: (tuple(v.shape), dtype_name(v)) for k, v in zip(refs, values)}
 
     def save_part(self, directory: str, names: Mapping[str, tuple[int, int]]) -> int:
         """Write the kept results ``names`` (name -> (step, ref)) as one orbax checkpoint,

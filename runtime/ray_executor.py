@@ -39,7 +39,16 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
   ``.fetch()`` bring the value). Passed back in as the next step's arguments they move
   nothing; 0-d results (losses, metrics, counters) come back as arrays. Steady state moves
   the batch in and the metrics out (``last_sent_bytes``, ``last_received_bytes``).
-  ``keep_state=False`` brings every result back each step instead.
+  ``keep_state=False`` brings every result back each step instead. Handles and 0-d
+  results take the step's result types (``StagedRun``: dtype, weak type, typed PRNG
+  keys), so passed back they hit the plan made for the first call.
+* Batches made on the hosts (``rhino.host_data(fn, like, step=i)`` in place of the batch;
+  ``runtime.host_data``): ``run_step``'s control message names per batch leaf the source,
+  the step and the rows this actor needs (all on a stage of one host, its devices' rows
+  on a stage spanning hosts: ``describe()["rows"]``); the actor calls ``fn(HostRequest)``
+  and places the rows. ``fn`` (user code) is pickled by value with ``ray.cloudpickle``
+  and sent to each actor once. The driver sends no batch bytes (``last_sent_bytes`` 0
+  with the state kept); ``last_control_bytes`` does not grow with the batch.
 * Failures: every wait has a timeout. A dead actor (``RayActorError``), an error on a stage
   or a step that does not finish within ``2 × timeout`` raises ``ExecutorError`` naming the
   stage (and host, and the task, from the ``StageWorker``; the root cause first,
@@ -54,6 +63,8 @@ Example:
     ...                            executor="ray")              # doctest: +SKIP
     >>> params, opt, loss = step(params, opt, batch)            # doctest: +SKIP
     >>> rhino.fetch(params)          # numpy, from the actors   # doctest: +SKIP
+    >>> batch = rhino.host_data(make_rows, like, step=1)  # made on the actors # doctest: +SKIP
+    >>> params, opt, loss = step(params, opt, batch)            # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -120,7 +131,7 @@ def hosts_per_stage(specs: Sequence[Any], cluster: Any) -> list[int]:
 
 class RayExecutor:
     """Every stage as Ray actors, one per host of its mesh (same interface as
-    ``LocalExecutor``).
+    ``LocalExecutor``; and batches made on the hosts, ``rhino.host_data``).
 
     Args:
         specs: one ``WorkerSpec`` per stage, in stage order.
@@ -160,11 +171,16 @@ class RayExecutor:
         per actor; last_records: the last step's task records (``time.time()`` clock, the
         first host's); last_step_s: its wall-clock seconds on the driver; last_stage_s:
         seconds each stage spent in it; last_sent_bytes / last_received_bytes: bytes the
-        driver put in the object store for it / received from it; fetched_bytes: bytes
+        driver put in the object store for it (or inside the calls) / received from it;
+        last_control_bytes: the pickled control messages of its calls (what else the
+        actors need: kept results, host_data requests); fetched_bytes: bytes
         ``fetch`` brought so far;
         last_kept: arguments an actor reused instead; warm_up_s: the zeros step per actor;
         pinned: per actor, the cores it keeps to (None: not pinned); info: the ``RayInfo``.
     """
+
+    takes_host_data = True
+    """``run`` takes ``HostLeaf`` arguments (``rhino.host_data``): each actor makes them."""
 
     def __init__(self, specs: Sequence[Any], cluster: Any = None,
                  timeout: float = DEFAULT_TIMEOUT_S, address: str | None = None,
@@ -195,8 +211,12 @@ class RayExecutor:
         self.last_step_s = 0.0
         self.last_stage_s: list[float] = []
         self.last_sent_bytes = self.last_received_bytes = self.last_kept = 0
+        self.last_control_bytes = 0
         self.fetched_bytes = 0
         self._step = 0
+        # id(fn) -> (fn, token, its cloudpickle, actors that have it) of host_data sources
+        self._sources: dict[int, tuple[Any, int, bytes, set[int]]] = {}
+        self._tokens = 0
         self._closed = False
         self._broken: str | None = None
         self._lock = threading.RLock()   # one step or fetch at a time (collectives' order)
@@ -404,7 +424,7 @@ class RayExecutor:
             if isinstance(hit[1], (np.ndarray, PackedKey)):  # passed in the call again
                 self.last_sent_bytes += getattr(hit[1], "nbytes", 0) or hit[1].data.nbytes
             return hit[1]
-        host = x.fetch() if isinstance(x, RemoteArray) else pack_key(x)
+        host = pack_key(x.fetch() if isinstance(x, RemoteArray) else x)
         if isinstance(host, PackedKey):          # a typed PRNG key array: its bits
             nbytes = host.data.nbytes
         else:
@@ -416,6 +436,23 @@ class RayExecutor:
         if isinstance(x, (jax.Array, RemoteArray)):
             keep[key] = (x, ref)
         return ref
+
+    def _source(self, source: Any, actor: int, ship: dict[int, bytes]) -> int:
+        """The token of a ``host_data`` source's ``fn`` (the same function object, the
+        same token); its cloudpickle (with the checks of its results, ``RowMaker``) goes
+        into ``ship`` the first time ``actor`` needs it."""
+        ray = import_ray()
+        fn = source.fn
+        found = self._sources.get(id(fn))
+        if found is None or found[0] is not fn:
+            self._tokens += 1
+            found = (fn, self._tokens, ray.cloudpickle.dumps(source.maker()), set())
+            self._sources[id(fn)] = found   # holds fn: its id is not reused meanwhile
+        _, token, blob, shipped = found
+        if actor not in shipped:
+            ship[token] = blob
+            shipped.add(actor)
+        return token
 
     def _kept_ref(self, x: Any, stage: int) -> tuple[int, int] | None:
         """(step, ref) under which ``stage``'s actors keep ``x``, if they do."""
@@ -467,9 +504,18 @@ class RayExecutor:
         per_actor = []
         for n, (s, _) in enumerate(self.owners):
             kept, refs, values, partial, pull = {}, [], [], {}, {}
+            hosted: dict[int, tuple] = {}       # ref -> (source, leaf, step, rows, size)
+            ship: dict[int, bytes] = {}         # source -> its pickled fn (first use only)
             rows = self._describe[n].get("rows") or {}
             for r in self._args[s]:
                 x = flat_args[r]
+                if getattr(x, "rhino_host_data", False):    # made by the actor itself
+                    token = self._source(x.source, n, ship)
+                    size = int(x.shape[0])
+                    hosted[r] = (token, x.index, x.source.step,
+                                 tuple(map(tuple, rows[r])) if r in rows else ((0, size),),
+                                 size)
+                    continue
                 k = self._kept_ref(x, s)
                 if k is not None:
                     kept[r] = k
@@ -486,7 +532,14 @@ class RayExecutor:
                     values.append(self._put(ray, x, keep, tuple(rows[r])))
                 else:
                     values.append(self._put(ray, x, keep))
-            per_actor.append((kept, partial, pull, tuple(refs), values))
+            per_actor.append((kept, partial, pull, tuple(refs), values, hosted, ship))
+        # host_data functions this step did not use are forgotten (here and on the
+        # actors): a function made anew every step is not held forever.
+        used = [{h[0] for h in p[5].values()} for p in per_actor]
+        self._sources = {k: v for k, v in self._sources.items()
+                         if any(v[1] in u for u in used)}
+        for _, token, _, shipped in self._sources.values():
+            shipped.intersection_update(n for n, u in enumerate(used) if token in u)
         self._step += 1
         step = self._step
         release: dict[int, list[tuple[int, int]]] = {}
@@ -496,13 +549,16 @@ class RayExecutor:
         failed, self._failed_steps = self._failed_steps, []
         # What an actor needs besides the values goes as one pickled blob: Ray would
         # serialize each of its ~3 entries per state leaf on its own (a few ms per step).
-        calls = [a.run_step.remote(pickle.dumps(
-                     (step, self.timeout, kept, release.get(s, []), failed, self.keep_state,
-                      partial, sorted((k, sorted(d)) for k, d in push.get(s, {}).items()),
-                      pull, refs, n not in self._meta), protocol=pickle.HIGHEST_PROTOCOL),
-                     *values)
-                 for n, (a, (s, _), (kept, partial, pull, refs, values))
-                 in enumerate(zip(self.actors, self.owners, per_actor))]
+        controls = [pickle.dumps(
+            (step, self.timeout, kept, release.get(s, []), failed, self.keep_state,
+             partial, sorted((k, sorted(d)) for k, d in push.get(s, {}).items()),
+             pull, refs, n not in self._meta, hosted, ship),
+            protocol=pickle.HIGHEST_PROTOCOL)
+            for n, ((s, _), (kept, partial, pull, refs, values, hosted, ship))
+            in enumerate(zip(self.owners, per_actor))]
+        self.last_control_bytes = sum(len(c) for c in controls)
+        calls = [a.run_step.remote(c, *p[4]) for a, c, p in zip(self.actors, controls,
+                                                                 per_actor)]
         self._puts = keep
         self._inflight = calls
         try:
@@ -542,7 +598,8 @@ class RayExecutor:
         self._dropped.append((stage, step, ref))
 
     def fetch(self, handles: Sequence[RemoteArray]) -> list[np.ndarray]:
-        """The values of ``handles`` (this executor's, of its last step) as numpy.
+        """The values of ``handles`` (this executor's, of its last step) as numpy (typed
+        PRNG key arrays as jax key arrays: numpy has no key type).
 
         Raises:
             ExecutorError: a handle of another step (released) or executor, the executor is
@@ -566,8 +623,10 @@ class RayExecutor:
             for (s, rank), d in zip(owners, got):
                 if rank == 0:
                     for k, v in d.items():
-                        values[(s, *k)] = v
-                        self.fetched_bytes += v.nbytes
+                        # A typed PRNG key array comes as its bits: a key array again.
+                        self.fetched_bytes += v.data.nbytes if isinstance(
+                            v, PackedKey) else v.nbytes
+                        values[(s, *k)] = unpack_key(v)
             return [values[(h.stage, h.step, h.ref)] for h in handles]
 
     def init_state(self, init_fn: Any, init_args: tuple, num_leaves: int) -> list[Any]:

@@ -9,6 +9,44 @@ from typing import Any
 
 import numpy as np
 
+
+def dtype_name(x: Any) -> str:
+    """The dtype of array ``x`` as text that ``named_dtype`` reads back: numpy's name, or
+    ``key<IMPL>`` with the full name of a typed PRNG key array's implementation (``str``
+    of a key dtype gives a short form that no API reads back).
+
+    >>> dtype_name(np.zeros(2, np.float32))
+    'float32'
+    """
+    import jax
+
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return f"key<{jax.random.key_impl(x)}>"
+    return np.dtype(x.dtype).name
+
+
+def named_dtype(name: Any) -> Any:
+    """``dtype_name``'s inverse (a dtype object is returned as it is): numpy's and
+    ml_dtypes' types (``bfloat16``, the float8 types) and typed PRNG keys.
+
+    >>> named_dtype("int32")
+    dtype('int32')
+    """
+    if not isinstance(name, str):
+        return name if not isinstance(name, type) else np.dtype(name)
+    if name.startswith("key<") and name.endswith(">"):
+        import jax
+
+        impl = name[4:-1]
+        return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+    try:
+        return np.dtype(name)
+    except TypeError:   # bfloat16 and the float8 types live in ml_dtypes
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
 class RemoteArray:
     """A step result kept on the Ray actors of one stage (``RayExecutor``, which makes it
     and answers its ``fetch``).
@@ -18,8 +56,10 @@ class RemoteArray:
     this handle is dropped (garbage-collected) or the step is closed.
 
     Attributes:
-        shape, dtype, weak_type: the value's (weakly typed where the step's result is, so
-            that passed back it has the signature the step was planned for); stage: the
+        shape, dtype, weak_type: the value's, as ``jax.typeof`` of the step's result under
+            ``jax.jit`` gives them (``ParallelStep`` sets them from the step's result
+            avals: weakly typed where the result is, a typed PRNG key's dtype for keys), so
+            that passed back it has the signature the step was planned for; stage: the
             stage holding it; step: the executor step that produced it.
     """
 
@@ -29,7 +69,7 @@ class RemoteArray:
     def __init__(self, executor: Any, stage: int, ref: int, step: int,
                  shape: tuple[int, ...], dtype: Any, weak_type: bool = False):
         self.executor, self.stage, self.ref, self.step = executor, stage, ref, step
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.shape, self.dtype = tuple(shape), named_dtype(dtype)
         self.weak_type = bool(weak_type)   # as the step's result is (a Python-number state)
 
     @property
@@ -42,7 +82,7 @@ class RemoteArray:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        return self.size * getattr(self.dtype, "itemsize", 0)
 
     def fetch(self) -> np.ndarray:
         return self.executor.fetch([self])[0]
@@ -61,7 +101,7 @@ class RemoteArray:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        return (f"RemoteArray(shape={self.shape}, dtype={self.dtype.name}, stage "
+        return (f"RemoteArray(shape={self.shape}, dtype={self.dtype}, stage "
                 f"{self.stage}, step {self.step})")
 
 

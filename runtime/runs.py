@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from rhino.errors import RhinoError, format_bytes
+from rhino.jaxpr.private import with_weak_type
 from rhino.hlo_passes.lower import SpmdLowering, StageLowering
 from rhino.runtime.executor import WorkerSpec, place
 from rhino.vocabulary import ScheduleKind
@@ -100,32 +101,53 @@ HEARTBEAT_S = 10.0
 
 
 def _typed_as(x: Any, aval: Any) -> Any:
-    """A result weakly typed where the step's is (a Python-number state such as a step
-    count), so that passed back as the next step's argument it has the signature the step
-    was planned for; values that came back through the host lose it otherwise."""
-    if not getattr(aval, "weak_type", False) or getattr(x, "weak_type", True):
+    """``x`` (a result of the step) with the abstract value ``aval`` of the step's result:
+    the dtype and weak type ``jax.jit`` would return, so that passed back as the next
+    step's argument it has the signature the step was planned for. Values that came back
+    through the host lose both (numpy has no weak type and no PRNG key type; a literal
+    result is a Python or numpy number); a ``RemoteArray`` handle takes them from ``aval``
+    (its shape must agree: an executor that returned another shape is a bug, raised).
+
+    Raises:
+        RhinoError: ``x``'s shape is not ``aval``'s.
+    """
+    if aval is None:
         return x
+    shape, dtype, weak = tuple(aval.shape), aval.dtype, bool(getattr(aval, "weak_type",
+                                                                      False))
+    if tuple(np.shape(x)) != shape:
+        raise RhinoError(f"a result of the step: expected shape {shape} ({dtype}), found "
+                         f"{tuple(np.shape(x))} from the executor")
     if getattr(x, "rhino_remote", False):
-        x.weak_type = True
+        x.dtype, x.weak_type = dtype, weak
         return x
-    if not x.shape:
-        y = jax.numpy.asarray(x.item())           # a Python scalar: weakly typed
-        return y if y.dtype == x.dtype else x
+    if not isinstance(x, jax.Array):
+        x = jax.numpy.asarray(x, dtype=None if weak else dtype)
+    if x.dtype != dtype:
+        x = x.astype(dtype)
+    if bool(getattr(x, "weak_type", False)) != weak:
+        x = with_weak_type(x, weak)
     return x
 
 
-def step_results(split: Any, flat: Sequence[Any], outs: Mapping[int, Any]) -> list:
+def step_results(split: Any, flat: Sequence[Any], outs: Mapping[int, Any],
+                 out_avals: Sequence[Any] | None = None) -> list:
     """The step's flat results from an executor's (``ref -> value``) and its flat
-    arguments (results that are arguments passed through, or literals)."""
+    arguments (results that are arguments passed through, or literals), each as jax.jit
+    returns it (dtype, weak type: ``out_avals``, else the split's), so that the step's
+    results passed back match the signature it was planned for (issue 30)."""
     avals = split.flat.avals
     res = []
-    for o in split.outputs:
+    for k, o in enumerate(split.outputs):
+        aval = out_avals[k] if out_avals is not None else (
+            None if o.source == "lit" else avals[o.ref])
         if o.source == "lit":
-            res.append(jax.numpy.asarray(o.value))
+            res.append(_typed_as(o.value, aval) if aval is not None
+                       else jax.numpy.asarray(o.value))
         elif o.source == "arg":
             res.append(flat[o.ref])
         else:
-            res.append(_typed_as(outs[o.ref], avals[o.ref]))
+            res.append(_typed_as(outs[o.ref], aval))
     return res
 
 
@@ -137,9 +159,10 @@ class StagedRun:
     """
 
     def __init__(self, lowering: StageLowering, specs: list[WorkerSpec], executor: Any,
-                 schedule: ScheduleKind):
+                 schedule: ScheduleKind, out_avals: Sequence[Any] | None = None):
         self.lowering, self.specs, self.executor, self.schedule = (lowering, specs, executor,
                                                                    schedule)
+        self.out_avals = tuple(out_avals) if out_avals is not None else None
         self.warm_up_s: float | None = None
 
     def warm_up(self, say: Callable[[str], None]) -> None:
@@ -180,7 +203,15 @@ class StagedRun:
 
     def __call__(self, args: tuple) -> list:
         flat = jax.tree_util.tree_leaves(args)
-        return step_results(self.lowering.split, flat, self.executor.run(flat))
+        return step_results(self.lowering.split, flat, self.executor.run(flat),
+                            self.out_avals)
+
+    def typed_args(self, values: Sequence[Any]) -> list[Any]:
+        """The step's leading argument leaves ``values`` (e.g. ``RemoteArray`` handles made
+        by ``distributed_init`` on the actors) with the signature the step was planned for
+        (``_typed_as``)."""
+        avals = self.lowering.split.flat.avals
+        return [_typed_as(v, avals[k]) for k, v in enumerate(values)]
 
     def report_lines(self) -> list[str]:
         sp = self.lowering.split

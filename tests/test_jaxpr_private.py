@@ -252,3 +252,19 @@ def test_the_key_value_store_needs_a_job():
         pytest.skip("this process joined a jax.distributed job")
     with pytest.raises(RuntimeError, match="expected a joined job"):
         jp.kv_set("rhino-test/x", "1")
+
+
+def test_with_weak_type_changes_only_the_weak_type():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rhino.jaxpr.private import with_weak_type
+
+    x = jnp.arange(3, dtype=jnp.float32)
+    weak = with_weak_type(x, True)
+    assert weak.weak_type and weak.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(weak), np.asarray(x))
+    assert not with_weak_type(weak, False).weak_type
+    # As jax.jit treats a weakly typed value: bf16 minus it stays bf16.
+    assert (jnp.ones(2, jnp.bfloat16) - with_weak_type(jnp.float32(1), True)).dtype == \
+        jnp.bfloat16

@@ -289,3 +289,13 @@ def kv_get(key: str, timeout_s: float) -> str:
         if "DEADLINE_EXCEEDED" in str(e) or "imed out" in str(e):
             raise TimeoutError(f"key {key!r}: not written within {timeout_s:g} s") from e
         raise
+
+
+# ------------------------------------------------------------------------------ weak types
+def with_weak_type(x: Any, weak: bool) -> Any:
+    """The jax array ``x`` weakly typed (``weak``) or not, its dtype and value unchanged:
+    JAX has no public way to make a weakly typed array of a given value (a Python number
+    does it for 0-d values of the default dtypes only)."""
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
