@@ -66,9 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--executor", default="local", choices=["local", "ray"])
     ap.add_argument("--transport", default=None,
-                    choices=["device_put", "broadcast", "send_recv", "object_store", "direct"],
+                    choices=["device_put", "broadcast", "send_recv", "object_store", "direct", "jax"],
                     help="how values move between stage meshes (local executor: device_put, "
-                         "broadcast, send_recv; Ray: object_store, direct); default: the "
+                         "broadcast, send_recv; Ray: object_store, direct, jax); default: the "
                          "executor's default")
     ap.add_argument("--pin-cpus", default="auto", choices=["auto", "on", "off"],
                     help="Ray: actors simulating hosts split this machine's cores "

@@ -1,4 +1,5 @@
-"""A multi-controller job: the same script on every host, one SPMD program over all devices.
+"""A multi-controller job: the same script on every host, one SPMD program over all devices
+(or, with ``--stages 2``, a pipeline: each process runs the stage on its devices).
 
 Every process joins the job (``rhino.distributed_init()``), plans the GPT step on every
 device of the job (``rhino.auto_parallel``: each process plans alone, the plans' hashes are
@@ -9,6 +10,12 @@ when they match, and exits 1 otherwise.
 On one machine (2 processes x 4 simulated CPU devices)::
 
     python -m rhino.launch --hosts 2 --devices-per-host 4 examples/multicontroller_spmd.py
+
+A 2-stage pipeline, one stage per process, values between them through JAX's transfer
+servers (``runtime.jax_transfer``)::
+
+    python -m rhino.launch --hosts 2 --devices-per-host 4 examples/multicontroller_spmd.py \
+        --stages 2
 
 On SLURM (one task per node)::
 
@@ -36,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--stages", type=int, default=1,
+                    help="pipeline stages, one per process (default 1: one SPMD program)")
+    ap.add_argument("--microbatches", type=int, default=4)
     a = ap.parse_args(argv)
 
     job = rhino.distributed_init()            # before anything else uses jax
@@ -50,7 +60,12 @@ def main(argv=None) -> int:
     params, opt_state = jax.tree.map(np.asarray, model.init(jax.random.PRNGKey(0)))
     batch = jax.tree.map(np.asarray, model.make_batch(jax.random.PRNGKey(1)))
 
-    step = rhino.auto_parallel(model.step)     # the mesh spans every device of the job
+    if a.stages > 1:     # hosts x devices: each stage on one process's devices
+        step = rhino.auto_parallel(
+            model.step, cluster=f"{job.num_processes}x{jax.local_device_count()}",
+            stages=a.stages, num_microbatches=a.microbatches)
+    else:
+        step = rhino.auto_parallel(model.step)  # the mesh spans every device of the job
     ref_step = jax.jit(model.step)             # one device of this process
 
     p, o = params, opt_state
@@ -64,7 +79,10 @@ def main(argv=None) -> int:
               f"{'' if same else '  MISMATCH'}", flush=True)
         ok &= bool(same)
     plan = step.plan_for(p, o, batch)
-    print(f"process {me}: plan {plan.kind} on mesh {tuple(plan.spmd.mesh.shape)}", flush=True)
+    where = (f"mesh {tuple(plan.spmd.mesh.shape)}" if plan.num_stages == 1 else
+             f"{plan.num_stages} stages on meshes "
+             f"{[tuple(st.mesh.shape) for st in plan.stages]}")
+    print(f"process {me}: plan {plan.kind} on {where}", flush=True)
 
     # Each process checks the shards it holds against the same slices of jax.jit's result.
     checked = 0

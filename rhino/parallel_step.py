@@ -481,10 +481,10 @@ class _Builder:
             return self._spmd_on_mesh()
         else:
             request = o.request
-            if self.multi:
-                if request.stage_count not in (None, 1):
-                    self._refuse_staged(f"stages={o.stages!r}")
-                # Stage programs do not run across processes yet: SPMD candidates only.
+            if self.multi and request.stage_count is None:
+                # Unless stages are asked for: SPMD candidates only (a pipelined plan's
+                # stages must each be on one process's devices, which the search does not
+                # weigh yet).
                 request = dataclasses.replace(request, stages=1)
             self.progress("planning over the cluster")
             plan = plan_on_cluster(self.step, request, self._cluster(), self.progress)
@@ -574,15 +574,13 @@ class _Builder:
     def _refuse_staged(self, what: str) -> None:
         raise DistributedError(
             f"auto_parallel in a multi-controller job ({jax.process_count()} processes): "
-            f"expected a one-stage SPMD plan run by every process, found {what}; stage "
-            f"programs across processes are not supported yet (pass stages=1 or leave it "
-            f"out, or a mesh: mesh_shape=..., and executor='local')")
+            f"expected executor='local' (each process runs its own stages, or its shards "
+            f"of one SPMD program), found {what}")
 
     def _staged(self, plan: Plan) -> StagedRun:
         o, graph = self.o, self.graph
-        if self.multi:
-            self._refuse_staged(f"a {plan.num_stages}-stage {plan.kind} plan"
-                                if plan.num_stages > 1 else f"executor='{o.executor}'")
+        if self.multi and (plan.num_stages == 1 or o.executor is not ExecutorKind.LOCAL):
+            self._refuse_staged(f"executor='{o.executor}'")
         self.progress("splitting the step into stage programs")
         boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
         check_batch_leaves(graph, boundary, plan.num_microbatches, key_args(self.traced))
@@ -609,6 +607,12 @@ class _Builder:
                                    address=o.ray_address, actor_options=o.ray_actor_options,
                                    host_ids=[st.hosts for st in plan.stages],
                                    transport=o.transport.value, pin_cpus=o.ray_pin_cpus)
+        elif self.multi:   # this process's stages; JAX's transfers to the others
+            from rhino.runtime.multicontroller import ProcessStages
+
+            executor = ProcessStages(specs, lowering.split,
+                                     [self._stage_devices(plan, st.devices)
+                                      for st in plan.stages], o.timeout)
         else:
             workers = [spec.build(self._stage_devices(plan, st.devices), lowering.split)
                        for spec, st in zip(specs, plan.stages)]

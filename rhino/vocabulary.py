@@ -110,11 +110,12 @@ class TransportKind(_Text):
     SEND_RECV = "send_recv"        # 004's unit tasks as point-to-point sends
     OBJECT_STORE = "object_store"  # Ray: a put and an actor call per value
     DIRECT = "direct"              # Ray: a TCP connection per pair of actors
+    JAX = "jax"                    # Ray: JAX's transfer server, device to device, one job
 
     @property
     def executor(self) -> "ExecutorKind":
         """The executor this transport belongs to."""
-        ray = (TransportKind.OBJECT_STORE, TransportKind.DIRECT)
+        ray = (TransportKind.OBJECT_STORE, TransportKind.DIRECT, TransportKind.JAX)
         return ExecutorKind.RAY if self in ray else ExecutorKind.LOCAL
 
 

@@ -49,7 +49,8 @@ import numpy as np
 from rhino.runtime.channels import (ChannelServer, Channels, PackedKey,  # noqa: F401
                                      pack_key, unpack_key)
 from rhino.runtime.executor import place
-from rhino.runtime.transport import ExecutorError, Failure, LocalTransport
+from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport,
+                                     StepTransport)
 from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray
 from rhino.runtime.remote_array import dtype_name
 
@@ -191,6 +192,31 @@ class RayTransport:
         self.mailbox.abort(self.step, why)
 
 
+class CountedTransport:
+    """A transport that counts what it moved (``sent``, ``received``): what the tests and
+    ``describe()`` read to know which path values took."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.counts = {"sent": 0, "received": 0}
+        self.send_in_background = getattr(inner, "send_in_background", False)
+
+    def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
+        self.inner.send(src, dst, key, value)
+        self.counts["sent"] += 1
+
+    def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
+        out = self.inner.recv(dst, src, key, timeout)
+        self.counts["received"] += 1
+        return out
+
+    def abort(self, step: int, why: str) -> None:
+        self.inner.abort(step, why)
+
+    def start(self, step: int) -> None:
+        self.inner.start(step)
+
+
 class Mailbox:
     """Values delivered to one stage, per (step, source stage, key); ``abort`` poisons a
     step so that every waiting ``take`` raises at once: a ``LocalTransport`` of one stage."""
@@ -228,6 +254,8 @@ class StageActor:
         self.addresses: list[list[str]] = []     # per stage, its actors' channel servers
         self.channels: Channels | None = None    # transport="direct" only
         self.server: ChannelServer | None = None
+        self.jt: CountedTransport | None = None  # transport="jax" only
+        self.delivered = 0                         # values that came by deliver()
         self.kept: dict[tuple[int, int], Any] = {}  # (step, ref) -> a result (jax array)
         self.inline: set[tuple[int, int]] = set()    # those sent back whole
         self.args: tuple[int, ...] = ()
@@ -248,16 +276,30 @@ class StageActor:
         return import_ray().get_runtime_context().get_node_id(), _cores()
 
     def setup(self, spec_blob: bytes, devices: int, coordinator: str | None,
-              timeout: float, cpus: Sequence[int] | None = None) -> dict:
+              timeout: float, cpus: Sequence[int] | None = None,
+              job: tuple | None = None) -> dict:
         """Keep to ``cpus`` (if given; before JAX starts its backend, whose thread pools
         are sized to them), join the stage's job (several hosts), build the stage worker on
         this host's ``devices`` devices (of the global mesh), compile its programs;
-        ``describe()``."""
+        ``describe()``. ``job`` (``transport="jax"``): ``(coordinator, processes, this
+        process, stage -> its process, per stage (mesh shape, axis names, ref -> spec))``:
+        every actor of the run joins one ``jax.distributed`` job and values between stages
+        move through JAX's transfer servers (``runtime.jax_transfer``)."""
         if cpus:
             pin_process(cpus)
         import jax
 
-        if self.hosts > 1:
+        if job is not None:
+            drop_output_lines(GLOO_CHATTER)
+            try:
+                jax.distributed.initialize(job[0], num_processes=job[1], process_id=job[2],
+                                           initialization_timeout=max(1, int(timeout)))
+            except Exception as e:
+                raise ExecutorError(f"{self.where}: could not join the run's "
+                                    f"jax.distributed job at {job[0]} within "
+                                    f"{timeout:.0f} s: {type(e).__name__}: {e}",
+                                    stage=self.stage, failure=Failure.PROGRAM) from e
+        elif self.hosts > 1:
             drop_output_lines(GLOO_CHATTER)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             try:
@@ -292,6 +334,13 @@ class StageActor:
                              and o.producer[1] == self.stage and o.source in ("task", "acc"))
         self.args = split.stage_args(self.stage)
         self.rows = self._batch_rows(split) if self.hosts > 1 else {}
+        if job is not None:
+            from rhino.runtime.jax_transfer import JaxTransferTransport, stage_targets
+
+            self.jt = CountedTransport(JaxTransferTransport(
+                job[3], target=stage_targets({self.stage: self.worker}, mesh_devices, job[4]),
+                address=f"{import_ray().util.get_node_ip_address()}:0",
+                connect_timeout=timeout))
         return self.describe()
 
     def _batch_rows(self, split: Any) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -332,7 +381,9 @@ class StageActor:
                 "platform": jax.devices()[0].platform,
                 "node": import_ray().get_runtime_context().get_node_id(),
                 "rows": getattr(self, "rows", {}), "cpus": _cores(),
-                "sent_directly": self.channels.sent_bytes if self.channels else 0}
+                "sent_directly": self.channels.sent_bytes if self.channels else 0,
+                "jax_transfers": dict(self.jt.counts) if self.jt is not None else {},
+                "delivered": self.delivered}
 
     def listen(self, token: bytes) -> str:
         """Receive values over direct channels (``transport="direct"``): a server on a
@@ -362,23 +413,33 @@ class StageActor:
         self.peers = [list(g) for g in peers]
         self.addresses = [list(g) for g in addresses]
 
-    def _transport(self, step: int, timeout: float) -> "RayTransport":
+    def _transport(self, step: int, timeout: float) -> Any:
+        if self.jt is not None:
+            return StepTransport(self.jt, step)
         return RayTransport(self.mailbox, self.peers, self.rank, step, self.channels,
                             self.addresses, timeout, self.hosts)
 
     def deliver(self, step: int, src: int, key: tuple, value: Any) -> None:
         """A value through the object store (``transport="object_store"``): as
         ``_arrived``."""
+        self.delivered += 1
         self._arrived(step, src, key, value)
 
     def abort(self, step: int, why: str) -> None:
         self.mailbox.abort(step, why)
+        if self.jt is not None:
+            self.jt.abort(step, why)
+
+    def _start(self, step: int) -> None:
+        self.mailbox.start(step)
+        if self.jt is not None:
+            self.jt.start(step)
 
     def warm_up(self, timeout: float) -> float:
         """Run the stage once on zeros (step 0, results dropped): every program compiled
         and every collective's communicator set up before the first step. Seconds."""
         t0 = time.perf_counter()
-        self.mailbox.start(0)
+        self._start(0)
         transport = self._transport(0, timeout)
         outs, _ = self.worker.run_step(self.worker.zero_args(), transport, timeout)
         import jax
@@ -424,7 +485,7 @@ class StageActor:
         """
         import jax
 
-        self.mailbox.start(step)
+        self._start(step)
         t0 = time.perf_counter()
         dropped = set(drop_steps)
         gone = set(release) | {k for k in self.kept if k[0] in dropped} | \
@@ -452,7 +513,9 @@ class StageActor:
                 transport.send(self.stage, dst, ("arg", *k), self.kept[k])
         for r, (src, k, ref) in pull.items():
             try:
-                args[r] = self.mailbox.take(step, src, ("arg", k, ref), timeout)
+                args[r] = (transport.recv(self.stage, src, ("arg", k, ref), timeout)
+                           if self.jt is not None else
+                           self.mailbox.take(step, src, ("arg", k, ref), timeout))
             except TimeoutError as e:
                 raise ExecutorError(f"{self.where}: argument #{r} (result v{ref} of step {k} "
                                     f"on stage {src}) did not come: {e}", stage=self.stage,

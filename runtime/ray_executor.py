@@ -87,9 +87,11 @@ from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT
                                        RayInfo, import_ray, init, share_cores, xla_flags)
 from rhino.runtime.remote_array import RemoteArray, fetch
 
-RAY_TRANSPORTS = ("object_store", "direct")
+RAY_TRANSPORTS = ("object_store", "direct", "jax")
 """How values cross stages on Ray: through the object store and an actor call per value
-(default), or over one TCP connection per pair of actors (``runtime.channels``)."""
+(default), over one TCP connection per pair of actors (``runtime.channels``), or device to
+device by JAX's transfer servers, every actor in one ``jax.distributed`` job
+(``runtime.jax_transfer``)."""
 
 SMALL_ARG_BYTES = 256
 """Host values up to this size (scalars: a step counter, a learning rate) go inside the
@@ -263,12 +265,14 @@ class RayExecutor:
                                   "finding a coordinator port", timeout,
                                   [(s, 0) for s in multi], close=True)
             coord = dict(zip(multi, found))
+            jobs = self._one_job(timeout)
             # Plain pickle of rhino's own data and jax.export bytes: the actors never
             # unpickle, import or trace the user's code.
             blobs = [pickle.dumps(spec) for spec in self.specs]
             self._describe = self._collect(
-                [a.setup.remote(blobs[s], per_host[s], coord.get(s), timeout, cpus)
-                 for a, (s, _), cpus in zip(self.actors, self.owners, self.pinned)],
+                [a.setup.remote(blobs[s], per_host[s], coord.get(s), timeout, cpus, job)
+                 for a, (s, _), cpus, job in zip(self.actors, self.owners, self.pinned,
+                                                 jobs)],
                 "starting the stage", timeout, self.owners, close=True)
             addresses: list[list[str]] = []
             if transport == "direct":
@@ -295,6 +299,21 @@ class RayExecutor:
         self.close()
 
     # ------------------------------------------------------------------ helpers
+    def _one_job(self, timeout: float) -> list:
+        """Per actor, its part of the run's one ``jax.distributed`` job (``transport="jax"``;
+        else None each): the coordinator (on the first actor's node), the processes, its
+        own, which process runs each stage and every stage's layouts."""
+        if self.transport != "jax":
+            return [None] * len(self.actors)
+        coord = self._collect([self.actors[0].coordinator.remote()],
+                              "finding a coordinator port", timeout, self.owners[:1],
+                              close=True)[0]
+        stage_process = {s: self.owners.index((s, 0)) for s in range(len(self.specs))}
+        layouts = [(tuple(a.mesh_shape), tuple(a.axis_names), dict(a.shardings.refs))
+                   for a in self.specs]
+        return [(coord, len(self.actors), i, stage_process, layouts)
+                for i in range(len(self.actors))]
+
     def _check_plan(self, ray) -> None:
         """Hosts per stage divide its mesh; a multi-node cluster has the plan's hosts."""
         for s, (spec, h) in enumerate(zip(self.specs, self.hosts)):
@@ -302,6 +321,10 @@ class RayExecutor:
             if h < 1 or n % h:
                 raise ExecutorError(f"stage {s}: expected a number of hosts dividing its "
                                     f"{n} devices, found {h}", stage=s)
+            if h > 1 and self.transport == "jax":
+                raise ExecutorError(f"stage {s}: transport='jax' moves values between stages "
+                                    f"of one host each; found {h} hosts (use "
+                                    f"transport='object_store' or 'direct')", stage=s)
         nodes = self.info.nodes
         need = len({h for ids in self.host_ids for h in ids})
         if nodes > 1 and nodes < need:

@@ -299,3 +299,10 @@ def with_weak_type(x: Any, weak: bool) -> Any:
     from jax._src.lax import lax as lax_internal
 
     return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
+
+
+def distributed_kv_client() -> Any:
+    """The key-value store client of this process's ``jax.distributed`` job (None when
+    ``jax.distributed.initialize`` was not called)."""
+    from jax._src import distributed
+    return distributed.global_state.client

@@ -1,0 +1,165 @@
+"""Pipelined plans in a multi-controller job: every process runs the stages whose devices it
+holds, values between stages on different processes move through JAX's transfer servers
+(``runtime.jax_transfer``), and every process ends a step with every result: its own stages'
+arrays, the other processes' 0-d results (losses, metrics) received, and for their arrays a
+global ``jax.Array`` with no shards here (what multi-controller JAX gives a process for an
+array on other processes' devices). Passed back as the next step's state, they move nothing:
+an argument a stage reads from another process (a tied weight) is sent by the process that
+holds it at the start of the step.
+
+One step on 2 processes (stage 0 on process 0, stage 1 on process 1)::
+
+    process 0: args ─► stage 0 (local executor, its instruction list) ─► send v@mb ─►┐
+               ◄── recv g@mb ◄──────────────────────────────────────────────────────┤
+               recv loss (0-d) ◄────────────────────────────────────────────────────┤
+    process 1: args ─► stage 1 ◄── recv v@mb; send g@mb; send loss to process 0 ───┘
+
+Every wait has the step's timeout; an error on one process reaches the others as a timeout
+naming the value they waited for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+
+from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
+from rhino.runtime.transport import ExecutorError
+
+
+def stage_processes(stage_devices: Sequence[Sequence[Any]]) -> dict[int, int]:
+    """Stage -> the process holding all its devices; a stage spanning processes is refused."""
+    out = {}
+    for s, devs in enumerate(stage_devices):
+        procs = sorted({d.process_index for d in devs})
+        if len(procs) != 1:
+            raise ExecutorError(f"stage {s}: its devices belong to processes {procs}; a "
+                                f"stage of a pipelined plan in a multi-controller job must "
+                                f"be on one process's devices (a cluster of hosts × devices "
+                                f"per host, one or more stages per host)", stage=s)
+        out[s] = procs[0]
+    return out
+
+
+class ProcessStages:
+    """The stages of a pipelined plan this process runs, as an executor
+    (``run(flat_args) -> ref -> value`` for every result of the step).
+
+    Args:
+        specs: every stage's ``WorkerSpec``; split: the step split (this process traced the
+        step itself: every process runs the same script); stage_devices: per stage, its
+        devices (global, host-major); timeout: seconds any wait may take.
+    """
+
+    def __init__(self, specs: Sequence[WorkerSpec], split: Any,
+                 stage_devices: Sequence[Sequence[Any]], timeout: float = DEFAULT_TIMEOUT_S):
+        from rhino.runtime.jax_transfer import JaxTransferTransport, stage_targets
+        from rhino.runtime.spmd import device_mesh
+
+        self.split, self.timeout = split, timeout
+        self.stage_process = stage_processes(stage_devices)
+        self.process = jax.process_index()
+        self.workers = [sp.build(list(stage_devices[sp.stage]), split) for sp in specs
+                        if self.stage_process[sp.stage] == self.process]
+        if not self.workers:
+            raise ExecutorError(f"process {self.process}: no stage of the plan is on its "
+                                f"devices (stages on processes {self.stage_process})")
+        self._mine = {w.stage for w in self.workers}
+        self._first = {}                      # process -> its first stage
+        for s, p in sorted(self.stage_process.items()):
+            self._first.setdefault(p, s)
+        self._meshes = {sp.stage: device_mesh(sp.mesh_shape, sp.axis_names,
+                                              list(stage_devices[sp.stage])) for sp in specs}
+        self._specs = {sp.stage: sp for sp in specs}
+        layouts = [(tuple(sp.mesh_shape), tuple(sp.axis_names), dict(sp.shardings.refs))
+                   for sp in specs]
+        mine = self.workers[0]
+        self.transport = JaxTransferTransport(
+            self.stage_process, target=stage_targets(
+                {w.stage: w for w in self.workers}, list(stage_devices[mine.stage]), layouts),
+            connect_timeout=timeout)
+        self.local = LocalExecutor(self.workers, timeout, self.transport)
+        self.last_records: list = []
+        self.last_step_s = 0.0
+
+    def _sharding(self, stage: int, ref: int) -> Any:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        spec = self._specs[stage].shardings.refs.get(ref)
+        return NamedSharding(self._meshes[stage], spec or PartitionSpec())
+
+    def run(self, flat_args: Sequence[Any] | Mapping[int, Any]) -> dict[int, Any]:
+        step = self.local._step + 1           # the number the local executor gives it
+        args = dict(flat_args) if isinstance(flat_args, Mapping) else dict(
+            enumerate(flat_args))
+        args.update(self._exchange_args(step, args))
+        outs = self.local.run(args)
+        self.last_records, self.last_step_s = self.local.last_records, self.local.last_step_s
+        outs.update(self._exchange_results(step, outs))
+        return outs
+
+    def _exchange_args(self, step: int, args: Mapping[int, Any]) -> dict[int, Any]:
+        """Arguments a local stage reads whose value is on another process's devices (a
+        result of that process kept as state, e.g. a tied weight): received from it; and
+        ours that another process's stage reads: sent to it."""
+        got: dict[int, Any] = {}
+        for s in sorted(self.stage_process):
+            for r in self.split.stage_args(s):
+                x = args.get(r)
+                if not isinstance(x, jax.Array):
+                    continue                  # host values: every process has them
+                owners = {d.process_index for d in x.sharding.device_set}
+                if len(owners) != 1:
+                    continue
+                owner = owners.pop()
+                reader = self.stage_process[s]
+                if owner == reader:
+                    continue
+                key = (step, "arg", 0, r)
+                if owner == self.process:
+                    self.transport.send(self._first[owner], s, key, x)
+                elif reader == self.process and r not in got:
+                    got[r] = self.transport.recv(s, self._first[owner], key, self.timeout)
+        return got
+
+    def _exchange_results(self, step: int, outs: Mapping[int, Any]) -> dict[int, Any]:
+        """The step's results made on other processes: 0-d ones received (every process
+        sends its 0-d results to every other), arrays as global arrays with no shards here."""
+        got: dict[int, Any] = {}
+        avals = self.split.flat.avals
+        for o in self.split.outputs:
+            if o.source not in ("task", "acc") or o.producer is None:
+                continue
+            src = o.producer[1]
+            owner = self.stage_process[src]
+            scalar = not tuple(avals[o.ref].shape)
+            key = (step, "out", 0, o.ref)
+            if owner == self.process:
+                if scalar:
+                    for p, first in self._first.items():
+                        if p != self.process:
+                            self.transport.send(src, first, key, outs[o.ref])
+                continue
+            if o.ref in got:
+                continue
+            if scalar:
+                got[o.ref] = self.transport.recv(self._first[self.process], src, key,
+                                                 self.timeout)
+            else:
+                sh = self._sharding(src, o.ref)
+                got[o.ref] = jax.make_array_from_single_device_arrays(
+                    tuple(avals[o.ref].shape), sh, [], dtype=avals[o.ref].dtype)
+        return got
+
+    def close(self) -> None:
+        self.local.close()
+
+    def __enter__(self) -> "ProcessStages":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["ProcessStages", "stage_processes"]
