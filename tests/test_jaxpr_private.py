@@ -207,3 +207,8 @@ def test_custom_partitioning_bodies_are_found_inside_calls():
     assert outs == [(2, 8, 4, 16)] and key
     got = fn(*[jnp.ones(s.shape, s.dtype) for s in ins])
     assert got[0].shape == (2, 8, 4, 16)
+
+
+def test_distributed_kv_client_is_none_outside_a_job():
+    # Inside a job it is the coordination client (tests/test_jax_transfer.py uses it).
+    assert jp.distributed_kv_client() is None

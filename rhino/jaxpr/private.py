@@ -242,3 +242,15 @@ def custom_partitioning_bodies(closed: Any) -> list[tuple[Any, list, list, str]]
                         walk(x)
     walk(closed)
     return found
+
+
+# ------------------------------------------------------------------------ jax.distributed
+
+
+def distributed_kv_client() -> Any:
+    """The key-value store client of this process's ``jax.distributed`` job (None when
+    ``jax.distributed.initialize`` was not called): ``key_value_set(key, value)``,
+    ``blocking_key_value_get(key, timeout_ms)``, ``key_value_delete(key)``. Used by
+    ``rhino.runtime.jax_transfer`` to exchange transfer-server addresses and announce values."""
+    from jax._src import distributed
+    return distributed.global_state.client
