@@ -139,6 +139,7 @@ class JaxTransferTransport:
         self._steps: dict[int, _Step] = {}
         self._local: dict[tuple, Any] = {}      # (src, dst, key) -> value, same process
         self._offered: dict[int, list] = {}     # step -> arrays offered (kept alive)
+        self._published: set[int] = set()     # steps whose abort this process published
         self.modes: dict[tuple, str] = {}        # key -> "whole"/"pieces" (last received)
 
     # ------------------------------------------------------------------ steps and aborts
@@ -147,14 +148,31 @@ class JaxTransferTransport:
         return self._steps.setdefault(step, _Step())
 
     def abort(self, step: int, why: str) -> None:
-        """Poison ``step``: its waiting and future ``recv`` calls raise at once."""
+        """Poison ``step`` in every process of the job: its waiting and future ``recv``
+        calls raise (here at once, in the other processes within a wait slice)."""
         with self._lock:
             st = self._step(step)
-            if st.aborted is None:
+            first = st.aborted is None
+            if first:
                 st.aborted = why
             for k in [k for k in self._local if k[2][0] == step]:
                 del self._local[k]
             self._lock.notify_all()
+        if first:
+            self._published.add(step)
+            self._kv.key_value_set(f"{_PREFIX}/abort/{step}", f"process {self.process}: "
+                                   f"{why}", allow_overwrite=True)
+
+    def _remote_abort(self, step: int) -> None:
+        """Take an abort of ``step`` published by another process, if there is one."""
+        try:
+            why = self._kv.key_value_try_get(f"{_PREFIX}/abort/{step}")
+        except Exception:   # NOT_FOUND
+            return
+        with self._lock:
+            st = self._step(step)
+            if st.aborted is None:
+                st.aborted = why
 
     def start(self, step: int) -> None:
         """Forget the values, offers and aborts of the steps before ``step``."""
@@ -165,12 +183,20 @@ class JaxTransferTransport:
                 del self._offered[s]
             for k in [k for k in self._local if k[2][0] < step]:
                 del self._local[k]
+            old = [s for s in self._published if s < step]
+            self._published.difference_update(old)
+        for s in old:
+            self._kv.key_value_delete(f"{_PREFIX}/abort/{s}")
 
     def reset(self) -> None:
+        """Forget every value, offer and abort (and the aborts this process published)."""
         with self._lock:
             self._steps.clear()
             self._offered.clear()
             self._local.clear()
+            old, self._published = self._published, set()
+        for s in old:
+            self._kv.key_value_delete(f"{_PREFIX}/abort/{s}")
 
     def _check(self, dst: int, src: int, key: tuple) -> None:
         st = self._steps.get(key[0])
@@ -244,6 +270,7 @@ class JaxTransferTransport:
         uuid = transfer_uuid(src, dst, key)
         name = f"{_PREFIX}/v/{uuid}"
         while True:
+            self._remote_abort(key[0])
             with self._lock:
                 self._check(dst, src, key)
             left = deadline - time.monotonic()
@@ -260,10 +287,11 @@ class JaxTransferTransport:
         meta = json.loads(meta)
         self.modes[key] = meta["mode"]
         out = self._pull(dst, src, key, uuid, meta)
-        leaves = [out]
-        while True:
-            if all(y.is_ready() for y in leaves):
-                break
+        polls = 0
+        while not out.is_ready():
+            polls += 1
+            if polls % 200 == 0:
+                self._remote_abort(key[0])
             with self._lock:
                 self._check(dst, src, key)
             if time.monotonic() > deadline:

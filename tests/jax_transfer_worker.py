@@ -83,6 +83,7 @@ def basics(t):
         del a, b   # the transfer server keeps what it offers
         c = t.recv(0, 1, (0, 11, 0), timeout=30)
         report("1f1b-c", np.array_equal(host(c), np.full((4, 2), 3.0, np.float32)), str(c))
+        t.abort(2, "stage 0 failed")   # reaches process 1's waiter through the job
         return
     for ref, (value, spec, tgt) in CASES.items():
         got = t.recv(1, 0, (0, ref, 0), timeout=30)
@@ -119,6 +120,13 @@ def basics(t):
     th.join(10)
     report("abort", bool(out) and out[0].failure == Failure.ABORTED and
            "stop now" in str(out[0]) and time.monotonic() - t0 < 3, repr(out))
+    t0 = time.monotonic()
+    try:
+        t.recv(1, 0, (2, 97, 0), timeout=20)
+        report("remote-abort", False, "no error")
+    except ExecutorError as e:
+        report("remote-abort", e.failure == Failure.ABORTED and "process 0: stage 0 failed"
+               in str(e) and time.monotonic() - t0 < 5, f"{e} after {time.monotonic() - t0}")
 
 
 GPT = dict(layers=2, hidden=32, heads=2, seq=8, vocab=64, batch=8)
@@ -218,7 +226,10 @@ def main():
         raise SystemExit(f"unknown scenario {SCENARIO}")
     distributed_kv_client().wait_at_barrier("rhino-test-end", 60_000)
     print("DONE", flush=True)
-    sys.stdout.flush()
+    if PID == 0:
+        # Process 0 holds the coordination service: it stays until the test has seen
+        # process 1 exit (and closes this stdin), or process 1 dies mid-RPC.
+        sys.stdin.read()
     os._exit(0)   # skip jax.distributed's shutdown barrier (minutes when a peer is gone)
 
 

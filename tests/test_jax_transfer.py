@@ -24,11 +24,13 @@ def run_job(scenario: str, timeout: float = 120.0) -> list[str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), scenario],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for i in range(2)]
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env)
+             for i in range(2)]
     outs = []
     try:
-        for p in procs:
+        # Process 1 first: process 0 (the coordination service) exits when its stdin closes.
+        for p in procs[::-1]:
             out, _ = p.communicate(timeout=timeout)
             outs.append(out)
     finally:
@@ -54,10 +56,11 @@ def test_uuid_names_the_pair_and_key():
 def test_values_layouts_order_timeout_and_abort_between_two_processes():
     """Same layout (whole array), other mesh sizes and specs (pieces), replicated source,
     PRNG keys, bfloat16; 1F1B order (process 0: send a, send b on a thread, recv c; process
-    1: recv a, send c, recv b); a timeout naming the key; an abort waking a waiter."""
+    1: recv a, send c, recv b); a timeout naming the key; an abort waking a waiter, made
+    in the same process and in the other one."""
     ok = run_job("basics")
     want = {f"OK case{r}" for r in range(1, 8)} | {"OK 1f1b-c", "OK 1f1b-ab", "OK timeout",
-                                                     "OK abort"}
+                                                     "OK abort", "OK remote-abort"}
     assert want <= set(ok), sorted(want - set(ok))
 
 
