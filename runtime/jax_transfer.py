@@ -113,6 +113,11 @@ class JaxTransferTransport:
             match (otherwise it offers its distinct shards).
         address: where this process's transfer server listens ("host:port"; port 0: any).
         connect_timeout: seconds to wait for the peers' addresses.
+
+    One per process and job. Keys are ``(step, ref, microbatch)`` (``StepTransport``); a
+    step number is used once (a value offered in an aborted step stays offered under its
+    uuid), and ``start(step)`` at each step releases what earlier steps offered, as
+    ``LocalExecutor.run`` does.
     """
 
     send_in_background = False   # send never waits for the value: await_pull is async
@@ -132,7 +137,8 @@ class JaxTransferTransport:
         host = address.rsplit(":", 1)[0]
         self.server = transfer.start_transfer_server(self._local_devices[0].client, address,
                                                      [f"{host}:0"])
-        self._kv.key_value_set(f"{_PREFIX}/addr/{self.process}", self.server.address())
+        self._kv.key_value_set(f"{_PREFIX}/addr/{self.process}", self.server.address(),
+                               allow_overwrite=True)
         self._connect_timeout = connect_timeout
         self._conns: dict[int, Any] = {}
         self._lock = threading.Condition()
