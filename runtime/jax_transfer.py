@@ -25,11 +25,14 @@ The uuid is a hash of (source stage, destination stage, (step, ref, microbatch))
 compute it, so any order of sends and receives, from any thread, matches.
 
 Layouts: when the target sharding (``target(stage, ref)``) gives each device, in device
-order, the same block of the array as the source does, the whole array is pulled onto the
-target sharding (one pull, no reassembly). Otherwise the sender offers its distinct shards as
-single-device arrays; the receiver pulls each onto the target device that needs most of it,
-and each target device builds its block from the pieces that overlap it (on device), then
-``jax.make_array_from_single_device_arrays``. PRNG key arrays travel as their key data
+order, the same block of the array as the source does, and no block is replicated, the whole
+array is pulled onto the target sharding (one pull, no reassembly). Otherwise the sender
+offers its distinct shards as single-device arrays; the receiver pulls each onto the target
+device that needs most of it, and each target device builds its block from the pieces that
+overlap it (device-to-device copies and slices in the receiving process), then
+``jax.make_array_from_single_device_arrays``. Every element crosses between the processes
+once, whatever the replication on either side (the unit tasks of the cross-mesh resharding
+paper with the receiving mesh's local copies doing the broadcast). PRNG key arrays travel as their key data
 (``uint32``) and are wrapped again on arrival. Stages of the same process exchange values in
 memory (``place`` puts them on the receiving mesh).
 
@@ -236,8 +239,10 @@ class JaxTransferTransport:
         shape = tuple(x.shape)
         blocks = _blocks(x.sharding, shape)
         tgt = self.target(dst, key[1]) if self.target is not None and len(key) == 3 else None
+        # Whole only without replicas: a replicated block crosses once and is copied on
+        # the receiving side (device to device there), as in the pieces path.
         if tgt is not None and len(tgt.device_set) == len(blocks) and \
-                _blocks(tgt, shape) == blocks:
+                len(set(blocks)) == len(blocks) and _blocks(tgt, shape) == blocks:
             mode, offered, pieces = "whole", [x], []
         else:
             mode, offered, pieces = "pieces", [], []
