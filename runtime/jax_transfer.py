@@ -308,6 +308,12 @@ class JaxTransferTransport:
             if time.monotonic() > deadline:
                 raise self._timeout(dst, src, key, timeout, "announced but not arrived")
             time.sleep(_POLL_S)
+        try:
+            out.block_until_ready()   # ready: at once; raises if the sender's program failed
+        except Exception as e:
+            raise ExecutorError(f"stage {src}: {type(e).__name__}: {e} (in the value "
+                                f"{_label(src, dst, key)} it sent, found by stage {dst})",
+                                stage=src, failure=Failure.PROGRAM) from e
         if meta["impl"] is not None:
             out = jax.random.wrap_key_data(out, impl=meta["impl"])
         return out

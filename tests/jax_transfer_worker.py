@@ -85,6 +85,10 @@ def basics(t):
         del a, b   # the transfer server keeps what it offers
         c = t.recv(0, 1, (0, 11, 0), timeout=30)
         report("1f1b-c", np.array_equal(host(c), np.full((4, 2), 3.0, np.float32)), str(c))
+        # A value whose program failed (asynchronously) on this stage.
+        from jax.experimental import transfer
+        aval = jax.ShapeDtypeStruct((4,), np.float32, sharding=NamedSharding(SRC, P("x")))
+        t.send(0, 1, (0, 12, 0), transfer.make_error_array(aval, "program F3 failed"))
         t.abort(2, "stage 0 failed")   # reaches process 1's waiter through the job
         return
     for ref, (value, spec, tgt) in CASES.items():
@@ -100,6 +104,12 @@ def basics(t):
     b = t.recv(1, 0, (0, 10, 1), timeout=30)
     report("1f1b-ab", float(host(a).max()) == 1.0 and float(host(b).min()) == 2.0,
            f"{host(a)} {host(b)}")
+    try:
+        t.recv(1, 0, (0, 12, 0), timeout=30)
+        report("failed-sender", False, "no error")
+    except ExecutorError as e:
+        report("failed-sender", e.stage == 0 and e.failure == Failure.PROGRAM and
+               "program F3 failed" in str(e) and "v12@0" in str(e), str(e))
     t0 = time.monotonic()
     try:
         t.recv(1, 0, (0, 99, 3), timeout=1.0)

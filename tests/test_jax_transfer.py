@@ -57,10 +57,12 @@ def test_values_layouts_order_timeout_and_abort_between_two_processes():
     """Same layout (whole array), other mesh sizes and specs (pieces), replicated sources,
     PRNG keys, bfloat16; 1F1B order (process 0: send a, send b on a thread, recv c; process
     1: recv a, send c, recv b); a timeout naming the key; an abort waking a waiter, made
-    in the same process and in the other one."""
+    in the same process and in the other one; a value whose program failed on the sender
+    blames the sender."""
     ok = run_job("basics")
     want = {f"OK case{r}" for r in range(1, 9)} | {"OK 1f1b-c", "OK 1f1b-ab", "OK timeout",
-                                                     "OK abort", "OK remote-abort"}
+                                                     "OK abort", "OK remote-abort",
+                                                     "OK failed-sender"}
     assert want <= set(ok), sorted(want - set(ok))
 
 
