@@ -31,6 +31,9 @@ Built so far (pure pieces first, each testable without a cluster)::
                      transport, state on the actors as RemoteArray handles, fetch).
     checkpoint.py    orbax checkpoints written where the state lives, restored anywhere.
     cross_mesh.py    004's resharding as the local executor's transport between stages.
+    jax_transfer.py  a transport between the processes of one jax.distributed job: values
+                     pulled device to device by JAX's transfer server under a uuid both
+                     sides compute (cross-process device_put matches by call order only).
     sharded_init.py  distributed initialization: state created on its stage's devices,
                      equal to a single-device init with the same seed (§6.3).
     local_ray.py     a local Ray head on free ports, stopped by its own process group.

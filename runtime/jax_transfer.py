@@ -25,11 +25,14 @@ The uuid is a hash of (source stage, destination stage, (step, ref, microbatch))
 compute it, so any order of sends and receives, from any thread, matches.
 
 Layouts: when the target sharding (``target(stage, ref)``) gives each device, in device
-order, the same block of the array as the source does, the whole array is pulled onto the
-target sharding (one pull, no reassembly). Otherwise the sender offers its distinct shards as
-single-device arrays; the receiver pulls each onto the target device that needs most of it,
-and each target device builds its block from the pieces that overlap it (on device), then
-``jax.make_array_from_single_device_arrays``. PRNG key arrays travel as their key data
+order, the same block of the array as the source does, and no block is replicated, the whole
+array is pulled onto the target sharding (one pull, no reassembly). Otherwise the sender
+offers its distinct shards as single-device arrays; the receiver pulls each onto the target
+device that needs most of it, and each target device builds its block from the pieces that
+overlap it (device-to-device copies and slices in the receiving process), then
+``jax.make_array_from_single_device_arrays``. Every element crosses between the processes
+once, whatever the replication on either side (the unit tasks of the cross-mesh resharding
+paper with the receiving mesh's local copies doing the broadcast). PRNG key arrays travel as their key data
 (``uint32``) and are wrapped again on arrival. Stages of the same process exchange values in
 memory (``place`` puts them on the receiving mesh).
 
@@ -67,8 +70,8 @@ def transfer_uuid(src: int, dst: int, key: tuple) -> int:
 
 
 def _ref(key: tuple) -> int:
-    """The value a key names: ``(step, ref, microbatch)``, or a kept result passed to
-    another stage, ``(step, "arg", its step, ref)``."""
+    """The value a key names: ``(step, ref, microbatch)``, or another stage's kept result
+    or a step's result, ``(step, "arg" | "out", its step, ref)``."""
     return key[1] if len(key) == 3 else key[-1]
 
 
@@ -119,6 +122,11 @@ class JaxTransferTransport:
             match (otherwise it offers its distinct shards).
         address: where this process's transfer server listens ("host:port"; port 0: any).
         connect_timeout: seconds to wait for the peers' addresses.
+
+    One per process and job. Keys are ``(step, ref, microbatch)`` (``StepTransport``); a
+    step number is used once (a value offered in an aborted step stays offered under its
+    uuid), and ``start(step)`` at each step releases what earlier steps offered, as
+    ``LocalExecutor.run`` does.
     """
 
     send_in_background = False   # send never waits for the value: await_pull is async
@@ -138,13 +146,15 @@ class JaxTransferTransport:
         host = address.rsplit(":", 1)[0]
         self.server = transfer.start_transfer_server(self._local_devices[0].client, address,
                                                      [f"{host}:0"])
-        self._kv.key_value_set(f"{_PREFIX}/addr/{self.process}", self.server.address())
+        self._kv.key_value_set(f"{_PREFIX}/addr/{self.process}", self.server.address(),
+                               allow_overwrite=True)
         self._connect_timeout = connect_timeout
         self._conns: dict[int, Any] = {}
         self._lock = threading.Condition()
         self._steps: dict[int, _Step] = {}
         self._local: dict[tuple, Any] = {}      # (src, dst, key) -> value, same process
         self._offered: dict[int, list] = {}     # step -> arrays offered (kept alive)
+        self._published: set[int] = set()     # steps whose abort this process published
         self.modes: dict[tuple, str] = {}        # key -> "whole"/"pieces" (last received)
 
     # ------------------------------------------------------------------ steps and aborts
@@ -153,14 +163,31 @@ class JaxTransferTransport:
         return self._steps.setdefault(step, _Step())
 
     def abort(self, step: int, why: str) -> None:
-        """Poison ``step``: its waiting and future ``recv`` calls raise at once."""
+        """Poison ``step`` in every process of the job: its waiting and future ``recv``
+        calls raise (here at once, in the other processes within a wait slice)."""
         with self._lock:
             st = self._step(step)
-            if st.aborted is None:
+            first = st.aborted is None
+            if first:
                 st.aborted = why
             for k in [k for k in self._local if k[2][0] == step]:
                 del self._local[k]
             self._lock.notify_all()
+        if first:
+            self._published.add(step)
+            self._kv.key_value_set(f"{_PREFIX}/abort/{step}", f"process {self.process}: "
+                                   f"{why}", allow_overwrite=True)
+
+    def _remote_abort(self, step: int) -> None:
+        """Take an abort of ``step`` published by another process, if there is one."""
+        try:
+            why = self._kv.key_value_try_get(f"{_PREFIX}/abort/{step}")
+        except Exception:   # NOT_FOUND
+            return
+        with self._lock:
+            st = self._step(step)
+            if st.aborted is None:
+                st.aborted = why
 
     def start(self, step: int) -> None:
         """Forget the values, offers and aborts of the steps before ``step``."""
@@ -171,12 +198,20 @@ class JaxTransferTransport:
                 del self._offered[s]
             for k in [k for k in self._local if k[2][0] < step]:
                 del self._local[k]
+            old = [s for s in self._published if s < step]
+            self._published.difference_update(old)
+        for s in old:
+            self._kv.key_value_delete(f"{_PREFIX}/abort/{s}")
 
     def reset(self) -> None:
+        """Forget every value, offer and abort (and the aborts this process published)."""
         with self._lock:
             self._steps.clear()
             self._offered.clear()
             self._local.clear()
+            old, self._published = self._published, set()
+        for s in old:
+            self._kv.key_value_delete(f"{_PREFIX}/abort/{s}")
 
     def _check(self, dst: int, src: int, key: tuple) -> None:
         st = self._steps.get(key[0])
@@ -210,8 +245,10 @@ class JaxTransferTransport:
         shape = tuple(x.shape)
         blocks = _blocks(x.sharding, shape)
         tgt = self.target(dst, _ref(key)) if self.target is not None else None
+        # Whole only without replicas: a replicated block crosses once and is copied on
+        # the receiving side (device to device there), as in the pieces path.
         if tgt is not None and len(tgt.device_set) == len(blocks) and \
-                _blocks(tgt, shape) == blocks:
+                len(set(blocks)) == len(blocks) and _blocks(tgt, shape) == blocks:
             mode, offered, pieces = "whole", [x], []
         else:
             mode, offered, pieces = "pieces", [], []
@@ -250,6 +287,7 @@ class JaxTransferTransport:
         uuid = transfer_uuid(src, dst, key)
         name = f"{_PREFIX}/v/{uuid}"
         while True:
+            self._remote_abort(key[0])
             with self._lock:
                 self._check(dst, src, key)
             left = deadline - time.monotonic()
@@ -266,15 +304,22 @@ class JaxTransferTransport:
         meta = json.loads(meta)
         self.modes[key] = meta["mode"]
         out = self._pull(dst, src, key, uuid, meta)
-        leaves = [out]
-        while True:
-            if all(y.is_ready() for y in leaves):
-                break
+        polls = 0
+        while not out.is_ready():
+            polls += 1
+            if polls % 200 == 0:
+                self._remote_abort(key[0])
             with self._lock:
                 self._check(dst, src, key)
             if time.monotonic() > deadline:
                 raise self._timeout(dst, src, key, timeout, "announced but not arrived")
             time.sleep(_POLL_S)
+        try:
+            out.block_until_ready()   # ready: at once; raises if the sender's program failed
+        except Exception as e:
+            raise ExecutorError(f"stage {src}: {type(e).__name__}: {e} (in the value "
+                                f"{_label(src, dst, key)} it sent, found by stage {dst})",
+                                stage=src, failure=Failure.PROGRAM) from e
         if meta["impl"] is not None:
             out = jax.random.wrap_key_data(out, impl=meta["impl"])
         return out

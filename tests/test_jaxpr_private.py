@@ -268,3 +268,8 @@ def test_with_weak_type_changes_only_the_weak_type():
     # As jax.jit treats a weakly typed value: bf16 minus it stays bf16.
     assert (jnp.ones(2, jnp.bfloat16) - with_weak_type(jnp.float32(1), True)).dtype == \
         jnp.bfloat16
+
+
+def test_distributed_kv_client_is_none_outside_a_job():
+    # Inside a job it is the coordination client (tests/test_jax_transfer.py uses it).
+    assert jp.distributed_kv_client() is None

@@ -255,9 +255,7 @@ def backends_initialized() -> bool:
 
 
 def _kv_client() -> Any:
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = distributed_kv_client()
     if client is None:
         raise RuntimeError("the jax.distributed key-value store: expected a joined job "
                            "(jax.distributed.initialize), found none")
@@ -301,8 +299,13 @@ def with_weak_type(x: Any, weak: bool) -> Any:
     return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
 
 
+# ------------------------------------------------------------------------ jax.distributed
+
+
 def distributed_kv_client() -> Any:
     """The key-value store client of this process's ``jax.distributed`` job (None when
-    ``jax.distributed.initialize`` was not called)."""
+    ``jax.distributed.initialize`` was not called): ``key_value_set(key, value)``,
+    ``blocking_key_value_get(key, timeout_ms)``, ``key_value_delete(key)``. Used by
+    ``rhino.runtime.jax_transfer`` to exchange transfer-server addresses and announce values."""
     from jax._src import distributed
     return distributed.global_state.client
