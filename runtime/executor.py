@@ -349,6 +349,14 @@ class StageWorker:
         Raises:
             ExecutorError: naming this stage and the instruction that failed or timed out.
         """
+        # A transport that can ask for values before they are sent (JAX's transfer
+        # server serves a request waiting for its value at once, a late one tens of
+        # milliseconds later) is told every value this step will receive.
+        expect = getattr(transport, "expect", None)
+        if expect is not None:
+            for ins in self.instrs:
+                if ins.op == "recv":
+                    expect(self.stage, ins.peer, ins.key)
         state, batch, whole = self._place_args(args)
         values: dict[tuple[int, Any], Any] = {}
         left: dict[tuple[int, Any], int] = {}

@@ -74,10 +74,10 @@ class ProcessStages:
         self._specs = {sp.stage: sp for sp in specs}
         layouts = [(tuple(sp.mesh_shape), tuple(sp.axis_names), dict(sp.shardings.refs))
                    for sp in specs]
-        mine = self.workers[0]
         self.transport = JaxTransferTransport(
             self.stage_process, target=stage_targets(
-                {w.stage: w for w in self.workers}, list(stage_devices[mine.stage]), layouts),
+                {w.stage: w for w in self.workers},
+                {s: list(d) for s, d in enumerate(stage_devices)}, layouts),
             connect_timeout=timeout)
         self.local = LocalExecutor(self.workers, timeout, self.transport)
         self.last_records: list = []

@@ -210,6 +210,9 @@ class CountedTransport:
         self.counts["received"] += 1
         return out
 
+    def expect(self, dst: int, src: int, key: tuple) -> None:
+        self.inner.expect(dst, src, key)
+
     def abort(self, step: int, why: str) -> None:
         self.inner.abort(step, why)
 
@@ -322,7 +325,11 @@ class StageActor:
                                 f"found {len(local)} (XLA_FLAGS="
                                 f"{os.environ.get('XLA_FLAGS', '')!r})", stage=self.stage,
                                 failure=Failure.PROGRAM)
-        if self.hosts > 1:
+        if job is not None and self.hosts > 1:   # this stage's processes of the run's job
+            procs = set(job[3][self.stage])
+            mesh_devices = sorted((d for d in jax.devices() if d.process_index in procs),
+                                  key=lambda d: (d.process_index, d.id))
+        elif self.hosts > 1:
             if jax.local_device_count() != devices or jax.process_count() != self.hosts:
                 raise ExecutorError(f"{self.where}: expected {self.hosts} processes × "
                                     f"{devices} devices in the job, found "
@@ -341,8 +348,14 @@ class StageActor:
         if job is not None:
             from rhino.runtime.jax_transfer import JaxTransferTransport, stage_targets
 
+            by_process: dict[int, list] = {}
+            for d in jax.devices():
+                by_process.setdefault(d.process_index, []).append(d)
+            stage_devices = {s: [d for p in procs for d in sorted(by_process[p],
+                                                                  key=lambda d: d.id)]
+                             for s, procs in job[3].items()}
             self.jt = CountedTransport(JaxTransferTransport(
-                job[3], target=stage_targets({self.stage: self.worker}, mesh_devices, job[4]),
+                job[3], target=stage_targets({self.stage: self.worker}, stage_devices, job[4]),
                 address=f"{import_ray().util.get_node_ip_address()}:0",
                 connect_timeout=timeout))
         return self.describe()
@@ -386,7 +399,8 @@ class StageActor:
                 "node": import_ray().get_runtime_context().get_node_id(),
                 "rows": getattr(self, "rows", {}), "cpus": _cores(),
                 "sent_directly": self.channels.sent_bytes if self.channels else 0,
-                "jax_transfers": dict(self.jt.counts) if self.jt is not None else {},
+                "jax_transfers": dict(self.jt.counts, **self.jt.inner.waited)
+                if self.jt is not None else {},
                 "delivered": self.delivered}
 
     def listen(self, token: bytes) -> str:

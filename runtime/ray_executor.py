@@ -308,7 +308,8 @@ class RayExecutor:
         coord = self._collect([self.actors[0].coordinator.remote()],
                               "finding a coordinator port", timeout, self.owners[:1],
                               close=True)[0]
-        stage_process = {s: self.owners.index((s, 0)) for s in range(len(self.specs))}
+        stage_process = {s: tuple(i for i, o in enumerate(self.owners) if o[0] == s)
+                         for s in range(len(self.specs))}
         layouts = [(tuple(a.mesh_shape), tuple(a.axis_names), dict(a.shardings.refs))
                    for a in self.specs]
         return [(coord, len(self.actors), i, stage_process, layouts)
@@ -321,10 +322,6 @@ class RayExecutor:
             if h < 1 or n % h:
                 raise ExecutorError(f"stage {s}: expected a number of hosts dividing its "
                                     f"{n} devices, found {h}", stage=s)
-            if h > 1 and self.transport == "jax":
-                raise ExecutorError(f"stage {s}: transport='jax' moves values between stages "
-                                    f"of one host each; found {h} hosts (use "
-                                    f"transport='object_store' or 'direct')", stage=s)
         nodes = self.info.nodes
         need = len({h for ids in self.host_ids for h in ids})
         if nodes > 1 and nodes < need:

@@ -159,6 +159,12 @@ class StepTransport:
     def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
         return self.transport.recv(dst, src, (self.step, *key), timeout)
 
+    def expect(self, dst: int, src: int, key: tuple) -> None:
+        """Tell the transport a value this step will receive, where it can use that."""
+        expect = getattr(self.transport, "expect", None)
+        if expect is not None:
+            expect(dst, src, (self.step, *key))
+
     @property
     def send_in_background(self) -> bool:
         """Whether the stage should send on a thread of its own (the transport says)."""

@@ -380,13 +380,13 @@ def test_distributed_init_on_ray_sends_an_exported_initializer(ray_cluster):
                                    rtol=1e-5)
 
 
-def _ray_jax_transport_run(model, steps, **kw):
-    """``model`` pipelined on 2 actors × 4 devices with ``transport="jax"``, ``steps`` steps
-    against jax.jit; returns the actors' ``describe()``."""
+def _ray_jax_transport_run(model, steps, cluster="2x4", **kw):
+    """``model`` pipelined in 2 stages on ``cluster`` with ``transport="jax"``, ``steps``
+    steps against jax.jit; returns the actors' ``describe()``."""
     m = get_model(model, **({"batch": 16} if model == "unet" else GPT))
     params, opt = m.init(jax.random.PRNGKey(0))
     batches = [m.make_batch(jax.random.PRNGKey(1 + i)) for i in range(steps)]
-    step = rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
+    step = rhino.auto_parallel(m.step, cluster=cluster, stages=2, num_microbatches=4,
                                executor="ray", transport="jax", timeout=120, **kw)
     ref = jax.jit(m.step)
     try:
@@ -418,20 +418,22 @@ def test_gpt_between_actors_through_jax_transfers(ray_cluster):
         assert d["delivered"] == 0 and d["sent_directly"] == 0, d
 
 
-def test_jax_transport_refuses_stages_spanning_hosts(ray_cluster):
-    """Stages of several hosts are not moved by ``transport="jax"`` yet: refused before
-    any actor starts, naming the stage and the transports that do it."""
-    import types
-
-    specs = [types.SimpleNamespace(mesh_shape=(4,), stage=s) for s in range(2)]
-    with pytest.raises(ExecutorError, match=r"stage 0: transport='jax' moves values between "
-                                            r"stages of one host each; found 2 hosts"):
-        RayExecutor(specs, None, timeout=30.0, hosts=[2, 2], transport="jax")
-
-
 @pytest.mark.slow
 def test_unet_between_actors_through_jax_transfers(ray_cluster):
     """UNet (skip tensors cross the boundary) with ``transport="jax"``: 5 steps equal
     jax.jit, every value through JAX's transfer servers."""
     for d in _ray_jax_transport_run("unet", 5):
         assert d["jax_transfers"]["sent"] > 0 and d["delivered"] == 0, d
+
+
+@pytest.mark.slow
+def test_stages_spanning_hosts_through_jax_transfers(ray_cluster):
+    """``transport="jax"`` on a 4x2 cluster: each stage on 2 actors × 2 devices, the 4
+    actors one job; a value goes from each sending host straight to the receiving hosts
+    that need its pieces (``runtime.process_resharding``'s plan, computed alike on both
+    sides); 5 GPT steps equal jax.jit."""
+    found = _ray_jax_transport_run("gpt", 5, cluster="4x2")
+    assert len(found) == 4 and {d["global_devices"] for d in found} == {8}
+    for d in found:
+        assert d["jax_transfers"]["sent"] > 0 and d["jax_transfers"]["received"] > 0, d
+        assert d["delivered"] == 0 and d["sent_directly"] == 0, d
