@@ -93,34 +93,53 @@ class ProcessStages:
         step = self.local._step + 1           # the number the local executor gives it
         args = dict(flat_args) if isinstance(flat_args, Mapping) else dict(
             enumerate(flat_args))
+        self._expect(step, args)
         args.update(self._exchange_args(step, args))
         outs = self.local.run(args)
         self.last_records, self.last_step_s = self.local.last_records, self.local.last_step_s
         outs.update(self._exchange_results(step, outs))
         return outs
 
-    def _exchange_args(self, step: int, args: Mapping[int, Any]) -> dict[int, Any]:
-        """Arguments a local stage reads whose value is on another process's devices (a
-        result of that process kept as state, e.g. a tied weight): received from it; and
-        ours that another process's stage reads: sent to it."""
-        got: dict[int, Any] = {}
+    def _expect(self, step: int, args: Mapping[int, Any]) -> None:
+        """Ask the transport now for the arguments and 0-d results this process will
+        receive this step (the transfer server serves a request made before the value is
+        offered at once, a late one tens of milliseconds later)."""
+        for s, r, owner in self._foreign_args(args):
+            if self.stage_process[s] == self.process:
+                self.transport.expect(s, self._first[owner], (step, "arg", 0, r))
+        avals = self.split.flat.avals
+        for o in self.split.outputs:
+            if o.source in ("task", "acc") and o.producer is not None and \
+                    not tuple(avals[o.ref].shape) and \
+                    self.stage_process[o.producer[1]] != self.process:
+                self.transport.expect(self._first[self.process], o.producer[1],
+                                      (step, "out", 0, o.ref))
+
+    def _foreign_args(self, args: Mapping[int, Any]) -> list[tuple[int, int, int]]:
+        """(reading stage, ref, process holding it) of every argument a stage reads that
+        is an array on another process's devices."""
+        out = []
         for s in sorted(self.stage_process):
             for r in self.split.stage_args(s):
                 x = args.get(r)
                 if not isinstance(x, jax.Array):
                     continue                  # host values: every process has them
                 owners = {d.process_index for d in x.sharding.device_set}
-                if len(owners) != 1:
-                    continue
-                owner = owners.pop()
-                reader = self.stage_process[s]
-                if owner == reader:
-                    continue
-                key = (step, "arg", 0, r)
-                if owner == self.process:
-                    self.transport.send(self._first[owner], s, key, x)
-                elif reader == self.process and r not in got:
-                    got[r] = self.transport.recv(s, self._first[owner], key, self.timeout)
+                if len(owners) == 1 and owners != {self.stage_process[s]}:
+                    out.append((s, r, owners.pop()))
+        return out
+
+    def _exchange_args(self, step: int, args: Mapping[int, Any]) -> dict[int, Any]:
+        """Arguments a local stage reads whose value is on another process's devices (a
+        result of that process kept as state, e.g. a tied weight): received from it; and
+        ours that another process's stage reads: sent to it."""
+        got: dict[int, Any] = {}
+        for s, r, owner in self._foreign_args(args):
+            key = (step, "arg", 0, r)
+            if owner == self.process:
+                self.transport.send(self._first[owner], s, key, args[r])
+            elif self.stage_process[s] == self.process and r not in got:
+                got[r] = self.transport.recv(s, self._first[owner], key, self.timeout)
         return got
 
     def _exchange_results(self, step: int, outs: Mapping[int, Any]) -> dict[int, Any]:

@@ -521,6 +521,9 @@ class StageActor:
                                 f"arguments {missing}; this actor does not have them")
         args.update({r: self.kept[tuple(k)] for r, k in kept.items()})
         transport = self._transport(step, timeout)
+        if self.jt is not None:     # asked for before they are sent (see JaxTransferTransport)
+            for r, (src, k, ref) in pull.items():
+                transport.expect(self.stage, src, ("arg", k, ref))
         for k, readers in push:
             k = tuple(k)
             if k not in self.kept:
