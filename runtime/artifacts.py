@@ -114,18 +114,9 @@ class StageArtifact:
     def build(self, devices: Sequence[Any]) -> Any:
         """The ``StageWorker`` on ``devices`` (as many as the mesh has), its programs
         compiled from the artifact."""
-        from rhino.runtime.executor import ExecutorError, StageWorker
-        from rhino.runtime.schedules import make_schedule
-        from rhino.runtime.spmd import device_mesh
+        from rhino.runtime.executor import build_worker
 
-        need = int(np.prod(self.mesh_shape))
-        if len(devices) != need:
-            raise ExecutorError(f"stage {self.stage}: expected {need} devices for mesh "
-                                f"{self.mesh_shape}, found {len(devices)}")
-        mesh = device_mesh(self.mesh_shape, self.axis_names, list(devices))
-        schedule = make_schedule(self.schedule, self.num_stages, self.num_microbatches)
-        return StageWorker(self.split, self.stage, mesh, self.shardings, schedule,
-                           self.measure, programs=self.programs_on())
+        return build_worker(self, self.split, devices, programs=self.programs_on())
 
 
 def this_platform() -> str:

@@ -31,13 +31,17 @@ from rhino.runtime.resharding import (STRATEGIES, DeviceMesh, ReshardingError, T
                                       execute, plan_resharding, to_global_array)
 
 
-def mesh_and_spec(sharding: Any, ndim: int, devices_per_host: int
+def mesh_and_spec(sharding: Any, ndim: int, devices_per_host: int = 0,
+                  host_of: Callable[[Any], int] | None = None
                   ) -> tuple[DeviceMesh, TileSpec]:
-    """A ``NamedSharding`` as resharding's ``DeviceMesh`` + ``TileSpec``."""
+    """A ``NamedSharding`` as resharding's ``DeviceMesh`` + ``TileSpec``; a device's host is
+    ``host_of(device)``, else its id over ``devices_per_host``."""
     mesh = sharding.mesh
-    ids = tuple(int(d.id) for d in np.asarray(mesh.devices).flat)
-    dmesh = DeviceMesh(tuple(mesh.devices.shape), ids,
-                       tuple(i // devices_per_host for i in ids))
+    devs = list(np.asarray(mesh.devices).flat)
+    ids = tuple(int(d.id) for d in devs)
+    hosts = tuple(host_of(d) for d in devs) if host_of is not None else \
+        tuple(i // devices_per_host for i in ids)
+    dmesh = DeviceMesh(tuple(mesh.devices.shape), ids, hosts)
     names = list(mesh.axis_names)
     entries = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
     dims = []

@@ -108,16 +108,23 @@ class WorkerSpec:
 
     def build(self, devices: Sequence[Any], split: StepSplit | None = None) -> "StageWorker":
         """The worker on ``devices`` (as many as the mesh has)."""
-        from rhino.runtime.spmd import device_mesh
+        return build_worker(self, split or self.split(), devices)
 
-        need = int(np.prod(self.mesh_shape))
-        if len(devices) != need:
-            raise ExecutorError(f"stage {self.stage}: expected {need} devices for mesh "
-                                f"{self.mesh_shape}, found {len(devices)}")
-        mesh = device_mesh(self.mesh_shape, self.axis_names, list(devices))
-        schedule = make_schedule(self.schedule, self.num_stages, self.num_microbatches)
-        return StageWorker(split or self.split(), self.stage, mesh, self.shardings, schedule,
-                           self.measure)
+
+def build_worker(spec: Any, split: StepSplit, devices: Sequence[Any],
+                 programs: Mapping[tuple[str, bool], Any] | None = None) -> "StageWorker":
+    """The ``StageWorker`` of ``spec`` (a ``WorkerSpec`` or a ``StageArtifact``: its stage,
+    mesh, shardings, schedule) on ``devices`` (as many as the mesh has)."""
+    from rhino.runtime.spmd import device_mesh
+
+    need = int(np.prod(spec.mesh_shape))
+    if len(devices) != need:
+        raise ExecutorError(f"stage {spec.stage}: expected {need} devices for mesh "
+                            f"{spec.mesh_shape}, found {len(devices)}")
+    mesh = device_mesh(spec.mesh_shape, spec.axis_names, list(devices))
+    schedule = make_schedule(spec.schedule, spec.num_stages, spec.num_microbatches)
+    return StageWorker(split, spec.stage, mesh, spec.shardings, schedule, spec.measure,
+                       programs=programs)
 
 
 def place(x: Any, sharding: Any) -> Any:

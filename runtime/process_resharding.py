@@ -29,35 +29,21 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from rhino.runtime.resharding import (Box, DeviceMesh, ReshardingError, ReshardingPlan,
-                                      TileSpec, box_slices, box_volume, intersect_boxes,
-                                      plan_resharding)
+from rhino.runtime.cross_mesh import mesh_and_spec
+from rhino.runtime.resharding import (Box, ReshardingError, ReshardingPlan, box_slices,
+                                      box_volume, intersect_boxes, plan_resharding,
+                                      tile_from_regions)
 
 
 def process_of(device: Any) -> int:
     return int(device.process_index)
 
 
-def _mesh_and_spec(sharding: Any, ndim: int, host_of: Callable[[Any], int]
-                   ) -> tuple[DeviceMesh, TileSpec]:
-    mesh = sharding.mesh
-    devs = list(np.asarray(mesh.devices).flat)
-    dmesh = DeviceMesh(tuple(mesh.devices.shape), tuple(int(d.id) for d in devs),
-                       tuple(host_of(d) for d in devs))
-    names = list(mesh.axis_names)
-    entries = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
-    dims = []
-    for e in entries[:ndim]:
-        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-        dims.append(tuple(names.index(a) for a in axes))
-    return dmesh, TileSpec(tuple(dims))
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(src: Any, dst: Any, shape: tuple[int, ...], itemsize: int,
           host_of: Callable[[Any], int]) -> ReshardingPlan:
-    src_mesh, src_spec = _mesh_and_spec(src, len(shape), host_of)
-    dst_mesh, dst_spec = _mesh_and_spec(dst, len(shape), host_of)
+    src_mesh, src_spec = mesh_and_spec(src, len(shape), host_of=host_of)
+    dst_mesh, dst_spec = mesh_and_spec(dst, len(shape), host_of=host_of)
     return plan_resharding(shape, itemsize, src_mesh, src_spec, dst_mesh, dst_spec,
                            strategy="broadcast", balancer="greedy")
 
@@ -116,7 +102,6 @@ def assemble_pieces(plan: ReshardingPlan, dst: Any, received: Mapping[int, Seque
     this process first, then each tile assembled (a region that is the whole tile is used
     as it is)."""
     import jax
-    import jax.numpy as jnp
 
     by_id = _devices(dst)
     regions = wanted(plan, dst, dtype, process)
@@ -147,14 +132,7 @@ def assemble_pieces(plan: ReshardingPlan, dst: Any, received: Mapping[int, Seque
                 intersect_boxes(b, tile) != b for b, _ in parts):
             raise ReshardingError(f"resharding: device {d}: expected regions covering "
                                   f"{tile}, found {[b for b, _ in parts]}")
-        if len(parts) == 1:
-            pieces[d] = parts[0][1]
-            continue
-        buf = jnp.zeros(tuple(hi - lo for lo, hi in tile), dtype, device=by_id[d])
-        for b, a in parts:
-            buf = jax.lax.dynamic_update_slice(buf, a, tuple(lo - o for (lo, _), (o, _)
-                                                             in zip(b, tile)))
-        pieces[d] = buf
+        pieces[d] = tile_from_regions(tile, parts, dtype, by_id[d])
     return pieces
 
 

@@ -293,31 +293,12 @@ class StageActor:
         import jax
 
         if job is not None:
-            drop_output_lines(GLOO_CHATTER)
             # CPU: a stage of one host keeps its collectives in the process (with gloo,
             # JAX's default in a job, they would go through sockets: 2x slower programs).
-            jax.config.update("jax_cpu_collectives_implementation",
-                              "gloo" if self.hosts > 1 else None)
-            try:
-                jax.distributed.initialize(job[0], num_processes=job[1], process_id=job[2],
-                                           initialization_timeout=max(1, int(timeout)))
-            except Exception as e:
-                raise ExecutorError(f"{self.where}: could not join the run's "
-                                    f"jax.distributed job at {job[0]} within "
-                                    f"{timeout:.0f} s: {type(e).__name__}: {e}",
-                                    stage=self.stage, failure=Failure.PROGRAM) from e
+            self._join(job[0], job[1], job[2], "the run's", timeout,
+                       "gloo" if self.hosts > 1 else None)
         elif self.hosts > 1:
-            drop_output_lines(GLOO_CHATTER)
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            try:
-                jax.distributed.initialize(coordinator, num_processes=self.hosts,
-                                           process_id=self.rank,
-                                           initialization_timeout=max(1, int(timeout)))
-            except Exception as e:
-                raise ExecutorError(f"{self.where}: could not join the stage's "
-                                    f"jax.distributed job at {coordinator} within "
-                                    f"{timeout:.0f} s: {type(e).__name__}: {e}",
-                                    stage=self.stage, failure=Failure.PROGRAM) from e
+            self._join(coordinator, self.hosts, self.rank, "the stage's", timeout, "gloo")
         art = pickle.loads(spec_blob)       # a StageArtifact: rhino's data, no user code
         local = jax.local_devices()
         if len(local) < devices:
@@ -359,6 +340,23 @@ class StageActor:
                 address=f"{import_ray().util.get_node_ip_address()}:0",
                 connect_timeout=timeout))
         return self.describe()
+
+    def _join(self, coordinator: str, processes: int, process: int, whose: str,
+              timeout: float, collectives: str | None) -> None:
+        """Join a ``jax.distributed`` job (bounded by ``timeout``), CPU collectives set."""
+        import jax
+
+        drop_output_lines(GLOO_CHATTER)
+        jax.config.update("jax_cpu_collectives_implementation", collectives)
+        try:
+            jax.distributed.initialize(coordinator, num_processes=processes,
+                                       process_id=process,
+                                       initialization_timeout=max(1, int(timeout)))
+        except Exception as e:
+            raise ExecutorError(f"{self.where}: could not join {whose} jax.distributed job "
+                                f"at {coordinator} within {timeout:.0f} s: "
+                                f"{type(e).__name__}: {e}", stage=self.stage,
+                                failure=Failure.PROGRAM) from e
 
     def _batch_rows(self, split: Any) -> dict[int, tuple[tuple[int, int], ...]]:
         """Per batch argument whose rows this host's devices do not all need: the rows

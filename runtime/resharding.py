@@ -447,7 +447,6 @@ def execute(plan: ReshardingPlan, src_pieces: Mapping[int, Any],
             region, or a destination tile not exactly covered.
     """
     import jax
-    import jax.numpy as jnp
 
     shape = plan.shape
     held: dict[int, list[tuple[Box, Any]]] = {}
@@ -483,19 +482,28 @@ def execute(plan: ReshardingPlan, src_pieces: Mapping[int, Any],
                 intersect_boxes(b, tile) != b for b, _ in got):
             raise ReshardingError(f"execute: destination device {d}: expected regions "
                                   f"covering {tile}, found {[b for b, _ in got]}")
-        if len(got) == 1:
-            pieces[d] = got[0][1]
-            continue
-        dtype = next(iter(src_pieces.values())).dtype
-        buf = jnp.zeros(tuple(hi - lo for lo, hi in tile), dtype, device=device_of(d))
-        for b, a in got:
-            buf = jax.lax.dynamic_update_slice(buf, a, tuple(lo - o for (lo, _), (o, _)
-                                                             in zip(b, tile)))
-        pieces[d] = buf
+        pieces[d] = tile_from_regions(tile, got, next(iter(src_pieces.values())).dtype,
+                                      device_of(d))
     jax.block_until_ready(list(pieces.values()))
     seconds = time.perf_counter() - t0
     cross = sum(box_volume(c.region) for c in copies if c.cross_host) * plan.itemsize
     return Execution(pieces, seconds, cross, len(copies))
+
+
+def tile_from_regions(tile: Box, got: Sequence[tuple[Box, Any]], dtype: Any,
+                      device: Any) -> Any:
+    """A destination tile from the regions it received (global coordinates; they cover it):
+    the one region as it is, else written into a buffer on ``device``."""
+    import jax
+    import jax.numpy as jnp
+
+    if len(got) == 1:
+        return got[0][1]
+    buf = jnp.zeros(tuple(hi - lo for lo, hi in tile), dtype, device=device)
+    for b, a in got:
+        buf = jax.lax.dynamic_update_slice(buf, a, tuple(lo - o for (lo, _), (o, _)
+                                                         in zip(b, tile)))
+    return buf
 
 
 def to_global_array(pieces: Mapping[int, Any], mesh: DeviceMesh, spec: TileSpec | str,
