@@ -350,6 +350,7 @@ def test_an_equinox_class_of_the_scripts_main_runs_on_ray():
     assert done.stdout.count("pipelined loss") == 3 and "OK" in done.stdout
 
 
+@pytest.mark.slow
 def test_distributed_init_on_ray_sends_an_exported_initializer(ray_cluster):
     """``distributed_init`` on Ray: each stage's actor makes the leaves it reads from the
     initializer the driver exported (an initializer closing over an instance of a class
