@@ -133,6 +133,7 @@ def test_saved_artifacts_load_and_are_checked(tmp_path):
         artifacts.load(str(tmp_path / "nowhere"))
 
 
+@pytest.mark.slow
 def test_saved_stages_run_later_in_a_process_without_the_steps_code(tmp_path):
     """``save_stages`` here; a fresh Python process that imports only rhino, jax and numpy
     runs them (``SavedPipeline``) on the saved arguments: its results equal this process's

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from rhino.runtime.jax_transfer import transfer_uuid
 
 WORKER = pathlib.Path(__file__).with_name("jax_transfer_worker.py")
@@ -66,6 +68,7 @@ def test_values_layouts_order_timeout_and_abort_between_two_processes():
     assert want <= set(ok), sorted(want - set(ok))
 
 
+@pytest.mark.slow
 def test_two_stage_gpt_pipeline_one_stage_per_process_matches_jax_jit():
     """GPT in 2 stages × 2 devices, stage s in process s (each builds only its own
     StageWorker from the same plan), 1F1B over 2 microbatches, 3 steps: each stage's

@@ -3,8 +3,9 @@ simulated CPU devices, ``rhino.distributed_init`` and ``auto_parallel`` across p
 
 Each job runs as a subprocess of the test (a process that joined a job cannot leave it);
 the coordinator's and transfer sockets' ports are free ones the launcher picks. About 55 s
-in the default suite; three more jobs (an exception's prompt exit, a cluster's SPMD-only
-search, the script's arguments and path) under ``-m slow``.
+in the default suite; four more jobs (the GPT example as one SPMD program, whose path the
+pipeline and the process-local rows jobs take too; an exception's prompt exit, a cluster's
+SPMD-only search, the script's arguments and path) under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def _show(out: subprocess.CompletedProcess) -> str:
            f"{out.stderr[-5000:]}"
 
 
+@pytest.mark.slow
 def test_the_example_matches_jax_jit_on_two_processes():
     out = _launch("--hosts", "2", "--devices-per-host", "4", str(EXAMPLE))
     assert out.returncode == 0, _show(out)

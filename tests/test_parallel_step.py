@@ -135,7 +135,7 @@ def test_options_are_checked_when_the_step_is_built():
     with pytest.raises(rhino.OptionsError, match="transport"):
         rhino.auto_parallel(f, cluster="2x4", transport="pigeon")
     with pytest.raises(rhino.OptionsError, match=r"transport: expected one of \['object_store'"
-                       r", 'direct'\] with executor 'ray', found 'broadcast'"):
+                       r", 'direct', 'jax'\] with executor 'ray', found 'broadcast'"):
         rhino.auto_parallel(f, cluster="2x4", executor="ray", transport="broadcast")
     with pytest.raises(rhino.OptionsError, match="found 'direct' .a transport of the ray"):
         rhino.auto_parallel(f, cluster="2x4", transport="direct")

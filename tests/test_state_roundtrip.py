@@ -109,7 +109,7 @@ def _close(a, b):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("executor", ["local", "ray"])
+@pytest.mark.parametrize("executor", ["local", pytest.param("ray", marks=pytest.mark.slow)])
 def test_returned_state_takes_the_first_plan(executor, request, tmp_path):
     if executor == "ray":
         ray = pytest.importorskip("ray")
