@@ -70,7 +70,6 @@ Example:
 from __future__ import annotations
 
 import pickle
-import re
 import secrets
 import sys
 import threading
@@ -85,6 +84,7 @@ from rhino.runtime.channels import PackedKey, pack_key, unpack_key
 from rhino.runtime.ray_actor import StageActor
 from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
                                        RayInfo, import_ray, init, share_cores, xla_flags)
+from rhino.runtime.ray_errors import is_dead, stage_error, unlabelled, why_failed
 from rhino.runtime.remote_array import RemoteArray, fetch
 
 RAY_TRANSPORTS = ("object_store", "direct", "jax")
@@ -398,12 +398,12 @@ class RayExecutor:
                     continue
                 except Exception as e:
                     errors.append((k, e))
-            if close or any(_is_dead(ray, e) for _, e in errors):
+            if close or any(is_dead(ray, e) for _, e in errors):
                 self._fail(f"{what} failed")
             if not errors:
-                raise ExecutorError(f"{what}: {_why(ray, first)}") from first
+                raise ExecutorError(f"{what}: {why_failed(ray, first)}") from first
             msgs = [f"{self._label(owners[k])}: {what} failed: "
-                    f"{_unlabelled(_why(ray, e), self._label(owners[k]))}" for k, e in errors]
+                    f"{unlabelled(why_failed(ray, e), self._label(owners[k]))}" for k, e in errors]
             more = f" (other stages: {'; '.join(msgs[1:])})" if len(msgs) > 1 else ""
             raise ExecutorError(msgs[0] + more, stage=owners[errors[0][0]][0],
                                 failure=Failure.PROGRAM) from errors[0][1]
@@ -748,11 +748,11 @@ class RayExecutor:
                 try:
                     results[k] = ray.get(c, timeout=0)
                 except Exception as e:
-                    errors.append(_stage_error(ray, s, e, self._label(self.owners[k])))
+                    errors.append(stage_error(ray, s, e, self._label(self.owners[k])))
                     if len(errors) == 1:
                         self._abort(step, str(errors[-1]))
                         deadline = min(deadline, time.monotonic() + ABORT_GRACE_S)
-                    if _is_dead(ray, e):
+                    if is_dead(ray, e):
                         self._fail(str(errors[-1]))
                         pending.clear()  # the executor cannot run again: do not wait
                         break
@@ -797,54 +797,3 @@ class RayExecutor:
         finally:
             self._puts.clear()
             self._returned.clear()
-
-
-def _unlabelled(text: str, label: str) -> str:
-    """``text`` without a leading ``label: ``.
-
-    >>> _unlabelled("stage 1: expected 4 devices", "stage 1")
-    'expected 4 devices'
-    """
-    return text[len(label) + 2:] if text.startswith(label + ": ") else text
-
-
-def _is_dead(ray, e: BaseException | None) -> bool:
-    return isinstance(e, ray.exceptions.RayActorError)
-
-
-def _why(ray, e: BaseException) -> str:
-    """A one-line reason: the original exception of a task, or how an actor died."""
-    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
-        e = e.cause
-    if isinstance(e, ray.exceptions.RayActorError):
-        text = _ANSI.sub("", str(e)).strip()
-        if getattr(e, "actor_init_failed", False):
-            # The creation task's traceback ends with the exception raised in __init__.
-            raised = [ln.strip() for ln in text.splitlines() if _RAISED.match(ln.strip())]
-            what = _RAISED.sub(r"\1", raised[-1]) if raised else text.splitlines()[0]
-            return f"the actor failed to start ({what})"
-        first = text.splitlines()[0] if text else ""
-        return f"the actor died ({type(e).__name__}: {first})"
-    text = str(e)
-    return text if isinstance(e, ExecutorError) else f"{type(e).__name__}: {text}"
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_RAISED = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception): )")
-
-
-def _stage_error(ray, stage: int, e: BaseException, label: str | None = None
-                 ) -> ExecutorError:
-    """``stage s: ...`` (``label``) as an ``ExecutorError``; a StageWorker's error already
-    names stage and task (and says what kind of failure it was)."""
-    why = _why(ray, e)
-    label = label or f"stage {stage}"
-    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
-    named = isinstance(cause, ExecutorError) and cause.stage is not None
-    msg = why if named or why.startswith(f"stage {stage}") else f"{label}: {why}"
-    out = ExecutorError(msg, stage=cause.stage if named else stage,
-                        failure=(cause.failure if isinstance(cause, ExecutorError) else None)
-                        or Failure.PROGRAM)
-    if isinstance(cause, ExecutorError):
-        out.at = cause.at
-    return out
