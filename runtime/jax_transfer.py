@@ -32,7 +32,11 @@ device that needs most of it, and each target device builds its block from the p
 overlap it (device-to-device copies and slices in the receiving process), then
 ``jax.make_array_from_single_device_arrays``. Every element crosses between the processes
 once, whatever the replication on either side (the unit tasks of the cross-mesh resharding
-paper with the receiving mesh's local copies doing the broadcast). PRNG key arrays travel as their key data
+paper with the receiving mesh's local copies doing the broadcast). Where both meshes have as
+many devices, the source no replication and the target sits on one process (two stages of
+equal size: the common case), the source's tiles cross as they are and one compiled program
+of the receiving process changes the layout (``process_resharding.relayout``: one dispatch
+instead of a copy and an update per piece). PRNG key arrays travel as their key data
 (``uint32``) and are wrapped again on arrival. Stages of the same process exchange values in
 memory (``place`` puts them on the receiving mesh).
 
@@ -48,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -58,12 +63,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rhino.jaxpr.private import distributed_kv_client
-from rhino.runtime.process_resharding import assemble, offers, process_plan, wanted
+from rhino.runtime.process_resharding import (assemble, offers, process_plan, relayout,
+                                              relayout_assemble, relayout_offers,
+                                              relayout_wanted, wanted)
 from rhino.runtime.transport import ExecutorError, Failure
 
 _PREFIX = "rhino/xfer"
 _SLICE_MS = 100          # the longest a wait goes without looking at abort / deadline
 _POLL_S = 0.0005         # polling interval for pulled arrays becoming ready
+# Diagnostics: with RHINO_XFER_TRACE=DIR every process appends one JSON line per send and
+# per receive (wall-clock times of each phase: asked for, arrived, assembled, done; the mode
+# and layouts) to DIR/xfer-<process>.jsonl. Read with the step's task records
+# (``ParallelStep.last_records``, same clock) it shows where a transfer's time goes.
+_TRACE_DIR = os.environ.get("RHINO_XFER_TRACE")
 
 
 def transfer_uuid(src: int, dst: int, key: tuple, sender: int = 0, receiver: int = 0
@@ -151,6 +163,15 @@ class JaxTransferTransport:
     def _step(self, step: int) -> _Step:
         return self._steps.setdefault(step, _Step())
 
+    def _trace(self, what: str, src: int, dst: int, key: tuple, **times: Any) -> None:
+        if _TRACE_DIR is None:
+            return
+        line = json.dumps({"what": what, "src": src, "dst": dst, "key": repr(key),
+                           "process": self.process, **times})
+        with self._lock, open(os.path.join(_TRACE_DIR, f"xfer-{self.process}.jsonl"),
+                              "a") as f:
+            f.write(line + "\n")
+
     def abort(self, step: int, why: str) -> None:
         """Poison ``step`` in every process of the job: its waiting and future ``recv``
         calls raise (here at once, in the other processes within a wait slice)."""
@@ -234,6 +255,7 @@ class JaxTransferTransport:
                 self._lock.notify_all()
             return
         t0 = time.monotonic()
+        w0 = time.time()
         x = value
         if not isinstance(x, jax.Array):
             x = jax.device_put(x, self._local_devices[0])
@@ -260,8 +282,12 @@ class JaxTransferTransport:
         elif x.sharding != sharding:
             x = jax.device_put(x, sharding)
         tgt = self._target(dst, key)
-        plan = process_plan(x.sharding, tgt, x.shape, np.dtype(x.dtype).itemsize)
-        parts = offers(plan, x, self.process)
+        mid = relayout(x.sharding, tgt)
+        if mid is not None:
+            parts = relayout_offers(x, mid, self.process)
+        else:
+            plan = process_plan(x.sharding, tgt, x.shape, np.dtype(x.dtype).itemsize)
+            parts = offers(plan, x, self.process)
         with self._lock:
             if self._step(key[0]).aborted is not None:
                 return   # nobody will take it
@@ -269,6 +295,8 @@ class JaxTransferTransport:
         for q, arrays in parts.items():
             self.server.await_pull(transfer_uuid(src, dst, key, self.process, q), arrays)
         self.waited["send"] += time.monotonic() - t0
+        if _TRACE_DIR is not None:
+            self._trace("send", src, dst, key, start=w0, offered=time.time())
 
     def _same_process(self, src: int, dst: int) -> bool:
         return self._procs(src) == self._procs(dst) == (self.process,)
@@ -300,6 +328,7 @@ class JaxTransferTransport:
                     self._lock.wait(min(left, _SLICE_MS / 1000))
                 return self._local.pop((src, dst, key))
         t0 = time.monotonic()
+        w0 = time.time()
         with self._lock:
             early = self._expected.pop((src, dst, key), None)
         if early is None:
@@ -321,9 +350,14 @@ class JaxTransferTransport:
             if time.monotonic() > deadline:
                 raise self._timeout(dst, src, key, timeout, "announced but not arrived")
             time.sleep(_POLL_S)
+        w_arrived = time.time()
         try:
             jax.block_until_ready(arrays)  # ready: at once; raises if the sender's failed
-            out = assemble(plan, tgt, pulled, self.process, dtype)
+            if isinstance(plan, jax.sharding.Sharding):   # relayout
+                out = relayout_assemble(plan, tgt, meta["shape"], pulled)
+            else:
+                out = assemble(plan, tgt, pulled, self.process, dtype)
+            w_assembled = time.time()
             out.block_until_ready()
         except ExecutorError:
             raise
@@ -332,6 +366,12 @@ class JaxTransferTransport:
                                 f"{_label(src, dst, key)} it sent, found by stage {dst})",
                                 stage=src, failure=Failure.PROGRAM) from e
         self.waited["arrive"] += time.monotonic() - t1
+        if _TRACE_DIR is not None:
+            self._trace("recv", src, dst, key, start=w0, early=early is not None,
+                        pulled=w0 + (t1 - t0), arrived=w_arrived, assembled=w_assembled,
+                        done=time.time(), mode=self.modes.get(key), pieces=len(arrays),
+                        shape=meta["shape"], src_spec=str(meta["sharding"].spec),
+                        target=str(tgt))
         if meta["impl"] is not None:
             out = jax.random.wrap_key_data(out, impl=meta["impl"])
         return out
@@ -357,13 +397,21 @@ class JaxTransferTransport:
         arrays, not yet arrived)."""
         shape, dtype = tuple(meta["shape"]), meta["np_dtype"]
         tgt = self._target(dst, key)
-        plan = process_plan(meta["sharding"], tgt, shape, dtype.itemsize)
-        self.modes[key] = "whole" if _tile_to_tile(plan) else "pieces"
+        plan = relayout(meta["sharding"], tgt)
+        if plan is not None:   # the source's tiles cross as they are
+            self.modes[key] = "whole" if plan.is_equivalent_to(tgt, len(shape)) \
+                else "relayout"
+            items = relayout_wanted(meta["sharding"], plan, shape, self.process)
+        else:
+            plan = process_plan(meta["sharding"], tgt, shape, dtype.itemsize)
+            self.modes[key] = "whole" if _tile_to_tile(plan) else "pieces"
+            items = {p: [(tuple(hi - lo for lo, hi in region), dev) for region, dev in v]
+                     for p, v in wanted(plan, tgt, dtype, self.process).items()}
         pulled: dict[int, list] = {}
-        for p, items in wanted(plan, tgt, dtype, self.process).items():
-            specs = [jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in region), dtype,
+        for p, wants in items.items():
+            specs = [jax.ShapeDtypeStruct(tile, dtype,
                                           sharding=jax.sharding.SingleDeviceSharding(dev))
-                     for region, dev in items]
+                     for tile, dev in wants]
             pulled[p] = self._conn(p).pull(transfer_uuid(src, dst, key, p, self.process),
                                            specs)
         return plan, tgt, pulled
@@ -449,3 +497,4 @@ def stage_targets(own: Mapping[int, Any], stage_devices: Mapping[int, Sequence[A
         return NamedSharding(meshes[s], layouts[s][2].get(ref) or PartitionSpec())
 
     return target
+

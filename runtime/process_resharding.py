@@ -16,6 +16,13 @@ processes) from the two shardings alone, so no message says what goes where::
 
 The transfers themselves (``runtime.jax_transfer``) are keyed by (stages, value, p, q).
 
+A shortcut where it applies (``relayout``): when the two meshes have as many devices, the
+source holds every element once and the target's devices all sit on one process, the
+source's tiles cross as they are, tile k onto the target's k-th device, and the receiving
+process changes the layout with one compiled program (an all-gather or all-to-all among
+its own devices). Every element still crosses once; the receiver runs one program instead
+of a copy and a slice update per piece (on CPU, 5-80 ms a value against under 1 ms).
+
 Example (in one process, hosts pretended by ``host_of``; see the tests)::
 
     plan = process_plan(x.sharding, target, x.shape, x.dtype.itemsize, host_of)
@@ -25,6 +32,7 @@ Example (in one process, hosts pretended by ``host_of``; see the tests)::
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -144,3 +152,70 @@ def assemble(plan: ReshardingPlan, dst: Any, received: Mapping[int, Sequence[Any
 
     pieces = assemble_pieces(plan, dst, received, process, dtype)
     return jax.make_array_from_single_device_arrays(plan.shape, dst, list(pieces.values()))
+
+
+@functools.lru_cache(maxsize=1024)
+def relayout(src: Any, dst: Any) -> Any:
+    """The sharding a value crosses in, when the shortcut of the module docstring applies:
+    the target's devices (in their mesh order) arranged as the source's mesh, with the
+    source's spec; else None. Both sides compute it from the two shardings."""
+    from jax.sharding import Mesh, NamedSharding
+
+    if not (isinstance(src, NamedSharding) and isinstance(dst, NamedSharding)):
+        return None
+    n = src.mesh.devices.size
+    if dst.mesh.devices.size != n:
+        return None
+    used = [a for e in src.spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+    if math.prod(src.mesh.shape[a] for a in used) != n:   # replicated somewhere
+        return None
+    if len({d.process_index for d in dst.mesh.devices.flat}) != 1:
+        return None
+    devices = np.array(list(dst.mesh.devices.flat), dtype=object).reshape(src.mesh.devices.shape)
+    return NamedSharding(Mesh(devices, src.mesh.axis_names), src.spec)
+
+
+def relayout_offers(x: Any, mid: Any, process: int) -> dict[int, list]:
+    """What process ``process`` sends under ``relayout``: receiving process -> its shards of
+    ``x``, in the source mesh's device order."""
+    held = {int(s.device.id): s.data for s in x.addressable_shards}
+    out: dict[int, list] = {}
+    for sd, md in zip(x.sharding.mesh.devices.flat, mid.mesh.devices.flat):
+        if sd.process_index == process:
+            out.setdefault(md.process_index, []).append(held[int(sd.id)])
+    return out
+
+
+def relayout_wanted(src: Any, mid: Any, shape: Sequence[int], process: int
+                    ) -> dict[int, list[tuple[tuple[int, ...], Any]]]:
+    """What process ``process`` receives under ``relayout``: sending process -> (tile shape,
+    jax device) of each tile, in the order ``relayout_offers`` sends them."""
+    tile = tuple(src.shard_shape(tuple(shape)))
+    out: dict[int, list] = {}
+    for sd, md in zip(src.mesh.devices.flat, mid.mesh.devices.flat):
+        if md.process_index == process:
+            out.setdefault(sd.process_index, []).append((tile, md))
+    return out
+
+
+def relayout_assemble(mid: Any, dst: Any, shape: Sequence[int],
+                      received: Mapping[int, Sequence[Any]]) -> Any:
+    """The global array on ``dst`` from the tiles pulled under ``relayout`` (sending process
+    -> its tiles, in ``relayout_wanted`` order)."""
+    import jax
+
+    by_device = {int(next(iter(a.devices())).id): a for v in received.values() for a in v}
+    x = jax.make_array_from_single_device_arrays(
+        tuple(shape), mid, [by_device[int(d.id)] for d in mid.mesh.devices.flat])
+    if mid == dst:
+        return x
+    y = _to(dst)(x)   # its sharding may read P(None,) for P(): keep the target's own
+    return y if y.sharding == dst else jax.make_array_from_single_device_arrays(
+        tuple(shape), dst, [s.data for s in y.addressable_shards])
+
+
+@functools.lru_cache(maxsize=1024)
+def _to(dst: Any) -> Callable[[Any], Any]:
+    import jax
+
+    return jax.jit(lambda x: x, out_shardings=dst)

@@ -420,11 +420,16 @@ def test_gpt_between_actors_through_jax_transfers(ray_cluster):
 
 
 @pytest.mark.slow
-def test_unet_between_actors_through_jax_transfers(ray_cluster):
-    """UNet (skip tensors cross the boundary) with ``transport="jax"``: 5 steps equal
-    jax.jit, every value through JAX's transfer servers."""
-    for d in _ray_jax_transport_run("unet", 5):
-        assert d["jax_transfers"]["sent"] > 0 and d["delivered"] == 0, d
+@pytest.mark.parametrize("cluster", ["2x4", "4x2"])
+def test_unet_between_actors_through_jax_transfers(ray_cluster, cluster):
+    """UNet (skip tensors cross the boundary) with ``transport="jax"``, each stage on one
+    actor × 4 devices (2x4) or on 2 actors × 2 devices (4x2): 5 steps equal jax.jit, every
+    value through JAX's transfer servers."""
+    found = _ray_jax_transport_run("unet", 5, cluster=cluster)
+    assert len(found) == {"2x4": 2, "4x2": 4}[cluster]
+    for d in found:
+        assert d["jax_transfers"]["sent"] > 0 and d["jax_transfers"]["received"] > 0, d
+        assert d["delivered"] == 0 and d["sent_directly"] == 0, d
 
 
 @pytest.mark.slow
