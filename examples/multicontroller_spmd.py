@@ -17,6 +17,10 @@ servers (``runtime.jax_transfer``)::
     python -m rhino.launch --hosts 2 --devices-per-host 4 examples/multicontroller_spmd.py \
         --stages 2
 
+Add ``--no-cross-process-collectives`` to a pipeline on CPU: each stage's collectives stay
+inside its process instead of going through gloo's sockets (faster stage programs; a plan
+that is one program over both processes is then refused before it runs).
+
 On SLURM (one task per node)::
 
     srun --nodes 2 --ntasks-per-node 1 python examples/multicontroller_spmd.py
@@ -46,9 +50,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=1,
                     help="pipeline stages, one per process (default 1: one SPMD program)")
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--no-cross-process-collectives", action="store_true",
+                    help="CPU: no gloo (a pipeline whose stages each sit on one process)")
     a = ap.parse_args(argv)
 
-    job = rhino.distributed_init()            # before anything else uses jax
+    # before anything else uses jax
+    job = rhino.distributed_init(cross_process_collectives=not a.no_cross_process_collectives)
     me = job.process_id
     print(f"process {me} of {job.num_processes} ({job.how}): {jax.local_device_count()} "
           f"local devices, {jax.device_count()} in the job", flush=True)

@@ -153,7 +153,12 @@ def _cpu_only() -> bool:
     return not any(importlib.util.find_spec(p) for p in plugins)
 
 
-def distributed_init(*, timeout_s: float = DEFAULT_INIT_TIMEOUT_S) -> Job:
+# True once distributed_init(cross_process_collectives=False) joined the job.
+_NO_CROSS_PROCESS_COLLECTIVES = {"off": False}
+
+
+def distributed_init(*, timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
+                     cross_process_collectives: bool = True) -> Job:
     """Join this process's multi-controller job; call it at the top of the script, before
     anything else uses JAX. Idempotent: later calls return the job joined.
 
@@ -175,6 +180,12 @@ def distributed_init(*, timeout_s: float = DEFAULT_INIT_TIMEOUT_S) -> Job:
 
     Args:
         timeout_s: seconds to wait for every process to join.
+        cross_process_collectives: on CPU, select gloo (the default). ``False`` keeps every
+            program's collectives inside its process: a pipelined plan whose stages each sit
+            on one process then runs its stage programs about 1.6x faster on this machine
+            (gloo sends a process's own all-reduces through sockets too), and a plan that
+            is one SPMD program over several processes is refused before it runs. GPUs and
+            TPUs use their own collectives either way.
 
     Returns:
         The ``Job``.
@@ -200,7 +211,9 @@ def distributed_init(*, timeout_s: float = DEFAULT_INIT_TIMEOUT_S) -> Job:
             "made before the call), so this process can no longer join a multi-process job; "
             "call rhino.distributed_init() at the top of the script, right after importing "
             "jax and rhino")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if cross_process_collectives:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _NO_CROSS_PROCESS_COLLECTIVES["off"] = not cross_process_collectives
     transfer = launched["transfer"] if launched else None
     if transfer is None and _cpu_only():
         transfer = _transfer_address(launched)
@@ -372,3 +385,18 @@ def job_devices() -> list:
 def spans_processes(devices: Any) -> bool:
     """Whether ``devices`` belong to more than one process."""
     return len({getattr(d, "process_index", 0) for d in devices}) > 1
+
+
+def check_cross_process_program(what: str) -> None:
+    """Refuse ``what`` (one program over the devices of several processes) on CPU when this
+    process joined its job with ``distributed_init(cross_process_collectives=False)``."""
+    import jax
+
+    if _NO_CROSS_PROCESS_COLLECTIVES["off"] and jax.distributed.is_initialized() and \
+            jax.process_count() > 1 and jax.devices()[0].platform == "cpu":
+        raise DistributedError(
+            f"{what}: expected collectives between processes for one program over "
+            f"{jax.process_count()} processes, found this job joined with "
+            f"rhino.distributed_init(cross_process_collectives=False) (no gloo on CPU); "
+            f"drop that argument, or ask for a pipeline with one stage per process "
+            f"(stages=...)")

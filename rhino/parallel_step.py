@@ -48,7 +48,8 @@ import numpy as np
 from rhino.backends import (backend_figures, cost_model_for_devices, devices_per_host,
                             figures_for_devices)
 from rhino.cluster import Cluster
-from rhino.distributed import DistributedError, agree_on_plan, job_devices, spans_processes
+from rhino.distributed import (DistributedError, agree_on_plan, check_cross_process_program,
+                               job_devices, spans_processes)
 from rhino.errors import OptionsError, RhinoError
 from rhino.front_door import (PlanRequest, TracedStep, plan_on_cluster, plan_on_mesh,
                               positive, runnable_cost, spmd_plan, trace_step)
@@ -462,6 +463,8 @@ class _Builder:
         entry = self._build()
         if self.multi:
             name = getattr(self.fn, "__name__", "step")
+            if entry.plan.num_stages == 1:
+                check_cross_process_program(f"auto_parallel({name})'s SPMD plan")
             digest = agree_on_plan(entry.plan.to_json(search_times=False),
                                    f"auto_parallel({name})", self.o.timeout)
             self.progress(f"the {jax.process_count()} processes of the job made the same "

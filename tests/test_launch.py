@@ -114,8 +114,11 @@ def test_a_pipeline_runs_one_stage_per_process():
     """``--stages 2`` on 2 processes × 4 devices: each process runs the stage on its own
     devices (``runtime.multicontroller``), values between them through JAX's transfer
     servers, the tied embedding passed between the processes each step; 3 GPT steps
-    equal jax.jit on both processes (each checks its own stage's state and the loss)."""
-    out = _launch("--hosts", "2", "--devices-per-host", "4", str(EXAMPLE), "--stages", "2")
+    equal jax.jit on both processes (each checks its own stage's state and the loss).
+    Joined without gloo (``cross_process_collectives=False``): a stage's collectives stay
+    in its process, and nothing between the stages needs a cross-process collective."""
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(EXAMPLE), "--stages", "2",
+                  "--no-cross-process-collectives")
     assert out.returncode == 0, _show(out)
     for p in (0, 1):
         assert f"[p{p}] process {p}: plan hybrid on 2 stages on meshes [(4,), (4,)]" \
@@ -217,3 +220,21 @@ def test_a_job_weighs_the_mesh_of_hosts_by_devices_per_host():
     alone = plan_on_mesh(t.graph, PlanRequest(), None, 8,
                          lambda m: runnable_cost(h100.cost_model(m, 4)))
     assert alone[3] is None and alone[0].shape == (8,)
+
+
+def test_one_program_over_processes_without_their_collectives_is_refused(monkeypatch):
+    """A job joined with ``cross_process_collectives=False`` (no gloo on CPU) refuses a
+    plan that is one SPMD program over its processes, naming the argument."""
+    import jax
+
+    from rhino import distributed
+
+    monkeypatch.setitem(distributed._NO_CROSS_PROCESS_COLLECTIVES, "off", True)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(DistributedError, match=r"auto_parallel\(step\)'s SPMD plan: expected "
+                       r"collectives between processes .* 2 processes, found .*"
+                       r"cross_process_collectives=False"):
+        distributed.check_cross_process_program("auto_parallel(step)'s SPMD plan")
+    monkeypatch.setitem(distributed._NO_CROSS_PROCESS_COLLECTIVES, "off", False)
+    distributed.check_cross_process_program("auto_parallel(step)'s SPMD plan")
