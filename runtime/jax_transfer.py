@@ -378,9 +378,9 @@ class JaxTransferTransport:
 
     def expect(self, dst: int, src: int, key: tuple) -> None:
         """Ask now for a value ``recv`` will take (where its layout is known, i.e. after
-        the first of its kind): JAX's transfer server serves a request that waits for its
-        value at once, one made after the value was offered only tens of milliseconds later
-        (measured on CPU: 1-6 ms against 60-120 ms per value)."""
+        the first of its kind), so that the pull waits at the sender for the value instead
+        of being made when the receiving stage reaches it. In isolation either order takes
+        about 2 ms on CPU (``benchmarks/transfer_latency.py``)."""
         key = tuple(key)
         if self._same_process(src, dst):
             return
