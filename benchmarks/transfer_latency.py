@@ -138,7 +138,7 @@ def _assembly(repeats: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"pieces (general plan)": [], "relayout": []}
     plan = pr.process_plan(src, dst, value.shape, 4,
                            host_of=lambda d: 0 if d.id < 4 else 1)   # pretended processes
-    mid = pr.relayout(src, dst)
+    short = pr.relayout(src, dst, value.shape)
     for k in range(repeats + 1):
         sent = pr.offers(plan, x, 0)
         got = {0: [jax.device_put(a, dev) for a, (_, dev) in
@@ -149,12 +149,12 @@ def _assembly(repeats: int) -> dict[str, list[float]]:
         if k:
             out["pieces (general plan)"].append((time.perf_counter() - t) * 1e3)
         assert np.array_equal(np.asarray(y), value)
-        sent = pr.relayout_offers(x, mid, 0)
+        sent = pr.relayout_offers(short, x, 0)
         got = {0: [jax.device_put(a, dev) for a, (_, dev) in
-                   zip(sent[0], pr.relayout_wanted(src, mid, value.shape, 0)[0])]}
+                   zip(sent[0], pr.relayout_wanted(short, src, value.shape, 0)[0])]}
         jax.block_until_ready(got)
         t = time.perf_counter()
-        y = pr.relayout_assemble(mid, dst, value.shape, got).block_until_ready()
+        y = pr.relayout_assemble(short, dst, value.shape, got).block_until_ready()
         if k:
             out["relayout"].append((time.perf_counter() - t) * 1e3)
         assert np.array_equal(np.asarray(y), value)

@@ -33,10 +33,10 @@ overlap it (device-to-device copies and slices in the receiving process), then
 ``jax.make_array_from_single_device_arrays``. Every element crosses between the processes
 once, whatever the replication on either side (the unit tasks of the cross-mesh resharding
 paper with the receiving mesh's local copies doing the broadcast). Where both meshes have as
-many devices, the source no replication and the target sits on one process (two stages of
-equal size: the common case), the source's tiles cross as they are and one compiled program
-of the receiving process changes the layout (``process_resharding.relayout``: one dispatch
-instead of a copy and an update per piece). PRNG key arrays travel as their key data
+many devices and the target sits on one process (two stages of equal size: the common
+case), the source's distinct tiles cross as they are and one compiled program of the
+receiving process changes the layout (``process_resharding.relayout``: one dispatch instead
+of a copy and an update per piece). PRNG key arrays travel as their key data
 (``uint32``) and are wrapped again on arrival. Stages of the same process exchange values in
 memory (``place`` puts them on the receiving mesh).
 
@@ -63,8 +63,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rhino.jaxpr.private import distributed_kv_client
-from rhino.runtime.process_resharding import (assemble, offers, process_plan, relayout,
-                                              relayout_assemble, relayout_offers,
+from rhino.runtime.process_resharding import (Relayout, assemble, offers, process_plan,
+                                              relayout, relayout_assemble, relayout_offers,
                                               relayout_wanted, wanted)
 from rhino.runtime.transport import ExecutorError, Failure
 
@@ -282,9 +282,9 @@ class JaxTransferTransport:
         elif x.sharding != sharding:
             x = jax.device_put(x, sharding)
         tgt = self._target(dst, key)
-        mid = relayout(x.sharding, tgt)
-        if mid is not None:
-            parts = relayout_offers(x, mid, self.process)
+        short = relayout(x.sharding, tgt, tuple(x.shape))
+        if short is not None:
+            parts = relayout_offers(short, x, self.process)
         else:
             plan = process_plan(x.sharding, tgt, x.shape, np.dtype(x.dtype).itemsize)
             parts = offers(plan, x, self.process)
@@ -353,7 +353,7 @@ class JaxTransferTransport:
         w_arrived = time.time()
         try:
             jax.block_until_ready(arrays)  # ready: at once; raises if the sender's failed
-            if isinstance(plan, jax.sharding.Sharding):   # relayout
+            if isinstance(plan, Relayout):
                 out = relayout_assemble(plan, tgt, meta["shape"], pulled)
             else:
                 out = assemble(plan, tgt, pulled, self.process, dtype)
@@ -397,11 +397,11 @@ class JaxTransferTransport:
         arrays, not yet arrived)."""
         shape, dtype = tuple(meta["shape"]), meta["np_dtype"]
         tgt = self._target(dst, key)
-        plan = relayout(meta["sharding"], tgt)
+        plan = relayout(meta["sharding"], tgt, shape)
         if plan is not None:   # the source's tiles cross as they are
-            self.modes[key] = "whole" if plan.is_equivalent_to(tgt, len(shape)) \
-                else "relayout"
-            items = relayout_wanted(meta["sharding"], plan, shape, self.process)
+            self.modes[key] = "whole" if not plan.copies and plan.mid.is_equivalent_to(
+                tgt, len(shape)) else "relayout"
+            items = relayout_wanted(plan, meta["sharding"], shape, self.process)
         else:
             plan = process_plan(meta["sharding"], tgt, shape, dtype.itemsize)
             self.modes[key] = "whole" if _tile_to_tile(plan) else "pieces"

@@ -397,7 +397,8 @@ class StageActor:
                 "node": import_ray().get_runtime_context().get_node_id(),
                 "rows": getattr(self, "rows", {}), "cpus": _cores(),
                 "sent_directly": self.channels.sent_bytes if self.channels else 0,
-                "jax_transfers": dict(self.jt.counts, **self.jt.inner.waited)
+                "jax_transfers": dict(self.jt.counts, **self.jt.inner.waited,
+                                      modes=sorted(set(self.jt.inner.modes.values())))
                 if self.jt is not None else {},
                 "delivered": self.delivered}
 

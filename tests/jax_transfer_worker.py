@@ -52,7 +52,8 @@ CASES = {
     6: (np.arange(8, dtype=np.float32), P(), NamedSharding(mesh(1, 4), P("x"))),
     7: (np.arange(32, dtype=np.float32).reshape(4, 8), P("x"),
         NamedSharding(Mesh(np.array(on(1, 4)).reshape(2, 2), ("a", "b")), P("b", "a"))),
-    # replicated on both sides: one copy crosses, copied on the receiving side
+    # replicated on both sides, as many devices: one copy crosses, copied on the receiving
+    # side (relayout)
     8: (np.arange(6, dtype=np.float32), P(), NamedSharding(mesh(1, 2), P())),
     # as many devices on both sides, no replication at the source: the tiles cross as they
     # are and the receiving process changes the layout (gathers; transposes the split)
@@ -63,7 +64,7 @@ CASES = {
     22: (KEYS, P("x"), NamedSharding(mesh(1, 2), P())),
 }
 EXPECTED_MODE = {1: "whole", 2: "pieces", 3: "pieces", 4: "pieces", 5: "whole", 6: "pieces",
-                 7: "pieces", 8: "pieces", 20: "relayout", 21: "relayout", 22: "relayout"}
+                 7: "pieces", 8: "relayout", 20: "relayout", 21: "relayout", 22: "relayout"}
 
 
 def target(stage, ref):

@@ -74,42 +74,48 @@ def test_a_missing_shard_is_named():
     assert pr.offers(plan, x, 0)
 
 
+
 @pytest.mark.parametrize("case", [
-    ((4,), ("x",), P("x"), (4,), ("x",), P(), "gathered"),
-    ((4,), ("x",), P(None, "x"), (2, 2), ("a", "b"), P("a", "b"), "another split"),
-    ((2, 2), ("a", "b"), P("b", "a"), (4,), ("x",), P("x"), "same layout"),
-], ids=lambda c: c[-1] if isinstance(c, tuple) else str(c))
+    ((4,), ("x",), P("x"), (4,), ("x",), P(), "gathered", 4),
+    ((4,), ("x",), P(None, "x"), (2, 2), ("a", "b"), P("a", "b"), "another split", 4),
+    ((2, 2), ("a", "b"), P("b", "a"), (4,), ("x",), P("x"), "same layout", 4),
+    ((2, 2), ("a", "b"), P("a"), (4,), ("x",), P(), "replicated twice", 2),
+    ((4,), ("x",), P(), (2, 2), ("a", "b"), P("b"), "replicated four times", 1),
+], ids=lambda c: c[-2] if isinstance(c, tuple) else str(c))
 def test_equal_meshes_cross_as_the_sources_tiles_and_change_layout_on_arrival(case):
-    """``relayout``: tile k of the source lands on the target's k-th device, one program
-    of the receiving process makes the target layout; exact, and every element sent once."""
-    ss, sn, sp, ds, dn, dp, _ = case
+    """``relayout``: each distinct tile of the source crosses once, onto the target's
+    device of the same index, is copied on to its other holders' indices, and one program
+    of the receiving process makes the target layout; exact."""
+    ss, sn, sp, ds, dn, dp, _, distinct = case
     value = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
     src = NamedSharding(_mesh((0, 1, 2, 3), ss, sn), sp)
     dst = NamedSharding(_mesh((4, 5, 6, 7), ds, dn), dp)
     x = jax.device_put(value, src)
-    mid = pr.relayout(src, dst)
-    assert mid is not None
-    assert [d.id for d in mid.mesh.devices.flat] == [d.id for d in dst.mesh.devices.flat]
-    sent = pr.relayout_offers(x, mid, 0)
-    want = pr.relayout_wanted(src, mid, value.shape, 0)
+    short = pr.relayout(src, dst, value.shape)
+    assert short is not None
+    assert [d.id for d in short.mid.mesh.devices.flat] == \
+        [d.id for d in dst.mesh.devices.flat]
+    sent = pr.relayout_offers(short, x, 0)
+    want = pr.relayout_wanted(short, src, value.shape, 0)
+    assert len(sent[0]) == len(want[0]) == distinct
     assert sum(a.size for a in sent[0]) == value.size          # each element once
     # the pull: each offered tile onto the device the receiver asks for
     pulled = {0: [jax.device_put(a, dev) for a, (tile, dev) in zip(sent[0], want[0])
                   if a.shape == tile]}
-    assert len(pulled[0]) == 4
-    out = pr.relayout_assemble(mid, dst, value.shape, pulled)
+    assert len(pulled[0]) == distinct
+    out = pr.relayout_assemble(short, dst, value.shape, pulled)
     assert out.sharding == dst
     np.testing.assert_array_equal(np.asarray(out), value)
 
 
-def test_relayout_is_not_used_where_it_would_send_more_or_cannot_apply():
-    """Replicated sources (a tile would cross more than once), meshes of other sizes: None
-    (the general plan is used)."""
+def test_relayout_is_not_used_where_the_meshes_differ_in_size():
+    """Meshes of other sizes, or a sharding that is not a NamedSharding: None (the general
+    plan is used)."""
     four = _mesh((0, 1, 2, 3), (4,), ("x",))
     other = _mesh((4, 5, 6, 7), (4,), ("x",))
-    assert pr.relayout(NamedSharding(four, P()), NamedSharding(other, P("x"))) is None
-    assert pr.relayout(NamedSharding(_mesh((0, 1, 2, 3), (2, 2), ("a", "b")), P("a")),
-                       NamedSharding(other, P())) is None
     assert pr.relayout(NamedSharding(four, P("x")),
-                       NamedSharding(_mesh((4, 5), (2,), ("x",)), P())) is None
-    assert pr.relayout(NamedSharding(four, P("x")), NamedSharding(other, P())) is not None
+                       NamedSharding(_mesh((4, 5), (2,), ("x",)), P()), (8, 16)) is None
+    assert pr.relayout(jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+                       NamedSharding(other, P()), (8, 16)) is None
+    assert pr.relayout(NamedSharding(four, P("x")), NamedSharding(other, P()),
+                       (8, 16)) is not None

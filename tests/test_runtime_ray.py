@@ -411,12 +411,16 @@ def test_gpt_between_actors_through_jax_transfers(ray_cluster):
     value between them moves device to device through JAX's transfer servers
     (``runtime.jax_transfer``): 5 GPT steps equal jax.jit, each actor sent and received
     through it, and nothing came through the object store (no ``deliver``) or rhino's
-    sockets (no direct channel)."""
+    sockets (no direct channel). The two stages' meshes are of one size, so every value
+    crossed as the sender's tiles (``whole`` or ``relayout``: built on arrival by one
+    program), none piece by piece."""
     found = _ray_jax_transport_run("gpt", 5)
     assert [d["global_devices"] for d in found] == [8, 8]      # one job of both actors
     for d in found:
         assert d["jax_transfers"]["sent"] > 0 and d["jax_transfers"]["received"] > 0, d
         assert d["delivered"] == 0 and d["sent_directly"] == 0, d
+        assert set(d["jax_transfers"]["modes"]) <= {"whole", "relayout"}, d
+    assert "relayout" in found[1]["jax_transfers"]["modes"], found
 
 
 @pytest.mark.slow
