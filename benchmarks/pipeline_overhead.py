@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     batch = m.make_batch(jax.random.PRNGKey(1))
     if args.executor == "ray":
         from rhino.runtime.ray_executor import init
-        init()
+        # one CPU per simulated host at least (a 4x2 cluster: 4 actors on a 2-core machine)
+        init(num_cpus=max(os.cpu_count() or 1, int(args.cluster.split("x")[0])))
     t0 = time.perf_counter()
     step = rhino.auto_parallel(m.step, cluster=args.cluster, stages=args.stages,
                                num_microbatches=args.microbatches, schedule=args.schedule,

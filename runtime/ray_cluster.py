@@ -19,7 +19,7 @@ import os
 import socket
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from rhino.runtime import threads
 from rhino.runtime.transport import ExecutorError
@@ -256,3 +256,27 @@ def share_cores(found: Sequence[tuple[str, Sequence[int]]], simulated: Sequence[
         for i, n in enumerate(actors):
             out[n] = tuple(cores[i * k:(i + 1) * k])
     return out
+
+
+def check_cpus(hosts: Sequence[int], options: Mapping[str, Any], info: RayInfo,
+               cluster: Any = None) -> None:
+    """On a single-node Ray cluster (hosts simulated by actors), refuse a plan whose actors
+    (``hosts[s]`` per stage, each asking ``options["num_cpus"]``, default 1) ask for more
+    CPUs than the node has: Ray would leave the rest waiting until the executor's timeout.
+
+    >>> check_cpus([2, 2], {}, RayInfo("a", 1, 4.0))
+    >>> check_cpus([2, 2], {"num_cpus": 0.5}, RayInfo("a", 1, 2.0))
+    """
+    if info.nodes != 1:
+        return      # several nodes: placement groups wait for (or scale to) the hosts
+    each = float(options.get("num_cpus", 1) or 0)
+    need = each * sum(hosts)
+    if need > info.cpus + 1e-9:
+        raise ExecutorError(
+            f"the plan{f' (cluster {cluster})' if cluster is not None else ''} runs "
+            f"{sum(hosts)} actors asking {each:g} CPU each ({need:g} CPUs), expected at most "
+            f"the {info.cpus:g} CPUs of this single-node Ray cluster: Ray would leave "
+            f"{sum(hosts) - int(info.cpus // each) if each else 0} of them waiting. Start Ray "
+            f"with more CPUs (rhino.runtime.ray_executor.init(num_cpus={int(-(-need // 1))}) "
+            f"or `ray start --num-cpus {int(-(-need // 1))}`), or pass "
+            f"ray_actor_options={{'num_cpus': {info.cpus / sum(hosts):g}}}")

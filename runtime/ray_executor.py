@@ -83,7 +83,8 @@ from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError, Failure, ro
 from rhino.runtime.channels import PackedKey, pack_key, unpack_key
 from rhino.runtime.ray_actor import StageActor
 from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
-                                       RayInfo, import_ray, init, share_cores, xla_flags)
+                                       RayInfo, check_cpus, import_ray, init, share_cores,
+                                       xla_flags)
 from rhino.runtime.ray_errors import is_dead, stage_error, unlabelled, why_failed
 from rhino.runtime.remote_array import RemoteArray, fetch
 
@@ -231,6 +232,7 @@ class RayExecutor:
         # per actor: the shapes and dtypes of the results it keeps (the same every step)
         self._meta: dict[int, dict[int, tuple]] = {}
         self._check_plan(ray)
+        check_cpus(self.hosts, actor_options or {}, self.info, self.cluster)
         self.specs = _artifacts(self.specs, actor_options or {})   # before any actor
         cls = ray.remote(StageActor)
         self.actors, self.groups, self.owners = [], [], []

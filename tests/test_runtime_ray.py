@@ -25,7 +25,7 @@ import rhino  # noqa: E402
 from rhino.models import get_model  # noqa: E402
 from rhino.runtime.executor import ExecutorError  # noqa: E402
 from rhino.runtime.ray_actor import Mailbox  # noqa: E402
-from rhino.runtime.ray_cluster import share_cores  # noqa: E402
+from rhino.runtime.ray_cluster import check_cpus, share_cores  # noqa: E402
 from rhino.runtime.ray_executor import (RayExecutor, RayInfo, init,  # noqa: E402
                                         xla_flags)
 
@@ -56,6 +56,22 @@ def test_doctests():
     import rhino.runtime.ray_executor as mod
 
     assert doctest.testmod(mod).failed == 0
+
+
+
+def test_more_actors_than_the_single_nodes_cpus_is_refused_at_once():
+    """A 4x2 cluster's 4 actors on a 2-CPU local Ray: refused before any actor is made,
+    naming the counts and two ways out (Ray would leave two actors waiting until the
+    executor's timeout). Fractional CPUs, enough CPUs, or several nodes pass."""
+    with pytest.raises(ExecutorError, match=r"the plan \(cluster 4x2\) runs 4 actors asking 1 "
+                       r"CPU each \(4 CPUs\), expected at most the 2 CPUs of this single-node "
+                       r"Ray cluster: Ray would leave 2 of them waiting\. Start Ray with more "
+                       r"CPUs \(rhino\.runtime\.ray_executor\.init\(num_cpus=4\).*"
+                       r"ray_actor_options=\{'num_cpus': 0\.5\}"):
+        check_cpus([2, 2], {}, RayInfo("127.0.0.1:1", 1, 2.0), "4x2")
+    check_cpus([2, 2], {"num_cpus": 0.5}, RayInfo("127.0.0.1:1", 1, 2.0), "4x2")
+    check_cpus([2, 2], {}, RayInfo("127.0.0.1:1", 1, 4.0), "4x2")
+    check_cpus([2, 2], {}, RayInfo("127.0.0.1:1", 4, 2.0), "4x2")
 
 
 def test_xla_flags_replace_the_device_count():
