@@ -2,6 +2,7 @@
 ``jax.distributed`` job, moved by JAX's transfer server. Each test runs a small job of two
 local processes (``tests/jax_transfer_worker.py``) and checks what the receiver printed."""
 
+import json
 import os
 import pathlib
 import socket
@@ -21,10 +22,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(scenario: str, timeout: float = 120.0) -> list[str]:
+def run_job(scenario: str, timeout: float = 120.0, **extra_env: str) -> list[str]:
     """Run the 2-process job; the lines both processes printed (fails on a hang)."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | extra_env
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), scenario],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env)
@@ -55,17 +56,25 @@ def test_uuid_names_the_pair_and_key():
                 transfer_uuid(0, 1, (4, 12, 0))}) == 4
 
 
-def test_values_layouts_order_timeout_and_abort_between_two_processes():
-    """Same layout (whole array), other mesh sizes and specs (pieces), replicated sources,
-    PRNG keys, bfloat16; 1F1B order (process 0: send a, send b on a thread, recv c; process
-    1: recv a, send c, recv b); a timeout naming the key; an abort waking a waiter, made
-    in the same process and in the other one; a value whose program failed on the sender
-    blames the sender."""
-    ok = run_job("basics")
+def test_values_layouts_order_timeout_and_abort_between_two_processes(tmp_path):
+    """Same layout (whole array), other mesh sizes and specs (pieces), meshes of one size
+    (relayout), replicated sources, PRNG keys, bfloat16; 1F1B order (process 0: send a,
+    send b on a thread, recv c; process 1: recv a, send c, recv b); a timeout naming the
+    key; an abort waking a waiter, made in the same process and in the other one; a value
+    whose program failed on the sender blames the sender. With ``RHINO_XFER_TRACE`` each
+    process writes a line per transfer, with its times and how it was built."""
+    ok = run_job("basics", RHINO_XFER_TRACE=str(tmp_path))
     want = {f"OK case{r}" for r in [*range(1, 9), 20, 21, 22]} | {
         "OK 1f1b-c", "OK 1f1b-ab", "OK timeout", "OK abort", "OK remote-abort",
         "OK failed-sender"}
     assert want <= set(ok), sorted(want - set(ok))
+    traced = {p: [json.loads(ln) for ln in (tmp_path / f"xfer-{p}.jsonl").read_text()
+                  .splitlines()] for p in (0, 1)}
+    got = {(t["key"], t["mode"]) for t in traced[1] if t["what"] == "recv"}
+    assert {("(0, 20, 0)", "relayout"), ("(0, 1, 0)", "whole"), ("(0, 2, 0)", "pieces")} <= got
+    assert all(t["start"] <= t["arrived"] <= t["assembled"] <= t["done"]
+               for t in traced[1] if t["what"] == "recv")
+    assert any(t["what"] == "send" and t["key"] == "(0, 20, 0)" for t in traced[0])
 
 
 @pytest.mark.slow
