@@ -58,7 +58,8 @@ def main(argv=None) -> int:
     job = rhino.distributed_init(cross_process_collectives=not a.no_cross_process_collectives)
     me = job.process_id
     print(f"process {me} of {job.num_processes} ({job.how}): {jax.local_device_count()} "
-          f"local devices, {jax.device_count()} in the job", flush=True)
+          f"local devices, {jax.device_count()} in the job, CPU collectives "
+          f"{jax.config.jax_cpu_collectives_implementation}", flush=True)
 
     model = get_model("gpt", layers=a.layers, hidden=a.hidden, heads=4, seq=32, vocab=256,
                       batch=8)

@@ -47,8 +47,8 @@ def test_the_example_matches_jax_jit_on_two_processes():
     out = _launch("--hosts", "2", "--devices-per-host", "4", str(EXAMPLE))
     assert out.returncode == 0, _show(out)
     for p in (0, 1):
-        assert f"[p{p}] process {p} of 2 (rhino.launch): 4 local devices, 8 in the job" \
-            in out.stdout, _show(out)
+        assert f"[p{p}] process {p} of 2 (rhino.launch): 4 local devices, 8 in the job, " \
+               f"CPU collectives gloo" in out.stdout, _show(out)
         assert re.search(rf"^\[p{p}\] process {p}: OK: 3 steps match jax.jit", out.stdout,
                          re.M), _show(out)
         assert f"[p{p}] process {p}: plan spmd on mesh (8,)" in out.stdout
@@ -121,6 +121,8 @@ def test_a_pipeline_runs_one_stage_per_process():
                   "--no-cross-process-collectives")
     assert out.returncode == 0, _show(out)
     for p in (0, 1):
+        assert f"[p{p}] process {p} of 2 (rhino.launch): 4 local devices, 8 in the job, " \
+               f"CPU collectives None" in out.stdout, _show(out)
         assert f"[p{p}] process {p}: plan hybrid on 2 stages on meshes [(4,), (4,)]" \
             in out.stdout, _show(out)
         assert f"[p{p}] process {p}: OK: 3 steps match jax.jit" in out.stdout, _show(out)
