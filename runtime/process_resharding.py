@@ -155,7 +155,6 @@ def assemble(plan: ReshardingPlan, dst: Any, received: Mapping[int, Sequence[Any
     return jax.make_array_from_single_device_arrays(plan.shape, dst, list(pieces.values()))
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Relayout:
     """How a value crosses under the shortcut of the module docstring.

@@ -15,6 +15,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import socket
 import time
@@ -258,6 +259,26 @@ def share_cores(found: Sequence[tuple[str, Sequence[int]]], simulated: Sequence[
     return out
 
 
+
+def check_plan(sizes: Sequence[int], hosts: Sequence[int],
+               host_ids: Sequence[Sequence[int]], info: RayInfo,
+               options: Mapping[str, Any], cluster: Any = None) -> None:
+    """Whether a plan fits the Ray cluster, before any actor is made: per stage, its hosts
+    (``hosts[s]``) divide its devices (``sizes[s]``); a multi-node cluster has a node per
+    plan host (``host_ids``: per stage, its hosts); a single node has the CPUs its actors
+    ask for (``check_cpus``)."""
+    for s, (n, h) in enumerate(zip(sizes, hosts)):
+        if h < 1 or n % h:
+            raise ExecutorError(f"stage {s}: expected a number of hosts dividing its "
+                                f"{n} devices, found {h}", stage=s)
+    need = len({h for ids in host_ids for h in ids})
+    if 1 < info.nodes < need:
+        raise ExecutorError(f"the plan (cluster {cluster}) runs on {need} hosts, the Ray "
+                            f"cluster has {info.nodes} alive nodes; expected one node per "
+                            f"host (or a single node, where hosts are simulated by actors)")
+    check_cpus(hosts, options, info, cluster)
+
+
 def check_cpus(hosts: Sequence[int], options: Mapping[str, Any], info: RayInfo,
                cluster: Any = None) -> None:
     """On a single-node Ray cluster (hosts simulated by actors), refuse a plan whose actors
@@ -270,13 +291,15 @@ def check_cpus(hosts: Sequence[int], options: Mapping[str, Any], info: RayInfo,
     if info.nodes != 1:
         return      # several nodes: placement groups wait for (or scale to) the hosts
     each = float(options.get("num_cpus", 1) or 0)
-    need = each * sum(hosts)
+    actors = sum(hosts)
+    need = each * actors
     if need > info.cpus + 1e-9:
+        waiting = actors - int(info.cpus // each)
         raise ExecutorError(
             f"the plan{f' (cluster {cluster})' if cluster is not None else ''} runs "
-            f"{sum(hosts)} actors asking {each:g} CPU each ({need:g} CPUs), expected at most "
+            f"{actors} actors asking {each:g} CPU each ({need:g} CPUs), expected at most "
             f"the {info.cpus:g} CPUs of this single-node Ray cluster: Ray would leave "
-            f"{sum(hosts) - int(info.cpus // each) if each else 0} of them waiting. Start Ray "
-            f"with more CPUs (rhino.runtime.ray_executor.init(num_cpus={int(-(-need // 1))}) "
-            f"or `ray start --num-cpus {int(-(-need // 1))}`), or pass "
-            f"ray_actor_options={{'num_cpus': {info.cpus / sum(hosts):g}}}")
+            f"{waiting} of them waiting. Start Ray with more CPUs "
+            f"(rhino.runtime.ray_executor.init(num_cpus={math.ceil(need)}) or `ray start "
+            f"--num-cpus {math.ceil(need)}`), or pass "
+            f"ray_actor_options={{'num_cpus': {info.cpus / actors:g}}}")

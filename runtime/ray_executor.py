@@ -83,7 +83,7 @@ from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError, Failure, ro
 from rhino.runtime.channels import PackedKey, pack_key, unpack_key
 from rhino.runtime.ray_actor import StageActor
 from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
-                                       RayInfo, check_cpus, import_ray, init, share_cores,
+                                       RayInfo, check_plan, import_ray, init, share_cores,
                                        xla_flags)
 from rhino.runtime.ray_errors import is_dead, stage_error, unlabelled, why_failed
 from rhino.runtime.remote_array import RemoteArray, fetch
@@ -231,8 +231,8 @@ class RayExecutor:
         self._failed_steps: list[int] = []               # their results are dropped too
         # per actor: the shapes and dtypes of the results it keeps (the same every step)
         self._meta: dict[int, dict[int, tuple]] = {}
-        self._check_plan(ray)
-        check_cpus(self.hosts, actor_options or {}, self.info, self.cluster)
+        check_plan([int(np.prod(sp.mesh_shape)) for sp in self.specs], self.hosts,
+                   self.host_ids, self.info, actor_options or {}, self.cluster)
         self.specs = _artifacts(self.specs, actor_options or {})   # before any actor
         cls = ray.remote(StageActor)
         self.actors, self.groups, self.owners = [], [], []
@@ -316,20 +316,6 @@ class RayExecutor:
                    for a in self.specs]
         return [(coord, len(self.actors), i, stage_process, layouts)
                 for i in range(len(self.actors))]
-
-    def _check_plan(self, ray) -> None:
-        """Hosts per stage divide its mesh; a multi-node cluster has the plan's hosts."""
-        for s, (spec, h) in enumerate(zip(self.specs, self.hosts)):
-            n = int(np.prod(spec.mesh_shape))
-            if h < 1 or n % h:
-                raise ExecutorError(f"stage {s}: expected a number of hosts dividing its "
-                                    f"{n} devices, found {h}", stage=s)
-        nodes = self.info.nodes
-        need = len({h for ids in self.host_ids for h in ids})
-        if nodes > 1 and nodes < need:
-            raise ExecutorError(f"the plan (cluster {self.cluster}) runs on {need} hosts, the "
-                                f"Ray cluster has {nodes} alive nodes; expected one node per "
-                                f"host (or a single node, where hosts are simulated by actors)")
 
     def _share_cpus(self, pin: bool | None, simulated: Sequence[bool],
                     timeout: float) -> list[tuple[int, ...] | None]:
