@@ -53,7 +53,7 @@ from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_a
                                              is_apply, prologue_function, split_step,
                                              task_function)
 from rhino.runtime import threads
-from rhino.runtime.instructions import Instr, instructions
+from rhino.runtime.instructions import Instr, acknowledged_recvs, held_sends, instructions
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
                                      Transport, root_cause)
 from rhino.runtime.timeline import TaskRecord
@@ -195,6 +195,12 @@ class StageWorker:
         self._whole = split.whole_batch_args(stage)
         self._prologue = split.prologues[stage]
         self._last_send = {ins.key: n for n, ins in enumerate(self.instrs) if ins.op == "send"}
+        # Values the stage waits to see taken before its apply, and those it says it has
+        # (where the transport can: see ``instructions.held_sends``).
+        self._held = [(ins.peer, ins.key) for ins in held_sends(split, schedule, stage)]
+        self._acked = acknowledged_recvs(split, schedule, stage)
+        self._first_apply = next((n for n, ins in enumerate(self.instrs)
+                                  if ins.op == "run" and is_apply(ins.kind)), None)
         self._results = frozenset(o.ref for o in split.outputs if o.source == "task")
         # A daemon thread: one stuck program never holds up the interpreter's exit.
         self._watch = threads.SerialWorker(f"rhino-stage{stage}-timer")
@@ -294,11 +300,10 @@ class StageWorker:
         return out
 
     # ------------------------------------------------------------------ one step
-    def _place_args(self, args: Mapping[int, Any]) -> tuple[dict, dict, dict]:
-        """State on this mesh (kept across steps when the same array comes back), the batch
-        cut into microbatches on this mesh, and the batch arguments read whole."""
+    def _place_args(self, args: Mapping[int, Any]) -> tuple[dict, dict]:
+        """State on this mesh (kept across steps when the same array comes back) and the
+        batch arguments read whole (the microbatches: ``_place_batch``)."""
         m = self.split.num_microbatches
-        keys, slices, targets = [], [], []
         whole: dict[int, Any] = {}
         for r, x in args.items():
             if r in self.split.batch_refs:
@@ -308,23 +313,31 @@ class StageWorker:
                                         f"divisible by {m} microbatches, found {n}")
                 if r in self._whole:
                     whole[r] = place(x, self.sharding(r))
-                if r not in self._sliced:
-                    continue
-                host = np.asarray(x)
-                size = n // m
-                for k in range(m):
-                    keys.append((r, k))
-                    slices.append(host[k * size:(k + 1) * size])
-                    targets.append(self.sharding(r))
             elif self._state_src.get(r) is not x:  # the object itself is kept: no id reuse
                 self._state[r] = place(x, self.sharding(r))
                 self._state_src[r] = x
-        # One call places every microbatch slice (fewer dispatches than one per slice).
-        if keys and not self._replicated.is_fully_addressable:   # a multi-process mesh
-            batch = {k: place(x, t) for k, x, t in zip(keys, slices, targets)}
-        else:
-            batch = dict(zip(keys, jax.device_put(slices, targets))) if keys else {}
-        return self._state, batch, whole
+        return self._state, whole
+
+    def _place_batch(self, args: Mapping[int, Any], microbatches: Sequence[int]) -> dict:
+        """``(ref, microbatch) ->`` that microbatch's slice of each batch argument, on
+        this mesh, for ``microbatches``."""
+        m = self.split.num_microbatches
+        keys, slices, targets = [], [], []
+        for r, x in args.items():
+            if r not in self.split.batch_refs or r not in self._sliced:
+                continue
+            host = np.asarray(x)
+            size = np.shape(x)[0] // m
+            for k in microbatches:
+                keys.append((r, k))
+                slices.append(host[k * size:(k + 1) * size])
+                targets.append(self.sharding(r))
+        if not keys:
+            return {}
+        if not self._replicated.is_fully_addressable:   # a multi-process mesh
+            return {k: place(x, t) for k, x, t in zip(keys, slices, targets)}
+        # One call places every slice (fewer dispatches than one per slice).
+        return dict(zip(keys, jax.device_put(slices, targets)))
 
     def _run_prologue(self, state: Mapping[int, Any], whole: dict[int, Any]
                       ) -> TaskRecord | None:
@@ -357,14 +370,20 @@ class StageWorker:
             ExecutorError: naming this stage and the instruction that failed or timed out.
         """
         # A transport that can ask for values before they are sent (JAX's transfer
-        # server serves a request waiting for its value at once, a late one tens of
-        # milliseconds later) is told every value this step will receive.
+        # server: the pull then waits at the sender) is told every value this step will
+        # receive: those of the first task now, the others once that task is on its way.
+        # Likewise the first microbatch is placed before the first task, the others after.
         expect = getattr(transport, "expect", None)
+        first = next((n for n, ins in enumerate(self.instrs) if ins.op == "run"),
+                     len(self.instrs))
+        later = [ins for ins in self.instrs[first:] if ins.op == "recv"]
         if expect is not None:
-            for ins in self.instrs:
+            for ins in self.instrs[:first]:
                 if ins.op == "recv":
                     expect(self.stage, ins.peer, ins.key)
-        state, batch, whole = self._place_args(args)
+        state, whole = self._place_args(args)
+        m0 = self.instrs[first].microbatch or 0 if first < len(self.instrs) else 0
+        batch = self._place_batch(args, [m0])
         values: dict[tuple[int, Any], Any] = {}
         left: dict[tuple[int, Any], int] = {}
         accs: dict[int, Any] = {}
@@ -379,6 +398,9 @@ class StageWorker:
         # A transport whose send waits for the value (to copy it to the host) sends on a
         # thread of its own, in order, so this thread dispatches the next task meanwhile.
         background = getattr(transport, "send_in_background", False)
+        acknowledge = getattr(transport, "acknowledge", None)
+        wait_taken = getattr(transport, "wait_taken", None)
+        taken: list[tuple[int, tuple]] = []
         if background and self._sender is None:
             self._sender = threads.SerialWorker(f"rhino-stage{self.stage}-sender")
         for n, ins in enumerate(self.instrs):
@@ -386,6 +408,8 @@ class StageWorker:
                 if ins.op == "recv":
                     t0 = time.perf_counter()
                     x = transport.recv(self.stage, ins.peer, ins.key, timeout)
+                    if (ins.peer, ins.key) in self._acked and acknowledge is not None:
+                        taken.append((ins.peer, ins.key))   # said after the next dispatch
                     x = self._place_received(ins, x)
                     if ins.acc:
                         accs[ins.ref] = x
@@ -412,8 +436,19 @@ class StageWorker:
                             self._last_send[ins.key] == n:
                         values.pop(k, None)
                 else:
+                    if n == self._first_apply and self._held and wait_taken is not None:
+                        wait_taken(self.stage, self._held, timeout)
                     records.append(self._run(ins, state, batch, whole, values, left, accs,
                                              timeout))
+                    if n == first:
+                        if expect is not None:
+                            for r in later:
+                                expect(self.stage, r.peer, r.key)
+                        batch.update(self._place_batch(args, [
+                            k for k in range(self.split.num_microbatches) if k != m0]))
+                    for peer, key in taken:
+                        acknowledge(self.stage, peer, key)
+                    taken.clear()
             except Exception as e:
                 failed = self._failed_send(records)   # the root cause, if there is one
                 named = failed if failed is not None else self._name_error(ins, e)

@@ -90,3 +90,44 @@ def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr
                                    and s != stage})
                     out.extend(Instr("send", ref=r, peer=d, acc=True) for d in dsts)
     return out
+
+
+def held_sends(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr]:
+    """The sends ``stage`` makes between its last forward/backward task and its first apply
+    phase that the receiver reads in a forward or backward task: values another stage
+    computes with next, while this stage has only its update left. A transport whose
+    transfers share the sending host's cores with its programs holds the apply until these
+    are taken (``JaxTransferTransport.wait_taken``). Values read in the receiver's apply
+    phases are left out: the receiver may take them long after, and the sender's update
+    would wait for that. No stage waits for one that waits for it: forward and backward
+    tasks read nothing an apply phase computes.
+
+    Example (two stages, 1F1B: stage 1 sends its last backward's gradient to stage 0 and
+    then updates its weights)::
+
+        held_sends(split, schedule, 1) == [Instr("send", ref=g, microbatch=3, peer=0)]
+    """
+    mine = instructions(split, schedule, stage)
+    end = next((n for n, i in enumerate(mine) if i.op == "run" and is_apply(i.kind)),
+               len(mine))
+    start = max((n for n, i in enumerate(mine[:end]) if i.op == "run"), default=-1) + 1
+    sends = [i for i in mine[start:end] if i.op == "send"]
+    out = []
+    for peer in sorted({i.peer for i in sends}):
+        wanted, pending = set(), []
+        for i in instructions(split, schedule, peer):   # recvs feed the next task
+            if i.op == "recv" and i.peer == stage:
+                pending.append(i.key)
+            elif i.op == "run":
+                if not is_apply(i.kind):
+                    wanted.update(pending)
+                pending = []
+        out += [i for i in sends if i.peer == peer and i.key in wanted]
+    return out
+
+
+def acknowledged_recvs(split: StepSplit, schedule: Schedule, stage: int) -> set[tuple]:
+    """``(peer, key)`` of the values ``stage`` receives that their sender holds its apply
+    for (``held_sends`` of the other stages): the receiver says when it has each."""
+    return {(peer, i.key) for peer in range(split.num_stages) if peer != stage
+            for i in held_sends(split, schedule, peer) if i.peer == stage}

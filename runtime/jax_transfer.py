@@ -66,6 +66,7 @@ from rhino.jaxpr.private import distributed_kv_client
 from rhino.runtime.process_resharding import (Relayout, assemble, offers, process_plan,
                                               relayout, relayout_assemble, relayout_offers,
                                               relayout_wanted, wanted)
+from rhino.runtime import threads
 from rhino.runtime.transport import ExecutorError, Failure
 
 _PREFIX = "rhino/xfer"
@@ -155,8 +156,16 @@ class JaxTransferTransport:
         self._sent_layout: dict[str, Any] = {}   # layout key -> the sharding values go in
         self._layouts: dict[str, dict] = {}      # layout key -> what its sender announced
         self._expected: dict[tuple, tuple] = {}  # (src, dst, key) -> a pull made early
+        # For ``wait_taken`` / ``acknowledge``: the receiving processes of each value sent,
+        # the sending processes of each value received (both of the current steps only).
+        self._sent_to: dict[tuple, tuple[int, ...]] = {}
+        self._got_from: dict[tuple, tuple[int, ...]] = {}
+        self._notes = threads.SerialWorker(f"rhino-xfer-taken-{self.process}")
         # Seconds receivers spent waiting for announcements / for pulled arrays, and sends.
-        self.waited = {"announce": 0.0, "arrive": 0.0, "send": 0.0}
+        self.waited = {"announce": 0.0, "arrive": 0.0, "send": 0.0, "taken": 0.0}
+        # Values whose taking this process waited for (``wait_taken``) and said
+        # (``acknowledge``).
+        self.held = self.acknowledged = 0
 
     # ------------------------------------------------------------------ steps and aborts
 
@@ -212,6 +221,9 @@ class JaxTransferTransport:
                 del self._local[k]
             for k in [k for k in self._expected if k[2][0] < step]:
                 del self._expected[k]
+            for d in (self._sent_to, self._got_from):
+                for k in [k for k in d if k[2][0] < step]:
+                    del d[k]
             old = [s for s in self._published if s < step]
             self._published.difference_update(old)
         for s in old:
@@ -224,6 +236,8 @@ class JaxTransferTransport:
             self._offered.clear()
             self._local.clear()
             self._expected.clear()
+            self._sent_to.clear()
+            self._got_from.clear()
             old, self._published = self._published, set()
         for s in old:
             self._kv.key_value_delete(f"{_PREFIX}/abort/{s}")
@@ -292,6 +306,7 @@ class JaxTransferTransport:
             if self._step(key[0]).aborted is not None:
                 return   # nobody will take it
             self._offered.setdefault(key[0], []).extend(a for v in parts.values() for a in v)
+            self._sent_to[(src, dst, key)] = tuple(parts)
         for q, arrays in parts.items():
             self.server.await_pull(transfer_uuid(src, dst, key, self.process, q), arrays)
         self.waited["send"] += time.monotonic() - t0
@@ -351,14 +366,17 @@ class JaxTransferTransport:
                 raise self._timeout(dst, src, key, timeout, "announced but not arrived")
             time.sleep(_POLL_S)
         w_arrived = time.time()
+        with self._lock:
+            self._got_from[(src, dst, key)] = tuple(pulled)
         try:
             jax.block_until_ready(arrays)  # ready: at once; raises if the sender's failed
             if isinstance(plan, Relayout):
                 out = relayout_assemble(plan, tgt, meta["shape"], pulled)
             else:
                 out = assemble(plan, tgt, pulled, self.process, dtype)
+            # Not waited for: the task reading it is dispatched now and runs once the
+            # layout program (relayout) has run, without this thread waking in between.
             w_assembled = time.time()
-            out.block_until_ready()
         except ExecutorError:
             raise
         except Exception as e:
@@ -375,6 +393,72 @@ class JaxTransferTransport:
         if meta["impl"] is not None:
             out = jax.random.wrap_key_data(out, impl=meta["impl"])
         return out
+
+    def acknowledge(self, dst: int, src: int, key: tuple) -> None:
+        """Tell the sender of a value received here that this process has it (its
+        ``wait_taken`` returns). Written to the job's key-value store from a thread of its
+        own: the stage goes on at once."""
+        key = tuple(key)
+        if self._same_process(src, dst):
+            return
+        with self._lock:
+            senders = self._got_from.pop((src, dst, key), ())
+        for p in senders:
+            self._notes.submit(self._kv.key_value_set,
+                               self._taken_key(src, dst, key, p, self.process), "1")
+            self.acknowledged += 1
+
+    def wait_taken(self, src: int, items: Sequence[tuple[int, tuple]],
+                   timeout: float) -> None:
+        """Wait until every receiving process has taken the values ``items`` (``(dst,
+        key)``, sent by stage ``src`` from this process) and said so (``acknowledge``).
+
+        Why: a stage that starts its next program at once shares its host's cores with the
+        transfer server that still has to send the values; on CPU hosts that delayed a value
+        by the length of that program (the apply after the last backward: 9-11 ms of a
+        500 ms step). Values of the same process are taken at once.
+
+        Raises:
+            ExecutorError: the step was aborted (``ABORTED``), or a value was not taken
+                within ``timeout`` seconds (``TIMEOUT``).
+        """
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        for dst, key in items:
+            key = tuple(key)
+            with self._lock:
+                receivers = self._sent_to.pop((src, dst, key), ())
+            for q in receivers:
+                name = self._taken_key(src, dst, key, self.process, q)
+                if self._kv_wait(name, src, dst, key, deadline) is None:
+                    raise ExecutorError(f"stage {src}: the value {_label(src, dst, key)} was "
+                                        f"not taken by process {q} within {timeout:g} s",
+                                        stage=src, failure=Failure.TIMEOUT)
+                self._notes.submit(self._kv.key_value_delete, name)
+                self.held += 1
+        self.waited["taken"] += time.monotonic() - t0
+
+    @staticmethod
+    def _taken_key(src: int, dst: int, key: tuple, sender: int, receiver: int) -> str:
+        return f"{_PREFIX}/taken/{transfer_uuid(src, dst, key, sender, receiver)}"
+
+    def _kv_wait(self, name: str, src: int, dst: int, key: tuple,
+                 deadline: float) -> str | None:
+        """The value of ``name`` in the job's key-value store, waited for in slices (an
+        abort of the key's step raises between them); None once ``deadline`` passed."""
+        while True:
+            self._remote_abort(key[0])
+            with self._lock:
+                self._check(dst, src, key)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                return self._kv.blocking_key_value_get(
+                    name, max(1, int(min(left * 1000, _SLICE_MS))))
+            except Exception as e:  # the KV store's timeout is a generic error
+                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+                    raise
 
     def expect(self, dst: int, src: int, key: tuple) -> None:
         """Ask now for a value ``recv`` will take (where its layout is known, i.e. after
@@ -425,20 +509,9 @@ class JaxTransferTransport:
             meta = self._layouts.get(name)
         if meta is not None:
             return meta
-        while True:
-            self._remote_abort(key[0])
-            with self._lock:
-                self._check(dst, src, key)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise self._timeout(dst, src, key, timeout, "not announced")
-            try:
-                text = self._kv.blocking_key_value_get(
-                    name, max(1, int(min(left * 1000, _SLICE_MS))))
-                break
-            except Exception as e:  # the KV store's timeout is a generic error
-                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
-                    raise
+        text = self._kv_wait(name, src, dst, key, deadline)
+        if text is None:
+            raise self._timeout(dst, src, key, timeout, "not announced")
         meta = json.loads(text)
         by_id = {int(d.id): d for d in jax.devices()}
         mesh = Mesh(np.array([by_id[i] for i in meta["devices"]]).reshape(meta["mesh"]),

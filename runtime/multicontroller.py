@@ -102,8 +102,7 @@ class ProcessStages:
 
     def _expect(self, step: int, args: Mapping[int, Any]) -> None:
         """Ask the transport now for the arguments and 0-d results this process will
-        receive this step (the transfer server serves a request made before the value is
-        offered at once, a late one tens of milliseconds later)."""
+        receive this step (the pull then waits at the sender for the value)."""
         for s, r, owner in self._foreign_args(args):
             if self.stage_process[s] == self.process:
                 self.transport.expect(s, self._first[owner], (step, "arg", 0, r))
@@ -134,12 +133,15 @@ class ProcessStages:
         result of that process kept as state, e.g. a tied weight): received from it; and
         ours that another process's stage reads: sent to it."""
         got: dict[int, Any] = {}
-        for s, r, owner in self._foreign_args(args):
-            key = (step, "arg", 0, r)
+        foreign = self._foreign_args(args)
+        for s, r, owner in foreign:      # every send first: a peer may wait on one
             if owner == self.process:
-                self.transport.send(self._first[owner], s, key, args[r])
-            elif self.stage_process[s] == self.process and r not in got:
-                got[r] = self.transport.recv(s, self._first[owner], key, self.timeout)
+                self.transport.send(self._first[owner], s, (step, "arg", 0, r), args[r])
+        for s, r, owner in foreign:
+            if owner != self.process and self.stage_process[s] == self.process and \
+                    r not in got:
+                got[r] = self.transport.recv(s, self._first[owner], (step, "arg", 0, r),
+                                             self.timeout)
         return got
 
     def _exchange_results(self, step: int, outs: Mapping[int, Any]) -> dict[int, Any]:
@@ -147,20 +149,20 @@ class ProcessStages:
         sends its 0-d results to every other), arrays as global arrays with no shards here."""
         got: dict[int, Any] = {}
         avals = self.split.flat.avals
-        for o in self.split.outputs:
-            if o.source not in ("task", "acc") or o.producer is None:
-                continue
+        made = [o for o in self.split.outputs
+                if o.source in ("task", "acc") and o.producer is not None]
+        for o in made:   # every send first: otherwise a process receiving a peer's result
+            src = o.producer[1]  # before sending its own holds that peer up until its end
+            if self.stage_process[src] == self.process and not tuple(avals[o.ref].shape):
+                for p, first in self._first.items():
+                    if p != self.process:
+                        self.transport.send(src, first, (step, "out", 0, o.ref),
+                                            outs[o.ref])
+        for o in made:
             src = o.producer[1]
-            owner = self.stage_process[src]
             scalar = not tuple(avals[o.ref].shape)
             key = (step, "out", 0, o.ref)
-            if owner == self.process:
-                if scalar:
-                    for p, first in self._first.items():
-                        if p != self.process:
-                            self.transport.send(src, first, key, outs[o.ref])
-                continue
-            if o.ref in got:
+            if self.stage_process[src] == self.process or o.ref in got:
                 continue
             if scalar:
                 got[o.ref] = self.transport.recv(self._first[self.process], src, key,

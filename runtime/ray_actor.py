@@ -213,6 +213,12 @@ class CountedTransport:
     def expect(self, dst: int, src: int, key: tuple) -> None:
         self.inner.expect(dst, src, key)
 
+    def acknowledge(self, dst: int, src: int, key: tuple) -> None:
+        self.inner.acknowledge(dst, src, key)
+
+    def wait_taken(self, src: int, items: Any, timeout: float) -> None:
+        self.inner.wait_taken(src, items, timeout)
+
     def abort(self, step: int, why: str) -> None:
         self.inner.abort(step, why)
 
@@ -398,7 +404,9 @@ class StageActor:
                 "rows": getattr(self, "rows", {}), "cpus": _cores(),
                 "sent_directly": self.channels.sent_bytes if self.channels else 0,
                 "jax_transfers": dict(self.jt.counts, **self.jt.inner.waited,
-                                      modes=sorted(set(self.jt.inner.modes.values())))
+                                      modes=sorted(set(self.jt.inner.modes.values())),
+                                      held=self.jt.inner.held,
+                                      acknowledged=self.jt.inner.acknowledged)
                 if self.jt is not None else {},
                 "delivered": self.delivered}
 

@@ -165,6 +165,21 @@ class StepTransport:
         if expect is not None:
             expect(dst, src, (self.step, *key))
 
+    def acknowledge(self, dst: int, src: int, key: tuple) -> None:
+        """Tell the sender this stage has the value (where the transport has
+        ``acknowledge``; see ``instructions.held_sends``)."""
+        ack = getattr(self.transport, "acknowledge", None)
+        if ack is not None:
+            ack(dst, src, (self.step, *key))
+
+    def wait_taken(self, src: int, items: Sequence[tuple[int, tuple]],
+                   timeout: float) -> None:
+        """Wait until the receivers have the values ``items`` (``(dst, key)``) sent by
+        ``src``, where the transport has ``wait_taken``; at once otherwise."""
+        wait = getattr(self.transport, "wait_taken", None)
+        if wait is not None:
+            wait(src, [(d, (self.step, *k)) for d, k in items], timeout)
+
     @property
     def send_in_background(self) -> bool:
         """Whether the stage should send on a thread of its own (the transport says)."""

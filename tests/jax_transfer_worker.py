@@ -79,7 +79,40 @@ def host(x):
     return np.asarray(jax.device_get(x))
 
 
+def taken(t):
+    """``wait_taken``: stage 1 (process 1) waits until stage 0 says it has a value; a value
+    nobody takes times out naming it; an abort by the receiver ends the wait."""
+    if PID == 0:
+        time.sleep(0.4)
+        t.recv(0, 1, (5, 30, 0), timeout=30)
+        t.acknowledge(0, 1, (5, 30, 0))
+        t.abort(6, "receiver failed")
+        return
+    v = jax.device_put(np.ones(4, np.float32), NamedSharding(mesh(1, 2), P()))
+    t.send(1, 0, (5, 30, 0), v)
+    t0 = time.monotonic()
+    t.wait_taken(1, [(0, (5, 30, 0))], timeout=20)
+    dt = time.monotonic() - t0
+    report("taken-waits", 0.25 < dt < 10 and t.held == 1, f"{dt} {t.held}")
+    t.send(1, 0, (5, 31, 0), v)
+    t0 = time.monotonic()
+    try:
+        t.wait_taken(1, [(0, (5, 31, 0))], timeout=0.5)
+        report("taken-timeout", False, "no error")
+    except ExecutorError as e:
+        report("taken-timeout", e.failure == Failure.TIMEOUT and "v31@0" in str(e)
+               and "stage 1" in str(e) and time.monotonic() - t0 < 5, str(e))
+    t.send(1, 0, (6, 32, 0), v)
+    try:
+        t.wait_taken(1, [(0, (6, 32, 0))], timeout=20)
+        report("taken-abort", False, "no error")
+    except ExecutorError as e:
+        report("taken-abort", e.failure == Failure.ABORTED and "receiver failed" in str(e),
+               str(e))
+
+
 def basics(t):
+    taken(t)
     if PID == 0:
         for ref, (value, spec, _) in CASES.items():
             t.send(0, 1, (0, ref, 0), jax.device_put(value, NamedSharding(SRC, spec)))

@@ -62,11 +62,13 @@ def test_values_layouts_order_timeout_and_abort_between_two_processes(tmp_path):
     send b on a thread, recv c; process 1: recv a, send c, recv b); a timeout naming the
     key; an abort waking a waiter, made in the same process and in the other one; a value
     whose program failed on the sender blames the sender. With ``RHINO_XFER_TRACE`` each
-    process writes a line per transfer, with its times and how it was built."""
+    process writes a line per transfer, with its times and how it was built. ``wait_taken``
+    returns once the receiver acknowledged the value, and ends with a timeout naming the
+    value or with the receiver's abort."""
     ok = run_job("basics", RHINO_XFER_TRACE=str(tmp_path))
     want = {f"OK case{r}" for r in [*range(1, 9), 20, 21, 22]} | {
         "OK 1f1b-c", "OK 1f1b-ab", "OK timeout", "OK abort", "OK remote-abort",
-        "OK failed-sender"}
+        "OK failed-sender", "OK taken-waits", "OK taken-timeout", "OK taken-abort"}
     assert want <= set(ok), sorted(want - set(ok))
     traced = {p: [json.loads(ln) for ln in (tmp_path / f"xfer-{p}.jsonl").read_text()
                   .splitlines()] for p in (0, 1)}

@@ -22,6 +22,7 @@ from rhino.parallel_plan import Plan
 from rhino.pipeline.stages import assign_stages
 from rhino.runtime.executor import (ExecutorError, LocalExecutor, LocalTransport,
                                     instructions)
+from rhino.runtime.instructions import acknowledged_recvs, held_sends
 from rhino.runtime.schedules import SCHEDULE_NAMES, make_schedule
 from rhino.hlo_passes.stage_programs import (StageSplitError, assignment_from_ops, flatten,
                                              split_step)
@@ -112,6 +113,49 @@ def test_instruction_lists_are_deadlock_free(schedule):
     runs = [[i.label() for i in lst if i.op == "run"] for lst in lists]
     sched = make_schedule(schedule, 3, 4)
     assert runs == [[t.label for t in sched.stage_tasks(s)] for s in range(3)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_held_sends_are_the_last_backward_values_and_cannot_deadlock(schedule):
+    """Before its first apply phase a stage waits (with a transport that can:
+    ``wait_taken``) until the values of its last backward that other stages compute with
+    are taken. On 3 stages with a tied embedding: each later stage holds the gradient it
+    sends back after its last backward, never the tied weight's accumulated gradient (read
+    only in stage 0's apply, maybe long after); the receivers acknowledge exactly those;
+    and the lists played with the holds still run to the end."""
+    m, params, opt, batch = _gpt(layers=3, batch=8)
+    sp = _split(m, params, opt, batch, 3, micro=4)
+    sched = make_schedule(schedule, 3, 4)
+    lists = [instructions(sp, sched, s) for s in range(3)]
+    held = [held_sends(sp, sched, s) for s in range(3)]
+    assert held[0] == []
+    for s in (1, 2):
+        assert held[s] and all(i.op == "send" and i.peer == s - 1 and i.microbatch == 3
+                               and not i.acc for i in held[s]), held[s]
+    assert any(i.acc and i.op == "send" for i in lists[2])   # the tied weight's, not held
+    for s in range(3):
+        assert acknowledged_recvs(sp, sched, s) == {
+            (p, i.key) for p in range(3) for i in held[p] if i.peer == s}
+    # Play: a stage at its first apply waits until its held values were received.
+    pos, sent, got = [0] * 3, set(), set()
+    progress = True
+    while progress:
+        progress = False
+        for s, lst in enumerate(lists):
+            while pos[s] < len(lst):
+                i = lst[pos[s]]
+                if i.op == "recv" and (i.peer, s, i.key) not in sent:
+                    break
+                if i.op == "run" and i.kind == "A" and any(
+                        (s, h.peer, h.key) not in got for h in held[s]):
+                    break
+                if i.op == "send":
+                    sent.add((s, i.peer, i.key))
+                if i.op == "recv":
+                    got.add((i.peer, s, i.key))
+                pos[s] += 1
+                progress = True
+    assert pos == [len(x) for x in lists]
 
 
 def test_split_errors():

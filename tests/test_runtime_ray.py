@@ -429,7 +429,9 @@ def test_gpt_between_actors_through_jax_transfers(ray_cluster):
     through it, and nothing came through the object store (no ``deliver``) or rhino's
     sockets (no direct channel). The two stages' meshes are of one size, so every value
     crossed as the sender's tiles (``whole`` or ``relayout``: built on arrival by one
-    program), none piece by piece."""
+    program), none piece by piece. Stage 1 held its update each step until stage 0 said it
+    had the gradients of the last backward (``instructions.held_sends``); stage 0 held
+    nothing."""
     found = _ray_jax_transport_run("gpt", 5)
     assert [d["global_devices"] for d in found] == [8, 8]      # one job of both actors
     for d in found:
@@ -437,6 +439,9 @@ def test_gpt_between_actors_through_jax_transfers(ray_cluster):
         assert d["delivered"] == 0 and d["sent_directly"] == 0, d
         assert set(d["jax_transfers"]["modes"]) <= {"whole", "relayout"}, d
     assert "relayout" in found[1]["jax_transfers"]["modes"], found
+    t0, t1 = found[0]["jax_transfers"], found[1]["jax_transfers"]
+    assert t1["held"] >= 5 and t0["acknowledged"] == t1["held"], found
+    assert t0["held"] == 0 and t1["acknowledged"] == 0, found
 
 
 @pytest.mark.slow
