@@ -34,8 +34,8 @@ overlap it (device-to-device copies and slices in the receiving process), then
 once, whatever the replication on either side (the unit tasks of the cross-mesh resharding
 paper with the receiving mesh's local copies doing the broadcast). Where both meshes have as
 many devices and the target sits on one process (two stages of equal size: the common
-case), the source's distinct tiles cross as they are and one compiled program of the
-receiving process changes the layout (``process_resharding.relayout``: one dispatch instead
+case), the source's distinct tiles cross as they are and one layout change in the
+receiving process builds the target (``process_resharding.relayout``: one dispatch instead
 of a copy and an update per piece). PRNG key arrays travel as their key data
 (``uint32``) and are wrapped again on arrival. Stages of the same process exchange values in
 memory (``place`` puts them on the receiving mesh).

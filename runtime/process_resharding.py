@@ -19,10 +19,11 @@ The transfers themselves (``runtime.jax_transfer``) are keyed by (stages, value,
 A shortcut where it applies (``relayout``): when the two meshes have as many devices and
 the target's devices all sit on one process, the source's distinct tiles cross as they
 are, tile k onto the target's k-th device (a replicated tile once, then copied on to the
-devices of its other holders' indices), and the receiving process changes the layout with
-one compiled program (an all-gather or all-to-all among its own devices). Every element
-still crosses once; the receiver runs one program instead of a copy and a slice update per
-piece (``benchmarks/transfer_latency.py``: 1.8 ms against 12.9 ms for a 2 MiB value).
+devices of its other holders' indices), and the receiving process changes the layout in
+one step among its own devices (a ``device_put`` up to 1 MiB, a compiled identity above:
+an all-gather or all-to-all). Every element still crosses once; the receiver makes one
+call instead of a copy and a slice update per piece (``benchmarks/transfer_latency.py``:
+1.4-1.8 ms against 12.9 ms for a 2 MiB value).
 
 Example (in one process, hosts pretended by ``host_of``; see the tests)::
 
@@ -225,7 +226,7 @@ def relayout_assemble(r: Relayout, dst: Any, shape: Sequence[int],
                       received: Mapping[int, Sequence[Any]]) -> Any:
     """The global array on ``dst`` from the tiles pulled under ``r`` (sending process -> its
     tiles, in ``relayout_wanted`` order): replicated tiles copied on inside this process,
-    then one program from the source's layout to the target's."""
+    then the source's layout changed to the target's (a put, or one program)."""
     import jax
 
     by_device = {int(next(iter(a.devices())).id): a for v in received.values() for a in v}
@@ -239,9 +240,20 @@ def relayout_assemble(r: Relayout, dst: Any, shape: Sequence[int],
     x = jax.make_array_from_single_device_arrays(tuple(shape), r.mid, tiles)
     if r.mid == dst:
         return x
-    y = _to(dst)(x)   # its sharding may read P(None,) for P(): keep the target's own
+    # Up to 1 MiB a ``device_put``, above a compiled identity. Measured in the 2-process
+    # pipeline benchmark (jax 0.10.2, CPU, one core per process): the identity's dispatch
+    # waited in the calling thread for the program the devices were running, so the task
+    # reading the value was dispatched only after it (1.7 ms later on stage 1 after each
+    # backward); the put returned at once. But the put of the 2 MiB tied-embedding
+    # gradient made the apply start 6 ms after the last backward, the identity 1 ms.
+    # (Alone, both take the same: 0.25 ms for 256 KiB, 1.6 ms for 2 MiB.) Either keeps the
+    # target's own sharding object below (``P(None,)`` may read for ``P()``).
+    y = jax.device_put(x, dst) if x.nbytes <= _PUT_BYTES else _to(dst)(x)
     return y if y.sharding == dst else jax.make_array_from_single_device_arrays(
         tuple(shape), dst, [s.data for s in y.addressable_shards])
+
+
+_PUT_BYTES = 1 << 20
 
 
 @functools.lru_cache(maxsize=1024)

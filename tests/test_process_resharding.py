@@ -82,10 +82,14 @@ def test_a_missing_shard_is_named():
     ((2, 2), ("a", "b"), P("a"), (4,), ("x",), P(), "replicated twice", 2),
     ((4,), ("x",), P(), (2, 2), ("a", "b"), P("b"), "replicated four times", 1),
 ], ids=lambda c: c[-2] if isinstance(c, tuple) else str(c))
-def test_equal_meshes_cross_as_the_sources_tiles_and_change_layout_on_arrival(case):
+@pytest.mark.parametrize("put_bytes", [1 << 20, 0], ids=["put", "program"])
+def test_equal_meshes_cross_as_the_sources_tiles_and_change_layout_on_arrival(
+        case, put_bytes, monkeypatch):
     """``relayout``: each distinct tile of the source crosses once, onto the target's
-    device of the same index, is copied on to its other holders' indices, and one program
-    of the receiving process makes the target layout; exact."""
+    device of the same index, is copied on to its other holders' indices, and the
+    receiving process makes the target layout (a ``device_put`` for small values, a
+    compiled identity above ``_PUT_BYTES``); exact, with the target's own sharding."""
+    monkeypatch.setattr(pr, "_PUT_BYTES", put_bytes)
     ss, sn, sp, ds, dn, dp, _, distinct = case
     value = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
     src = NamedSharding(_mesh((0, 1, 2, 3), ss, sn), sp)
