@@ -131,7 +131,8 @@ def main(argv=None) -> int:
     print(f"model {args.model} (layers {args.layers}, hidden {args.hidden}, batch "
           f"{args.batch}), cluster {args.cluster}, {args.stages} stages, {args.microbatches} "
           f"microbatches, {args.schedule}, executor {args.executor}, "
-          f"transport {args.transport or 'default'}"
+          f"transport {step.options.transport.value}"
+          + ("" if args.transport else " (the default)")
           + (f", pin cpus {args.pin_cpus}" if args.executor == "ray" else ""))
     print(f"first call (plan + split + compile + step): {first_s:.1f} s")
     print(f"step      median {statistics.median(steps) * 1e3:8.2f} ms  "

@@ -134,7 +134,7 @@ class StepOptions:
                 f"is summed, a mean is the mean, each value by its own rule), so there is "
                 f"nothing to choose; remove the option")
         if self.transport is None:
-            put("transport", TransportKind.OBJECT_STORE if self.executor is ExecutorKind.RAY
+            put("transport", TransportKind.JAX if self.executor is ExecutorKind.RAY
                 else TransportKind.DEVICE_PUT)
         put("transport", TransportKind.parse(self.transport, "transport"))
         for name, value, kind, expected in (
@@ -713,9 +713,11 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         timeout: seconds any wait of a pipeline executor may take.
         transport: how values move between stage meshes. Local executor:
             ``"device_put"`` (default) or 004's cross-mesh resharding, ``"broadcast"`` /
-            ``"send_recv"``. Ray executor: ``"object_store"`` (default; a put and an actor
-            call per value) or ``"direct"`` (one TCP connection per pair of actors, no
-            object store; the nodes must reach each other on any port).
+            ``"send_recv"``. Ray executor: ``"jax"`` (default: every actor in one
+            ``jax.distributed`` job, values device to device through JAX's transfer
+            servers; the nodes must reach each other on any port), ``"object_store"`` (a
+            put and an actor call per value; only Ray's ports) or ``"direct"`` (one TCP
+            connection per pair of actors).
         ray_address: the Ray cluster for ``executor="ray"`` (default: ``rhino.init``'s,
             ``$RAY_ADDRESS``, or a new local one).
         ray_actor_options: ``.options(...)`` of every Ray actor (one per host of each

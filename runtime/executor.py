@@ -481,8 +481,13 @@ class StageWorker:
 
     def _name_error(self, ins: Instr, e: Exception) -> ExecutorError:
         """``e`` as an error naming this stage and ``ins``; one that already names a stage
-        (a peer's failed value) as it is."""
+        (a peer's failed value) as it is, but this stage's own timeout (JAX's transfers
+        name the stage) with the instruction too, as every transport's reads."""
         if isinstance(e, ExecutorError):
+            own = f"stage {self.stage}: "
+            if e.stage == self.stage and e.failure is Failure.TIMEOUT and \
+                    str(e).startswith(own):
+                return self._error(ins, f"timed out: {str(e)[len(own):]}", Failure.TIMEOUT)
             if e.stage is not None:
                 return e
             return self._error(ins, str(e), e.failure or Failure.PROGRAM)

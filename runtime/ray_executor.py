@@ -1,6 +1,7 @@
-"""The Ray executor: one actor per host of every stage's mesh, values between stages through
-the object store or over direct TCP channels between the actors (``transport``), the
-training state kept on the actors. ``init`` (``runtime.ray_cluster``)
+"""The Ray executor: one actor per host of every stage's mesh, values between stages device to
+device through JAX's transfer servers (every actor in one ``jax.distributed`` job; the
+default), through the object store or over direct TCP channels between the actors
+(``transport``), the training state kept on the actors. ``init`` (``runtime.ray_cluster``)
 connects to (or starts) a Ray cluster; it is exposed as ``rhino.init``.
 
 Only the ``ray_*`` modules (in ``rhino.runtime``) import ray, and only inside functions and
@@ -11,9 +12,10 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
     driver ── run_step(step, batch refs) ──► actor (0, host 0): stage 0, N local devices
            ── run_step(step, batch refs) ──► actor (1, host 0) ┐ stage 1: one
            ── run_step(step, batch refs) ──► actor (1, host 1) ┘ jax.distributed job
-                                        │  send: host value, ray.put once by host 0,
-                                        │        deliver.remote(...) to each receiving actor
-                                        │  recv: wait on the local mailbox (Condition)
+                                        │  send / recv (``transport="jax"``): device to
+                                        │   device by JAX's transfer servers (pull by uuid);
+                                        │   ("object_store": ray.put once by host 0 and
+                                        │   deliver.remote(...) to each receiving actor)
            ◄── (0-d results as numpy, shapes of the rest, task records) ──┘
 
 * Start (``runtime.ray_actor``): actors are created (``XLA_FLAGS`` with
@@ -26,12 +28,14 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
   refused before any actor starts; on one node, hosts are simulated by actors.
 * A step is one ``run_step`` call per actor. The actors are threaded (``max_concurrency``):
   ``deliver`` and ``abort`` run while ``run_step`` waits in the mailbox.
-* ``RayTransport`` implements ``runtime.executor.Transport``: a value goes to the host, into
-  the sender's object store (``ray.put``), and its ``ObjectRef`` is passed as a top-level
-  argument of each receiver's ``deliver``, so Ray fetches it to the receiver's node before
-  ``deliver`` runs (the copy overlaps the receiver's compute). With
-  ``transport="direct"`` it streams the value's bytes to each receiving actor over a TCP
-  connection kept between steps (``runtime.channels``) instead.
+* By default (``transport="jax"``) every actor of the run joins one ``jax.distributed``
+  job and values move device to device through JAX's transfer servers
+  (``runtime.jax_transfer``). ``RayTransport`` implements the two older ways: a value goes
+  to the host, into the sender's object store (``ray.put``), and its ``ObjectRef`` is
+  passed as a top-level argument of each receiver's ``deliver``, so Ray fetches it to the
+  receiver's node before ``deliver`` runs (``transport="object_store"``, on Ray's ports
+  only); or it streams the value's bytes to each receiving actor over a TCP connection
+  kept between steps (``transport="direct"``, ``runtime.channels``).
 * A result one stage keeps and another reads (a tied weight passed back in) is sent by its
   holder to the readers at the start of the step, through the same transport.
 * State on the workers: results with at least one dimension stay in the actors and come
@@ -89,10 +93,10 @@ from rhino.runtime.ray_errors import is_dead, stage_error, unlabelled, why_faile
 from rhino.runtime.remote_array import RemoteArray, fetch
 
 RAY_TRANSPORTS = ("object_store", "direct", "jax")
-"""How values cross stages on Ray: through the object store and an actor call per value
-(default), over one TCP connection per pair of actors (``runtime.channels``), or device to
-device by JAX's transfer servers, every actor in one ``jax.distributed`` job
-(``runtime.jax_transfer``)."""
+"""How values cross stages on Ray: through the object store and an actor call per value,
+over one TCP connection per pair of actors (``runtime.channels``), or device to device by
+JAX's transfer servers, every actor in one ``jax.distributed`` job
+(``runtime.jax_transfer``; the default)."""
 
 SMALL_ARG_BYTES = 256
 """Host values up to this size (scalars: a step counter, a learning rate) go inside the
@@ -155,11 +159,12 @@ class RayExecutor:
             placement group bundle per plan host (``STRICT_SPREAD``: each on its own node)
             holds that host's actors, unless ``actor_options`` sets a scheduling strategy.
         keep_state: results with dimensions stay on the actors (``RemoteArray``).
-        transport: how values cross stages, one of ``RAY_TRANSPORTS``: ``"object_store"``
-            (a put and a ``deliver`` call per value; Ray moves it between nodes) or
-            ``"direct"`` (each sending actor streams the value's bytes to each receiving
-            actor over a TCP connection kept open between steps; the nodes must reach each
-            other on any port, as ``jax.distributed`` and gloo need too).
+        transport: how values cross stages, one of ``RAY_TRANSPORTS``: ``"jax"``
+            (default: JAX's transfer servers, device to device; the nodes must reach each
+            other on any port, as ``jax.distributed`` needs), ``"object_store"`` (a put and
+            a ``deliver`` call per value; Ray moves it between nodes, on Ray's ports only)
+            or ``"direct"`` (each sending actor streams the value's bytes to each receiving
+            actor over a TCP connection kept open between steps; any port, too).
         pin_cpus: actors that simulate hosts (forced host devices, no ``num_gpus``) and
             share a node split its cores, as hosts do not share theirs: each actor's threads
             (XLA's included, sized to them) keep to its own share. None (default): where the
@@ -190,7 +195,7 @@ class RayExecutor:
                  actor_options: Mapping[str, Any] | None = None, reuse_state: bool = True,
                  connect_timeout: float | None = None, hosts: Sequence[int] | None = None,
                  keep_state: bool = True, host_ids: Sequence[Sequence[int]] | None = None,
-                 transport: str = "object_store", pin_cpus: bool | None = None):
+                 transport: str = "jax", pin_cpus: bool | None = None):
         if transport not in RAY_TRANSPORTS:
             raise ExecutorError(f"transport: expected one of {RAY_TRANSPORTS} for the Ray "
                                 f"executor, found {transport!r}")

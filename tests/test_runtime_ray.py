@@ -216,10 +216,12 @@ def test_stalled_stage_times_out_naming_the_stages(gpt_ray, gpt):
 
 
 @pytest.mark.parametrize("transport", [
-    "object_store", pytest.param("direct", marks=pytest.mark.slow)])
+    "jax", pytest.param("object_store", marks=pytest.mark.slow),
+    pytest.param("direct", marks=pytest.mark.slow)])
 def test_killed_actor_raises_naming_the_stage(gpt_ray, gpt, transport):
     """Stage 1's actor killed mid-run: the step fails naming it, within seconds, whether
-    stage 0 was sending to it through the object store or over a direct channel."""
+    stage 0 was sending to it through JAX's transfers (the default; the actors' one
+    ``jax.distributed`` job loses a process), the object store or a direct channel."""
     m, params, opt, batch = gpt
     specs, cluster = _specs(gpt_ray, (params, opt, batch))
     flat = jax.tree_util.tree_leaves((params, opt, batch))
