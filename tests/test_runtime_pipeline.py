@@ -87,6 +87,31 @@ def test_optimizer_runs_once_per_step_not_per_microbatch():
     assert loss.source == "acc"
 
 
+def _played(lists, held=None):
+    """How far each stage's list gets when played together: a receive waits for the
+    peer's send; with ``held`` (``held_sends`` per stage), a stage's apply also waits until
+    those values were received."""
+    pos, sent, got = [0] * len(lists), set(), set()
+    progress = True
+    while progress:
+        progress = False
+        for s, lst in enumerate(lists):
+            while pos[s] < len(lst):
+                i = lst[pos[s]]
+                if i.op == "recv" and (i.peer, s, i.key) not in sent:
+                    break
+                if held and i.op == "run" and i.kind == "A" and any(
+                        (s, h.peer, h.key) not in got for h in held[s]):
+                    break
+                if i.op == "send":
+                    sent.add((s, i.peer, i.key))
+                if i.op == "recv":
+                    got.add((i.peer, s, i.key))
+                pos[s] += 1
+                progress = True
+    return pos
+
+
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_instruction_lists_are_deadlock_free(schedule):
     m, params, opt, batch = _gpt(layers=3, batch=8)
@@ -96,20 +121,7 @@ def test_instruction_lists_are_deadlock_free(schedule):
         keys = [(i.peer, i.key) for i in lst if i.op == "recv"]
         assert len(keys) == len(set(keys))
     # Play the lists: every receive is eventually matched by the peer's send.
-    pos, sent = [0] * 3, set()
-    progress = True
-    while progress:
-        progress = False
-        for s, lst in enumerate(lists):
-            while pos[s] < len(lst):
-                i = lst[pos[s]]
-                if i.op == "recv" and (i.peer, s, i.key) not in sent:
-                    break
-                if i.op == "send":
-                    sent.add((s, i.peer, i.key))
-                pos[s] += 1
-                progress = True
-    assert pos == [len(x) for x in lists]
+    assert _played(lists) == [len(x) for x in lists]
     runs = [[i.label() for i in lst if i.op == "run"] for lst in lists]
     sched = make_schedule(schedule, 3, 4)
     assert runs == [[t.label for t in sched.stage_tasks(s)] for s in range(3)]
@@ -137,25 +149,7 @@ def test_held_sends_are_the_last_backward_values_and_cannot_deadlock(schedule):
         assert acknowledged_recvs(sp, sched, s) == {
             (p, i.key) for p in range(3) for i in held[p] if i.peer == s}
     # Play: a stage at its first apply waits until its held values were received.
-    pos, sent, got = [0] * 3, set(), set()
-    progress = True
-    while progress:
-        progress = False
-        for s, lst in enumerate(lists):
-            while pos[s] < len(lst):
-                i = lst[pos[s]]
-                if i.op == "recv" and (i.peer, s, i.key) not in sent:
-                    break
-                if i.op == "run" and i.kind == "A" and any(
-                        (s, h.peer, h.key) not in got for h in held[s]):
-                    break
-                if i.op == "send":
-                    sent.add((s, i.peer, i.key))
-                if i.op == "recv":
-                    got.add((i.peer, s, i.key))
-                pos[s] += 1
-                progress = True
-    assert pos == [len(x) for x in lists]
+    assert _played(lists, held) == [len(x) for x in lists]
 
 
 def test_split_errors():
