@@ -53,9 +53,11 @@ from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_a
                                              is_apply, prologue_function, split_step,
                                              task_function)
 from rhino.runtime import threads
-from rhino.runtime.instructions import Instr, acknowledged_recvs, held_sends, instructions
+from rhino.runtime.instructions import (Instr, acknowledged_recvs, first_apply, held_sends,
+                                        instructions)
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
                                      Transport, root_cause)
+from rhino.runtime.task_timing import Pending, done_now, measured, ready_at
 from rhino.runtime.timeline import TaskRecord
 
 __all__ = ["ExecutorError", "Failure", "LocalTransport", "StepTransport", "Transport",
@@ -199,8 +201,7 @@ class StageWorker:
         # (where the transport can: see ``instructions.held_sends``).
         self._held = [(ins.peer, ins.key) for ins in held_sends(split, schedule, stage)]
         self._acked = acknowledged_recvs(split, schedule, stage)
-        self._first_apply = next((n for n, ins in enumerate(self.instrs)
-                                  if ins.op == "run" and is_apply(ins.kind)), None)
+        self._first_apply = first_apply(self.instrs)
         self._results = frozenset(o.ref for o in split.outputs if o.source == "task")
         # A daemon thread: one stuck program never holds up the interpreter's exit.
         self._watch = threads.SerialWorker(f"rhino-stage{stage}-timer")
@@ -351,8 +352,8 @@ class StageWorker:
             self._seen[("P", False)] = jax.tree_util.tree_map(_abstract, (args,))
         outs = fn(args)
         whole.update(zip(self._prologue.outputs, outs))
-        done = self._watch.submit(_ready_at, outs) if self.measure else _done_now()
-        return _Pending(TaskRecord(self.stage, "P", t0, t0, None, "prologue"), done)
+        done = self._watch.submit(ready_at, outs) if self.measure else done_now()
+        return Pending(TaskRecord(self.stage, "P", t0, t0, None, "prologue"), done)
 
     def run_step(self, args: Mapping[int, Any], transport: Transport,
                  timeout: float = DEFAULT_TIMEOUT_S) -> tuple[dict[int, Any], list[TaskRecord]]:
@@ -382,7 +383,7 @@ class StageWorker:
                 if ins.op == "recv":
                     expect(self.stage, ins.peer, ins.key)
         state, whole = self._place_args(args)
-        m0 = self.instrs[first].microbatch or 0 if first < len(self.instrs) else 0
+        m0 = (self.instrs[first].microbatch or 0) if first < len(self.instrs) else 0
         batch = self._place_batch(args, [m0])
         values: dict[tuple[int, Any], Any] = {}
         left: dict[tuple[int, Any], int] = {}
@@ -420,7 +421,7 @@ class StageWorker:
                                      ins.microbatch, "recv")
                     # When the value is ready on this mesh (the copy may still run): the
                     # task reading it cannot start before.
-                    records.append(_Pending(rec, self._watch.submit(_ready_at, x),
+                    records.append(Pending(rec, self._watch.submit(ready_at, x),
                                             ins.peer) if self.measure else rec)
                 elif ins.op == "send":
                     x = accs[ins.ref] if ins.acc else values[(ins.ref, ins.microbatch)]
@@ -507,7 +508,7 @@ class StageWorker:
             return place(x, self.sharding(ins.ref))
         except Exception as e:
             try:
-                _ready_at(x, timeout=CLOSE_GRACE_S)
+                ready_at(x, timeout=CLOSE_GRACE_S)
             except TimeoutError:
                 raise e from None
             except Exception as failed:
@@ -551,10 +552,10 @@ class StageWorker:
         # them; all results of one execution become ready together.)
         done = None
         if self.measure and outs:
-            done = self._watch.submit(_ready_at, outs)
+            done = self._watch.submit(ready_at, outs)
         elif self.measure:
-            _ready_at(new, timeout=timeout)
-            done = _done_now()
+            ready_at(new, timeout=timeout)
+            done = done_now()
         key_mb = None if is_apply(ins.kind) else mb
         for r, x in zip(task.outputs, outs):
             values[(r, key_mb)] = x
@@ -565,43 +566,13 @@ class StageWorker:
             if left[key] <= 0 and not self._awaited(key):
                 values.pop(key, None)
         kind = {"F": "forward", "B": "backward"}.get(ins.kind, "apply")
-        return _Pending(TaskRecord(self.stage, ins.label(), t0, t0, mb, kind), done)
+        return Pending(TaskRecord(self.stage, ins.label(), t0, t0, mb, kind), done)
 
     def _timed(self, records: list, timeout: float) -> list[TaskRecord]:
-        """Measured records: a task ends when its results are ready and starts at the
-        latest of its dispatch, the end of the stage's previous task (a stage's devices run
-        one program at a time) and the arrival of the values it received."""
-        out: list[TaskRecord] = []
-        prev_end = inputs_ready = float("-inf")
-        deadline = time.monotonic() + timeout
-        for r in records:
-            if isinstance(r, _Sending):
-                out.append(self._sent(r, max(0.0, deadline - time.monotonic())))
-                continue
-            if not isinstance(r, _Pending):
-                out.append(r)
-                continue
-            try:
-                ready = r.done.result(timeout=max(0.0, deadline - time.monotonic())) \
-                    if r.done is not None else r.record.end
-            except (TimeoutError, cf.TimeoutError) as e:
-                if r.peer is not None:  # the sender's program never finished
-                    raise ExecutorError(f"stage {self.stage}, {r.record.label}: the value "
-                                        f"from stage {r.peer} was not ready within "
-                                        f"{timeout:g} s", stage=self.stage,
-                                        failure=Failure.TIMEOUT) from e
-                raise ExecutorError(f"stage {self.stage}, {r.record.label}: its results were "
-                                    f"not ready within {timeout:g} s", stage=self.stage,
-                                    failure=Failure.STALLED) from e
-            if r.record.kind == "recv":
-                inputs_ready = max(inputs_ready, ready)
-                r = r.record
-            else:
-                start = max(r.record.start, prev_end, inputs_ready)
-                prev_end, inputs_ready = ready, float("-inf")
-                r = dataclasses.replace(r.record, start=start, end=max(ready, start))
-            out.append(r)
-        return out
+        """Measured records (``task_timing.measured``); a background send's record is
+        taken when its turn comes (``_sent``: its failure, named)."""
+        return measured(records, self.stage, timeout,
+                        lambda r, left: self._sent(r, left) if isinstance(r, _Sending) else r)
 
     def _stop_if_failed(self, transport: Transport, ins: Instr, done: cf.Future) -> None:
         """A background send that failed stops the stage's waits in this step
@@ -658,49 +629,6 @@ class _Sending:
 
     ins: Instr
     done: cf.Future
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pending:
-    """A dispatched task (or a received value: ``peer`` sent it) whose end time a watcher
-    thread will report."""
-
-    record: TaskRecord
-    done: Any
-    peer: int | None = None
-
-
-def _done_now() -> cf.Future:
-    f: cf.Future = cf.Future()
-    f.set_result(time.perf_counter())
-    return f
-
-
-POLL_S = (2e-5, 5e-4, 0.05)
-"""Polling of ``_ready_at``: first pause, longest pause in the first second, and after."""
-
-
-def _ready_at(tree: Any, timeout: float | None = None) -> float:
-    """When every array of ``tree`` is ready (``time.perf_counter()``); a failed program's
-    error is raised. Polls ``is_ready()`` instead of blocking inside XLA: a daemon thread
-    blocked in a C++ wait that returns while the interpreter shuts down is torn down
-    through C++ frames and aborts the process; one sleeping in Python ends cleanly.
-
-    Raises:
-        TimeoutError: not ready within ``timeout`` seconds (None: wait as long as it takes).
-    """
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "is_ready")]
-    start = time.monotonic()
-    pause = POLL_S[0]
-    for x in leaves:
-        while not x.is_ready():
-            waited = time.monotonic() - start
-            if timeout is not None and waited > timeout:
-                raise TimeoutError(f"not ready within {timeout:g} s")
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_S[1] if waited < 1.0 else POLL_S[2])
-    jax.block_until_ready(leaves)  # ready: returns at once, or raises a program's error
-    return time.perf_counter()
 
 
 class LocalExecutor:
@@ -786,7 +714,7 @@ class LocalExecutor:
             outs, records = worker.run_step(args, StepTransport(self.transport, step),
                                             self.timeout)
             try:
-                _ready_at(outs, timeout=self.timeout)
+                ready_at(outs, timeout=self.timeout)
             except TimeoutError as e:
                 raise ExecutorError(f"stage {worker.stage}: its results were not ready within "
                                     f"{self.timeout:g} s", stage=worker.stage,

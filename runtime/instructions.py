@@ -92,6 +92,12 @@ def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr
     return out
 
 
+def first_apply(instrs: list[Instr]) -> int:
+    """The index of the first apply phase in an instruction list (its length if none)."""
+    return next((n for n, i in enumerate(instrs) if i.op == "run" and is_apply(i.kind)),
+                len(instrs))
+
+
 def held_sends(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr]:
     """The sends ``stage`` makes between its last forward/backward task and its first apply
     phase that the receiver reads in a forward or backward task: values another stage
@@ -108,8 +114,7 @@ def held_sends(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr]:
         held_sends(split, schedule, 1) == [Instr("send", ref=g, microbatch=3, peer=0)]
     """
     mine = instructions(split, schedule, stage)
-    end = next((n for n, i in enumerate(mine) if i.op == "run" and is_apply(i.kind)),
-               len(mine))
+    end = first_apply(mine)
     start = max((n for n, i in enumerate(mine[:end]) if i.op == "run"), default=-1) + 1
     sends = [i for i in mine[start:end] if i.op == "send"]
     out = []

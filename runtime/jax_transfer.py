@@ -375,7 +375,7 @@ class JaxTransferTransport:
             else:
                 out = assemble(plan, tgt, pulled, self.process, dtype)
             # Not waited for: the task reading it is dispatched now and runs once the
-            # layout program (relayout) has run, without this thread waking in between.
+            # layout change has run, without this thread waking in between.
             w_assembled = time.time()
         except ExecutorError:
             raise
