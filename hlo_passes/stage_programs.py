@@ -382,6 +382,10 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
     all_eqns[("A", 0)] = sorted(set(all_eqns[("A", 0)]) | free_closure(out_free))
 
     consumers: dict[int, set] = {}
+    # Tasks reading a value per microbatch (or an apply's value); a value only applies read
+    # accumulated is no output of its producer: one buffer per microbatch, held to the
+    # step's end, for what the accumulator already carries.
+    task_readers: dict[int, set] = {}
     inputs_of: dict[tuple[str, int], list[TaskInput]] = {}
     pre_refs: dict[int, set[int]] = {s: set() for s in range(num_stages)}
     pre_refs[0] |= pre_out
@@ -424,13 +428,14 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
                     acc_refs[src].add(x)
                 else:
                     add(x, "task", src)
+                    task_readers.setdefault(x, set()).add(key)
                 consumers.setdefault(x, set()).add(key)
         inputs_of[key] = ins
     acc_rules = {r: _acc_rule(layout, r) for refs in acc_refs.values() for r in refs}
     tasks: dict[tuple[str, int], TaskSpec] = {}
     for key, idx in all_eqns.items():
         made = {r for i in idx for r in flat.eqns[i].outs if r is not None}
-        outs = sorted(r for r in made if (consumers.get(r, set()) - {key})
+        outs = sorted(r for r in made if (task_readers.get(r, set()) - {key})
                       or any(o.ref == r and o.source == "task" for o in outputs))
         tasks[key] = TaskSpec(key[0], key[1], tuple(idx), tuple(inputs_of[key]), tuple(outs),
                               tuple(sorted(acc_refs.get(key, ()))))
@@ -653,7 +658,7 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
     ``task.inputs`` order (``acc`` inputs as accumulated: the program finishes them,
     ``finish_acc``), ``accs`` in ``task.accumulate`` order (ignored unless ``with_acc``),
     ``mb`` the microbatch index (an int32 scalar; 0 for apply tasks), ``outputs`` in
-    ``task.outputs`` order, ``new_accs`` the accumulators with this microbatch's values
+    ``task.outputs`` order (a 0-d boolean token if there is none), ``new_accs`` the accumulators with this microbatch's values
     added by their rules (``split.acc_rules``; started from this microbatch's without
     ``with_acc``). Per-microbatch equations read whole values' chunks of microbatch ``mb``
     and are bound at microbatch shapes. ``constrain(path, k, x)`` may apply sharding
@@ -682,7 +687,10 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
             for k, (r, x) in enumerate(zip(fe.outs, outs)):
                 if r is not None:
                     env[r] = constrain(fe.path, k, x) if constrain is not None else x
-        outs = [env[r] for r in task.outputs]
+        # A task whose results are all accumulators (a first stage's backward) returns a
+        # token: its end is watched on it (the accumulators are donated to the next
+        # microbatch's call), so dispatch need not wait for the task to finish.
+        outs = [env[r] for r in task.outputs] or [jax.numpy.zeros((), bool)]
         new = [_accumulate(split, r, a if with_acc else None, env[r], mb, m)
                for r, a in zip(task.accumulate, accs if with_acc else
                                [None] * len(task.accumulate))]

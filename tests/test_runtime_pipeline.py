@@ -22,10 +22,11 @@ from rhino.parallel_plan import Plan
 from rhino.pipeline.stages import assign_stages
 from rhino.runtime.executor import (ExecutorError, LocalExecutor, LocalTransport,
                                     instructions)
+from rhino.runtime.artifacts import signatures
 from rhino.runtime.instructions import acknowledged_recvs, held_sends
 from rhino.runtime.schedules import SCHEDULE_NAMES, make_schedule
 from rhino.hlo_passes.stage_programs import (StageSplitError, assignment_from_ops, flatten,
-                                             split_step)
+                                             split_step, task_function)
 from stage_runner import run_sequentially
 
 RTOL, ATOL = 1e-4, 5e-5
@@ -85,6 +86,29 @@ def test_optimizer_runs_once_per_step_not_per_microbatch():
     # The loss is a metric accumulated over microbatches.
     loss = sp.outputs[-1]
     assert loss.source == "acc"
+
+
+def test_accumulated_gradients_are_not_also_returned_per_microbatch():
+    """A value only apply tasks read (accumulated: the gradients) is in its task's
+    ``accumulate`` and not among its outputs: a per-microbatch output would be one more
+    gradient-sized buffer per microbatch, which the stage held to the step's end."""
+    m, params, opt, batch = _gpt(layers=2, batch=8)
+    sp = _split(m, params, opt, batch, 2, micro=4)
+    results = {o.ref for o in sp.outputs if o.source == "task"}
+    for key, t in sp.tasks.items():
+        if key[0] in ("F", "B"):
+            for r in t.outputs:     # each read per microbatch by another F/B task
+                readers = {k for k in sp.consumers.get(r, ()) if k != key}
+                assert r in results or any(k[0] in ("F", "B") for k in readers), (key, r)
+    grads = sum(len(sp.task("B", s).accumulate) for s in range(2))
+    assert grads >= len(jax.tree_util.tree_leaves(params))   # every weight's gradient
+    # The first stage's backward has no result but its accumulators: its program returns
+    # a token, on which the executor times it without holding up the next dispatch.
+    b0 = sp.task("B", 0)
+    assert not b0.outputs and b0.accumulate
+    outs, new = jax.eval_shape(task_function(sp, b0, False), *signatures(sp)[("B", 0, False)])
+    assert [(o.shape, o.dtype) for o in outs] == [((), jnp.bool_)]
+    assert len(new) == len(b0.accumulate)
 
 
 def _played(lists, held=None):
@@ -481,8 +505,11 @@ def test_checkpointed_layers_are_recomputed_in_the_backward_programs():
     """GPT with ``jax.checkpoint`` per layer, pipelined: a forward task hands its backward
     task only the inputs of each checkpointed layer (the backward program recomputes the
     rest), so each stage's peak (state + in-flight handed values + its largest program's
-    temporaries) is at most 0.7 of the same pipeline's without remat (issue 31); losses
-    equal jax.jit's."""
+    temporaries) is at most 0.75 of the same pipeline's without remat (issue 31); losses
+    equal jax.jit's. (0.7 before the backward programs stopped returning each microbatch's
+    gradients besides accumulating them: those buffers were outputs, outside this estimate;
+    now the stage's reduced gradients are temporaries of both pipelines' backward, which
+    puts stage 1 at 0.73 and stage 0 at 0.54.)"""
     mem = {}
     for remat in (False, True):
         m = get_model("gpt", layers=4, hidden=128, heads=4, seq=64, batch=16, remat=remat)
@@ -503,4 +530,4 @@ def test_checkpointed_layers_are_recomputed_in_the_backward_programs():
             step.close()
     for s, (plain, checked) in enumerate(zip(mem[False], mem[True])):
         assert checked["handed"] < 0.3 * plain["handed"], (s, plain, checked)
-        assert checked["peak"] <= 0.7 * plain["peak"], (s, plain, checked)
+        assert checked["peak"] <= 0.75 * plain["peak"], (s, plain, checked)
