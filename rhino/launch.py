@@ -14,6 +14,10 @@ devices::
        every line of their output, prefixed ``[p0]`` / ``[p1]`` (stdout to stdout, stderr to
        stderr; gloo's per-connection lines left out unless ``$RHINO_SHOW_GLOO`` is set)
 
+As hosts do not share cores, processes simulating hosts on CPU keep to equal runs of this
+machine's cores (``--pin-cpus auto``, the default, as the Ray executor's actors do; ``off``
+lets them share every core, ``on`` makes too few cores an error).
+
 It waits for all of them (``--timeout``). When one fails, it stops the others and exits with
 the failed process's status, naming it; on timeout it stops them all and exits with 124.
 ``JAX_PLATFORMS`` is set to ``cpu`` unless already set.
@@ -22,6 +26,7 @@ the failed process's status, naming it; on timeout it stops them all and exits w
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import signal
@@ -32,6 +37,7 @@ import threading
 import time
 from typing import IO, Sequence
 
+from rhino.runtime.transport import ExecutorError
 from rhino.distributed import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID,
                                ENV_TRANSFER_ADDRESS, EXIT_GRACE_S)
 
@@ -71,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the coordinator's port (default: a free one)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help=f"seconds to wait for the processes (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--pin-cpus", default="auto", choices=["auto", "on", "off"],
+                   help="processes simulating CPU hosts keep to their own cores: auto (where "
+                        "there is at least one core per process), on (an error otherwise), "
+                        "off (they share every core)")
     p.add_argument("script", help="the Python script every process runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return p
@@ -146,13 +156,36 @@ def _status(code: int) -> str:
     return (f"killed by signal {-code}" if code < 0 else f"exit status {code}")
 
 
+def core_shares(hosts: int, pin: bool | None, env: dict) -> list[tuple[int, ...] | None]:
+    """Per process, the cores it keeps to (None: every core): equal runs of this
+    process's cores where the processes simulate CPU hosts (``JAX_PLATFORMS`` cpu, the
+    launcher's default) and ``pin`` is not False (``runtime.ray_cluster.share_cores``).
+
+    Raises:
+        ExecutorError: ``pin=True`` and fewer cores than processes.
+    """
+    from rhino.runtime.ray_cluster import share_cores
+
+    cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    if pin is False or not cores:
+        return [None] * hosts
+    simulated = env.get("JAX_PLATFORMS", "cpu") == "cpu"
+    if pin and simulated and hosts > 1 and len(cores) < hosts:
+        raise ExecutorError(f"expected at least one core per process, found {len(cores)} "
+                            f"cores ({', '.join(map(str, cores))}) for {hosts} processes")
+    return share_cores([("this machine", cores)] * hosts, [simulated] * hosts, pin,
+                       [f"process {i}" for i in range(hosts)])
+
+
 def launch(script: str, args: Sequence[str], hosts: int, devices_per_host: int = 1,
            port: int | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-           python: str = sys.executable) -> int:
+           python: str = sys.executable, pin_cpus: bool | None = None) -> int:
     """Run ``hosts`` processes of ``script`` as one job; return the exit status (0: all
-    succeeded; a failed process's status; 124: timed out). Messages go to stderr."""
+    succeeded; a failed process's status; 124: timed out). Messages go to stderr.
+    ``pin_cpus``: see ``core_shares`` (None: where there are enough cores)."""
     say = lambda msg: print(f"rhino.launch: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     coordinator = f"127.0.0.1:{port or free_port()}"
+    shares = core_shares(hosts, pin_cpus, os.environ)
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     lock = threading.Lock()
@@ -162,9 +195,12 @@ def launch(script: str, args: Sequence[str], hosts: int, devices_per_host: int =
         for i in range(hosts):
             env = child_environment(dict(os.environ), i, hosts, devices_per_host,
                                     coordinator, f"127.0.0.1:{free_port()}")
+            cores = shares[i]        # set before the interpreter starts: every thread keeps
             p = subprocess.Popen([python, "-c", CHILD_CODE, script, *args], env=env,
                                  stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True)
+                                 stderr=subprocess.PIPE, start_new_session=True,
+                                 preexec_fn=None if cores is None else
+                                 functools.partial(os.sched_setaffinity, 0, cores))
             procs.append(p)
             for src, dst in ((p.stdout, out), (p.stderr, err)):
                 t = threading.Thread(target=_pump, args=(src, dst, f"[p{i}] ".encode(), lock),
@@ -265,7 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--timeout: expected a positive number of seconds, found {a.timeout:g}")
     if not os.path.isfile(a.script):
         parser.error(f"script {a.script!r}: no such file")
-    return launch(a.script, a.args, a.hosts, a.devices_per_host, a.port, a.timeout)
+    pin = {"auto": None, "on": True, "off": False}[a.pin_cpus]
+    try:
+        return launch(a.script, a.args, a.hosts, a.devices_per_host, a.port, a.timeout,
+                      pin_cpus=pin)
+    except ExecutorError as e:
+        parser.error(f"--pin-cpus on: {e}")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,10 @@ class ProcessStages:
         self.local = LocalExecutor(self.workers, timeout, self.transport)
         self.last_records: list = []
         self.last_step_s = 0.0
+        # Results of other processes' stages: global arrays with no shards here, the same
+        # objects every step (making ~70 of them after each step took ~2 ms of its end).
+        self._elsewhere: dict[int, Any] = {}
+        self._owners: dict[Any, frozenset] = {}   # sharding -> its processes
 
     def _sharding(self, stage: int, ref: int) -> Any:
         from jax.sharding import NamedSharding, PartitionSpec
@@ -93,17 +97,19 @@ class ProcessStages:
         step = self.local._step + 1           # the number the local executor gives it
         args = dict(flat_args) if isinstance(flat_args, Mapping) else dict(
             enumerate(flat_args))
-        self._expect(step, args)
-        args.update(self._exchange_args(step, args))
+        foreign = self._foreign_args(args)
+        self._expect(step, foreign)
+        args.update(self._exchange_args(step, args, foreign))
         outs = self.local.run(args)
         self.last_records, self.last_step_s = self.local.last_records, self.local.last_step_s
         outs.update(self._exchange_results(step, outs))
         return outs
 
-    def _expect(self, step: int, args: Mapping[int, Any]) -> None:
-        """Ask the transport now for the arguments and 0-d results this process will
-        receive this step (the pull then waits at the sender for the value)."""
-        for s, r, owner in self._foreign_args(args):
+    def _expect(self, step: int, foreign: Sequence[tuple[int, int, int]]) -> None:
+        """Ask the transport now for the arguments (``foreign``: ``_foreign_args``) and
+        0-d results this process will receive this step (the pull then waits at the sender
+        for the value)."""
+        for s, r, owner in foreign:
             if self.stage_process[s] == self.process:
                 self.transport.expect(s, self._first[owner], (step, "arg", 0, r))
         avals = self.split.flat.avals
@@ -123,17 +129,21 @@ class ProcessStages:
                 x = args.get(r)
                 if not isinstance(x, jax.Array):
                     continue                  # host values: every process has them
-                owners = {d.process_index for d in x.sharding.device_set}
+                owners = self._owners.get(x.sharding)
+                if owners is None:
+                    owners = self._owners[x.sharding] = frozenset(
+                        d.process_index for d in x.sharding.device_set)
                 if len(owners) == 1 and owners != {self.stage_process[s]}:
-                    out.append((s, r, owners.pop()))
+                    out.append((s, r, next(iter(owners))))
         return out
 
-    def _exchange_args(self, step: int, args: Mapping[int, Any]) -> dict[int, Any]:
+    def _exchange_args(self, step: int, args: Mapping[int, Any],
+                       foreign: Sequence[tuple[int, int, int]]) -> dict[int, Any]:
         """Arguments a local stage reads whose value is on another process's devices (a
-        result of that process kept as state, e.g. a tied weight): received from it; and
-        ours that another process's stage reads: sent to it."""
+        result of that process kept as state, e.g. a tied weight; ``foreign``:
+        ``_foreign_args``): received from it; and ours that another process's stage reads:
+        sent to it."""
         got: dict[int, Any] = {}
-        foreign = self._foreign_args(args)
         for s, r, owner in foreign:      # every send first: a peer may wait on one
             if owner == self.process:
                 self.transport.send(self._first[owner], s, (step, "arg", 0, r), args[r])
@@ -168,9 +178,12 @@ class ProcessStages:
                 got[o.ref] = self.transport.recv(self._first[self.process], src, key,
                                                  self.timeout)
             else:
-                sh = self._sharding(src, o.ref)
-                got[o.ref] = jax.make_array_from_single_device_arrays(
-                    tuple(avals[o.ref].shape), sh, [], dtype=avals[o.ref].dtype)
+                x = self._elsewhere.get(o.ref)
+                if x is None or x.is_deleted():       # (a caller may delete an array)
+                    x = self._elsewhere[o.ref] = jax.make_array_from_single_device_arrays(
+                        tuple(avals[o.ref].shape), self._sharding(src, o.ref), [],
+                        dtype=avals[o.ref].dtype)
+                got[o.ref] = x
         return got
 
     def close(self) -> None:

@@ -177,6 +177,34 @@ def test_bad_input_is_refused_with_a_message(args, message, capsys, tmp_path, mo
     assert message in capsys.readouterr().err
 
 
+def test_processes_simulating_hosts_keep_to_their_own_cores(tmp_path):
+    """--pin-cpus auto (the default): each process keeps to an equal run of the machine's
+    cores, set before it starts (so every thread of it); off: they share every core."""
+    script = tmp_path / "cores.py"
+    script.write_text("import os, sys, threading\n"
+                      "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
+                      "print('cores', sorted(os.sched_getaffinity(0)))\n")
+    cores = sorted(os.sched_getaffinity(0))
+    out = _launch("--hosts", "2", str(script), timeout=120)
+    assert out.returncode == 0, _show(out)
+    got = {line.split()[0]: line.split("cores", 1)[1].strip()
+           for line in out.stdout.splitlines() if " cores " in line}
+    if len(cores) >= 2:
+        k = len(cores) // 2
+        assert got == {"[p0]": str(cores[:k]), "[p1]": str(cores[k:2 * k])}, _show(out)
+    else:
+        assert got == {"[p0]": str(cores), "[p1]": str(cores)}, _show(out)
+    out = _launch("--hosts", "2", "--pin-cpus", "off", str(script), timeout=120)
+    assert out.returncode == 0, _show(out)
+    assert out.stdout.count(f"cores {cores}") == 2, _show(out)
+    assert launch.core_shares(2, None, {"JAX_PLATFORMS": "cuda"}) == [None, None]
+    many = len(cores) + 1
+    with pytest.raises(launch.ExecutorError, match=f"at least one core per process, found "
+                                                   f"{len(cores)} cores"):
+        launch.core_shares(many, True, {})
+    assert launch.core_shares(many, None, {}) == [None] * many
+
+
 def test_launch_environment_is_checked():
     ok = {"RHINO_COORDINATOR_ADDRESS": "127.0.0.1:5", "RHINO_NUM_PROCESSES": "2",
           "RHINO_PROCESS_ID": "1", "RHINO_TRANSFER_ADDRESS": "127.0.0.1:6"}
