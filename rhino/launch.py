@@ -37,9 +37,9 @@ import threading
 import time
 from typing import IO, Sequence
 
-from rhino.runtime.transport import ExecutorError
 from rhino.distributed import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID,
                                ENV_TRANSFER_ADDRESS, EXIT_GRACE_S)
+from rhino.runtime.transport import ExecutorError
 
 DEFAULT_TIMEOUT_S = 1800.0
 """How long the launcher waits for the processes (seconds) unless ``--timeout`` says."""
@@ -164,9 +164,9 @@ def core_shares(hosts: int, pin: bool | None, env: dict) -> list[tuple[int, ...]
     Raises:
         ExecutorError: ``pin=True`` and fewer cores than processes.
     """
-    from rhino.runtime.ray_cluster import share_cores
+    from rhino.runtime.ray_cluster import share_cores, usable_cores
 
-    cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    cores = usable_cores()
     if pin is False or not cores:
         return [None] * hosts
     simulated = env.get("JAX_PLATFORMS", "cpu") == "cpu"
@@ -302,11 +302,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isfile(a.script):
         parser.error(f"script {a.script!r}: no such file")
     pin = {"auto": None, "on": True, "off": False}[a.pin_cpus]
-    try:
-        return launch(a.script, a.args, a.hosts, a.devices_per_host, a.port, a.timeout,
-                      pin_cpus=pin)
-    except ExecutorError as e:
-        parser.error(f"--pin-cpus on: {e}")
+    if pin:
+        try:
+            core_shares(a.hosts, pin, os.environ)
+        except ExecutorError as e:
+            parser.error(f"--pin-cpus on: {e}")
+    return launch(a.script, a.args, a.hosts, a.devices_per_host, a.port, a.timeout,
+                  pin_cpus=pin)
 
 
 if __name__ == "__main__":

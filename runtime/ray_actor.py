@@ -51,7 +51,7 @@ from rhino.runtime.channels import (ChannelServer, Channels, PackedKey,  # noqa:
 from rhino.runtime.executor import place
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport,
                                      StepTransport)
-from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray
+from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray, usable_cores
 from rhino.runtime.remote_array import dtype_name
 
 
@@ -114,10 +114,6 @@ def host_value(x: Any) -> Any:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _cores() -> tuple[int, ...]:
-    return tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
 
 
 def pin_process(cpus: Sequence[int]) -> None:
@@ -282,7 +278,7 @@ class StageActor:
 
     def node_cpus(self) -> tuple[str, tuple[int, ...]]:
         """This actor's node and the cores it may run on (none where the OS cannot say)."""
-        return import_ray().get_runtime_context().get_node_id(), _cores()
+        return import_ray().get_runtime_context().get_node_id(), usable_cores()
 
     def setup(self, spec_blob: bytes, devices: int, coordinator: str | None,
               timeout: float, cpus: Sequence[int] | None = None,
@@ -401,7 +397,7 @@ class StageActor:
                 "global_devices": jax.device_count(), "kept": len(self.kept),
                 "platform": jax.devices()[0].platform,
                 "node": import_ray().get_runtime_context().get_node_id(),
-                "rows": getattr(self, "rows", {}), "cpus": _cores(),
+                "rows": getattr(self, "rows", {}), "cpus": usable_cores(),
                 "sent_directly": self.channels.sent_bytes if self.channels else 0,
                 "jax_transfers": dict(self.jt.counts, **self.jt.inner.waited,
                                       modes=sorted(set(self.jt.inner.modes.values())),

@@ -222,6 +222,11 @@ def xla_flags(devices: int, base: str | None = None) -> str:
     return " ".join(kept + [f"{DEVICE_COUNT_FLAG}={devices}"])
 
 
+def usable_cores() -> tuple[int, ...]:
+    """The cores this process may run on (none where the OS cannot say)."""
+    return tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+
+
 def share_cores(found: Sequence[tuple[str, Sequence[int]]], simulated: Sequence[bool],
                 pin: bool | None, labels: Sequence[str]) -> list[tuple[int, ...] | None]:
     """Per actor, the cores it keeps to, or None: the actors that simulate hosts
