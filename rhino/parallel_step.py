@@ -70,7 +70,8 @@ from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
 from rhino.runtime.host_data import has_host_data, materialize
 from rhino.runtime.runs import DirectRun, StagedRun
-from rhino.vocabulary import ExecutorKind, ScheduleKind, TransportKind
+from rhino.vocabulary import (REMOVED_TRANSPORTS, ExecutorKind, ScheduleKind, TransportKind,
+                              removed_transport)
 
 REPORT_ENV = "RHINO_REPORT"
 
@@ -136,6 +137,11 @@ class StepOptions:
         if self.transport is None:
             put("transport", TransportKind.JAX if self.executor is ExecutorKind.RAY
                 else TransportKind.DEVICE_PUT)
+        if self.transport in REMOVED_TRANSPORTS:
+            fits = [str(t) for t in TransportKind if t.executor is self.executor]
+            raise OptionsError(f"transport: expected one of {fits} with executor "
+                               f"'{self.executor}', found {self.transport!r}"
+                               f"{removed_transport(self.transport)}")
         put("transport", TransportKind.parse(self.transport, "transport"))
         for name, value, kind, expected in (
                 ("ray_actor_options", self.ray_actor_options, Mapping,
@@ -713,11 +719,10 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         timeout: seconds any wait of a pipeline executor may take.
         transport: how values move between stage meshes. Local executor:
             ``"device_put"`` (default) or 004's cross-mesh resharding, ``"broadcast"`` /
-            ``"send_recv"``. Ray executor: ``"jax"`` (default: every actor in one
-            ``jax.distributed`` job, values device to device through JAX's transfer
-            servers; the nodes must reach each other on any port), ``"object_store"`` (a
-            put and an actor call per value; only Ray's ports) or ``"direct"`` (one TCP
-            connection per pair of actors).
+            ``"send_recv"``. Ray executor: ``"jax"`` (default and only one: every actor in
+            one ``jax.distributed`` job, values device to device through JAX's transfer
+            servers; the nodes must reach each other on any port). The Ray executor's
+            former ``"object_store"`` and ``"direct"`` were removed (an error says so).
         ray_address: the Ray cluster for ``executor="ray"`` (default: ``rhino.init``'s,
             ``$RAY_ADDRESS``, or a new local one).
         ray_actor_options: ``.options(...)`` of every Ray actor (one per host of each

@@ -108,15 +108,32 @@ class TransportKind(_Text):
     DEVICE_PUT = "device_put"      # XLA's copy onto the receiver's sharding (one process)
     BROADCAST = "broadcast"        # 004's cross-mesh resharding, broadcast unit tasks
     SEND_RECV = "send_recv"        # 004's unit tasks as point-to-point sends
-    OBJECT_STORE = "object_store"  # Ray: a put and an actor call per value
-    DIRECT = "direct"              # Ray: a TCP connection per pair of actors
     JAX = "jax"                    # Ray: JAX's transfer server, device to device, one job
 
     @property
     def executor(self) -> "ExecutorKind":
         """The executor this transport belongs to."""
-        ray = (TransportKind.OBJECT_STORE, TransportKind.DIRECT, TransportKind.JAX)
-        return ExecutorKind.RAY if self in ray else ExecutorKind.LOCAL
+        return ExecutorKind.RAY if self is TransportKind.JAX else ExecutorKind.LOCAL
+
+
+REMOVED_TRANSPORTS = ("object_store", "direct")
+"""The Ray executor's former transports (a put and an actor call per value; rhino's own TCP
+channels), removed after measurement (``benchmarks/RESULTS.md``): values between stages on
+Ray move by JAX's transfers."""
+
+
+def removed_transport(name: object) -> str:
+    """Why ``name`` is no transport any more, to end an error message; "" for other names.
+
+    >>> removed_transport("direct")[:60]
+    ": the Ray executor's 'object_store' and 'direct' transports "
+    >>> removed_transport("pigeon")
+    ''
+    """
+    if name not in REMOVED_TRANSPORTS:
+        return ""
+    return (": the Ray executor's 'object_store' and 'direct' transports were removed; values "
+            "between stages on Ray move by JAX's transfers (transport='jax', the default)")
 
 
 class Accumulate(_Text):

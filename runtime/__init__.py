@@ -25,10 +25,13 @@ Built so far (pure pieces first, each testable without a cluster)::
     threads.py       daemon threads and bounded, interruptible waits: a stuck stage never
                      holds up close(), Ctrl-C or the interpreter's exit.
     ray_cluster.py   ``init`` (``rhino.init``): reaching a Ray cluster; imports ray lazily.
-    ray_actor.py     StageActor: one host of one stage mesh; the hosts of a multi-host mesh
-                     form one jax.distributed job; results kept on the actor.
-    ray_executor.py  the Ray executor (actors per host of every stage mesh, object-store
-                     transport, state on the actors as RemoteArray handles, fetch).
+    ray_actor.py     StageActor: one host of one stage mesh; every actor of a run is one
+                     process of one jax.distributed job; results kept on the actor.
+    ray_executor.py  the Ray executor (actors per host of every stage mesh, values between
+                     stages through JAX's transfers, state on the actors as RemoteArray
+                     handles, fetch).
+    remote_array.py  RemoteArray handles and fetch; PackedKey: a typed PRNG key array's bits
+                     between the driver and the actors.
     checkpoint.py    orbax checkpoints written where the state lives, restored anywhere.
     cross_mesh.py    004's resharding as the local executor's transport between stages.
     jax_transfer.py  a transport between the processes of one jax.distributed job: values

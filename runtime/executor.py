@@ -14,14 +14,15 @@ instruction list once per step through a ``Transport``:
 
 * ``LocalTransport``: one process; a value is handed over in memory and put on the
   receiving mesh with the receiver's sharding (``jax.device_put``: a cross-mesh copy).
-* the Ray executor (``ray_executor.py``) moves host copies through the object store.
+* the Ray executor (``ray_executor.py``): device to device through JAX's transfer servers,
+  every actor one process of one ``jax.distributed`` job (``jax_transfer.py``).
 
 ``LocalExecutor`` runs one thread per stage (meshes are disjoint sets of local devices; the
 threads only dispatch and wait). Every wait has a timeout; an error on one stage stops the
 others at their next wait and is raised naming the stage and the task.
 
 Failures (both executors): every mailbox key carries the step number, and ``abort`` poisons
-one step, so a stage still busy with a failed step can neither deliver into nor abort a
+one step, so a stage still busy with a failed step can neither send into nor abort a
 later one. Stage threads are daemon threads (``runtime.threads``) that the executor waits
 for only up to a deadline: a stage stuck inside a program never holds up ``close()``, the
 interpreter's exit or Ctrl-C; the executor then refuses further steps. Of several stages'

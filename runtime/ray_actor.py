@@ -1,30 +1,27 @@
 """The actor side of the Ray executor: one ``StageActor`` per host of a stage's mesh.
 
 A stage whose mesh sits on one host is one actor holding that many devices. A stage whose
-mesh spans ``H`` hosts is ``H`` actors, one per host, each holding that host's devices;
-together they form one ``jax.distributed`` job (the coordinator on the first actor, a free
-port of its node; gloo collectives between CPU processes) and every one of them runs the
-same stage programs on the one global mesh (multi-controller SPMD)::
+mesh spans ``H`` hosts is ``H`` actors, one per host, each holding that host's devices, and
+every one of them runs the same stage programs on the stage's one global mesh
+(multi-controller SPMD). Every actor of the run, whatever its stage, is one process of one
+``jax.distributed`` job (the coordinator on the first actor, a free port of its node; gloo
+collectives between the CPU processes of a stage spanning hosts)::
 
-    stage 0 (mesh 2x4 over 2 hosts):  actor (0, host 0) ─┐ one jax.distributed job,
-                                      actor (0, host 1) ─┘ one mesh of 8 devices
+    stage 0 (mesh 2x4 over 2 hosts):  actor (0, host 0) ─┐ one mesh of 8 devices ┐
+                                      actor (0, host 1) ─┘                       ├ one job
+    stage 1 (mesh (4,) on 1 host):    actor (1, host 0) ── one mesh of 4 devices ┘
 
 * Set-up is three calls: ``node_cpus()`` on every actor (its node and cores, for the
   driver to split a node's cores between the actors simulating hosts there),
-  ``coordinator()`` on the first actor of a multi-host stage (its node's address and a free
-  port), then ``setup(...)`` on every actor at once: keeping to its cores (``pin_process``,
-  before JAX starts its backend), joining the job (bounded by ``timeout``), unpickling the ``WorkerSpec`` only after that (a step that
-  closes over arrays would otherwise start the backend first), building the
-  ``StageWorker`` and compiling its programs, so the first step is not a compile.
-* Sending a value to another stage: every actor of the sending stage takes part in making
-  it one host array (an all-gather across its processes where the value is split across
-  hosts); the first actor puts it in the object store once and delivers the reference to
-  every actor of the receiving stage (Ray fetches it once per receiving node). Each
-  receiving actor places its own shards.
-* With direct channels (``transport="direct"``, ``listen``): the first actor streams the
-  host array to every actor of the receiving stage over TCP (``runtime.channels``); on a
-  stage of one host it does so on the stage worker's sender thread, and the receiver
-  places a value on its devices as it arrives.
+  ``coordinator()`` on the first actor (its node's address and a free port), then
+  ``setup(...)`` on every actor at once: keeping to its cores (``pin_process``, before JAX
+  starts its backend), joining the job (bounded by ``timeout``), unpickling the
+  ``StageArtifact`` only after that, building the ``StageWorker`` and compiling its
+  programs, so the first step is not a compile.
+* Values between stages move device to device through JAX's transfer servers
+  (``runtime.jax_transfer``: each sending host offers its pieces, each receiving host
+  pulls those its devices need); nothing of them goes through the host, the object store
+  or a socket of rhino's.
 * Results stay in the actors (``kept``, by (step, ref)). What goes back to the driver per
   step (one pickled blob each way, ``run_step``): 0-d results (losses, counters, metrics)
   as numpy, kept one step more (the driver may pass them back), and, until the driver has
@@ -46,13 +43,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.runtime.channels import (ChannelServer, Channels, PackedKey,  # noqa: F401
-                                     pack_key, unpack_key)
-from rhino.runtime.executor import place
-from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport,
-                                     StepTransport)
-from rhino.runtime.ray_cluster import INLINE_BYTES, import_ray, usable_cores
-from rhino.runtime.remote_array import dtype_name
+from rhino.runtime.transport import ExecutorError, Failure, StepTransport
+from rhino.runtime.ray_cluster import import_ray, usable_cores
+from rhino.runtime.remote_array import PackedKey, dtype_name, unpack_key
 
 
 GLOO_CHATTER = rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
@@ -146,51 +139,9 @@ def _whole(part: np.ndarray, n: int, rows: Sequence[tuple[int, int]]) -> np.ndar
     return out
 
 
-class RayTransport:
-    """The ``Transport`` of one actor for one step (see the module docstring).
-
-    Args:
-        mailbox: this actor's ``Mailbox``; peers: per stage, the handles of its actors;
-        rank: this actor's host within its stage (0 sends); step: the step number.
-    """
-
-    def __init__(self, mailbox: "Mailbox", peers: Sequence[Sequence[Any]], rank: int,
-                 step: int, channels: Channels | None = None,
-                 addresses: Sequence[Sequence[str]] = (), timeout: float = 60.0,
-                 hosts: int = 1):
-        self.mailbox, self.peers, self.rank, self.step = mailbox, peers, rank, step
-        self.channels, self.addresses, self.timeout = channels, addresses, timeout
-        # A send waits for the value (to copy it to the host): the stage worker sends on a
-        # thread of its own, except where making the host value is a collective of the
-        # stage's job (its processes must enter those in the same order).
-        self.send_in_background = channels is not None and hosts == 1
-
-    def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
-        host = host_value(value)
-        if self.rank != 0:
-            return
-        if self.channels is not None:   # transport="direct": straight to each receiver
-            for address in self.addresses[dst]:
-                self.channels.send(address, self.step, src, key, host, self.timeout)
-            return
-        if getattr(host, "nbytes", 0) > INLINE_BYTES:
-            # A top-level ObjectRef argument: Ray fetches it to the receiver's node before
-            # deliver runs (the copy overlaps the receiver's compute).
-            host = import_ray().put(host)
-        for peer in self.peers[dst]:
-            peer.deliver.remote(self.step, src, key, host)
-
-    def recv(self, dst: int, src: int, key: tuple, timeout: float) -> Any:
-        return self.mailbox.take(self.step, src, key, timeout)
-
-    def stop_waits(self, why: str) -> None:
-        """Wake this actor's waits of the step (a background send failed)."""
-        self.mailbox.abort(self.step, why)
-
-
 class CountedTransport:
-    """A transport that counts what it moved (``sent``, ``received``): what the tests and
-    ``describe()`` read to know which path values took."""
+    """A transport that counts what it moved (``sent``, ``received``): what ``describe()``
+    and the tests read to see that values between stages went through it."""
 
     def __init__(self, inner: Any):
         self.inner = inner
@@ -222,27 +173,6 @@ class CountedTransport:
         self.inner.start(step)
 
 
-class Mailbox:
-    """Values delivered to one stage, per (step, source stage, key); ``abort`` poisons a
-    step so that every waiting ``take`` raises at once: a ``LocalTransport`` of one stage."""
-
-    def __init__(self):
-        self._box = LocalTransport(1)
-
-    def put(self, step: int, src: int, key: tuple, value: Any) -> None:
-        self._box.send(src, 0, (step, *key), value)
-
-    def take(self, step: int, src: int, key: tuple, timeout: float) -> Any:
-        return self._box.recv(0, src, (step, *key), timeout)
-
-    def abort(self, step: int, why: str) -> None:
-        self._box.abort(step, why)
-
-    def start(self, step: int) -> None:
-        """Forget the values and aborts of earlier steps."""
-        self._box.start(step)
-
-
 class StageActor:
     """One host of one stage, in its own process (wrapped by ``ray.remote`` at run time).
 
@@ -254,13 +184,7 @@ class StageActor:
         self.stage, self.rank, self.hosts = stage, rank, hosts
         self.where = f"stage {stage}" + (f" (host {rank} of {hosts})" if hosts > 1 else "")
         self.worker = None
-        self.mailbox = Mailbox()
-        self.peers: list[list[Any]] = []
-        self.addresses: list[list[str]] = []     # per stage, its actors' channel servers
-        self.channels: Channels | None = None    # transport="direct" only
-        self.server: ChannelServer | None = None
-        self.jt: CountedTransport | None = None  # transport="jax" only
-        self.delivered = 0                         # values that came by deliver()
+        self.jt: CountedTransport | None = None  # between stages: JAX's transfers (setup)
         self.kept: dict[tuple[int, int], Any] = {}  # (step, ref) -> a result (jax array)
         self.inline: set[tuple[int, int]] = set()    # those sent back whole
         self.args: tuple[int, ...] = ()
@@ -268,7 +192,7 @@ class StageActor:
         self.sources: dict[int, Any] = {}   # host_data functions, by the driver's token
 
     def coordinator(self) -> str:
-        """``host:port`` for the stage's ``jax.distributed`` job: this node, a free port."""
+        """``host:port`` for the run's ``jax.distributed`` job: this node, a free port."""
         ray = import_ray()
         ip = ray.util.get_node_ip_address()
         with socket.socket() as s:
@@ -280,27 +204,22 @@ class StageActor:
         """This actor's node and the cores it may run on (none where the OS cannot say)."""
         return import_ray().get_runtime_context().get_node_id(), usable_cores()
 
-    def setup(self, spec_blob: bytes, devices: int, coordinator: str | None,
-              timeout: float, cpus: Sequence[int] | None = None,
-              job: tuple | None = None) -> dict:
+    def setup(self, spec_blob: bytes, devices: int, job: tuple, timeout: float,
+              cpus: Sequence[int] | None = None) -> dict:
         """Keep to ``cpus`` (if given; before JAX starts its backend, whose thread pools
-        are sized to them), join the stage's job (several hosts), build the stage worker on
-        this host's ``devices`` devices (of the global mesh), compile its programs;
-        ``describe()``. ``job`` (``transport="jax"``): ``(coordinator, processes, this
-        process, stage -> its process, per stage (mesh shape, axis names, ref -> spec))``:
-        every actor of the run joins one ``jax.distributed`` job and values between stages
-        move through JAX's transfer servers (``runtime.jax_transfer``)."""
+        are sized to them), join the run's ``jax.distributed`` job, build the stage worker
+        on this host's ``devices`` devices (of the stage's global mesh), compile its
+        programs; ``describe()``. ``job``: ``(coordinator, processes, this process, stage ->
+        its processes, per stage (mesh shape, axis names, ref -> spec))``: every actor of
+        the run is one process of the job (a run of one actor too) and values between
+        stages move through JAX's transfer servers (``runtime.jax_transfer``)."""
         if cpus:
             pin_process(cpus)
         import jax
 
-        if job is not None:
-            # CPU: a stage of one host keeps its collectives in the process (with gloo,
-            # JAX's default in a job, they would go through sockets: 2x slower programs).
-            self._join(job[0], job[1], job[2], "the run's", timeout,
-                       "gloo" if self.hosts > 1 else None)
-        elif self.hosts > 1:
-            self._join(coordinator, self.hosts, self.rank, "the stage's", timeout, "gloo")
+        # CPU: a stage of one host keeps its collectives in the process (with gloo, JAX's
+        # default in a job, they would go through sockets: 2x slower programs).
+        self._join(job[0], job[1], job[2], timeout, "gloo" if self.hosts > 1 else None)
         art = pickle.loads(spec_blob)       # a StageArtifact: rhino's data, no user code
         local = jax.local_devices()
         if len(local) < devices:
@@ -308,18 +227,11 @@ class StageActor:
                                 f"found {len(local)} (XLA_FLAGS="
                                 f"{os.environ.get('XLA_FLAGS', '')!r})", stage=self.stage,
                                 failure=Failure.PROGRAM)
-        if job is not None and self.hosts > 1:   # this stage's processes of the run's job
+        if self.hosts > 1:   # this stage's processes of the run's job
             procs = set(job[3][self.stage])
+            # Host-major: the mesh's first axis runs across hosts, as the plan assumes.
             mesh_devices = sorted((d for d in jax.devices() if d.process_index in procs),
                                   key=lambda d: (d.process_index, d.id))
-        elif self.hosts > 1:
-            if jax.local_device_count() != devices or jax.process_count() != self.hosts:
-                raise ExecutorError(f"{self.where}: expected {self.hosts} processes × "
-                                    f"{devices} devices in the job, found "
-                                    f"{jax.process_count()} × {jax.local_device_count()}",
-                                    stage=self.stage, failure=Failure.PROGRAM)
-            # Host-major: the mesh's first axis runs across hosts, as the plan assumes.
-            mesh_devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         else:
             mesh_devices = local[:devices]
         split = art.split
@@ -328,24 +240,24 @@ class StageActor:
                              and o.producer[1] == self.stage and o.source in ("task", "acc"))
         self.args = split.stage_args(self.stage)
         self.rows = self._batch_rows(split) if self.hosts > 1 else {}
-        if job is not None:
-            from rhino.runtime.jax_transfer import JaxTransferTransport, stage_targets
+        from rhino.runtime.jax_transfer import JaxTransferTransport, stage_targets
 
-            by_process: dict[int, list] = {}
-            for d in jax.devices():
-                by_process.setdefault(d.process_index, []).append(d)
-            stage_devices = {s: [d for p in procs for d in sorted(by_process[p],
-                                                                  key=lambda d: d.id)]
-                             for s, procs in job[3].items()}
-            self.jt = CountedTransport(JaxTransferTransport(
-                job[3], target=stage_targets({self.stage: self.worker}, stage_devices, job[4]),
-                address=f"{import_ray().util.get_node_ip_address()}:0",
-                connect_timeout=timeout))
+        by_process: dict[int, list] = {}
+        for d in jax.devices():
+            by_process.setdefault(d.process_index, []).append(d)
+        stage_devices = {s: [d for p in procs for d in sorted(by_process[p],
+                                                              key=lambda d: d.id)]
+                         for s, procs in job[3].items()}
+        self.jt = CountedTransport(JaxTransferTransport(
+            job[3], target=stage_targets({self.stage: self.worker}, stage_devices, job[4]),
+            address=f"{import_ray().util.get_node_ip_address()}:0",
+            connect_timeout=timeout))
         return self.describe()
 
-    def _join(self, coordinator: str, processes: int, process: int, whose: str,
-              timeout: float, collectives: str | None) -> None:
-        """Join a ``jax.distributed`` job (bounded by ``timeout``), CPU collectives set."""
+    def _join(self, coordinator: str, processes: int, process: int, timeout: float,
+              collectives: str | None) -> None:
+        """Join the run's ``jax.distributed`` job (bounded by ``timeout``), CPU collectives
+        set."""
         import jax
 
         drop_output_lines(GLOO_CHATTER)
@@ -355,7 +267,7 @@ class StageActor:
                                        process_id=process,
                                        initialization_timeout=max(1, int(timeout)))
         except Exception as e:
-            raise ExecutorError(f"{self.where}: could not join {whose} jax.distributed job "
+            raise ExecutorError(f"{self.where}: could not join the run's jax.distributed job "
                                 f"at {coordinator} within {timeout:.0f} s: "
                                 f"{type(e).__name__}: {e}", stage=self.stage,
                                 failure=Failure.PROGRAM) from e
@@ -398,61 +310,21 @@ class StageActor:
                 "platform": jax.devices()[0].platform,
                 "node": import_ray().get_runtime_context().get_node_id(),
                 "rows": getattr(self, "rows", {}), "cpus": usable_cores(),
-                "sent_directly": self.channels.sent_bytes if self.channels else 0,
                 "jax_transfers": dict(self.jt.counts, **self.jt.inner.waited,
                                       modes=sorted(set(self.jt.inner.modes.values())),
                                       held=self.jt.inner.held,
                                       acknowledged=self.jt.inner.acknowledged)
-                if self.jt is not None else {},
-                "delivered": self.delivered}
+                if self.jt is not None else {}}
 
-    def listen(self, token: bytes) -> str:
-        """Receive values over direct channels (``transport="direct"``): a server on a
-        free port of this node that accepts connections starting with ``token``. Its
-        ``ip:port``."""
-        ip = import_ray().util.get_node_ip_address()
-        self.server = ChannelServer(token, self._arrived, ip)
-        self.channels = Channels(token)
-        return self.server.address
-
-    def _arrived(self, step: int, src: int, key: tuple, value: Any) -> None:
-        """A value from another stage (a direct channel or ``deliver``). On a stage of one
-        host it is placed on the stage's devices at once (on the channel's or the call's
-        thread), so the copy overlaps the wait for the stage's other values; the stage's
-        ``recv`` then finds it in place."""
-        value = unpack_key(value)
-        if self.hosts == 1 and self.worker is not None and isinstance(key[0], int):
-            try:
-                value = place(value, self.worker.sharding(key[0]))
-            except Exception:  # noqa: BLE001 - recv places it again and names the error
-                pass
-        self.mailbox.put(step, src, key, value)
-
-    def set_peers(self, peers: Sequence[Sequence[Any]],
-                  addresses: Sequence[Sequence[str]] = ()) -> None:
-        """Every stage's actors (and, with direct channels, their servers' addresses)."""
-        self.peers = [list(g) for g in peers]
-        self.addresses = [list(g) for g in addresses]
-
-    def _transport(self, step: int, timeout: float) -> Any:
-        if self.jt is not None:
-            return StepTransport(self.jt, step)
-        return RayTransport(self.mailbox, self.peers, self.rank, step, self.channels,
-                            self.addresses, timeout, self.hosts)
-
-    def deliver(self, step: int, src: int, key: tuple, value: Any) -> None:
-        """A value through the object store (``transport="object_store"``): as
-        ``_arrived``."""
-        self.delivered += 1
-        self._arrived(step, src, key, value)
+    def _transport(self, step: int) -> StepTransport:
+        return StepTransport(self.jt, step)
 
     def abort(self, step: int, why: str) -> None:
-        self.mailbox.abort(step, why)
+        """Stop this actor's waits of ``step`` (another stage failed, or Ctrl-C)."""
         if self.jt is not None:
             self.jt.abort(step, why)
 
     def _start(self, step: int) -> None:
-        self.mailbox.start(step)
         if self.jt is not None:
             self.jt.start(step)
 
@@ -461,8 +333,7 @@ class StageActor:
         and every collective's communicator set up before the first step. Seconds."""
         t0 = time.perf_counter()
         self._start(0)
-        transport = self._transport(0, timeout)
-        outs, _ = self.worker.run_step(self.worker.zero_args(), transport, timeout)
+        outs, _ = self.worker.run_step(self.worker.zero_args(), self._transport(0), timeout)
         import jax
 
         jax.block_until_ready(outs)
@@ -523,10 +394,9 @@ class StageActor:
             raise ExecutorError(f"{self.where}: the driver referred to kept results for "
                                 f"arguments {missing}; this actor does not have them")
         args.update({r: self.kept[tuple(k)] for r, k in kept.items()})
-        transport = self._transport(step, timeout)
-        if self.jt is not None:     # asked for before they are sent (see JaxTransferTransport)
-            for r, (src, k, ref) in pull.items():
-                transport.expect(self.stage, src, ("arg", k, ref))
+        transport = self._transport(step)
+        for r, (src, k, ref) in pull.items():   # asked for before they are sent
+            transport.expect(self.stage, src, ("arg", k, ref))
         for k, readers in push:
             k = tuple(k)
             if k not in self.kept:
@@ -537,9 +407,7 @@ class StageActor:
                 transport.send(self.stage, dst, ("arg", *k), self.kept[k])
         for r, (src, k, ref) in pull.items():
             try:
-                args[r] = (transport.recv(self.stage, src, ("arg", k, ref), timeout)
-                           if self.jt is not None else
-                           self.mailbox.take(step, src, ("arg", k, ref), timeout))
+                args[r] = transport.recv(self.stage, src, ("arg", k, ref), timeout)
             except TimeoutError as e:
                 raise ExecutorError(f"{self.where}: argument #{r} (result v{ref} of step {k} "
                                     f"on stage {src}) did not come: {e}", stage=self.stage,

@@ -27,9 +27,6 @@ from rhino.runtime.transport import ExecutorError
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 ACTOR_CONCURRENCY = 8
-INLINE_BYTES = 100 * 1024
-"""Values up to this size travel inside the ``deliver`` call (Ray inlines small
-arguments); larger ones are put in the sender's object store first."""
 ABORT_GRACE_S = 30.0
 """After a failure, how long the driver waits for the other stages to stop."""
 CONNECT_TIMEOUT_S = 60.0

@@ -1,7 +1,6 @@
 """The Ray executor: one actor per host of every stage's mesh, values between stages device to
-device through JAX's transfer servers (every actor in one ``jax.distributed`` job; the
-default), through the object store or over direct TCP channels between the actors
-(``transport``), the training state kept on the actors. ``init`` (``runtime.ray_cluster``)
+device through JAX's transfer servers (every actor in one ``jax.distributed`` job), the
+training state kept on the actors. ``init`` (``runtime.ray_cluster``)
 connects to (or starts) a Ray cluster; it is exposed as ``rhino.init``.
 
 Only the ``ray_*`` modules (in ``rhino.runtime``) import ray, and only inside functions and
@@ -10,32 +9,28 @@ the actors, so ``import rhino`` never imports ray.
 Layout of one step (2 stages; stage 1's mesh spans two hosts)::
 
     driver ── run_step(step, batch refs) ──► actor (0, host 0): stage 0, N local devices
-           ── run_step(step, batch refs) ──► actor (1, host 0) ┐ stage 1: one
-           ── run_step(step, batch refs) ──► actor (1, host 1) ┘ jax.distributed job
-                                        │  send / recv (``transport="jax"``): device to
-                                        │   device by JAX's transfer servers (pull by uuid);
-                                        │   ("object_store": ray.put once by host 0 and
-                                        │   deliver.remote(...) to each receiving actor)
+           ── run_step(step, batch refs) ──► actor (1, host 0) ┐ stage 1: one mesh
+           ── run_step(step, batch refs) ──► actor (1, host 1) ┘ over two hosts
+                                        │  send / recv: device to device by JAX's
+                                        │   transfer servers (pull by uuid), every actor
+                                        │   one process of the run's jax.distributed job
            ◄── (0-d results as numpy, shapes of the rest, task records) ──┘
 
 * Start (``runtime.ray_actor``): actors are created (``XLA_FLAGS`` with
   ``--xla_force_host_platform_device_count`` = that host's devices reaches each through
   ``runtime_env``; not on GPU actors, ``num_gpus`` in ``actor_options``), actors that
-  simulate hosts on one node split its cores (``pin_cpus``), the hosts of a
-  multi-host stage join their ``jax.distributed`` job, each builds its ``StageWorker`` and
+  simulate hosts on one node split its cores (``pin_cpus``), every actor joins the run's
+  ``jax.distributed`` job (a run of one actor too), each builds its ``StageWorker`` and
   the stages run once on zeros, so every program is compiled and every collective set up
   before the first step. A Ray cluster of several nodes but fewer than the plan's hosts is
   refused before any actor starts; on one node, hosts are simulated by actors.
 * A step is one ``run_step`` call per actor. The actors are threaded (``max_concurrency``):
-  ``deliver`` and ``abort`` run while ``run_step`` waits in the mailbox.
-* By default (``transport="jax"``) every actor of the run joins one ``jax.distributed``
-  job and values move device to device through JAX's transfer servers
-  (``runtime.jax_transfer``). ``RayTransport`` implements the two older ways: a value goes
-  to the host, into the sender's object store (``ray.put``), and its ``ObjectRef`` is
-  passed as a top-level argument of each receiver's ``deliver``, so Ray fetches it to the
-  receiver's node before ``deliver`` runs (``transport="object_store"``, on Ray's ports
-  only); or it streams the value's bytes to each receiving actor over a TCP connection
-  kept between steps (``transport="direct"``, ``runtime.channels``).
+  ``abort`` runs while ``run_step`` waits for a value.
+* Values between stages (``transport="jax"``, the only one) move device to device through
+  JAX's transfer servers (``runtime.jax_transfer``): no host copy, no object store, no
+  socket of rhino's. (The object store with an actor call per value and rhino's own TCP
+  channels were removed after measurement: ``benchmarks/RESULTS.md``; the object store
+  carries only the driver's arguments, control messages and results.)
 * A result one stage keeps and another reads (a tied weight passed back in) is sent by its
   holder to the readers at the start of the step, through the same transport.
 * State on the workers: results with at least one dimension stay in the actors and come
@@ -74,7 +69,6 @@ Example:
 from __future__ import annotations
 
 import pickle
-import secrets
 import sys
 import threading
 import time
@@ -84,19 +78,17 @@ import numpy as np
 
 from rhino.runtime import threads
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError, Failure, root_cause
-from rhino.runtime.channels import PackedKey, pack_key, unpack_key
 from rhino.runtime.ray_actor import StageActor
 from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
                                        RayInfo, check_plan, import_ray, init, share_cores,
                                        xla_flags)
 from rhino.runtime.ray_errors import is_dead, stage_error, unlabelled, why_failed
-from rhino.runtime.remote_array import RemoteArray, fetch
+from rhino.runtime.remote_array import PackedKey, RemoteArray, fetch, pack_key, unpack_key
+from rhino.vocabulary import removed_transport
 
-RAY_TRANSPORTS = ("object_store", "direct", "jax")
-"""How values cross stages on Ray: through the object store and an actor call per value,
-over one TCP connection per pair of actors (``runtime.channels``), or device to device by
-JAX's transfer servers, every actor in one ``jax.distributed`` job
-(``runtime.jax_transfer``; the default)."""
+RAY_TRANSPORTS = ("jax",)
+"""How values cross stages on Ray: device to device by JAX's transfer servers, every actor
+in one ``jax.distributed`` job (``runtime.jax_transfer``)."""
 
 SMALL_ARG_BYTES = 256
 """Host values up to this size (scalars: a step counter, a learning rate) go inside the
@@ -159,12 +151,10 @@ class RayExecutor:
             placement group bundle per plan host (``STRICT_SPREAD``: each on its own node)
             holds that host's actors, unless ``actor_options`` sets a scheduling strategy.
         keep_state: results with dimensions stay on the actors (``RemoteArray``).
-        transport: how values cross stages, one of ``RAY_TRANSPORTS``: ``"jax"``
-            (default: JAX's transfer servers, device to device; the nodes must reach each
-            other on any port, as ``jax.distributed`` needs), ``"object_store"`` (a put and
-            a ``deliver`` call per value; Ray moves it between nodes, on Ray's ports only)
-            or ``"direct"`` (each sending actor streams the value's bytes to each receiving
-            actor over a TCP connection kept open between steps; any port, too).
+        transport: how values cross stages: ``"jax"`` (``RAY_TRANSPORTS``; JAX's transfer
+            servers, device to device; the nodes must reach each other on any port, as
+            ``jax.distributed`` needs). ``"object_store"`` and ``"direct"`` were removed:
+            an error naming that.
         pin_cpus: actors that simulate hosts (forced host devices, no ``num_gpus``) and
             share a node split its cores, as hosts do not share theirs: each actor's threads
             (XLA's included, sized to them) keep to its own share. None (default): where the
@@ -197,8 +187,9 @@ class RayExecutor:
                  keep_state: bool = True, host_ids: Sequence[Sequence[int]] | None = None,
                  transport: str = "jax", pin_cpus: bool | None = None):
         if transport not in RAY_TRANSPORTS:
-            raise ExecutorError(f"transport: expected one of {RAY_TRANSPORTS} for the Ray "
-                                f"executor, found {transport!r}")
+            raise ExecutorError(f"transport: expected one of {list(RAY_TRANSPORTS)} for the "
+                                f"Ray executor, found {transport!r}"
+                                f"{removed_transport(transport)}")
         self.transport = transport
         ray = import_ray()
         self.info = init(address, timeout=connect_timeout or min(timeout, CONNECT_TIMEOUT_S))
@@ -267,29 +258,15 @@ class RayExecutor:
                 self.owners.extend((s, r) for r in range(h))
                 simulated += [not opts.get("num_gpus")] * h
             self.pinned = self._share_cpus(pin_cpus, simulated, timeout)
-            multi = [s for s, g in enumerate(self.groups) if len(g) > 1]
-            found = self._collect([self.groups[s][0].coordinator.remote() for s in multi],
-                                  "finding a coordinator port", timeout,
-                                  [(s, 0) for s in multi], close=True)
-            coord = dict(zip(multi, found))
             jobs = self._one_job(timeout)
             # Plain pickle of rhino's own data and jax.export bytes: the actors never
             # unpickle, import or trace the user's code.
             blobs = [pickle.dumps(spec) for spec in self.specs]
             self._describe = self._collect(
-                [a.setup.remote(blobs[s], per_host[s], coord.get(s), timeout, cpus, job)
+                [a.setup.remote(blobs[s], per_host[s], job, timeout, cpus)
                  for a, (s, _), cpus, job in zip(self.actors, self.owners, self.pinned,
                                                  jobs)],
                 "starting the stage", timeout, self.owners, close=True)
-            addresses: list[list[str]] = []
-            if transport == "direct":
-                token = secrets.token_bytes(16)
-                found = iter(self._collect([a.listen.remote(token) for a in self.actors],
-                                           "opening the direct channels", timeout,
-                                           self.owners, close=True))
-                addresses = [[next(found) for _ in g] for g in self.groups]
-            self._collect([a.set_peers.remote(self.groups, addresses) for a in self.actors],
-                          "introducing the stages", timeout, self.owners, close=True)
             self.warm_up_s = self._collect([a.warm_up.remote(timeout) for a in self.actors],
                                            "warming up the stage", 2 * timeout, self.owners,
                                            close=True)
@@ -307,11 +284,10 @@ class RayExecutor:
 
     # ------------------------------------------------------------------ helpers
     def _one_job(self, timeout: float) -> list:
-        """Per actor, its part of the run's one ``jax.distributed`` job (``transport="jax"``;
-        else None each): the coordinator (on the first actor's node), the processes, its
-        own, which process runs each stage and every stage's layouts."""
-        if self.transport != "jax":
-            return [None] * len(self.actors)
+        """Per actor, its part of the run's one ``jax.distributed`` job (every actor is one
+        of its processes, whatever the plan: a single-stage SPMD run and a run of one actor
+        too): the coordinator (on the first actor's node), the processes, its own, which
+        processes run each stage and every stage's layouts."""
         coord = self._collect([self.actors[0].coordinator.remote()],
                               "finding a coordinator port", timeout, self.owners[:1],
                               close=True)[0]

@@ -1,13 +1,54 @@
 """Handles of step results kept on the Ray actors (``runtime.ray_executor``), and ``fetch``,
-which brings their values to the driver (exposed as ``rhino.fetch``). No Ray import here:
-the executor that made a handle does the fetching.
+which brings their values to the driver (exposed as ``rhino.fetch``); how a value travels
+between the driver and the actors (numpy, a typed PRNG key array as a ``PackedKey`` of its
+bits: numpy has no key type). No Ray import here: the executor that made a handle does the
+fetching.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedKey:
+    """A typed PRNG key array on its way between the driver and an actor: its bits and
+    its implementation's name."""
+
+    data: np.ndarray
+    impl: str
+
+
+def pack_key(x: Any) -> Any:
+    """Typed key arrays as ``PackedKey``, other jax arrays as numpy; the rest unchanged.
+
+    >>> import jax
+    >>> packed = pack_key(jax.random.key(3))
+    >>> type(packed).__name__, packed.data.dtype.name, packed.data.shape
+    ('PackedKey', 'uint32', (2,))
+    >>> bool((jax.random.key_data(unpack_key(packed)) == packed.data).all())
+    True
+    """
+    import jax
+
+    if isinstance(x, jax.Array):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return PackedKey(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x)))
+        return np.asarray(x)
+    return x
+
+
+def unpack_key(x: Any) -> Any:
+    """``pack_key``'s inverse for keys: a ``PackedKey`` as a typed key array again; the rest
+    unchanged."""
+    import jax
+
+    if isinstance(x, PackedKey):
+        return jax.random.wrap_key_data(x.data, impl=x.impl)
+    return x
 
 
 def dtype_name(x: Any) -> str:

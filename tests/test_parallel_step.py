@@ -134,11 +134,11 @@ def test_options_are_checked_when_the_step_is_built():
         rhino.auto_parallel(f, cluster="2x4", timeout=-1)
     with pytest.raises(rhino.OptionsError, match="transport"):
         rhino.auto_parallel(f, cluster="2x4", transport="pigeon")
-    with pytest.raises(rhino.OptionsError, match=r"transport: expected one of \['object_store'"
-                       r", 'direct', 'jax'\] with executor 'ray', found 'broadcast'"):
+    with pytest.raises(rhino.OptionsError, match=r"transport: expected one of \['jax'\] with "
+                                                 r"executor 'ray', found 'broadcast'"):
         rhino.auto_parallel(f, cluster="2x4", executor="ray", transport="broadcast")
-    with pytest.raises(rhino.OptionsError, match="found 'direct' .a transport of the ray"):
-        rhino.auto_parallel(f, cluster="2x4", transport="direct")
+    with pytest.raises(rhino.OptionsError, match="found 'jax' .a transport of the ray"):
+        rhino.auto_parallel(f, cluster="2x4", transport="jax")
     with pytest.raises(rhino.OptionsError, match="ray_pin_cpus: expected True, False or "
                                                  "None, found 'yes'"):
         rhino.auto_parallel(f, cluster="2x4", executor="ray", ray_pin_cpus="yes")
@@ -150,6 +150,31 @@ def test_options_are_checked_when_the_step_is_built():
         rhino.auto_parallel(f, cluster="2x4", stages=0)
     with pytest.raises(rhino.OptionsError, match="plan"):
         rhino.auto_parallel(f, plan="plan.json")
+
+
+@pytest.mark.parametrize("executor", ["ray", "local"])
+@pytest.mark.parametrize("name", ["object_store", "direct"])
+def test_the_removed_ray_transports_are_refused_saying_so(name, executor):
+    """The Ray executor's ``"object_store"`` and ``"direct"`` transports were removed (issue
+    30): asking for one names what is expected, what was found and that it was removed,
+    when the step is built (``auto_parallel``) and from ``RayExecutor`` itself (before it
+    reaches any cluster)."""
+    from rhino.runtime.executor import ExecutorError
+    from rhino.runtime.ray_executor import RayExecutor
+
+    removed = (r": the Ray executor's 'object_store' and 'direct' transports were removed; "
+               r"values between stages on Ray move by JAX's transfers \(transport='jax', the "
+               r"default\)$")
+    fits = r"\['jax'\]" if executor == "ray" else \
+        r"\['device_put', 'broadcast', 'send_recv'\]"
+    with pytest.raises(rhino.OptionsError, match=rf"^transport: expected one of {fits} with "
+                                                 rf"executor '{executor}', found '{name}'"
+                                                 + removed):
+        rhino.auto_parallel(lambda x: x, cluster="2x4", executor=executor, transport=name)
+    if executor == "ray":
+        with pytest.raises(ExecutorError, match=rf"^transport: expected one of \['jax'\] for "
+                                                rf"the Ray executor, found '{name}'" + removed):
+            RayExecutor([], transport=name)
 
 
 def test_plan_pipeline_honours_its_options(gpt):

@@ -373,8 +373,8 @@ def test_a_lost_value_times_out_naming_stage_and_instruction(gpt_run):
 
 
 class _FailingInBackground(LocalTransport):
-    """Sends on the stage's sender thread (as the Ray actors' direct channels do); every
-    value for stage 1 fails."""
+    """Sends on the stage's sender thread (``send_in_background``: a transport whose send
+    waits for the value); every value for stage 1 fails."""
 
     send_in_background = True
 

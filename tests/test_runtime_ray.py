@@ -1,4 +1,5 @@
-"""The Ray executor: one actor per stage, values through the object store.
+"""The Ray executor: one actor per host of every stage mesh, values between stages through
+JAX's transfer servers (every actor one process of one ``jax.distributed`` job).
 
 Needs ray (skipped otherwise). A local Ray cluster with 4 CPUs is started once for the
 module. ``ray job submit`` of the example is run by the documentation test
@@ -24,10 +25,11 @@ import jax  # noqa: E402
 import rhino  # noqa: E402
 from rhino.models import get_model  # noqa: E402
 from rhino.runtime.executor import ExecutorError  # noqa: E402
-from rhino.runtime.ray_actor import Mailbox  # noqa: E402
+from rhino.runtime import ray_executor  # noqa: E402
 from rhino.runtime.ray_cluster import check_cpus, share_cores  # noqa: E402
 from rhino.runtime.ray_executor import (RayExecutor, RayInfo, init,  # noqa: E402
                                         xla_flags)
+from rhino.runtime.remote_array import PackedKey, pack_key, unpack_key  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
@@ -97,20 +99,19 @@ def test_actors_simulating_hosts_on_one_node_split_its_cores():
         share_cores([("a", (0, 1))] * 3, [True] * 3, True, list("xyz"))
 
 
-def test_mailbox_times_out_and_aborts_per_step():
-    box = Mailbox()
-    box.put(1, 0, ("v", 0), 5)
-    assert box.take(1, 0, ("v", 0), 1.0) == 5
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match="from stage 0"):
-        box.take(1, 0, ("v", 1), 0.2)
-    assert time.monotonic() - t0 < 2
-    threading.Timer(0.1, box.abort, (1, "stage 1 died")).start()
-    with pytest.raises(ExecutorError, match="aborted: stage 1 died"):
-        box.take(1, 0, ("v", 2), 30.0)
-    box.start(2)  # a new step forgets the abort
-    box.put(2, 0, ("v", 0), 7)
-    assert box.take(2, 0, ("v", 0), 1.0) == 7
+def test_a_prng_key_travels_as_its_bits_and_comes_back_a_key():
+    """Typed PRNG key arrays cross between the driver and the actors as their bits and
+    implementation (``PackedKey``: numpy has no key type), and come back keys; other jax
+    arrays go as numpy, the rest as they are."""
+    keys = jax.random.split(jax.random.key(3), 4)
+    packed = pack_key(keys)
+    assert isinstance(packed, PackedKey) and packed.data.dtype == np.uint32
+    assert packed.impl == str(jax.random.key_impl(keys))
+    back = unpack_key(packed)
+    assert jax.dtypes.issubdtype(back.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(back), jax.random.key_data(keys))
+    assert type(pack_key(jax.numpy.ones(3))) is np.ndarray
+    assert pack_key(2.5) == 2.5 and unpack_key("x") == "x"
 
 
 # ------------------------------------------------------------------ on a local Ray cluster
@@ -215,17 +216,14 @@ def test_stalled_stage_times_out_naming_the_stages(gpt_ray, gpt):
         ex.close()
 
 
-@pytest.mark.parametrize("transport", [
-    "jax", pytest.param("object_store", marks=pytest.mark.slow),
-    pytest.param("direct", marks=pytest.mark.slow)])
-def test_killed_actor_raises_naming_the_stage(gpt_ray, gpt, transport):
-    """Stage 1's actor killed mid-run: the step fails naming it, within seconds, whether
-    stage 0 was sending to it through JAX's transfers (the default; the actors' one
-    ``jax.distributed`` job loses a process), the object store or a direct channel."""
+def test_killed_actor_raises_naming_the_stage(gpt_ray, gpt):
+    """Stage 1's actor killed mid-run: the step fails naming it, within seconds, though
+    stage 0 was sending to it through JAX's transfers (the actors' one ``jax.distributed``
+    job loses a process)."""
     m, params, opt, batch = gpt
     specs, cluster = _specs(gpt_ray, (params, opt, batch))
     flat = jax.tree_util.tree_leaves((params, opt, batch))
-    ex = RayExecutor(specs, cluster, timeout=60.0, transport=transport)
+    ex = RayExecutor(specs, cluster, timeout=60.0)
     try:
         box: dict = {}
 
@@ -267,42 +265,6 @@ def test_actor_that_cannot_start_is_named(gpt_ray, gpt):
                     r"actor, found 2 \(XLA_FLAGS=",
                     str(err.value)), str(err.value)
     assert time.monotonic() - t0 < 30
-
-
-@pytest.mark.slow
-def test_unet_on_two_actors_matches_one_device(ray_cluster):
-    """UNet (skip tensors cross the stage boundary), 2 stage actors × 4 devices, 4
-    microbatches, 10 steps: losses and final state equal single-device ``jax.jit``. The
-    values cross over direct channels (``transport="direct"``: sent on each stage's sender
-    thread, placed on arrival); GPT (``gpt_ray``) covers the object store. The actors are
-    not pinned to cores here (``ray_pin_cpus=False``)."""
-    m = get_model("unet", batch=16)
-    params, opt = m.init(jax.random.PRNGKey(0))
-    batch = m.make_batch(jax.random.PRNGKey(1))
-    step = rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
-                               executor="ray", timeout=120, transport="direct",
-                               ray_pin_cpus=False)
-    ref = jax.jit(m.step)
-    try:
-        p1, o1, p2, o2 = params, opt, params, opt
-        for i in range(10):
-            p1, o1, l1 = step(p1, o1, batch)
-            p2, o2, l2 = ref(p2, o2, batch)
-            np.testing.assert_allclose(float(l1), float(l2), rtol=1e-4, atol=5e-5,
-                                       err_msg=f"step {i}")
-        for a, b in zip(jax.tree_util.tree_leaves((p1, o1)),
-                        jax.tree_util.tree_leaves((p2, o2))):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=5e-5)
-        ex = step._last.run.executor
-        assert isinstance(ex, RayExecutor) and len(ex.actors) == 2
-        assert step.plan_for(params, opt, batch).num_stages == 2
-        sent = [d["sent_directly"] for d in ray.get([a.describe.remote()
-                                                     for a in ex.actors])]
-        assert all(b > 0 for b in sent), sent   # both stages sent over their channels
-        assert [d["cpus"] for d in ex._describe] == [tuple(sorted(os.sched_getaffinity(0)))] * 2
-        assert {r.kind for r in step.last_records} >= {"send", "recv"}
-    finally:
-        step.close()
 
 
 def test_prng_keys_in_the_state_and_between_stages_on_ray(ray_cluster):
@@ -399,9 +361,44 @@ def test_distributed_init_on_ray_sends_an_exported_initializer(ray_cluster):
                                    rtol=1e-5)
 
 
-def _ray_jax_transport_run(model, steps, cluster="2x4", **kw):
-    """``model`` pipelined in 2 stages on ``cluster`` with ``transport="jax"``, ``steps``
-    steps against jax.jit; returns the actors' ``describe()``."""
+def _recording_actor():
+    """``StageActor`` whose process records every ``ray.put`` of an array made in it (type
+    and shape; ``array_puts()``). ``array_puts(probe=True)`` first puts one itself: proof
+    that the recording sees a put. Defined here, so Ray ships it by value."""
+    base = ray_executor.StageActor
+
+    class RecordingStageActor(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            import ray as ray_here
+
+            from rhino.runtime.remote_array import PackedKey
+
+            self.puts: list[tuple[str, tuple]] = []
+            put = ray_here.put
+
+            def recording_put(value, *a, **k):
+                if isinstance(value, PackedKey) or getattr(value, "shape", None) is not None:
+                    self.puts.append((type(value).__name__, tuple(np.shape(getattr(
+                        value, "data", value)))))
+                return put(value, *a, **k)
+            ray_here.put = recording_put
+
+        def array_puts(self, probe: bool = False) -> list:
+            if probe:
+                import ray as ray_here
+
+                ray_here.put(np.zeros(3))
+            return list(self.puts)
+
+    return RecordingStageActor
+
+
+def _ray_jax_transport_run(monkeypatch, model, steps, cluster="2x4", **kw):
+    """``model`` pipelined in 2 stages on ``cluster`` (``transport="jax"``), ``steps`` steps
+    against jax.jit; returns the actors' ``describe()``, each with ``array_puts``: the
+    arrays its process put in Ray's object store (``_recording_actor``)."""
+    monkeypatch.setattr(ray_executor, "StageActor", _recording_actor())
     m = get_model(model, **({"batch": 16} if model == "unet" else GPT))
     params, opt = m.init(jax.random.PRNGKey(0))
     batches = [m.make_batch(jax.random.PRNGKey(1 + i)) for i in range(steps)]
@@ -419,54 +416,67 @@ def _ray_jax_transport_run(model, steps, cluster="2x4", **kw):
                         jax.tree_util.tree_leaves((p2, o2))):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
         ex = step._last.run.executor
-        return ray.get([a.describe.remote() for a in ex.actors])
+        found = ray.get([a.describe.remote() for a in ex.actors])
+        puts = ray.get([a.array_puts.remote() for a in ex.actors])
+        # The recording works: a put of an array in an actor is seen.
+        assert ray.get(ex.actors[0].array_puts.remote(probe=True)) == \
+            puts[0] + [("ndarray", (3,))]
+        for d, p in zip(found, puts):
+            d["array_puts"] = p
+        return found
     finally:
         step.close()
 
 
-def test_gpt_between_actors_through_jax_transfers(ray_cluster):
-    """``transport="jax"``: the two stage actors join one ``jax.distributed`` job and every
-    value between them moves device to device through JAX's transfer servers
-    (``runtime.jax_transfer``): 5 GPT steps equal jax.jit, each actor sent and received
-    through it, and nothing came through the object store (no ``deliver``) or rhino's
-    sockets (no direct channel). The two stages' meshes are of one size, so every value
+def test_gpt_between_actors_through_jax_transfers(ray_cluster, monkeypatch):
+    """The two stage actors join one ``jax.distributed`` job and every value between them
+    moves device to device through JAX's transfer servers (``runtime.jax_transfer``): 5
+    GPT steps equal jax.jit; every value one stage sent through them the other received
+    through them; and no actor put an array in Ray's object store (every ``ray.put`` of
+    their processes recorded). The two stages' meshes are of one size, so every value
     crossed as the sender's tiles (``whole`` or ``relayout``: built on arrival by one
     program), none piece by piece. Stage 1 held its update each step until stage 0 said it
     had the gradients of the last backward (``instructions.held_sends``); stage 0 held
     nothing."""
-    found = _ray_jax_transport_run("gpt", 5)
+    found = _ray_jax_transport_run(monkeypatch, "gpt", 5)
     assert [d["global_devices"] for d in found] == [8, 8]      # one job of both actors
     for d in found:
         assert d["jax_transfers"]["sent"] > 0 and d["jax_transfers"]["received"] > 0, d
-        assert d["delivered"] == 0 and d["sent_directly"] == 0, d
+        assert d["array_puts"] == [], d
         assert set(d["jax_transfers"]["modes"]) <= {"whole", "relayout"}, d
     assert "relayout" in found[1]["jax_transfers"]["modes"], found
     t0, t1 = found[0]["jax_transfers"], found[1]["jax_transfers"]
+    assert t0["sent"] == t1["received"] and t1["sent"] == t0["received"], found
     assert t1["held"] >= 5 and t0["acknowledged"] == t1["held"], found
     assert t0["held"] == 0 and t1["acknowledged"] == 0, found
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cluster", ["2x4", "4x2"])
-def test_unet_between_actors_through_jax_transfers(ray_cluster, cluster):
-    """UNet (skip tensors cross the boundary) with ``transport="jax"``, each stage on one
-    actor × 4 devices (2x4) or on 2 actors × 2 devices (4x2): 5 steps equal jax.jit, every
-    value through JAX's transfer servers."""
-    found = _ray_jax_transport_run("unet", 5, cluster=cluster)
+def test_unet_between_actors_through_jax_transfers(ray_cluster, monkeypatch, cluster):
+    """UNet (skip tensors cross the boundary), each stage on one actor × 4 devices (2x4) or
+    on 2 actors × 2 devices (4x2): 5 steps equal jax.jit, every value through JAX's transfer
+    servers, no array put in the object store. On 2x4 the actors are not pinned to cores
+    (``ray_pin_cpus=False``: each may use every core)."""
+    unpinned = cluster == "2x4"
+    found = _ray_jax_transport_run(monkeypatch, "unet", 5, cluster=cluster,
+                                   **({"ray_pin_cpus": False} if unpinned else {}))
     assert len(found) == {"2x4": 2, "4x2": 4}[cluster]
     for d in found:
         assert d["jax_transfers"]["sent"] > 0 and d["jax_transfers"]["received"] > 0, d
-        assert d["delivered"] == 0 and d["sent_directly"] == 0, d
+        assert d["array_puts"] == [], d
+    if unpinned:
+        assert [d["cpus"] for d in found] == [tuple(sorted(os.sched_getaffinity(0)))] * 2
 
 
 @pytest.mark.slow
-def test_stages_spanning_hosts_through_jax_transfers(ray_cluster):
-    """``transport="jax"`` on a 4x2 cluster: each stage on 2 actors × 2 devices, the 4
-    actors one job; a value goes from each sending host straight to the receiving hosts
-    that need its pieces (``runtime.process_resharding``'s plan, computed alike on both
-    sides); 5 GPT steps equal jax.jit."""
-    found = _ray_jax_transport_run("gpt", 5, cluster="4x2")
+def test_stages_spanning_hosts_through_jax_transfers(ray_cluster, monkeypatch):
+    """A 4x2 cluster: each stage on 2 actors × 2 devices, the 4 actors one job; a value goes
+    from each sending host straight to the receiving hosts that need its pieces
+    (``runtime.process_resharding``'s plan, computed alike on both sides); 5 GPT steps
+    equal jax.jit, no array put in the object store."""
+    found = _ray_jax_transport_run(monkeypatch, "gpt", 5, cluster="4x2")
     assert len(found) == 4 and {d["global_devices"] for d in found} == {8}
     for d in found:
         assert d["jax_transfers"]["sent"] > 0 and d["jax_transfers"]["received"] > 0, d
-        assert d["delivered"] == 0 and d["sent_directly"] == 0, d
+        assert d["array_puts"] == [], d
