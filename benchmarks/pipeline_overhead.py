@@ -18,7 +18,10 @@ rendering.
         --png benchmarks/pipeline_timeline.png
     python benchmarks/pipeline_overhead.py --model gpt --executor ray
     python benchmarks/pipeline_overhead.py --model gpt --transport broadcast   # 004 §3
-    python benchmarks/pipeline_overhead.py --model gpt --executor ray --transport direct
+    python benchmarks/pipeline_overhead.py --model gpt --executor ray --pin-cpus off
+
+The Ray executor's former transports (``object_store``, ``direct``) were removed after
+their figures were taken with this script (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -67,10 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--executor", default="local", choices=["local", "ray"])
     ap.add_argument("--transport", default=None,
-                    choices=["device_put", "broadcast", "send_recv", "object_store", "direct", "jax"],
+                    choices=["device_put", "broadcast", "send_recv", "jax"],
                     help="how values move between stage meshes (local executor: device_put, "
-                         "broadcast, send_recv; Ray: object_store, direct, jax); default: the "
-                         "executor's default")
+                         "broadcast, send_recv; Ray: jax); default: the executor's default")
     ap.add_argument("--pin-cpus", default="auto", choices=["auto", "on", "off"],
                     help="Ray: actors simulating hosts split this machine's cores "
                          "(auto_parallel's ray_pin_cpus: None, True, False)")
