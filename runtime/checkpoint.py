@@ -10,7 +10,7 @@ Layout of a checkpoint directory::
                      Written last: a directory without it is an unfinished checkpoint.
       local/         orbax checkpoint of the leaves held in this process (if any)
       stage0/        orbax checkpoint written by stage 0's actors (RemoteArray leaves)
-      stage1/ ...
+      stage1/ ...    (a stage of one process in a job of several: arrays.npz, its bytes)
 
 Restoring reads every part in this process, onto one device or onto the shardings given,
 so a checkpoint of one plan restores into any other (a 2x4 Ray pipeline, 8 local devices,
@@ -28,10 +28,11 @@ Example:
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import pickle
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from rhino.errors import RhinoError
 
 FORMAT = "rhino-checkpoint/1"
 MANIFEST = "rhino.json"
+HOST_PART = "arrays.npz"   # a part written by one process of a job of several
 
 
 class CheckpointError(RhinoError):
@@ -54,10 +56,37 @@ def _orbax():
     return ocp
 
 
-def write_part(directory: str, values: dict[str, Any]) -> None:
-    """One orbax checkpoint of ``name -> array`` (every process holding shards calls it)."""
+def write_part(directory: str, values: dict[str, Any],
+               processes: Sequence[int] | None = None) -> None:
+    """One orbax checkpoint of ``name -> array`` (every process holding shards calls it).
+
+    ``processes``: the ``jax.distributed`` processes that write it, where they are only
+    some of the job's (one stage of a Ray run, whose actors all join one job): orbax then
+    waits for those alone, at barriers of the job's key-value store named after
+    ``directory``; by default it waits for every process of the job, with a computation
+    over all their devices (which processes without collectives between them cannot run).
+    A part of one process among several is written as its arrays' bytes (``HOST_PART``).
+    """
+    import jax
+
     ocp = _orbax()
-    ck = ocp.StandardCheckpointer()
+    if processes is not None and set(processes) != set(range(jax.process_count())):
+        if all(getattr(x, "is_fully_addressable", True) for x in values.values()):
+            # Orbax refuses arrays of one process in a job of several ("host local"), and
+            # writes numpy arrays from process 0 only: a part of one process is its
+            # arrays' bytes (shape and dtype are in the manifest).
+            os.makedirs(directory, exist_ok=True)
+            np.savez(os.path.join(directory, HOST_PART),
+                     **{n: np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
+                        for n, x in values.items()})
+            return
+        digest = hashlib.blake2b(directory.encode(), digest_size=6).hexdigest()
+        ck = ocp.StandardCheckpointer(
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=min(processes), active_processes=set(processes),
+                barrier_sync_key_prefix=f"rhino-{digest}"))
+    else:
+        ck = ocp.StandardCheckpointer()
     try:
         ck.save(directory, values)
         ck.wait_until_finished()
@@ -188,6 +217,13 @@ def restore_checkpoint(path: str, like: Any = None, shardings: Any = None) -> An
             tuple(leaf["shape"]), np.dtype(leaf["dtype"]), sharding=s)
     values: dict[str, Any] = {}
     for part, abstract in by_part.items():
+        host = os.path.join(path, part, HOST_PART)
+        if os.path.exists(host):
+            with np.load(host) as data:
+                for name, a in abstract.items():
+                    raw = data[name].view(a.dtype).reshape(a.shape)
+                    values[name] = jax.device_put(raw, a.sharding)
+            continue
         ck = ocp.StandardCheckpointer()
         try:
             values.update(ck.restore(os.path.join(path, part), abstract))

@@ -188,6 +188,7 @@ class StageActor:
         self.kept: dict[tuple[int, int], Any] = {}  # (step, ref) -> a result (jax array)
         self.inline: set[tuple[int, int]] = set()    # those sent back whole
         self.args: tuple[int, ...] = ()
+        self.processes: tuple[int, ...] = ()   # this stage's processes of the job
         self.outputs: tuple[int, ...] = ()
         self.sources: dict[int, Any] = {}   # host_data functions, by the driver's token
 
@@ -227,8 +228,11 @@ class StageActor:
                                 f"found {len(local)} (XLA_FLAGS="
                                 f"{os.environ.get('XLA_FLAGS', '')!r})", stage=self.stage,
                                 failure=Failure.PROGRAM)
-        if self.hosts > 1:   # this stage's processes of the run's job
-            procs = set(job[3][self.stage])
+        own = job[3][self.stage]
+        # This stage's processes of the run's job (a checkpoint part is written by them).
+        self.processes = tuple(own) if isinstance(own, (tuple, list)) else (int(own),)
+        if self.hosts > 1:
+            procs = set(self.processes)
             # Host-major: the mesh's first axis runs across hosts, as the plan assumes.
             mesh_devices = sorted((d for d in jax.devices() if d.process_index in procs),
                                   key=lambda d: (d.process_index, d.id))
@@ -498,7 +502,7 @@ class StageActor:
             raise ExecutorError(f"{self.where}: expected kept results for {missing}, found "
                                 f"none (released)", stage=self.stage)
         values = {n: self.kept[tuple(k)] for n, k in names.items()}
-        write_part(directory, values)
+        write_part(directory, values, self.processes)
         return sum(int(np.prod(s.data.shape)) * s.data.dtype.itemsize
                    for x in values.values() for s in x.addressable_shards)
 

@@ -124,7 +124,7 @@ def test_init_is_idempotent(ray_cluster):
         init("10.255.255.1:6379")
 
 
-def test_gpt_on_two_actors_matches_one_device(gpt_ray, gpt):
+def test_gpt_on_two_actors_matches_one_device(gpt_ray, gpt, tmp_path):
     m, params, opt, batch = gpt
     ref = jax.jit(m.step)
     p1, o1, p2, o2 = params, opt, params, opt
@@ -159,6 +159,12 @@ def test_gpt_on_two_actors_matches_one_device(gpt_ray, gpt):
     assert {r.kind for r in recs} >= {"forward", "backward", "apply", "send", "recv"}
     assert all(t0 - 1 <= r.start <= r.end <= t1 + 1 for r in recs)
     assert gpt_ray.timeline().step_s <= gpt_ray.last_step_s + 0.5
+    # A checkpoint of the state the two stages keep: each stage's actor writes its part
+    # (orbax waits for that stage's process alone: the run is one jax.distributed job).
+    rhino.save_checkpoint(str(tmp_path / "ck"), (p1, o1))
+    back = rhino.restore_checkpoint(str(tmp_path / "ck"), like=(params, opt))
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves((p1, o1))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _specs(step, args):
