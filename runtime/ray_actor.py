@@ -34,7 +34,6 @@ collectives between the CPU processes of a stage spanning hosts)::
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import socket
@@ -422,7 +421,8 @@ class StageActor:
         for r, x in outs.items():
             self.kept[(step, r)] = x
             if keep_arrays and np.ndim(x) > 0:
-                meta[r] = (tuple(x.shape), dtype_name(x))
+                if want_meta:   # the same every step: the driver asks once
+                    meta[r] = (tuple(x.shape), dtype_name(x))
             else:
                 host[r] = host_value(x)
                 self.inline.add((step, r))
@@ -430,11 +430,11 @@ class StageActor:
         meta = meta if want_meta else None
         if self.rank != 0:
             return {}, meta, [], secs
-        # perf_counter is per machine: move the records to the wall clock.
+        # perf_counter is per machine: the driver moves the records to the wall clock
+        # (when they are read: making ~40 records here took ~0.2 ms of the step's end).
         shift = time.time() - time.perf_counter()
-        records = [dataclasses.replace(r, start=r.start + shift, end=r.end + shift)
-                   for r in records]
-        return host, meta, records, secs
+        return host, meta, (shift, [(r.stage, r.label, r.start, r.end, r.microbatch,
+                                     r.kind) for r in records]), secs
 
     def _host_rows(self, hosted: Mapping[int, tuple], ship: Mapping[int, bytes]
                    ) -> dict[int, np.ndarray]:

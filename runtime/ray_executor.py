@@ -84,6 +84,7 @@ from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT
                                        xla_flags)
 from rhino.runtime.ray_errors import is_dead, stage_error, unlabelled, why_failed
 from rhino.runtime.remote_array import PackedKey, RemoteArray, fetch, pack_key, unpack_key
+from rhino.runtime.timeline import TaskRecord
 from rhino.vocabulary import removed_transport
 
 RAY_TRANSPORTS = ("jax",)
@@ -206,7 +207,8 @@ class RayExecutor:
             host_ids = [range(first[s], first[s] + h) for s, h in enumerate(self.hosts)]
         self.host_ids = [tuple(int(x) for x in h) for h in host_ids]
         self.placement_group = None
-        self.last_records: list = []
+        self._records: list = []             # per first host: (clock shift, raw records)
+        self._made_records: list | None = []  # last_records, made when first read
         self.last_step_s = 0.0
         self.last_stage_s: list[float] = []
         self.last_sent_bytes = self.last_received_bytes = self.last_kept = 0
@@ -576,11 +578,21 @@ class RayExecutor:
                 returned[id(x)] = (x, s, r, step)
             for r, (shape, dtype) in meta.items():
                 outs[r] = RemoteArray(self, s, r, step, shape, dtype)
-            records.extend(rec)
+            records.append(rec)
         self._returned = returned
-        self.last_records = records
+        self._records, self._made_records = records, None
         self.last_step_s = time.perf_counter() - t0
         return outs
+
+    @property
+    def last_records(self) -> list[TaskRecord]:
+        """The last step's task records, on the ``time.time()`` clock (made when read)."""
+        if self._made_records is None:
+            self._made_records = [
+                TaskRecord(st, label, start + shift, end + shift, mb, kind)
+                for shift, raw in self._records
+                for st, label, start, end, mb, kind in raw]
+        return self._made_records
 
     def release(self, stage: int, step: int, ref: int) -> None:
         """A handle was dropped: its actors free the value at the next step."""
