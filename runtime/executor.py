@@ -58,7 +58,7 @@ from rhino.runtime.instructions import (Instr, acknowledged_recvs, first_apply, 
                                         instructions)
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
                                      Transport, root_cause)
-from rhino.runtime.task_timing import Pending, done_now, measured, ready_at
+from rhino.runtime.task_timing import Pending, all_ready, done_now, measured, ready_at
 from rhino.runtime.timeline import TaskRecord
 
 __all__ = ["ExecutorError", "Failure", "LocalTransport", "StepTransport", "Transport",
@@ -140,11 +140,6 @@ def place(x: Any, sharding: Any) -> Any:
         return jax.device_put(x, sharding)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def _ready(x: Any) -> bool:
-    """Whether every array of ``x`` is ready (computed, or arrived)."""
-    return all(a.is_ready() for a in jax.tree_util.tree_leaves(x) if hasattr(a, "is_ready"))
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -430,7 +425,7 @@ class StageWorker:
                     # transfers wait for the arrival) is timed now, without a watcher's
                     # call (its wake-up took the stage's thread ~0.3 ms per value).
                     if self.measure:
-                        done = done_now() if _ready(x) else self._watch.submit(ready_at, x)
+                        done = done_now() if all_ready(x) else self._watch.submit(ready_at, x)
                         rec = Pending(rec, done, ins.peer)
                     records.append(rec)
                 elif ins.op == "send":

@@ -227,9 +227,8 @@ class StageActor:
                                 f"found {len(local)} (XLA_FLAGS="
                                 f"{os.environ.get('XLA_FLAGS', '')!r})", stage=self.stage,
                                 failure=Failure.PROGRAM)
-        own = job[3][self.stage]
         # This stage's processes of the run's job (a checkpoint part is written by them).
-        self.processes = tuple(own) if isinstance(own, (tuple, list)) else (int(own),)
+        self.processes = tuple(job[3][self.stage])
         if self.hosts > 1:
             procs = set(self.processes)
             # Host-major: the mesh's first axis runs across hosts, as the plan assumes.

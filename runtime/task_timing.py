@@ -47,6 +47,15 @@ POLL_S = (2e-5, 5e-4, 0.05)
 """Polling of ``ready_at``: first pause, longest pause in the first second, and after."""
 
 
+def all_ready(tree: Any) -> bool:
+    """Whether every array of ``tree`` is ready now (computed, or arrived)."""
+    return all(x.is_ready() for x in _arrays(tree))
+
+
+def _arrays(tree: Any) -> list:
+    return [x for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "is_ready")]
+
+
 def ready_at(tree: Any, timeout: float | None = None) -> float:
     """When every array of ``tree`` is ready (``time.perf_counter()``); a failed program's
     error is raised. Polls ``is_ready()`` instead of blocking inside XLA: a daemon thread
@@ -56,7 +65,7 @@ def ready_at(tree: Any, timeout: float | None = None) -> float:
     Raises:
         TimeoutError: not ready within ``timeout`` seconds (None: wait as long as it takes).
     """
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "is_ready")]
+    leaves = _arrays(tree)
     start = time.monotonic()
     pause = POLL_S[0]
     for x in leaves:
