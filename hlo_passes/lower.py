@@ -548,6 +548,8 @@ def key_args(traced: ScopedFunction) -> frozenset[int]:
 def _stage_shardings(plan: SpmdPlan, stage: int, graph: HloGraph, emap: EqnMap,
                      flat: FlatProgram, split: StepSplit) -> StageShardings:
     """A stage's SPMD plan as PartitionSpecs on the stage's programs (microbatch shapes)."""
+    from jax.sharding import PartitionSpec
+
     names = plan.mesh.axis_names
     sizes = dict(zip(names, plan.mesh.shape))
     out_spec = {o.name: o.out_spec for o in plan.ops}
@@ -604,9 +606,23 @@ def _stage_shardings(plan: SpmdPlan, stage: int, graph: HloGraph, emap: EqnMap,
         ps = pspec(p.spec, ref, p.path)
         if ps is not None:
             refs[ref] = ps
+    # A step result that updates an argument this stage reads leaves its program in that
+    # argument's sharding (as the SPMD path's out_shardings place it): the next step reads
+    # it as it is instead of resharding it first.
+    reads = set(split.stage_args(stage))
+    leaving = {o.ref for o in split.outputs
+               if o.source == "task" and o.producer is not None and o.producer[1] == stage}
+    results: dict[int, Any] = {}
+    for o, q in carried_pairs(graph):
+        key, arg = producer_of.get(o), graph.ops[q].arg
+        ref = ref_of.get(key) if key is not None else None
+        if ref in leaving and arg is not None and arg.index in reads:
+            want = refs.get(arg.index) or PartitionSpec()
+            if want != (values.get(key) or PartitionSpec()):
+                results[ref] = want
     if bad:
         raise LoweringError(f"stage {stage}: the plan splits dimensions that a microbatch does "
                             f"not divide ({'; '.join(bad[:3])}{'...' if len(bad) > 3 else ''}); "
                             f"use a batch divisible by num_microbatches × the stage's devices or "
                             f"fewer microbatches")
-    return StageShardings(values, refs)
+    return StageShardings(values, refs, results)

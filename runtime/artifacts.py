@@ -35,8 +35,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rhino.errors import RhinoError
-from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, is_apply,
-                                             prologue_function, task_function)
+from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, constraints,
+                                             is_apply, prologue_function, task_function)
 
 ARTIFACT_FORMAT = 1
 """Bumped when ``StageArtifact``'s fields change meaning; ``load`` refuses other formats."""
@@ -216,15 +216,10 @@ def export_stage(split: StepSplit, stage: int, mesh_shape: Sequence[int],
     """``stage``'s programs exported for ``platform`` on an abstract mesh of its shape."""
     import jax
     from jax import export
-    from jax.sharding import NamedSharding
 
     sigs = signatures(split) if sigs is None else sigs
     mesh = _abstract_mesh(mesh_shape, axis_names)
-    cons = {k: NamedSharding(mesh, p) for k, p in shardings.values.items() if p is not None}
-
-    def constrain(path, k, x):
-        s = cons.get((path, k))
-        return x if s is None else jax.lax.with_sharding_constraint(x, s)
+    constrain, finish = constraints(mesh, shardings)
 
     programs: dict[tuple[str, bool], bytes] = {}
     for (kind, s, with_acc), args in sigs.items():
@@ -233,8 +228,8 @@ def export_stage(split: StepSplit, stage: int, mesh_shape: Sequence[int],
         if kind == "P":
             fn = jax.jit(prologue_function(split, stage, constrain))
         else:
-            fn = jax.jit(task_function(split, split.task(kind, stage), with_acc, constrain),
-                         donate_argnums=(1,) if with_acc else ())
+            fn = jax.jit(task_function(split, split.task(kind, stage), with_acc, constrain,
+                                       finish), donate_argnums=(1,) if with_acc else ())
         label = kind + ("+acc" if with_acc else "")
         try:
             exp = export.export(fn, platforms=[platform],

@@ -50,9 +50,9 @@ import numpy as np
 
 from rhino.runtime.schedules import Schedule, make_schedule
 from rhino.hlo_passes.unroll import trace
-from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, finish_acc, flatten,
-                                             is_apply, prologue_function, split_step,
-                                             task_function)
+from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, constraints,
+                                             finish_acc, flatten, is_apply, prologue_function,
+                                             split_step, task_function)
 from rhino.runtime import threads
 from rhino.runtime.instructions import (Instr, acknowledged_recvs, first_apply, held_sends,
                                         instructions)
@@ -179,7 +179,7 @@ class StageWorker:
         self._named = lambda spec: NamedSharding(mesh, spec if spec is not None
                                                  else PartitionSpec())
         self._ref_sharding = {r: self._named(p) for r, p in shardings.refs.items()}
-        self._value_sharding = {k: self._named(p) for k, p in shardings.values.items()}
+        self._constrain, self._finish = constraints(mesh, shardings)
         self._replicated = self._named(None)
         # Compiled from artifacts (``runtime.artifacts``), or jitted from the split on use.
         self._from_artifacts = programs is not None
@@ -223,15 +223,9 @@ class StageWorker:
                                 f"{sorted(self._programs)}", stage=self.stage)
         if fn is None:
             task = self.split.task(kind, self.stage)
-            cons = self._value_sharding
-
-            def constrain(path, k, x):
-                s = cons.get((path, k))
-                return x if s is None else jax.lax.with_sharding_constraint(x, s)
-
             donate = (1,) if with_acc else ()
-            fn = jax.jit(task_function(self.split, task, with_acc, constrain),
-                         donate_argnums=donate)
+            fn = jax.jit(task_function(self.split, task, with_acc, self._constrain,
+                                       self._finish), donate_argnums=donate)
             self._programs[key] = fn
         return fn
 
@@ -239,13 +233,7 @@ class StageWorker:
         """The stage's prologue, jitted (None when it computes nothing)."""
         fn = self._programs.get(("P", False))
         if fn is None and self._prologue.outputs and not self._from_artifacts:
-            cons = self._value_sharding
-
-            def constrain(path, k, x):
-                s = cons.get((path, k))
-                return x if s is None else jax.lax.with_sharding_constraint(x, s)
-
-            fn = jax.jit(prologue_function(self.split, self.stage, constrain))
+            fn = jax.jit(prologue_function(self.split, self.stage, self._constrain))
             self._programs[("P", False)] = fn
         return fn
 

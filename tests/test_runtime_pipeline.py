@@ -236,6 +236,36 @@ def test_gpt_pipeline_matches_single_device(gpt_run):
     assert len({frozenset(d) for d in devs}) == 2
 
 
+def test_updated_state_leaves_its_program_in_the_sharding_the_next_step_reads():
+    """A result that updates an argument comes out of its apply program in that argument's
+    sharding (``StageShardings.results``, as the SPMD path's out_shardings), so the next
+    step takes the array as it is instead of resharding it before the stage's first task.
+    (At this size stage 1's plan updates a layer's ``wqkv`` split by columns and reads it
+    whole; a value another stage produced, such as the tied embedding, still moves.)"""
+    m = get_model("gpt", layers=2, hidden=256, heads=4, seq=32, vocab=1024, batch=8)
+    params, opt = m.init(jax.random.PRNGKey(0))
+    batch = m.make_batch(jax.random.PRNGKey(1))
+    ref = jax.jit(m.step)
+    with rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
+                             timeout=120) as step:
+        p1, o1, p2, o2 = params, opt, params, opt
+        for _ in range(3):
+            p1, o1, l1 = step(p1, o1, batch)
+            p2, o2, l2 = ref(p2, o2, batch)
+            assert float(l1) == pytest.approx(float(l2), rel=RTOL)
+        for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=2e-4)
+        run = step._entry((params, opt, batch)).run
+        assert any(sh.results for sh in run.lowering.shardings)
+        for w in run.executor.workers:
+            own = [r for r, x in w._state_src.items()
+                   if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == w.mesh]
+            assert own, w.stage
+            moved = [(r, w._state_src[r].sharding.spec, w.sharding(r).spec) for r in own
+                     if w._state[r] is not w._state_src[r]]
+            assert moved == [], (w.stage, moved)
+
+
 def test_a_tied_weight_gradient_crosses_stages_once_per_step(gpt_run):
     """GPT ties its embedding: its gradient is the LM head's part (stage 1) plus the
     embedding's part (stage 0). That sum and what follows it up to Adam are linear, so the
