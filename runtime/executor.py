@@ -499,9 +499,12 @@ class StageWorker:
                              failure=failure)
 
     def _place_received(self, ins: Instr, x: Any) -> Any:
-        """A received value on this stage's mesh. If that fails because the value itself
-        is the result of a failed program (it ran asynchronously on the sending stage),
-        the sender is blamed, not this stage."""
+        """A received value on this stage's mesh (one there already, in any layout, is
+        taken as it is: the programs reading it change the layout, ``defer_relayout``). If
+        that fails because the value itself is the result of a failed program (it ran
+        asynchronously on the sending stage), the sender is blamed, not this stage."""
+        if getattr(getattr(x, "sharding", None), "mesh", None) == self.mesh:
+            return x
         try:
             return place(x, self.sharding(ins.ref))
         except Exception as e:

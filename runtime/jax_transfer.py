@@ -125,6 +125,12 @@ class JaxTransferTransport:
             match (otherwise it offers its distinct shards).
         address: where this process's transfer server listens ("host:port"; port 0: any).
         connect_timeout: seconds to wait for the peers' addresses.
+        defer_relayout: a value between tasks whose tiles crossed as they are
+            (``relayout``) onto the target's own mesh is received in the sender's layout there, for the program
+            reading it to change (``StageWorker`` programs do: jitted for the shardings
+            they are given, their constraints keep the plan); otherwise it is put into the
+            target sharding on arrival, a dispatch on the receiving stage's thread per
+            value (0.2-0.7 ms each on CPU).
 
     One per process and job. Keys are ``(step, ref, microbatch)`` (``StepTransport``); a
     step number is used once (a value offered in an aborted step stays offered under its
@@ -136,7 +142,8 @@ class JaxTransferTransport:
 
     def __init__(self, stage_process: Mapping[int, int],
                  target: Callable[[int, int], Any] | None = None,
-                 address: str = "127.0.0.1:0", connect_timeout: float = 60.0):
+                 address: str = "127.0.0.1:0", connect_timeout: float = 60.0,
+                 defer_relayout: bool = False):
         from jax.experimental import transfer
 
         self._kv = distributed_kv_client()
@@ -145,6 +152,7 @@ class JaxTransferTransport:
         self.process = jax.process_index()
         self.stage_process = dict(stage_process)
         self.target = target
+        self.defer_relayout = defer_relayout
         self._local_devices = jax.local_devices()
         host = address.rsplit(":", 1)[0]
         self.server = transfer.start_transfer_server(self._local_devices[0].client, address,
@@ -172,6 +180,7 @@ class JaxTransferTransport:
         # Values whose taking this process waited for (``wait_taken``) and said
         # (``acknowledge``).
         self.held = self.acknowledged = 0
+        self.deferred = 0    # values received in the sender's layout (``defer_relayout``)
 
     # ------------------------------------------------------------------ steps and aborts
 
@@ -377,7 +386,11 @@ class JaxTransferTransport:
         try:
             jax.block_until_ready(arrays)  # ready: at once; raises if the sender's failed
             if isinstance(plan, Relayout):
-                out = relayout_assemble(plan, tgt, meta["shape"], pulled)
+                # (A value between tasks only: kept results and step results are
+                # not read by a program first.)
+                out = relayout_assemble(plan, tgt, meta["shape"], pulled,
+                                        self.defer_relayout and len(key) == 3)
+                self.deferred += out.sharding != tgt
             else:
                 out = assemble(plan, tgt, pulled, self.process, dtype)
             # Not waited for: the task reading it is dispatched now and runs once the

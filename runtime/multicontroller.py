@@ -78,7 +78,7 @@ class ProcessStages:
             self.stage_process, target=stage_targets(
                 {w.stage: w for w in self.workers},
                 {s: list(d) for s, d in enumerate(stage_devices)}, layouts),
-            connect_timeout=timeout)
+            connect_timeout=timeout, defer_relayout=True)
         self.local = LocalExecutor(self.workers, timeout, self.transport)
         self.last_records: list = []
         self.last_step_s = 0.0

@@ -253,7 +253,7 @@ class StageActor:
         self.jt = CountedTransport(JaxTransferTransport(
             job[3], target=stage_targets({self.stage: self.worker}, stage_devices, job[4]),
             address=f"{import_ray().util.get_node_ip_address()}:0",
-            connect_timeout=timeout))
+            connect_timeout=timeout, defer_relayout=True))
         return self.describe()
 
     def _join(self, coordinator: str, processes: int, process: int, timeout: float,
@@ -315,6 +315,7 @@ class StageActor:
                 "jax_transfers": dict(self.jt.counts, **self.jt.inner.waited,
                                       modes=sorted(set(self.jt.inner.modes.values())),
                                       held=self.jt.inner.held,
+                                      deferred=self.jt.inner.deferred,
                                       acknowledged=self.jt.inner.acknowledged)
                 if self.jt is not None else {}}
 

@@ -63,6 +63,7 @@ CASES = {
          NamedSharding(mesh(1, 2), P("x"))),
     22: (KEYS, P("x"), NamedSharding(mesh(1, 2), P())),
 }
+DEFERRED = (20, 21, 22)   # sent again, received with defer_relayout
 EXPECTED_MODE = {1: "whole", 2: "pieces", 3: "pieces", 4: "pieces", 5: "whole", 6: "pieces",
                  7: "pieces", 8: "relayout", 20: "relayout", 21: "relayout", 22: "relayout"}
 
@@ -116,6 +117,9 @@ def basics(t):
     if PID == 0:
         for ref, (value, spec, _) in CASES.items():
             t.send(0, 1, (0, ref, 0), jax.device_put(value, NamedSharding(SRC, spec)))
+        for ref in DEFERRED:
+            value, spec, _ = CASES[ref]
+            t.send(0, 1, (0, ref, 1), jax.device_put(value, NamedSharding(SRC, spec)))
         # 1F1B: send a, send b (from a background thread), recv c
         a = jax.device_put(np.full((4, 2), 1.0, np.float32), NamedSharding(SRC, P("x")))
         b = jax.device_put(np.full((4, 2), 2.0, np.float32), NamedSharding(SRC, P("x")))
@@ -139,6 +143,18 @@ def basics(t):
               and got.dtype == (value.dtype if ref not in (4, 22) else KEYS.dtype)
               and t.modes[(0, ref, 0)] == EXPECTED_MODE[ref])
         report(f"case{ref}", ok, f"{host(got)} {got.sharding} {t.modes.get((0, ref, 0))}")
+    # defer_relayout: the tiles stay in the sender's layout on the target's mesh (the
+    # reading program changes it); replicated sources and other meshes are built as before.
+    t.defer_relayout = True
+    for ref in DEFERRED:
+        value, spec, tgt = CASES[ref]
+        got = t.recv(1, 0, (0, ref, 1), timeout=30)
+        want = host(value) if not isinstance(value, np.ndarray) else value
+        ok = (np.array_equal(host(got), want) and got.sharding.mesh == tgt.mesh
+              and got.sharding.is_equivalent_to(NamedSharding(tgt.mesh, spec), got.ndim)
+              and not got.sharding.is_equivalent_to(tgt, got.ndim))
+        report(f"deferred{ref}", ok, f"{host(got)} {got.sharding}")
+    t.defer_relayout = False
     a = t.recv(1, 0, (0, 10, 0), timeout=30)
     cval = jax.device_put(np.full((4, 2), 3.0, np.float32), NamedSharding(mesh(1, 2), P("x")))
     t.send(1, 0, (0, 11, 0), cval)

@@ -64,9 +64,11 @@ def test_values_layouts_order_timeout_and_abort_between_two_processes(tmp_path):
     whose program failed on the sender blames the sender. With ``RHINO_XFER_TRACE`` each
     process writes a line per transfer, with its times and how it was built. ``wait_taken``
     returns once the receiver acknowledged the value, and ends with a timeout naming the
-    value or with the receiver's abort."""
+    value or with the receiver's abort. With ``defer_relayout`` a relayout value comes in
+    the sender's layout on the target's mesh."""
     ok = run_job("basics", RHINO_XFER_TRACE=str(tmp_path))
     want = {f"OK case{r}" for r in [*range(1, 9), 20, 21, 22]} | {
+        f"OK deferred{r}" for r in (20, 21, 22)} | {
         "OK 1f1b-c", "OK 1f1b-ab", "OK timeout", "OK abort", "OK remote-abort",
         "OK failed-sender", "OK taken-waits", "OK taken-timeout", "OK taken-abort"}
     assert want <= set(ok), sorted(want - set(ok))

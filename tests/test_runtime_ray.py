@@ -440,8 +440,9 @@ def test_gpt_between_actors_through_jax_transfers(ray_cluster, monkeypatch):
     GPT steps equal jax.jit; every value one stage sent through them the other received
     through them; and no actor put an array in Ray's object store (every ``ray.put`` of
     their processes recorded). The two stages' meshes are of one size, so every value
-    crossed as the sender's tiles (``whole`` or ``relayout``: built on arrival by one
-    program), none piece by piece. Stage 1 held its update each step until stage 0 said it
+    crossed as the sender's tiles (``whole`` or ``relayout``), none piece by piece; those
+    whose layout differs stay in the sender's on arrival (``defer_relayout``): the stage's
+    programs reading them change it, and still equal jax.jit. Stage 1 held its update each step until stage 0 said it
     had the gradients of the last backward (``instructions.held_sends``); stage 0 held
     nothing."""
     found = _ray_jax_transport_run(monkeypatch, "gpt", 5)
@@ -451,6 +452,7 @@ def test_gpt_between_actors_through_jax_transfers(ray_cluster, monkeypatch):
         assert d["array_puts"] == [], d
         assert set(d["jax_transfers"]["modes"]) <= {"whole", "relayout"}, d
     assert "relayout" in found[1]["jax_transfers"]["modes"], found
+    assert found[1]["jax_transfers"]["deferred"] > 0, found
     t0, t1 = found[0]["jax_transfers"], found[1]["jax_transfers"]
     assert t0["sent"] == t1["received"] and t1["sent"] == t0["received"], found
     assert t1["held"] >= 5 and t0["acknowledged"] == t1["held"], found
