@@ -1,7 +1,8 @@
 """Checkpoints of sharded training state with ``orbax-checkpoint``, written where the state
-lives: state kept on Ray actors is written by those actors, each host its own shards (a
-multi-host stage writes one orbax checkpoint together); arrays in this process are written
-by this process. Exposed as ``rhino.save_checkpoint`` and ``rhino.restore_checkpoint``.
+lives: state kept on Ray actors is written by those actors, each host its own shards (the
+hosts of an SPMD plan write one orbax checkpoint together; a pipeline stage's hosts, some
+of the job's processes, each their shards' bytes: ``write_part``); arrays in this process
+are written by this process. Exposed as ``rhino.save_checkpoint`` and ``rhino.restore_checkpoint``.
 
 Layout of a checkpoint directory::
 
@@ -10,7 +11,8 @@ Layout of a checkpoint directory::
                      Written last: a directory without it is an unfinished checkpoint.
       local/         orbax checkpoint of the leaves held in this process (if any)
       stage0/        orbax checkpoint written by stage 0's actors (RemoteArray leaves)
-      stage1/ ...    (a stage of one process in a job of several: arrays.npz, its bytes)
+      stage1/ ...    (a stage of one process in a job of several: arrays.npz, its bytes;
+                     of several processes in a job of more: shards-p<process>.npz each)
 
 Restoring reads every part in this process, onto one device or onto the shardings given,
 so a checkpoint of one plan restores into any other (a 2x4 Ray pipeline, 8 local devices,
@@ -28,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import base64
-import hashlib
+import glob
 import json
 import os
 import pickle
@@ -41,6 +43,7 @@ from rhino.errors import RhinoError
 FORMAT = "rhino-checkpoint/1"
 MANIFEST = "rhino.json"
 HOST_PART = "arrays.npz"   # a part written by one process of a job of several
+SHARDS_PART = "shards-p{}.npz"   # one process's shards of a part of several processes
 
 
 class CheckpointError(RhinoError):
@@ -65,33 +68,95 @@ def write_part(directory: str, values: dict[str, Any],
     waits for those alone, at barriers of the job's key-value store named after
     ``directory``; by default it waits for every process of the job, with a computation
     over all their devices (which processes without collectives between them cannot run).
-    A part of one process among several is written as its arrays' bytes (``HOST_PART``).
+    Where those are some of the job's processes, each writes bytes instead of orbax: a
+    part of one process its arrays (``HOST_PART``), a part of several each process its
+    own shards (``SHARDS_PART``; every element once, from the shards of replica 0).
     """
     import jax
 
-    ocp = _orbax()
     if processes is not None and set(processes) != set(range(jax.process_count())):
+        # Orbax refuses arrays of one process in a job of several ("host local") and
+        # writes numpy arrays from process 0 only; for arrays over some processes of the
+        # job it writes the arrays' metadata (.zarray) and merges the processes' files on
+        # process 0 of the job only, whatever ``MultiprocessingOptions`` say (orbax 0.12.8:
+        # a stage on processes 2 and 3 of 4 got neither). Shapes and dtypes are in the
+        # manifest.
+        os.makedirs(directory, exist_ok=True)
         if all(getattr(x, "is_fully_addressable", True) for x in values.values()):
-            # Orbax refuses arrays of one process in a job of several ("host local"), and
-            # writes numpy arrays from process 0 only: a part of one process is its
-            # arrays' bytes (shape and dtype are in the manifest).
-            os.makedirs(directory, exist_ok=True)
             np.savez(os.path.join(directory, HOST_PART),
-                     **{n: np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
-                        for n, x in values.items()})
-            return
-        digest = hashlib.blake2b(directory.encode(), digest_size=6).hexdigest()
-        ck = ocp.StandardCheckpointer(
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                primary_host=min(processes), active_processes=set(processes),
-                barrier_sync_key_prefix=f"rhino-{digest}"))
-    else:
-        ck = ocp.StandardCheckpointer()
+                     **{n: _bytes(x) for n, x in values.items()})
+        else:
+            _write_shards(directory, values)
+        return
+    ocp = _orbax()
+    ck = ocp.StandardCheckpointer()
     try:
         ck.save(directory, values)
         ck.wait_until_finished()
     finally:
         ck.close()
+
+
+def _bytes(x: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
+
+
+def _write_shards(directory: str, values: dict[str, Any]) -> None:
+    """This process's shards of replica 0 of every array (``SHARDS_PART``): their bytes,
+    and per array which block of it each is (``__index__``, JSON)."""
+    import jax
+
+    arrays: dict[str, np.ndarray] = {}
+    index: dict[str, list] = {}
+    for n, x in values.items():
+        shards = getattr(x, "addressable_shards", None)
+        if shards is None:      # a host value: the whole of it, from every process alike
+            shards = [_Whole(x)] if jax.process_index() == 0 else []
+        pieces = index.setdefault(n, [])
+        for k, sh in enumerate(shards):
+            if sh.replica_id != 0:
+                continue
+            key = f"{n}.{k}"
+            arrays[key] = _bytes(sh.data)
+            pieces.append([key, [[sl.indices(d)[0], sl.indices(d)[1]]
+                                 for sl, d in zip(sh.index, np.shape(x))]])
+    arrays["__index__"] = np.frombuffer(json.dumps(index).encode(), np.uint8)
+    np.savez(os.path.join(directory, SHARDS_PART.format(jax.process_index())), **arrays)
+
+
+class _Whole:
+    """A host value as the one shard of itself."""
+
+    def __init__(self, x: Any):
+        self.data, self.replica_id = np.asarray(x), 0
+        self.index = tuple(slice(None) for _ in np.shape(x))
+
+
+def _read_shards(files: Sequence[str], abstract: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The arrays of a part written as shards (``_write_shards``), whole, on the host.
+
+    Raises:
+        CheckpointError: an array's shards do not cover it exactly (a process's file is
+            missing), naming the array.
+    """
+    out = {n: np.zeros(a.shape, a.dtype) for n, a in abstract.items()}
+    filled = dict.fromkeys(abstract, 0)
+    for file in files:
+        with np.load(file) as data:
+            index = json.loads(data["__index__"].tobytes())
+            for n in abstract:
+                for key, bounds in index.get(n, []):
+                    block = tuple(slice(a, b) for a, b in bounds)
+                    shape = tuple(b - a for a, b in bounds)
+                    out[n][block] = data[key].view(out[n].dtype).reshape(shape)
+                    filled[n] += int(np.prod(shape))
+    short = [n for n in abstract if filled[n] != out[n].size]
+    if short:
+        n = short[0]
+        raise CheckpointError(f"restore_checkpoint: {os.path.dirname(files[0])}: {n}: "
+                              f"expected its {out[n].size} elements in the processes' "
+                              f"shards, found {filled[n]} ({len(files)} files)")
+    return out
 
 
 def save_checkpoint(path: str, tree: Any) -> str:
@@ -218,6 +283,11 @@ def restore_checkpoint(path: str, like: Any = None, shardings: Any = None) -> An
     values: dict[str, Any] = {}
     for part, abstract in by_part.items():
         host = os.path.join(path, part, HOST_PART)
+        files = sorted(glob.glob(os.path.join(path, part, SHARDS_PART.format("*"))))
+        if files:
+            for name, raw in _read_shards(files, abstract).items():
+                values[name] = jax.device_put(raw, abstract[name].sharding)
+            continue
         if os.path.exists(host):
             with np.load(host) as data:
                 for name, a in abstract.items():

@@ -400,10 +400,11 @@ def _recording_actor():
     return RecordingStageActor
 
 
-def _ray_jax_transport_run(monkeypatch, model, steps, cluster="2x4", **kw):
+def _ray_jax_transport_run(monkeypatch, model, steps, cluster="2x4", checkpoint=None, **kw):
     """``model`` pipelined in 2 stages on ``cluster`` (``transport="jax"``), ``steps`` steps
     against jax.jit; returns the actors' ``describe()``, each with ``array_puts``: the
-    arrays its process put in Ray's object store (``_recording_actor``)."""
+    arrays its process put in Ray's object store (``_recording_actor``). With
+    ``checkpoint`` (a directory), the final state is saved there, restored and compared."""
     monkeypatch.setattr(ray_executor, "StageActor", _recording_actor())
     m = get_model(model, **({"batch": 16} if model == "unet" else GPT))
     params, opt = m.init(jax.random.PRNGKey(0))
@@ -418,9 +419,14 @@ def _ray_jax_transport_run(monkeypatch, model, steps, cluster="2x4", **kw):
             p2, o2, l2 = ref(p2, o2, b)
             np.testing.assert_allclose(float(l1), float(l2), rtol=1e-4, atol=5e-5,
                                        err_msg=f"step {i}")
-        for a, b in zip(jax.tree_util.tree_leaves(rhino.fetch((p1, o1))),
-                        jax.tree_util.tree_leaves((p2, o2))):
+        got = rhino.fetch((p1, o1))
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves((p2, o2))):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+        if checkpoint is not None:
+            rhino.save_checkpoint(str(checkpoint), (p1, o1))
+            back = rhino.restore_checkpoint(str(checkpoint), like=(params, opt))
+            for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(got)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         ex = step._last.run.executor
         found = ray.get([a.describe.remote() for a in ex.actors])
         puts = ray.get([a.array_puts.remote() for a in ex.actors])
@@ -478,12 +484,15 @@ def test_unet_between_actors_through_jax_transfers(ray_cluster, monkeypatch, clu
 
 
 @pytest.mark.slow
-def test_stages_spanning_hosts_through_jax_transfers(ray_cluster, monkeypatch):
+def test_stages_spanning_hosts_through_jax_transfers(ray_cluster, monkeypatch, tmp_path):
     """A 4x2 cluster: each stage on 2 actors × 2 devices, the 4 actors one job; a value goes
     from each sending host straight to the receiving hosts that need its pieces
     (``runtime.process_resharding``'s plan, computed alike on both sides); 5 GPT steps
-    equal jax.jit, no array put in the object store."""
-    found = _ray_jax_transport_run(monkeypatch, "gpt", 5, cluster="4x2")
+    equal jax.jit, no array put in the object store. A checkpoint of the state: each
+    stage's two hosts write their shards with orbax waiting for those two processes only
+    (``checkpoint.write_part``), and it restores exactly."""
+    found = _ray_jax_transport_run(monkeypatch, "gpt", 5, cluster="4x2",
+                                   checkpoint=tmp_path / "ck")
     assert len(found) == 4 and {d["global_devices"] for d in found} == {8}
     for d in found:
         assert d["jax_transfers"]["sent"] > 0 and d["jax_transfers"]["received"] > 0, d

@@ -150,3 +150,39 @@ def test_returned_state_takes_the_first_plan(executor, request, tmp_path):
         assert step.plans_built == 2
     finally:
         step.close()
+
+
+def test_a_part_of_some_processes_is_each_process_shards(tmp_path):
+    """A stage over some processes of a Ray job writes its checkpoint part as each process's
+    shards (``checkpoint._write_shards``: orbax would write the arrays' metadata on the
+    job's process 0 only): every element once, from replica 0's shards, read back whole;
+    a process's file missing is named by the array it leaves short."""
+    import json
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from rhino.runtime import checkpoint as ck
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    values = {"x": jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4),
+                                  NamedSharding(mesh, P("a"))),     # replicated over b
+              "y": jax.device_put(jnp.arange(6, dtype=jnp.bfloat16).reshape(1, 6),
+                                  NamedSharding(mesh, P(None, "b"))),
+              "n": np.int32(7)}
+    ck._write_shards(str(tmp_path), values)
+    files = [str(f) for f in sorted(tmp_path.glob("shards-p*.npz"))]
+    assert len(files) == 1      # this process's
+    abstract = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype) for k, v in values.items()}
+    got = ck._read_shards(files, abstract)
+    for k, v in values.items():
+        assert got[k].dtype == v.dtype
+        np.testing.assert_array_equal(got[k], np.asarray(v))
+    with np.load(files[0]) as data:
+        kept = {k: data[k] for k in data.files}
+    index = json.loads(kept["__index__"].tobytes())
+    assert len(index["x"]) == 2     # 4 shards, 2 of replica 0
+    index["x"] = index["x"][:1]
+    kept["__index__"] = np.frombuffer(json.dumps(index).encode(), np.uint8)
+    np.savez(files[0], **kept)
+    with pytest.raises(ck.CheckpointError, match=r"x: expected its 32 elements .*found 16"):
+        ck._read_shards(files, abstract)
