@@ -126,11 +126,11 @@ class JaxTransferTransport:
         address: where this process's transfer server listens ("host:port"; port 0: any).
         connect_timeout: seconds to wait for the peers' addresses.
         defer_relayout: a value between tasks whose tiles crossed as they are
-            (``relayout``) onto the target's own mesh is received in the sender's layout there, for the program
-            reading it to change (``StageWorker`` programs do: jitted for the shardings
-            they are given, their constraints keep the plan); otherwise it is put into the
-            target sharding on arrival, a dispatch on the receiving stage's thread per
-            value (0.2-0.7 ms each on CPU).
+            (``relayout``) onto the target's own mesh is received in the sender's layout
+            there, for the program reading it to change (``StageWorker`` programs do:
+            jitted for the shardings they are given, their constraints keep the plan);
+            otherwise it is put into the target sharding on arrival, a dispatch on the
+            receiving stage's thread per value (0.2-0.7 ms each on CPU).
 
     One per process and job. Keys are ``(step, ref, microbatch)`` (``StepTransport``); a
     step number is used once (a value offered in an aborted step stays offered under its
