@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import logging
 import os
+import random
 import socket
 import time
 from typing import Any, Mapping
@@ -121,10 +122,34 @@ def launch_environment(env: Mapping[str, str] | None = None) -> dict | None:
             "transfer": env.get(ENV_TRANSFER_ADDRESS) or None}
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of ``host`` nobody listens on now, below the kernel's range for the
+    local ends of outgoing connections where there is room: a port from that range (what
+    binding port 0 gives) can be taken by any connection made before the job binds it (a
+    coordinator once failed so: "Failed to add port to server ... [::]:48569")."""
+    low = _ephemeral_low()
+    pick = random.Random()
+    for _ in range(100):
+        port = pick.randrange(20000, low) if low > 20000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's range for outgoing connections (read on Linux;
+    elsewhere 32768, Linux's default, below macOS's and Windows' 49152)."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _transfer_address(launched: dict | None) -> str | None:
@@ -133,7 +158,7 @@ def _transfer_address(launched: dict | None) -> str | None:
     try:
         host = ("127.0.0.1" if launched and launched["coordinator"].startswith(
             ("127.", "localhost")) else socket.gethostbyname(socket.gethostname()))
-        return f"{host}:{_free_port(host)}"
+        return f"{host}:{free_port(host)}"
     except OSError as e:
         log.warning("rhino: no socket for cross-process transfers (%s); set %s=HOST:PORT "
                     "if the job moves values between processes", e, ENV_TRANSFER_ADDRESS)

@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +38,7 @@ from typing import IO, Sequence
 
 from rhino.distributed import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID,
                                ENV_TRANSFER_ADDRESS, EXIT_GRACE_S)
+from rhino.distributed import free_port as distributed_free_port
 from rhino.runtime.transport import ExecutorError
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -88,33 +87,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 nobody listens on now, below the kernel's range for the
-    local ends of outgoing connections where there is room: a port from that range (what
-    binding port 0 gives) can be taken by any connection made before the job binds it (a
-    coordinator once failed so: "Failed to add port to server ... [::]:48569")."""
-    low = _ephemeral_low()
-    pick = random.Random()
-    for _ in range(100):
-        port = pick.randrange(20000, low) if low > 20000 else 0
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
-    """The first port of the kernel's range for outgoing connections (read on Linux;
-    elsewhere 32768, Linux's default, below macOS's and Windows' 49152)."""
-    try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+    """A TCP port of 127.0.0.1 nobody listens on now (``distributed.free_port``)."""
+    return distributed_free_port("127.0.0.1")
 
 
 def child_environment(base: dict, process_id: int, hosts: int, devices: int,

@@ -193,12 +193,10 @@ class StageActor:
 
     def coordinator(self) -> str:
         """``host:port`` for the run's ``jax.distributed`` job: this node, a free port."""
-        ray = import_ray()
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"{ip}:{port}"
+        from rhino.distributed import free_port
+
+        ip = import_ray().util.get_node_ip_address()
+        return f"{ip}:{free_port('')}"
 
     def node_cpus(self) -> tuple[str, tuple[int, ...]]:
         """This actor's node and the cores it may run on (none where the OS cannot say)."""

@@ -275,12 +275,14 @@ def test_free_ports_are_below_the_range_of_outgoing_connections(tmp_path):
     connection before the job binds it; the launcher's come from below it, and are free."""
     import socket
 
-    low = launch._ephemeral_low()
+    from rhino import distributed
+
+    low = distributed._ephemeral_low()
     ports = {launch.free_port() for _ in range(20)}
     assert all(20000 <= p < low for p in ports), (low, sorted(ports))
     assert len(ports) > 1          # picked at random, not one fixed port
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))
     (tmp_path / "range").write_text("40000\t60999\n")
-    assert launch._ephemeral_low(str(tmp_path / "range")) == 40000
-    assert launch._ephemeral_low(str(tmp_path / "missing")) == 32768
+    assert distributed._ephemeral_low(str(tmp_path / "range")) == 40000
+    assert distributed._ephemeral_low(str(tmp_path / "missing")) == 32768
