@@ -61,16 +61,15 @@ def _orbax():
 
 def write_part(directory: str, values: dict[str, Any],
                processes: Sequence[int] | None = None) -> None:
-    """One orbax checkpoint of ``name -> array`` (every process holding shards calls it).
+    """A part of a checkpoint: ``name -> array``, written by every process holding
+    shards (each calls it).
 
-    ``processes``: the ``jax.distributed`` processes that write it, where they are only
-    some of the job's (one stage of a Ray run, whose actors all join one job): orbax then
-    waits for those alone, at barriers of the job's key-value store named after
-    ``directory``; by default it waits for every process of the job, with a computation
-    over all their devices (which processes without collectives between them cannot run).
-    Where those are some of the job's processes, each writes bytes instead of orbax: a
-    part of one process its arrays (``HOST_PART``), a part of several each process its
-    own shards (``SHARDS_PART``; every element once, from the shards of replica 0).
+    ``processes``: the ``jax.distributed`` processes that write it. All of the job's (the
+    default): one orbax checkpoint, orbax waiting for every process of the job. Only some
+    of them (one stage of a Ray pipeline, whose actors all join one job): each writes
+    bytes instead, a part of one process its arrays (``HOST_PART``), a part of several
+    each process its own shards (``SHARDS_PART``; every element once, from the shards of
+    replica 0).
     """
     import jax
 
@@ -86,7 +85,7 @@ def write_part(directory: str, values: dict[str, Any],
             np.savez(os.path.join(directory, HOST_PART),
                      **{n: _bytes(x) for n, x in values.items()})
         else:
-            _write_shards(directory, values)
+            _write_shards(directory, values, min(processes))
         return
     ocp = _orbax()
     ck = ocp.StandardCheckpointer()
@@ -101,17 +100,18 @@ def _bytes(x: Any) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
 
 
-def _write_shards(directory: str, values: dict[str, Any]) -> None:
+def _write_shards(directory: str, values: dict[str, Any], first: int = 0) -> None:
     """This process's shards of replica 0 of every array (``SHARDS_PART``): their bytes,
-    and per array which block of it each is (``__index__``, JSON)."""
+    and per array which block of it each is (``__index__``, JSON). A host value (the same
+    in every process) is written whole by process ``first``."""
     import jax
 
     arrays: dict[str, np.ndarray] = {}
     index: dict[str, list] = {}
     for n, x in values.items():
         shards = getattr(x, "addressable_shards", None)
-        if shards is None:      # a host value: the whole of it, from every process alike
-            shards = [_Whole(x)] if jax.process_index() == 0 else []
+        if shards is None:
+            shards = [_Whole(x)] if jax.process_index() == first else []
         pieces = index.setdefault(n, [])
         for k, sh in enumerate(shards):
             if sh.replica_id != 0:

@@ -169,6 +169,10 @@ def test_a_part_of_some_processes_is_each_process_shards(tmp_path):
               "y": jax.device_put(jnp.arange(6, dtype=jnp.bfloat16).reshape(1, 6),
                                   NamedSharding(mesh, P(None, "b"))),
               "n": np.int32(7)}
+    (tmp_path / "other").mkdir()
+    ck._write_shards(str(tmp_path / "other"), values, first=1)   # not this process's
+    with np.load(tmp_path / "other" / "shards-p0.npz") as data:
+        assert "n.0" not in data.files and "x.0" in data.files
     ck._write_shards(str(tmp_path), values)
     files = [str(f) for f in sorted(tmp_path.glob("shards-p*.npz"))]
     assert len(files) == 1      # this process's
