@@ -26,6 +26,7 @@ from rhino.errors import HloParseError, IngestError
 
 from . import hlo_text as ht
 from .costs import op_flops
+from .fusion import BODY_KERNELS, body_profile
 from .graph import ArgInfo, HloGraph, Op, Shape, TensorType, flatten_shape
 from .hlo_text import RawComputation, RawInstr, RawModule, region_refs
 from .hlo_validate import INLINED_OPCODES, validate_module
@@ -422,21 +423,25 @@ def _lower(jitted: Any, args: tuple) -> tuple[Any, list]:
 
 def _body_flops(graph: HloGraph, calls: list) -> None:
     """Give each ``CustomSPMDPartitioning`` op of ``graph`` the FLOPs of its call's body
-    (the function it runs per shard, ingested on its own), matched in program order and by
-    result shapes; calls that do not match keep the estimate of ``custom_calls.py``."""
+    (the function it runs per shard, ingested on its own) and its kernels
+    (``fusion.body_profile``, in ``attrs[BODY_KERNELS]``: the cost model prices the call as
+    its body runs), matched in program order and by result shapes; calls that do not match
+    keep the estimate of ``custom_calls.py``."""
     from .custom_calls import CUSTOM_PARTITIONING
 
     ops = [op for op in graph.ops if op.opcode == "custom-call"
            and op.attrs.get("custom_call_target") == CUSTOM_PARTITIONING]
     if len(ops) != len(calls):
         return
-    memo: dict[str, float] = {}      # a layer's calls are the same body: ingested once
+    memo: dict[str, tuple] = {}      # a layer's calls are the same body: ingested once
     for op, (fn, ins, outs, key) in zip(ops, calls):
         if outs != [t.dims for t in flatten_shape(op.shape)]:
             continue
         if key not in memo:
-            memo[key] = graph_from_function(fn, *ins).total_flops
-        op.flops = memo[key]
+            body = graph_from_function(fn, *ins)
+            memo[key] = (body.total_flops, body_profile(body))
+        op.flops = memo[key][0]
+        op.attrs[BODY_KERNELS] = memo[key][1]
 
 
 def graph_from_function(fn: Callable, *args: Any) -> HloGraph:

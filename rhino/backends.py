@@ -42,6 +42,7 @@ from typing import Any, Mapping, Sequence
 from rhino.errors import OptionsError
 from rhino.planner.cost_model import (CPU_ALPHA, CPU_BETA, CPU_FLOPS, CPU_MEMORY, CostModel)
 from rhino.planner.mesh import AbstractMesh
+from rhino.planner.roofline import Roofline
 
 GB = 10**9
 GIB = 2**30
@@ -92,6 +93,7 @@ class BackendFigures:
         alpha_inter, beta_inter: the same across hosts (slices: the data-center network).
         devices_per_host: devices sharing the intra-host links; None: any number.
         native_reduce_scatter: the SPMD partitioner emits reduce-scatter (GPU, TPU).
+        roofline: what its kernels achieve (``rhino.planner.roofline.Roofline``), or None.
         source: where the figures come from (not compared).
     """
 
@@ -106,14 +108,16 @@ class BackendFigures:
     devices_per_host: int | None = None
     native_reduce_scatter: bool = True
     source: str = dataclasses.field(default="", compare=False)
+    roofline: Roofline | None = None
 
     def __post_init__(self):
-        # The cost model validates the rates and memory; keep its normal form here.
+        # The cost model validates the rates, memory and roofline; keep its normal form here.
         probe = CostModel((0.0,), (0.0,), self.flops_per_s, self.dtype_flops_per_s,
-                          self.memory_bytes, backend=self.backend)
+                          self.memory_bytes, backend=self.backend, roofline=self.roofline)
         object.__setattr__(self, "flops_per_s", probe.flops_per_s)
         object.__setattr__(self, "dtype_flops_per_s", probe.dtype_flops_per_s)
         object.__setattr__(self, "memory_bytes", probe.memory_bytes)
+        object.__setattr__(self, "roofline", probe.roofline)
         for f in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter"):
             object.__setattr__(self, f, _positive(f, getattr(self, f)))
         per = self.devices_per_host
@@ -146,7 +150,7 @@ class BackendFigures:
         fields: dict[str, Any] = dict(
             flops_per_s=self.flops_per_s, dtype_flops_per_s=self.dtype_flops_per_s,
             memory_bytes=self.memory_bytes, native_reduce_scatter=self.native_reduce_scatter,
-            backend=self.backend)
+            backend=self.backend, roofline=self.roofline, inter_host=inter)
         fields.update(overrides)
         return CostModel(alpha, beta, **fields)
 
@@ -163,6 +167,46 @@ def _dense(sparse_tflops: float) -> float:
 # those a CostModel of their own.
 _H100_RATES = {"bf16": _dense(1979), "f16": _dense(1979), "f64": 67e12,
                "f8e4m3fn": _dense(3958), "f8e5m2": _dense(3958)}
+# ---- Achievable figures (``Roofline``): what kernels reach, not the datasheets' peaks.
+# H200, measured here by ``benchmarks/gpu_check.py`` on the lent H200 (jax 0.11.2, CUDA 13,
+# RESULTS.md "Issue 32" 2026-11-26 and "Issue 45" 2026-11-28): an 8192³ matmul reached
+# 0.69 (bf16; 0.73 on 11-26) and 0.78 (TF32; 0.76) of the datasheet figures; an ``x + 1``
+# over 1 GiB moved 2.78 TB/s (3.13 on 11-26) of the 4.8 TB/s datasheet (0.58); a
+# one-element program took 78.7 µs from call to result (64.5 µs on 11-26). With these,
+# XLA's own compiled GPT-Medium step (gpt_step.compiled.hlo of 11-28, priced kernel by
+# kernel) comes to 144 ms against 145.7 ms measured. Not measured yet (assumptions until
+# the next gpu_check run, which measures them): the matmul curve below 8192³ (flat here),
+# the launch cost per kernel (2 µs: XLA launches kernels back to back, each adds little
+# past its own roofline), fused attention at 0.5 of the bf16 peak (published
+# FlashAttention-2/3 and cuDNN figures on H100: 0.35-0.75 forward, less backward), and
+# the non-tensor FP32 rate (the datasheet's 67 TFLOPS).
+_H200_ROOFLINE = Roofline(
+    2.78e12, 67e12, {"bf16": ((1.1e12, 0.69),), "f16": ((1.1e12, 0.69),),
+                     "f32": ((1.1e12, 0.78),)},
+    attention_efficiency=0.5, launch_s=2e-6, program_s=78.7e-6, fusion="gpu",
+    source="H200 measured by benchmarks/gpu_check.py (2026-11-26, 2026-11-28); launch per "
+           "kernel, attention and vector rate assumed")
+# H100 SXM: the H200's compute die, so its matmul fractions; HBM3 3.35 TB/s datasheet at
+# the H200's measured fraction (0.58): 1.94 TB/s (assumed, not measured).
+_H100_ROOFLINE = dataclasses.replace(
+    _H200_ROOFLINE, memory_bandwidth=3.35e12 * 2.78 / 4.8,
+    source="the H200's measured fractions applied to the H100 SXM datasheet (assumed)")
+# A100 SXM 80GB: HBM2e 2.039 TB/s datasheet at the H200's fraction, FP32 19.5 TFLOPS
+# non-tensor, the H200's matmul fractions (assumed, not measured).
+_A100_ROOFLINE = dataclasses.replace(
+    _H200_ROOFLINE, memory_bandwidth=2.039e12 * 2.78 / 4.8, vector_flops_per_s=19.5e12,
+    source="the H200's measured fractions applied to the A100 SXM datasheet (assumed)")
+
+
+def _tpu_roofline(hbm: float, bf16: float) -> Roofline:
+    """A TPU's roofline: HBM bandwidth from its page (cloud.google.com/tpu/docs) at the
+    fraction the H200 reached of its own, matmuls at 0.7 of the peak, the vector units at
+    an eighth of it (assumptions: no TPU has been measured here)."""
+    return Roofline(hbm * 2.78 / 4.8, bf16 / 8, {"*": ((1e12, 0.7),)},
+                    attention_efficiency=0.5, launch_s=2e-6, program_s=50e-6, fusion="gpu",
+                    source="TPU page's HBM bandwidth and peak; fractions assumed")
+
+
 BACKENDS: dict[str, BackendFigures] = {
     "cpu": BackendFigures(
         "cpu", CPU_FLOPS, (), CPU_MEMORY, CPU_ALPHA, CPU_BETA, CPU_ALPHA, CPU_BETA, None,
@@ -171,41 +215,48 @@ BACKENDS: dict[str, BackendFigures] = {
     "h100": BackendFigures(
         "h100", _dense(989), _H100_RATES, 80 * GB, _ALPHA_INTRA, 1 / (450 * GB),
         _ALPHA_INTER, 1 / (50 * GB), 8,
-        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide"),
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); NVIDIA DGX H100 user guide",
+        roofline=_H100_ROOFLINE),
     # NVIDIA H200 SXM 141GB, "NVIDIA H200 Tensor Core GPU" datasheet: the H100's compute
     # figures (TF32 989 TF*, BF16/FP16 1,979 TF*, FP8 3,958 TF*, FP64 Tensor 67 TF), 141 GB
     # HBM3e, NVLink 900 GB/s; DGX H200: 8 ConnectX-7 400 Gb/s compute NICs per node.
     "h200": BackendFigures(
         "h200", _dense(989), _H100_RATES, 141 * GB, _ALPHA_INTRA, 1 / (450 * GB),
         _ALPHA_INTER, 1 / (50 * GB), 8,
-        source="NVIDIA H200 Tensor Core GPU datasheet (SXM); NVIDIA DGX H200 user guide"),
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM); NVIDIA DGX H200 user guide",
+        roofline=_H200_ROOFLINE),
     # NVIDIA A100 SXM4 80GB, "NVIDIA A100 Tensor Core GPU" datasheet: FP64 Tensor 19.5 TF,
     # TF32 312 TF*, BF16/FP16 624 TF*, 80 GB HBM2e (the 40 GB part: see _variant), NVLink
     # 600 GB/s (300 GB/s each way); DGX A100: 8 GPUs, 8 ConnectX-6 200 Gb/s (25 GB/s/GPU).
     "a100": BackendFigures(
         "a100", _dense(312), {"bf16": _dense(624), "f16": _dense(624), "f64": 19.5e12},
         80 * GB, _ALPHA_INTRA, 1 / (300 * GB), _ALPHA_INTER, 1 / (25 * GB), 8,
-        source="NVIDIA A100 Tensor Core GPU datasheet (SXM4); NVIDIA DGX A100 user guide"),
-    # Cloud TPU v4 (cloud.google.com/tpu/docs/v4): 275 TFLOPS bf16 per chip, 32 GiB HBM2;
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM4); NVIDIA DGX A100 user guide",
+        roofline=_A100_ROOFLINE),
+    # Cloud TPU v4 (cloud.google.com/tpu/docs/v4): 275 TFLOPS bf16 per chip, 32 GiB HBM2
+    # at 1,200 GB/s;
     # ICI: "all-reduce bandwidth per Pod 1.1 PB/s" over 4096 chips = 268.6 GB/s per chip.
     # Its DCN figure is not published there: v5p's 50 Gb/s per chip is assumed.
     "tpu-v4": BackendFigures(
         "tpu-v4", 275e12, {"bf16": 275e12}, 32 * GIB, _ALPHA_INTRA, 4096 / 1.1e15,
         _ALPHA_INTER, 1 / 6.25e9, None,
-        source="cloud.google.com/tpu/docs/v4 (DCN assumed as v5p's)"),
-    # Cloud TPU v5e (cloud.google.com/tpu/docs/v5e): 197 TFLOPS bf16, 16 GB HBM2, ICI
+        source="cloud.google.com/tpu/docs/v4 (DCN assumed as v5p's)",
+        roofline=_tpu_roofline(1.2e12, 275e12)),
+    # Cloud TPU v5e (cloud.google.com/tpu/docs/v5e): 197 TFLOPS bf16, 16 GB HBM2 at
+    # 819 GB/s, ICI
     # 1,600 Gb/s = 200 GB/s per chip each way (400 GB/s bidirectional; all-reduce
     # 51.2 TB/s over 256 chips agrees), DCN 2 × 100 Gb/s NICs per host of 8 chips.
     "tpu-v5e": BackendFigures(
         "tpu-v5e", 197e12, {"bf16": 197e12}, 16 * GB, _ALPHA_INTRA, 1 / (200 * GB),
         _ALPHA_INTER, 8 / 25e9, None,
-        source="cloud.google.com/tpu/docs/v5e"),
-    # Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOPS bf16, 95 GiB HBM2e, ICI
+        source="cloud.google.com/tpu/docs/v5e", roofline=_tpu_roofline(819e9, 197e12)),
+    # Cloud TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOPS bf16, 95 GiB HBM2e at
+    # 2,765 GB/s, ICI
     # 1,200 GB/s bidirectional (4,800 Gb/s = 600 GB/s each way), DCN 50 Gb/s per chip.
     "tpu-v5p": BackendFigures(
         "tpu-v5p", 459e12, {"bf16": 459e12}, 95 * GIB, _ALPHA_INTRA, 1 / (600 * GB),
         _ALPHA_INTER, 1 / 6.25e9, None,
-        source="cloud.google.com/tpu/docs/v5p"),
+        source="cloud.google.com/tpu/docs/v5p", roofline=_tpu_roofline(2.765e12, 459e12)),
 }
 
 # (platform, substring of device_kind) -> figures, first match wins.

@@ -66,7 +66,7 @@ def accelerator_batch(spec: str, backend: str | None) -> tuple[str, str | None]:
             or "batch" in {kv.split("=", 1)[0].strip() for kv in options.split(",")}):
         return spec, None
     import rhino
-    from rhino.planner.cost_model import flops_by_rate
+    from rhino.planner.op_cost import OpTimes
 
     try:
         model = parse_model_spec(spec)
@@ -74,7 +74,7 @@ def accelerator_batch(spec: str, backend: str | None) -> tuple[str, str | None]:
         raise RhinoError(str(e)) from None
     cost = backend_figures(backend).cost_model((1,))
     graph = rhino.ingest(model.step, *model.example_args())
-    seconds = sum(f / r for r, f in flops_by_rate(graph, None, cost).items())
+    seconds = OpTimes(graph, cost).total()
     batch = model.config.batch
     scale = 1
     while seconds * scale < ACCELERATOR_STEP_S and scale < 1 << 16:

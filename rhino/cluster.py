@@ -34,9 +34,10 @@ from rhino.backends import BACKENDS, BackendFigures, inter_host_axes
 from rhino.errors import OptionsError
 from rhino.planner.cost_model import (CPU_ALPHA, CPU_BETA, CPU_FLOPS, CPU_MEMORY, CostModel)
 from rhino.planner.mesh import AbstractMesh
+from rhino.planner.roofline import Roofline
 
 _FIGURES = ("flops_per_s", "dtype_flops_per_s", "memory_bytes", "alpha_intra", "beta_intra",
-            "alpha_inter", "beta_inter", "native_reduce_scatter", "backend")
+            "alpha_inter", "beta_inter", "native_reduce_scatter", "backend", "roofline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Cluster:
             TPU); False for simulated CPU devices, which all-reduce and slice.
         dtype_flops_per_s: FLOP/s per dtype (``bf16``, ...), as ``(dtype, rate)`` pairs.
         backend: the name of the figures (``cpu``, ``h100``, ...).
+        roofline: what the devices' kernels achieve (``rhino.planner.roofline``), or None.
     """
 
     hosts: int
@@ -67,6 +69,7 @@ class Cluster:
     native_reduce_scatter: bool = False
     dtype_flops_per_s: tuple[tuple[str, float], ...] = ()
     backend: str = "cpu"
+    roofline: Roofline | None = None
 
     def __post_init__(self):
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -83,6 +86,7 @@ class Cluster:
         # The figures' own checks (rates per dtype, the backend's name), and their form.
         fig = self.figures()
         object.__setattr__(self, "dtype_flops_per_s", fig.dtype_flops_per_s)
+        object.__setattr__(self, "roofline", fig.roofline)
 
     @classmethod
     def parse(cls, text: str, figures: BackendFigures | None = None, **fields: Any
@@ -114,7 +118,7 @@ class Cluster:
             return BackendFigures(
                 self.backend, self.flops_per_s, self.dtype_flops_per_s, self.memory_bytes,
                 self.alpha_intra, self.beta_intra, self.alpha_inter, self.beta_inter,
-                self.devices_per_host, self.native_reduce_scatter)
+                self.devices_per_host, self.native_reduce_scatter, roofline=self.roofline)
         except OptionsError as e:
             raise OptionsError(f"cluster {self.hosts}x{self.devices_per_host}: {e}") from None
 
@@ -126,7 +130,11 @@ class Cluster:
         return f"{self.hosts}x{self.devices_per_host}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(dataclasses.asdict(self), dtype_flops_per_s=dict(self.dtype_flops_per_s))
+        d = dict(dataclasses.asdict(self), dtype_flops_per_s=dict(self.dtype_flops_per_s))
+        d["roofline"] = self.roofline.to_dict() if self.roofline is not None else None
+        if d["roofline"] is None:
+            del d["roofline"]     # as plans written before the roofline read
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Cluster":

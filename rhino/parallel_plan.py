@@ -39,6 +39,7 @@ from rhino.errors import PlanMismatchError, format_bytes
 from rhino.planner.cost_model import CostModel, legacy_mesh
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
+from rhino.planner.utilization import Utilization, utilization
 from rhino.vocabulary import PlanKind, ScheduleKind
 
 FORMAT_VERSION = 3
@@ -214,6 +215,8 @@ class Plan:
         epsilon, epsilon_used: the stage ILP's imbalance tolerance, asked and used.
         candidates: every configuration weighed; decision: why the winner won.
         search: the time of each search phase.
+        model_flops: the step's matmul FLOPs (``planner.op_cost.model_flops``), for its
+            estimated MFU; matmul_dtype: the dtype most of them run in.
     """
 
     program: str
@@ -233,6 +236,8 @@ class Plan:
     candidates: tuple[Candidate, ...] = ()
     decision: str = ""
     search: SearchTimes | None = None
+    model_flops: float = 0.0
+    matmul_dtype: str = "f32"
 
     def __post_init__(self):
         object.__setattr__(self, "kind", PlanKind(self.kind))
@@ -264,6 +269,12 @@ class Plan:
                                     "plan (saved with include_spmd=False)")
         return self.stages[0].spmd
 
+    def utilization(self) -> Utilization:
+        """The estimated MFU of the plan's step over every device of its cluster
+        (``planner.utilization``; peak and ceiling from the first stage's cost model)."""
+        return utilization(self.model_flops, self.matmul_dtype, self.cluster.num_devices,
+                           self.step_s, self.stages[0].cost)
+
     @property
     def winner(self) -> Candidate:
         """The candidate this plan realizes."""
@@ -288,7 +299,8 @@ class Plan:
                               alpha_inter=max(cost.alpha), beta_inter=max(cost.beta),
                               flops_per_s=cost.flops_per_s, memory_bytes=cost.memory_bytes,
                               native_reduce_scatter=cost.native_reduce_scatter,
-                              dtype_flops_per_s=cost.dtype_flops_per_s, backend=cost.backend)
+                              dtype_flops_per_s=cost.dtype_flops_per_s, backend=cost.backend,
+                              roofline=cost.roofline)
         devices = tuple(range(n)) if devices is None else tuple(devices)
         hosts = tuple(sorted({d // cluster.devices_per_host for d in devices}))
         mem = StageMemory(spmd.memory.parameters, 0, spmd.memory.peak - spmd.memory.parameters,
@@ -311,7 +323,8 @@ class Plan:
         return cls(spmd.program, spmd.origin, PlanKind.SPMD, cluster, (stage,),
                    step_s=spmd.step_time_s, memory_budget=spmd.memory_budget,
                    boundary=dict(boundary or {}), candidates=tuple(candidates),
-                   decision=decision, search=search)
+                   decision=decision, search=search, model_flops=spmd.model_flops,
+                   matmul_dtype=spmd.matmul_dtype)
 
     # ------------------------------------------------------------------ serialization
     def to_dict(self, include_spmd: bool = True) -> dict[str, Any]:
@@ -336,6 +349,7 @@ class Plan:
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
             "decision": self.decision,
             "search": dataclasses.asdict(self.search) if self.search is not None else None,
+            "model_flops": self.model_flops, "matmul_dtype": self.matmul_dtype,
         }
 
     def to_json(self, indent: int | None = None, include_spmd: bool = True,
@@ -410,7 +424,9 @@ class Plan:
             candidates=tuple(Candidate(**dict(c, stage_mesh=tuple(c["stage_mesh"])))
                              for c in d["candidates"]),
             decision=d["decision"],
-            search=SearchTimes(**d["search"]) if d.get("search") is not None else None)
+            search=SearchTimes(**d["search"]) if d.get("search") is not None else None,
+            model_flops=float(d.get("model_flops", 0.0)),
+            matmul_dtype=str(d.get("matmul_dtype", "f32")))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -476,6 +492,7 @@ class Plan:
             f"  chosen            {self.kind}: {self.num_stages} stage(s) × mesh "
             f"{self.stages[0].mesh}, {self.num_microbatches} microbatches, est. step "
             f"{ms * self.step_s:.3f} ms",
+            f"  utilization       {self.utilization().line()}",
             f"  why               {self.decision}",
         ]
         if t is not None:

@@ -145,8 +145,9 @@ def cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: StageA
             step_send[stages[0]] += transfer_seconds(nbytes, n, n, alpha, beta)
     estimates, memories = [], []
     for s, pr in enumerate(profiles):
-        est = StageEstimate(pr.compute_s / m, micro[s], send[s],
-                            pr.apply_compute_s + pr.step_comm_s + step_send[s])
+        est = StageEstimate(pr.microbatch_compute_s(m, cost.program_seconds()), micro[s],
+                            send[s], pr.apply_compute_s + cost.program_seconds()
+                            + pr.step_comm_s + step_send[s])
         k = in_flight(s, p, m)
         per_mb = (pr.activation_bytes + pr.input_bytes) // m
         total = pr.state_bytes + pr.gradient_bytes + k * per_mb

@@ -3,9 +3,11 @@
 A stage's SPMD plan is made for its subgraph at the whole batch; ``profile_stage`` splits
 it into what runs per microbatch and what runs once per step:
 
-* compute: the apply-gradients ops' share is ``Σ flops / (F · devices sharing the op)``
-  under the plan's output specs (``F``: the plan's cost model's FLOP/s for the op's dtype);
-  the rest of the plan's compute is forward + backward, divided by ``m`` per microbatch;
+* compute: the apply-gradients ops' share is their seconds (``op_cost.OpTimes``) split over
+  the devices sharing each op under the plan's output specs; the rest of the plan's
+  compute is forward + backward, its work divided by ``m`` per microbatch and its kernel
+  launches paid by every microbatch (``launch_s``; each of the stage's forward and
+  backward tasks also costs a program dispatch, ``CostModel.program_seconds``);
 * communication: collectives whose consumer is a compute-gradients op run per microbatch on
   ``1/m`` of the bytes (α stays); the others (consumer an apply-gradients op, a carried
   output: the gradient all-reduces and weight updates) run once per step — the gradient
@@ -47,7 +49,8 @@ from rhino.hlo_passes.graph import HloGraph, TensorType, flatten_shape
 from rhino.hlo_passes.subgraph import CUT_PREFIX
 from rhino.planner.build import carried_pairs
 from rhino.planner.collectives import collective_cost
-from rhino.planner.cost_model import CostModel, compute_dtype
+from rhino.planner.cost_model import CostModel
+from rhino.planner.op_cost import OpTimes
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planner.spec import ShardingSpec
@@ -101,6 +104,8 @@ class StageProfile:
         gradient_bytes: local gradient accumulation buffer.
         input_bytes: local batch and cut inputs for the whole batch.
         activation_bytes: the plan's peak minus its parameters (whole batch).
+        launch_s: kernel launches of the forward and backward ops (paid per microbatch;
+            not part of ``compute_s``).
     """
 
     compute_s: float
@@ -111,6 +116,12 @@ class StageProfile:
     gradient_bytes: int
     input_bytes: int
     activation_bytes: int
+    launch_s: float = 0.0
+
+    def microbatch_compute_s(self, m: int, program_s: float = 0.0) -> float:
+        """Seconds of one microbatch's forward and backward: ``1/m`` of the work, every
+        kernel launch, and two program dispatches (the forward and the backward task)."""
+        return self.compute_s / m + self.launch_s + 2.0 * program_s
 
     def microbatch_comm_s(self, mesh: AbstractMesh, cost: CostModel, m: int) -> float:
         return float(sum(collective_cost(k, axes, b / m, mesh, cost)
@@ -130,7 +141,8 @@ def profile_stage(sub_graph: HloGraph, plan: SpmdPlan, apply_ops: set[str],
     """
     mesh, cost = plan.mesh, plan.cost
     specs = {o.name: o.out_spec for o in plan.ops}
-    apply_s = 0.0
+    times = OpTimes(sub_graph, cost)
+    apply_s = launch_s = 0.0
     grad_bytes = 0
     for op in sub_graph.ops:
         spec = specs.get(op.name)
@@ -139,7 +151,9 @@ def profile_stage(sub_graph: HloGraph, plan: SpmdPlan, apply_ops: set[str],
             if isinstance(spec, ShardingSpec):
                 div = spec.shard_count(mesh) * mesh.group_size(
                     [a for a in spec.used_axes if a not in spec.split_axes])
-            apply_s += op.flops / (cost.flops_for(compute_dtype(sub_graph, op)) * max(1, div))
+            apply_s += times.seconds(op.id, max(1, div))
+        else:
+            launch_s += times.launch_seconds((op.id,))
         if op.name in gradient_ops and isinstance(op.shape, TensorType):
             shards = spec.shard_count(mesh) if isinstance(spec, ShardingSpec) else 1
             grad_bytes += op.out_bytes // max(1, shards)
@@ -158,8 +172,8 @@ def profile_stage(sub_graph: HloGraph, plan: SpmdPlan, apply_ops: set[str],
         else:
             inputs += p.local_bytes
     act = max(0, plan.memory.peak - plan.memory.parameters)
-    return StageProfile(max(0.0, plan.compute_s - apply_s), apply_s, tuple(micro), step_comm,
-                        state, grad_bytes, inputs, act)
+    return StageProfile(max(0.0, plan.compute_s - apply_s - launch_s), apply_s, tuple(micro),
+                        step_comm, state, grad_bytes, inputs, act, launch_s)
 
 
 def pipeline_step(micro_s: Sequence[float], num_microbatches: int,

@@ -53,7 +53,8 @@ from rhino.pipeline.stage_ilp import StageAssignmentError, StageOptions
 from rhino.pipeline.stages import StageAssignment, assign_given_stages, assign_stages
 from rhino.planner.api import PlanOptions
 from rhino.planner.build import carried_pairs
-from rhino.planner.cost_model import CostModel, flops_by_rate
+from rhino.planner.cost_model import CostModel
+from rhino.planner.op_cost import OpTimes, matmul_dtype, model_flops
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.pins import annotation_pins
 from rhino.pipeline.spmd_pool import SpmdPool
@@ -104,6 +105,8 @@ class PipelineOptions:
             annotation_pins``), pinned in every plan made for a mesh they fit: the SPMD
             candidate's, and each stage's for the values the stage holds. A candidate whose
             mesh a spec does not fit is infeasible, with the reason as its note.
+        stage_shapes: only stage meshes of these shapes (e.g. ``((4, 4),)`` for data
+            parallel 4 × tensor parallel 4 per stage); None: every shape.
     """
 
     num_microbatches: int = 8
@@ -127,6 +130,7 @@ class PipelineOptions:
     prune: bool = True
     microbatch_divisors: Any = None
     annotations: Any = None
+    stage_shapes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.num_microbatches < 1:
@@ -178,22 +182,20 @@ def _device_cost(cluster: Cluster) -> CostModel:
     return cluster.figures().cost_model((1,))
 
 
-def _lower_bound(graph: HloGraph, ops: Sequence[int] | None, num_stages: int,
+def _lower_bound(times: OpTimes, ops: Sequence[int] | None, num_stages: int,
                  num_microbatches: int, cluster: Cluster) -> float:
     """No plan of ``p`` stages beats perfectly scaled compute with the 1F1B bubble:
-    ``(m + p - 1) / m · Σ flops / (F · N)`` over ``ops`` (default: all), ``F`` the FLOP/s of
-    each op's dtype."""
+    ``(m + p - 1) / m · T / N`` over ``ops`` (default: all), ``T`` their seconds on one
+    device at the best rates the cost model allows (``OpTimes.floor``)."""
     m = max(1, num_microbatches)
-    return float(sum((m + num_stages - 1) / m * f / (r * cluster.num_devices)
-                     for r, f in flops_by_rate(graph, ops, _device_cost(cluster)).items()))
+    return float((m + num_stages - 1) / m * times.floor(ops) / cluster.num_devices)
 
 
-def _balance_weight(graph: HloGraph, a_problem_mean: float, cluster: Cluster,
+def _balance_weight(times: OpTimes, a_problem_mean: float, cluster: Cluster,
                     split: MeshSplit) -> float:
     """Compute time of a perfectly balanced stage over the transfer time of a mean tensor."""
     n = split.devices_per_stage
-    t_stage = float(sum(f / split.num_stages / (r * n)
-                        for r, f in flops_by_rate(graph, None, _device_cost(cluster)).items()))
+    t_stage = times.floor() / split.num_stages / n
     beta = max(cluster.beta_intra, cluster.beta_inter if split.num_stages > 1 else 0.0)
     t_tensor = beta * a_problem_mean / n
     if t_tensor <= 0:
@@ -256,17 +258,28 @@ class _Search:
                                              fold_seed=False)
         self.countdown = Countdown(say, "candidate splits planned and costed", 0)
         self._pin_cache: dict = {}
+        self._device_times: OpTimes | None = None
+
+    @property
+    def device_times(self) -> OpTimes:
+        """Every op's seconds on one of the cluster's devices (made once)."""
+        if self._device_times is None:
+            self._device_times = OpTimes(self.graph, _device_cost(self.cluster))
+        return self._device_times
 
     def _splits(self) -> list[MeshSplit]:
         o = self.options
         most = o.max_stages if o.num_stages is None else o.num_stages
+        shapes = None if o.stage_shapes is None else {tuple(x) for x in o.stage_shapes}
         splits = [s for s in enumerate_splits(self.cluster, most, o.two_d)
-                  if s.kind in o.kinds and o.num_stages in (None, s.num_stages)]
+                  if s.kind in o.kinds and o.num_stages in (None, s.num_stages)
+                  and (shapes is None or s.stage_shape in shapes)]
         if not splits:
             count = (f"exactly {o.num_stages}" if o.num_stages is not None
                      else f"at most {o.max_stages}")
+            only = "" if shapes is None else f" and stage meshes {sorted(shapes)}"
             raise RhinoError(f"pipeline search: expected some split of cluster {self.cluster} "
-                             f"of kinds {o.kinds} with {count} stages, found none")
+                             f"of kinds {o.kinds} with {count} stages{only}, found none")
         return splits
 
     @property
@@ -359,7 +372,7 @@ class _Search:
         sp = next(s for s in self.splits if s.num_stages == p)
         weight = o.balance_weight
         if weight is None:
-            weight = _balance_weight(graph, self.coarse.problem.mean_tensor_bytes(),
+            weight = _balance_weight(self.device_times, self.coarse.problem.mean_tensor_bytes(),
                                      self.cluster, sp)
         opts = dataclasses.replace(o.stage, epsilon=o.epsilon, balance_weight=weight)
         t = time.perf_counter()
@@ -386,7 +399,7 @@ class _Search:
         waves = []
         for p in sorted({sp.num_stages for sp in self.splits}):
             wave = [k for k, sp in enumerate(self.splits) if sp.num_stages == p]
-            lb = _lower_bound(graph, None if p == 1 else cg_ops, p,
+            lb = _lower_bound(self.device_times, None if p == 1 else cg_ops, p,
                               1 if p == 1 else self.m, self.cluster)
             a = self.assignments.get(p)
             if p > 1 and not isinstance(a, StageAssignment):
@@ -664,4 +677,5 @@ def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
                 schedule=options.schedule, step_s=best.candidate.step_s, memory_budget=budget,
                 boundary=summary, crossings=tuple(best.cross), shared_weights=shared,
                 epsilon=options.epsilon, epsilon_used=a.solution.epsilon, candidates=cands,
-                decision=decision, search=times)
+                decision=decision, search=times, model_flops=model_flops(graph),
+                matmul_dtype=matmul_dtype(graph))

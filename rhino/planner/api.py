@@ -34,6 +34,7 @@ from rhino.planner.build import BuildOptions, BuiltProblem, build_problem, local
 from rhino.planner.collectives import reshard as _reshard
 from rhino.planner.cost_model import CostModel
 from rhino.planner.fold import fold_fallback
+from rhino.planner.op_cost import matmul_dtype, model_flops
 from rhino.planner.hierarchical import solve_o2, solve_o3
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import (SpmdPlan, MemoryEstimate, OpPlan, ParamPlan,
@@ -348,7 +349,9 @@ def plan_graph(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
                            timings[1], t1 - t0, t2 - t1, rounds, k, int(st["nodes"]),
                            int(st["choices"]), int(st["edges"])),
         unplanned=tuple(UnplannedOp(u.name, u.opcode, u.source, u.reason)
-                        for u in built.unknown_ops))
+                        for u in built.unknown_ops),
+        overhead_s=cost.program_seconds(), model_flops=model_flops(graph),
+        matmul_dtype=matmul_dtype(graph))
     if plan.splits_nothing and mesh.num_devices > 1:
         progress("the plan splits nothing: pricing the cheapest plan that splits the "
                  "largest op, for the report")
@@ -373,5 +376,6 @@ def split_alternative(built: BuiltProblem, options: PlanOptions) -> SplitAlterna
     sol = _solve(alt, alt.problem, dataclasses.replace(options, memory_budget=None))
     br = alt.breakdown(sol.choice)
     n = len(predicted_collectives(alt, alt.plan(sol.choice), alt.resolved(sol.choice)))
-    return SplitAlternative(big.name, float(big.flops), big.source, br.total, br.compute,
+    return SplitAlternative(big.name, float(big.flops), big.source,
+                            br.total + built.cost.program_seconds(), br.compute,
                             br.communication, n)

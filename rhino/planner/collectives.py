@@ -2,8 +2,9 @@
 
 Cost model (per collective over a group of mesh axes ``G`` with ``n`` = product of their
 sizes on the mesh, and from the ``CostModel``: ``α_G`` and ``β_G`` = the α and β of the
-slowest axis, as one collective over the group is launched once; ``B`` =
-``Collective.bytes``)::
+slowest axis, as one collective over the group is launched once, or where the cost model's
+roofline holds measured figures for the group's link, the collective's kind and ``n``
+devices (``rhino.calibrate``), those; ``B`` = ``Collective.bytes``)::
 
     all-reduce       α_G + 2 (n-1)/n · B · β_G     (ring: reduce-scatter + all-gather)
     all-gather       α_G +   (n-1)/n · B · β_G
@@ -99,7 +100,8 @@ def collective_cost(kind: str, axes: Sequence[int], nbytes: float, mesh: Abstrac
     n = mesh.group_size(axes)
     if n <= 1:
         return 0.0
-    a, b = cost.group_alpha(axes) * alpha_share, cost.group_beta(axes)
+    a, b = cost.collective_alpha_beta(kind, axes, n)
+    a *= alpha_share
     frac = (n - 1) / n
     if kind == ALL_REDUCE:
         return a + 2.0 * frac * nbytes * b

@@ -12,6 +12,14 @@ A ``CostModel`` holds what the hardware costs, per axis of one logical mesh
   compute costs ``op.flops / (rate of its dtype × devices sharing it)``, its dtype read from
   the graph by ``compute_dtype`` (a dot's or convolution's operand type, else its result's);
 * ``memory_bytes``: memory of one device (None: unconstrained);
+* ``roofline``: what the device's kernels achieve (``rhino.planner.roofline.Roofline``:
+  memory bandwidth, non-matmul FLOP/s, matmul efficiency by dtype and size, launch costs,
+  measured collectives), or None. With it an op's compute is its kernel's roofline time
+  (``rhino.planner.op_cost``: max(FLOPs / achievable FLOP/s, bytes / bandwidth) + launch,
+  ops fused as XLA fuses them); without it, ``op.flops / rate`` as above (the model the
+  hand-derived examples use). ``flops_for`` stays the peak either way (MFU's denominator);
+* ``inter_host``: per axis, whether its groups cross hosts (the link a measured collective
+  of ``roofline.collectives`` is looked up for); empty: every axis within a host;
 * backend facts: ``native_reduce_scatter`` (the SPMD partitioner emits reduce-scatter, as
   XLA:GPU and XLA:TPU do; XLA:CPU all-reduces and slices), ``strided_moves_all_to_all``
   (moving a split into or out of a strided layout is one all-to-all; ``auto_parallel``
@@ -42,8 +50,9 @@ import math
 from typing import Any, Mapping, Sequence
 
 from rhino.errors import OptionsError
-from rhino.hlo_passes.graph import HloGraph, Op, TensorType
+from rhino.hlo_passes.fusion import kernel_dtype as compute_dtype  # noqa: F401 (re-export)
 from rhino.planner.mesh import AbstractMesh
+from rhino.planner.roofline import Roofline
 
 # Simulated CPU devices (one host, shared-memory "network").
 CPU_ALPHA = 1e-5            # s per collective
@@ -116,6 +125,9 @@ class CostModel:
             for a reshape between incompatible splits and so what ``auto_parallel`` plans.
         backend: the figures' name (``cpu``, ``h100``, ... see ``rhino.backends``), or
             ``custom``.
+        roofline: achievable kernel figures (module docstring), or None: FLOPs at the
+            dtypes' rates only.
+        inter_host: per axis, True where its groups cross hosts (empty: none does).
 
     Raises:
         OptionsError: α and β not one finite non-negative value per axis (the same number
@@ -130,6 +142,8 @@ class CostModel:
     native_reduce_scatter: bool = True
     strided_moves_all_to_all: bool = True
     backend: str = CUSTOM
+    roofline: Roofline | None = None
+    inter_host: tuple[bool, ...] = ()
 
     def __post_init__(self):
         put = object.__setattr__
@@ -154,6 +168,19 @@ class CostModel:
         put(self, "strided_moves_all_to_all", bool(self.strided_moves_all_to_all))
         if not isinstance(self.backend, str) or not self.backend:
             raise OptionsError(f"cost model backend: expected a name, found {self.backend!r}")
+        roof = self.roofline
+        if isinstance(roof, Mapping):
+            roof = Roofline.from_dict(roof)
+        if roof is not None and not isinstance(roof, Roofline):
+            raise OptionsError(f"cost model roofline: expected a Roofline, its dict or None, "
+                               f"found {type(roof).__name__}")
+        put(self, "roofline", roof)
+        inter = tuple(self.inter_host or ())
+        if inter and (len(inter) != len(self.alpha)
+                      or any(not isinstance(x, bool) for x in inter)):
+            raise OptionsError(f"cost model inter_host: expected one True/False per mesh "
+                               f"axis ({len(self.alpha)}), found {self.inter_host!r}")
+        put(self, "inter_host", inter if any(inter) else ())
 
     # ---------------------------------------------------------------- constructors
     @classmethod
@@ -233,6 +260,26 @@ class CostModel:
         """Seconds per byte of a collective over ``axes``: the slowest axis' β."""
         return float(max((self.beta[a] for a in axes), default=0.0))
 
+    def group_link(self, axes: Sequence[int]) -> str:
+        """``inter`` when some axis of ``axes`` crosses hosts, else ``intra``."""
+        return "inter" if any(self.inter_host[a] for a in axes if a < len(self.inter_host)) \
+            else "intra"
+
+    def collective_alpha_beta(self, kind: str, axes: Sequence[int], n: int
+                              ) -> tuple[float, float]:
+        """(α, β) of a ``kind`` collective over ``axes`` (``n`` devices): the roofline's
+        measured figures for that link, kind and group size where it has them, else the
+        axes' (``group_alpha``, ``group_beta``)."""
+        if self.roofline is not None and self.roofline.collectives:
+            got = self.roofline.collective(self.group_link(axes), kind, n)
+            if got is not None:
+                return got
+        return self.group_alpha(axes), self.group_beta(axes)
+
+    def program_seconds(self) -> float:
+        """Seconds to dispatch one program and wait for it (0 without a roofline)."""
+        return self.roofline.program_s if self.roofline is not None else 0.0
+
     # ---------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "alpha": list(self.alpha), "beta": list(self.beta),
@@ -240,7 +287,9 @@ class CostModel:
                 "dtype_flops_per_s": dict(self.dtype_flops_per_s),
                 "memory_bytes": self.memory_bytes,
                 "native_reduce_scatter": self.native_reduce_scatter,
-                "strided_moves_all_to_all": self.strided_moves_all_to_all}
+                "strided_moves_all_to_all": self.strided_moves_all_to_all,
+                **({"roofline": self.roofline.to_dict()} if self.roofline else {}),
+                **({"inter_host": list(self.inter_host)} if self.inter_host else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CostModel":
@@ -259,7 +308,10 @@ class CostModel:
             raise OptionsError(f"cost model JSON: expected the keys {sorted(known)} "
                                f"(alpha, beta and flops_per_s required), found "
                                f"{sorted(d)}")
-        return cls(**d)
+        fields = dict(d)
+        if "inter_host" in fields:
+            fields["inter_host"] = tuple(fields["inter_host"])
+        return cls(**fields)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -274,39 +326,7 @@ class CostModel:
             f", {k} {v:.3g}" for k, v in self.dtype_flops_per_s)
         mem = "unlimited" if self.memory_bytes is None else f"{self.memory_bytes / 2**30:.3g} GiB"
         return (f"{self.backend}: α {list(self.alpha)} s, β {list(self.beta)} s/B, {rates}, "
-                f"memory {mem}")
-
-
-def compute_dtype(graph: HloGraph, op: Op) -> str:
-    """The dtype an op computes in, for its FLOP/s: a dot's or convolution's first operand
-    type (bf16 × bf16 accumulated in f32 runs at the bf16 rate), else its result type;
-    ``f32`` for tuple-shaped ops."""
-    if op.opcode in _MATMUL_OPCODES and op.operands:
-        src = graph.ops[op.operands[0]].shape
-        if isinstance(src, TensorType):
-            return src.dtype
-    return op.shape.dtype if isinstance(op.shape, TensorType) else DEFAULT_DTYPE
-
-
-def flops_by_rate(graph: HloGraph, ops: Sequence[int] | None, cost: CostModel
-                  ) -> dict[float, float]:
-    """FLOPs of ``ops`` (default: every op) summed per FLOP/s rate of their dtype, in op
-    order: ``Σ_r flops_r / r`` is their compute time on one device, and with one rate for
-    every dtype the single sum is exactly ``Σ op.flops``.
-
-    Example:
-        >>> import jax.numpy as jnp, rhino
-        >>> g = rhino.ingest(lambda x, w: x @ w, jnp.ones((8, 4), jnp.bfloat16),
-        ...                  jnp.ones((4, 4), jnp.bfloat16))
-        >>> flops_by_rate(g, None, CostModel((0.0,), (0.0,), 1e12, {"bf16": 2e12}))
-        {2000000000000.0: 256.0}
-    """
-    by_rate: dict[float, float] = {}
-    for i in (range(len(graph.ops)) if ops is None else ops):
-        op = graph.ops[i]
-        r = cost.flops_for(compute_dtype(graph, op))
-        by_rate[r] = by_rate.get(r, 0) + op.flops
-    return by_rate
+                f"memory {mem}" + (f"; {self.roofline.summary()}" if self.roofline else ""))
 
 
 def legacy_mesh(d: dict[str, Any]) -> tuple[AbstractMesh, CostModel]:

@@ -23,6 +23,7 @@ from collections import Counter
 from typing import Any
 
 from rhino.planner.cost_model import CostModel, legacy_mesh
+from rhino.planner.utilization import Utilization, utilization
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
 from rhino.vocabulary import SolverStatus
@@ -169,6 +170,9 @@ class SpmdPlan:
         search: how it was found; unplanned: ops kept replicated for lack of a rule.
         split_alternative: where the plan splits nothing on a mesh of several devices,
             the cheapest plan that splits the largest op, for the report's "why".
+        overhead_s: dispatching the step's program (``CostModel.program_seconds``).
+        model_flops: the step's matmul FLOPs (``op_cost.model_flops``), for its MFU.
+        matmul_dtype: the dtype most of them run in.
     """
 
     program: str
@@ -185,6 +189,9 @@ class SpmdPlan:
     search: SearchStats
     unplanned: tuple[UnplannedOp, ...]
     split_alternative: SplitAlternative | None = None
+    overhead_s: float = 0.0
+    model_flops: float = 0.0
+    matmul_dtype: str = "f32"
 
     @property
     def splits_nothing(self) -> bool:
@@ -194,8 +201,14 @@ class SpmdPlan:
 
     @property
     def step_time_s(self) -> float:
-        """Estimated step time: compute plus communication (no overlap assumed)."""
-        return self.compute_s + self.communication_s
+        """Estimated step time: compute plus communication (no overlap assumed) plus the
+        program's dispatch."""
+        return self.compute_s + self.communication_s + self.overhead_s
+
+    def utilization(self) -> Utilization:
+        """The plan's estimated MFU and its ceiling (``planner.utilization``)."""
+        return utilization(self.model_flops, self.matmul_dtype, self.mesh.num_devices,
+                           self.step_time_s, self.cost)
 
     def param_spec(self, path: str) -> ShardingSpec:
         """The spec of the entry parameter at ``path`` (e.g. ``params['wte']``)."""
@@ -246,6 +259,8 @@ class SpmdPlan:
             "unplanned": [dataclasses.asdict(u) for u in self.unplanned],
             "split_alternative": (None if self.split_alternative is None
                                   else dataclasses.asdict(self.split_alternative)),
+            "overhead_s": self.overhead_s, "model_flops": self.model_flops,
+            "matmul_dtype": self.matmul_dtype,
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -281,7 +296,10 @@ class SpmdPlan:
             search=SearchStats(**dict(d["search"], status=SolverStatus(d["search"]["status"]))),
             unplanned=tuple(UnplannedOp(**u) for u in d["unplanned"]),
             split_alternative=(None if d.get("split_alternative") is None
-                               else SplitAlternative(**d["split_alternative"])))
+                               else SplitAlternative(**d["split_alternative"])),
+            overhead_s=float(d.get("overhead_s", 0.0)),
+            model_flops=float(d.get("model_flops", 0.0)),
+            matmul_dtype=str(d.get("matmul_dtype", "f32")))
 
     @classmethod
     def from_json(cls, text: str) -> "SpmdPlan":
@@ -311,7 +329,9 @@ class SpmdPlan:
             f"solve {s.solve_s:.2f}); {s.nodes} ops, {s.choices} strategies, {s.edges} edges",
             f"  step time (est.)  {1e3 * self.step_time_s:.3f} ms = compute "
             f"{1e3 * self.compute_s:.3f} ms + communication {1e3 * self.communication_s:.3f} ms"
-            f" (the cost model's estimate, not a measurement)",
+            + (f" + dispatch {1e3 * self.overhead_s:.3f} ms" if self.overhead_s else "")
+            + " (the cost model's estimate, not a measurement)",
+            f"  utilization       {self.utilization().line()}",
             f"  memory / device   parameters {_bytes(self.memory.parameters)}, peak "
             f"{_bytes(self.memory.peak)} (estimated)" + self._budget_text(),
         ]

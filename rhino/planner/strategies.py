@@ -3,8 +3,10 @@
 For every op the loops of ``strategies_rules`` are composed recursively over the mesh axes
 (§4): each mesh axis of size > 1 is given one loop or none, axes on one loop split its dims
 together (outermost axis first), and every combination whose sizes divide is a strategy.
-Compute cost = ``op.flops / (FLOP/s × devices sharing the work)``, with the cost model's
-FLOP/s for the op's dtype (``cost_model.compute_dtype``).
+Compute cost = the op's seconds with its work split over the devices sharing it
+(``op_cost.OpTimes.seconds``): ``op.flops / (FLOP/s × devices)`` at the cost model's FLOP/s
+for the op's dtype (``cost_model.compute_dtype``), or with the cost model's roofline, the
+op's share of its fused kernel's roofline time plus the launches charged to it.
 
 Strides (§4.1, candidate generation of §4.3.3). Specs are blocked (maximum stride) by
 default. Other strides enter only through reshapes: ``stride_hints`` starts from every
@@ -40,8 +42,9 @@ import itertools
 from typing import Callable, Iterator, Sequence
 
 from rhino.hlo_passes.graph import HloGraph, Op, TensorType, flatten_shape
-from rhino.planner.cost_model import CostModel, compute_dtype
+from rhino.planner.cost_model import CostModel
 from rhino.planner.custom_calls import custom_loops, enumerate_custom, is_custom_tuple
+from rhino.planner.op_cost import OpTimes
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import (DimSharding, ShardingSpec, inner_sizes, map_linear_axis,
                                 map_reshape)
@@ -409,10 +412,11 @@ class _Generator:
         self.intern: dict = {}
         self.enumerated: dict = {}
         self.group_sizes = group_sizes(mesh)
+        self.times = OpTimes(graph, cost)
 
-    def _rate(self, op: Op) -> float:
-        """FLOP/s of one device for ``op``'s dtype."""
-        return self.cost.flops_for(compute_dtype(self.graph, op))
+    def _seconds(self, op: Op, share: float = 1.0) -> float:
+        """Seconds of ``op`` on one device with its work split ``share`` ways."""
+        return self.times.seconds(op.id, share)
 
     def _hint_set(self, i: int, d: int) -> set:
         return self.hints.get(i, {}).get(d, set())
@@ -438,7 +442,7 @@ class _Generator:
     def replicated(self, op: Op, reason: str) -> tuple[Strategy, ...]:
         self.unknown.append(UnknownOp(op.id, op.name, op.opcode, op.source, reason))
         ins = tuple(replicated_like(self.graph.ops[o].shape) for o in op.operands)
-        return (Strategy(replicated_like(op.shape), ins, op.flops / self._rate(op), 0.0,
+        return (Strategy(replicated_like(op.shape), ins, self._seconds(op), 0.0,
                          f"{op.opcode}[R]"),)
 
     def for_op(self, op: Op, done: Sequence[tuple[Strategy, ...]] = ()) -> tuple[Strategy, ...]:
@@ -467,16 +471,16 @@ class _Generator:
         return self._enumerate(op, loops)
 
     def _enumerate(self, op: Op, loops: Sequence[Loop]) -> tuple[Strategy, ...]:
-        mesh, rate = self.mesh, self._rate(op)
+        mesh, price = self.mesh, self.times.key(op.id)
         out_rank = op.shape.rank
         ranks = [self.graph.ops[o].shape.rank for o in op.operands]
         fn = self._stride_fn(op, loops)
-        # The strategies are a function of the loops, ranks, FLOPs, rate and the strides
+        # The strategies are a function of the loops, ranks, the op's price and the strides
         # offered per (loop, shard count): a layer repeated 48 times is enumerated once.
         strides = () if fn is None else tuple(
             (li, n, tuple(fn(li, n))) for li, lp in enumerate(loops) if lp.size is not None
             for n in self.group_sizes)
-        key = (op.opcode, op.flops, rate, out_rank, tuple(ranks), tuple(loops), strides)
+        key = (op.opcode, price, out_rank, tuple(ranks), tuple(loops), strides)
         hit = self.enumerated.get(key)
         if hit is not None:
             return hit
@@ -493,8 +497,8 @@ class _Generator:
                 for li, (axes, _) in asg.items():
                     if loops[li].shares_work:
                         share *= mesh.group_size(axes)
-                cost = op.flops / (rate * share)
-                seen[pair] = Strategy(out, ins, cost, 0.0, _label(op.opcode, loops, asg, mesh))
+                seen[pair] = Strategy(out, ins, self._seconds(op, share), 0.0,
+                                      _label(op.opcode, loops, asg, mesh))
         if not seen:  # cannot happen: the empty assignment is always valid
             return self.replicated(op, "no valid assignment")
         self.enumerated[key] = tuple(seen.values())
@@ -506,11 +510,10 @@ class _Generator:
         if loops is None:
             return None
         ranks = [self.graph.ops[o].shape.rank for o in op.operands]
-        rate = self._rate(op)
         out = []
         for spec, ins, share, asg in enumerate_custom(op, loops, ranks, self.mesh,
                                                       assignments, spec_of, self.intern):
-            out.append(Strategy(spec, ins, op.flops / (rate * share), 0.0,
+            out.append(Strategy(spec, ins, self._seconds(op, share), 0.0,
                                 _label("custom-call", loops, asg, self.mesh)))
         return tuple(out)
 
@@ -534,11 +537,11 @@ class _Generator:
                 for asg in assignments(loops, self.mesh, fn) for grouped in _groupings(loops, asg)]
 
     def _reshape(self, op: Op, x: TensorType, y: TensorType) -> tuple[Strategy, ...]:
-        mesh, rate = self.mesh, self._rate(op)
-        # A function of the two types, FLOPs, rate and the strides hinted on either side
-        # (what ``_tensor_specs`` reads): the reshapes of repeated layers are done once.
+        mesh = self.mesh
+        # A function of the two types, the op's price and the strides hinted on either
+        # side (what ``_tensor_specs`` reads): the reshapes of repeated layers are done once.
         src, dst = op.operands[0], op.id
-        key = ("reshape", op.opcode, op.flops, rate, x, y,
+        key = ("reshape", op.opcode, self.times.key(op.id), x, y,
                tuple(tuple(sorted(self._hint_set(src, d))) for d in range(x.rank)),
                tuple(tuple(sorted(self._hint_set(dst, d))) for d in range(y.rank)))
         hit = self.enumerated.get(key)
@@ -559,7 +562,7 @@ class _Generator:
                 continue
             share = t.shard_count(mesh)
             lab = "R" if t.is_replicated else t.to_str(mesh)
-            out.append(Strategy(t, (s,), op.flops / (rate * share), 0.0,
+            out.append(Strategy(t, (s,), self._seconds(op, share), 0.0,
                                 f"{op.opcode}[{lab}]"))
         self.enumerated[key] = tuple(out)
         return self.enumerated[key]

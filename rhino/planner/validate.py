@@ -9,9 +9,11 @@ everything from the ops' semantics, with code separate from the strategy generat
    operands (split dim and axis stride, pending reduction, or nothing) must form one of the
    op's dimension correspondences (derived here from the op's attributes), and reshapes are
    checked by brute force: every element must land on the same devices on both sides;
-3. compute cost = ``flops / (FLOP/s × devices sharing the work)``, the FLOP/s the cost
-   model's for the op's dtype, where an axis shares the work when it splits a dim of the
-   output or of an operand;
+3. compute cost = the op's seconds over the devices sharing the work
+   (``op_cost.OpTimes.seconds``: ``flops / (FLOP/s × devices)`` at the cost model's FLOP/s
+   for the op's dtype, or its share of its kernel's roofline time), where an axis shares
+   the work when it splits a dim of the output or of an operand (not a gather's table:
+   each device then still looks up every index);
 4. communication = the resharding (``collectives.reshard``) of every producer's output spec
    into each consumer's operand spec, of every carried output back to its parameter's spec,
    and the all-reduce resolving a pending reduction left on a program output. A pending sum
@@ -50,7 +52,8 @@ from rhino.errors import RhinoError
 from rhino.hlo_passes.costs import ELEMENTWISE
 from rhino.hlo_passes.graph import HloGraph, Op, TensorType, flatten_shape
 from rhino.planner.collectives import reshard as _reshard
-from rhino.planner.cost_model import CostModel, compute_dtype
+from rhino.planner.cost_model import CostModel
+from rhino.planner.op_cost import OpTimes
 from rhino.planner.custom_calls import check_custom, is_custom_tuple, op_rule
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
@@ -472,6 +475,11 @@ def _share(op: Op, strategy: Any, shapes: Sequence[Any], mesh: AbstractMesh) -> 
              for x in (s if isinstance(s, tuple) else (s,))]
     if op.opcode == "get-tuple-element":
         specs = []   # reading an element computes nothing
+    elif op.opcode == "gather" and len(specs) == 3:
+        # A table split (its slice dimension) leaves every device looking up every index
+        # into a partial result of the whole shape: only the result's and the indices'
+        # splits share the work.
+        specs = [specs[0], specs[2]]
     share = 1
     for a in range(mesh.ndim):
         for s in specs:
@@ -571,6 +579,7 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Se
     share = _check_shares(graph, alpha_share or {})
     compute = comm = 0.0
     resharded = 0
+    times = OpTimes(graph, cost)
 
     def reshard(src: Any, dst: Any, u: int) -> Any:
         return _reshard(src, dst, graph.ops[u].shape, mesh, cost, share.get(u, 1.0))
@@ -584,7 +593,7 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Se
     for op, st in zip(graph.ops, plan):
         check_strategy(graph, op, st, mesh)
         shapes = [op.shape] + [graph.ops[o].shape for o in op.operands]
-        c = op.flops / (cost.flops_for(compute_dtype(graph, op)) * _share(op, st, shapes, mesh))
+        c = times.seconds(op.id, _share(op, st, shapes, mesh))
         if not _close(c, st.compute_cost, rel_tol):
             raise _fail(op, f"compute cost: expected {c:.6g} s ({op.flops:.6g} FLOP over "
                         f"{_share(op, st, shapes, mesh)} devices), found {st.compute_cost:.6g}")
