@@ -13,13 +13,20 @@ start after ``--budget-s`` is skipped, so the check ends in time:
   calibration    what ``rhino.calibrate`` measures on the first device: matmul FLOP/s in
                  float32 (TF32 on GPU, JAX's default precision) and bfloat16, memory
                  bandwidth, launch latency; with several devices the all-reduce α and β
-                 over all of them; each beside ``rhino.backends``' figure (measured ÷ figure).
+                 over all of them; each beside ``rhino.backends``' figure (measured ÷ figure);
+                 and the device's whole roofline (``calibrate_roofline``: matmul and
+                 convolution efficiency by size, bandwidth by size, launch per kernel,
+                 cuDNN attention), for the cost_model step.
   batch          the largest power-of-two batch whose compiled ``jax.jit`` step needs at
                  most half the allocator's memory: fitted from the compiled memory at batch
                  1, then checked by compiling at that batch (``--batch`` gives it instead).
   single_device  the zoo GPT (GPT-Medium shapes: 24 layers, hidden 1024, 16 heads; vocab
                  50304, sequence 1024, bfloat16) for ``steps`` steps under ``jax.jit`` and
                  under ``rhino.auto_parallel`` on device 0 (``gpu_check_training``).
+  cost_model     the cost model after calibration against measured one-device steps:
+                 GPT-Medium, a bf16 Llama with cuDNN's fused attention and the UNet, each
+                 priced by ``rhino.plan`` with the calibrated roofline and timed under
+                 ``jax.jit`` (``gpu_check_cost``; target: within ±25 %).
   hlo            the step's HLO text as lowered for this backend (what the planner reads;
                  ``gpt_step.hlo``), XLA's optimized program (``gpt_step.compiled.hlo``)
                  and a causal-attention step with ``jax.nn.dot_product_attention`` (cuDNN on
@@ -67,12 +74,22 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import gpu_check_cost  # noqa: E402  (benchmarks/gpu_check_cost.py)
 import gpu_check_report  # noqa: E402  (benchmarks/gpu_check_report.py)
 
-STEP_NAMES = ("environment", "calibration", "batch", "single_device", "hlo", "plan", "spmd",
-              "pipeline")
+STEP_NAMES = ("environment", "calibration", "batch", "single_device", "cost_model", "hlo",
+              "plan", "spmd", "pipeline")
 DRY_RUN_DEVICES = 4
 GPT_MEDIUM = dict(preset="GPT-Medium", seq=1024, vocab=50304)
+# The cost_model step's one-device steps (gpu_check_cost): the GPT (batch of the batch step),
+# a bf16 Llama with cuDNN's fused attention (Llama-3.2-1B shapes, 2 layers), the UNet.
+COST_MODELS = {
+    "gpt": {"zoo": "gpt", "options": GPT_MEDIUM, "dtype": "bfloat16"},
+    "llama": {"zoo": "llama", "options": dict(layers=2, hidden=2048, ffn=8192, heads=32,
+                                              kv_heads=8, vocab=32000, seq=2048, batch=8,
+                                              attention="cudnn")},
+    "unet": {"zoo": "unet", "options": dict(batch=32, image=64, base_channels=64, depth=3)},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +111,8 @@ class Mode:
         multi_device_s: added to it with several devices (two more comparisons).
         microbatches: of the pipeline.
         attention: (batch, seq, heads, head_dim) of the attention step.
+        cost_models: the cost_model step's models (``gpu_check_cost``): name -> zoo name,
+            options and parameter dtype.
     """
 
     name: str
@@ -114,18 +133,32 @@ class Mode:
     multi_device_s: float
     microbatches: int
     attention: tuple[int, int, int, int]
+    cost_models: dict = dataclasses.field(default_factory=lambda: dict(COST_MODELS))
 
 
 FULL = Mode("full", GPT_MEDIUM, "bfloat16", 20, 64, 0.5, 8192, 10, 1 << 30, 200,
             (1 << 10, 1 << 20, 1 << 26), 8, 300.0, 300.0, 420.0, 300.0, 4, (4, 1024, 16, 64))
+_QUICK_COSTS = {"gpt": dict(COST_MODELS["gpt"], options={**GPT_MEDIUM, "layers": 6}),
+                "llama": COST_MODELS["llama"],
+                "unet": dict(COST_MODELS["unet"], options=dict(batch=8, image=64,
+                                                               base_channels=64, depth=3))}
+_TOY_COSTS = {
+    "gpt": {"zoo": "gpt", "options": dict(layers=2, hidden=64, heads=4, seq=32, vocab=256),
+            "dtype": "bfloat16"},
+    "llama": {"zoo": "llama", "options": dict(layers=2, hidden=64, ffn=128, heads=4,
+                                              kv_heads=2, vocab=256, seq=32, batch=2,
+                                              attention="cudnn")},
+    "unet": {"zoo": "unet", "options": dict(batch=2, image=16, base_channels=8, depth=2)},
+}
 MODES = {
     "full": FULL,
     "quick": dataclasses.replace(FULL, name="quick", model={**GPT_MEDIUM, "layers": 6},
                                  steps=10, matmul_n=4096, bandwidth_bytes=1 << 28,
-                                 plan_timeout_s=120.0, budget_s=240.0, multi_device_s=150.0),
+                                 plan_timeout_s=120.0, budget_s=240.0, multi_device_s=150.0,
+                                 cost_models=_QUICK_COSTS),
     "dry-run": Mode("dry-run", dict(layers=2, hidden=64, heads=4, seq=32, vocab=256),
                     "bfloat16", 3, 4, 0.5, 256, 2, 1 << 22, 20, (1 << 10, 1 << 14), 4,
-                    120.0, 60.0, 300.0, 0.0, 4, (2, 64, 4, 16)),
+                    120.0, 60.0, 300.0, 0.0, 4, (2, 64, 4, 16), _TOY_COSTS),
 }
 
 
@@ -349,6 +382,7 @@ def step_calibration(check: Check, rec: dict) -> None:
     rec["memory_bytes"] = _ratio(limit, fig.memory_bytes)
     rec["memory_bytes"]["note"] = ("the allocator's bytes_limit (XLA preallocates a fraction "
                                    "of the device: XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    gpu_check_cost.calibrate(check, rec)     # the roofline the cost_model step prices with
     if len(devices) < 2:
         rec["collectives"] = "one device: no all-reduce to time"
         return
@@ -459,6 +493,8 @@ def step_single(check: Check, rec: dict) -> None:
     peak, measured = _peaks(check)
     gt.compare(rec, gt.make_model(m.model, batch), m.dtype, devices[:1], devices[:1],
                m.steps, peak, measured, jit_compiled=compiled)
+    if (rec.get("jit") or {}).get("step_s"):
+        check.shared["single_jit"] = (batch, rec["jit"]["step_s"])
 
 
 def step_spmd(check: Check, rec: dict) -> None:
@@ -624,8 +660,8 @@ def step_plan(check: Check, rec: dict) -> None:
 
 STEPS: dict[str, Callable[[Check, dict], None]] = {
     "environment": step_environment, "calibration": step_calibration, "batch": step_batch,
-    "single_device": step_single, "hlo": step_hlo, "plan": step_plan, "spmd": step_spmd,
-    "pipeline": step_pipeline}
+    "single_device": step_single, "cost_model": gpu_check_cost.step_cost_model,
+    "hlo": step_hlo, "plan": step_plan, "spmd": step_spmd, "pipeline": step_pipeline}
 
 
 # ----------------------------------------------------------------------------- main

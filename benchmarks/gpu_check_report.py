@@ -183,6 +183,9 @@ def _files_table(r: dict) -> list[str]:
 
 def markdown(results: dict) -> str:
     """The whole ``gpu_check.md``."""
+    import gpu_check_cost
+
     return "\n".join([*_header(results), *_steps_table(results),
                       *_calibration_table(results), *_training_table(results),
+                      *gpu_check_cost.markdown(results),
                       *_files_table(results)]).rstrip() + "\n"

@@ -21,8 +21,8 @@ import gpu_check  # noqa: E402  (benchmarks/gpu_check.py)
 import gpu_check_report  # noqa: E402
 import gpu_check_training  # noqa: E402
 
-STEPS = ("environment", "calibration", "batch", "single_device", "hlo", "plan", "spmd",
-         "pipeline")
+STEPS = ("environment", "calibration", "batch", "single_device", "cost_model", "hlo", "plan",
+         "spmd", "pipeline")
 TOP = {"tool", "command", "date", "mode", "config", "budget_s", "steps", "wall_s", "failed"}
 # Every step's fields when it succeeds (besides status and seconds).
 FIELDS = {
@@ -32,7 +32,9 @@ FIELDS = {
                     "bytes_limit", "cuda", "nvidia_smi", "jax_environment_info"},
     "calibration": {"figures", "matmul_n", "matmul_f32_flops", "matmul_bf16_flops",
                     "memory_bandwidth_bytes_per_s", "launch_latency_s", "memory_bytes",
-                    "allreduce_alpha_s", "link_bytes_per_s", "collective_bytes"},
+                    "allreduce_alpha_s", "link_bytes_per_s", "collective_bytes", "roofline",
+                    "roofline_peaks", "roofline_summary", "roofline_s"},
+    "cost_model": {"cost_model", "tolerance", "models"},
     "batch": {"batch", "how", "limit_bytes", "target_bytes", "cap", "peak_at_1",
               "per_example_bytes", "tries", "limit_from", "peak_bytes", "fits"},
     "hlo": {"gpt", "gpt_compiled", "attention"},
@@ -110,6 +112,34 @@ def test_dry_run_figures_are_measured(dry_run):
     assert r["steps"]["spmd"]["rhino"]["plan"]["stage_meshes"] == [[4]]
     pipe = r["steps"]["pipeline"]
     assert pipe["cluster"] == "1x4" and pipe["rhino"]["plan"]["stages"] == 2
+
+
+COST_FIELDS = {"model", "plan_s", "estimate_s", "parts_s", "custom_calls", "mfu_estimated",
+               "mfu_line", "measured_s", "measured_from", "ratio", "within"}
+
+
+def test_dry_run_prices_three_one_device_steps_with_the_calibration(dry_run):
+    """The cost_model step: GPT, a bf16 Llama with the fused attention call and the UNet,
+    each estimated by rhino.plan with the calibrated roofline and measured under jit."""
+    out, r = dry_run
+    from rhino.planner.roofline import Roofline
+
+    roof = Roofline.from_dict(r["steps"]["calibration"]["roofline"])
+    rec = r["steps"]["cost_model"]
+    assert rec["cost_model"]["roofline"] == roof.to_dict()
+    assert set(rec["models"]) == {"gpt", "llama", "unet"}
+    for name, row in rec["models"].items():
+        assert COST_FIELDS <= set(row), (name, COST_FIELDS - set(row))
+        assert row["estimate_s"] > 0 and row["measured_s"] > 0
+        assert row["ratio"] == pytest.approx(row["estimate_s"] / row["measured_s"])
+        assert row["within"] == (abs(row["ratio"] - 1) <= rec["tolerance"])
+        assert row["mfu_line"].startswith("estimated MFU ")
+    assert rec["models"]["gpt"]["measured_from"].startswith("single_device step")
+    assert "CustomSPMDPartitioning" in rec["models"]["llama"]["custom_calls"]
+    assert rec["models"]["llama"]["model"]["attention"] == "fused"
+    assert rec["models"]["unet"]["parts_s"]["conv"] > 0
+    md = (out / "gpu_check.md").read_text()
+    assert "| one-device step | estimated ms |" in md and "| llama (llama, batch 2" in md
 
 
 def rh_devices(rec: dict) -> int:
