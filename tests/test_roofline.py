@@ -221,3 +221,17 @@ def test_a_datasheet_only_estimate_above_a_bare_matmul_is_flagged():
     # With the backend's own roofline the same step is priced below the ceiling.
     real = rhino.plan(m.step, *m.example_args(), mesh_shape=(1,), cost=h100)
     assert not real.utilization().optimistic and real.step_s > plan.step_s
+
+
+def test_rhino_plan_gpt_mesh_8_states_the_estimated_mfu(capsys):
+    from rhino.cli import main
+
+    assert main(["plan", "gpt", "--mesh", "8", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("  utilization"))
+    assert "estimated MFU " in line and "model FLOP ÷ (8 devices ×" in line
+    # A cluster's report (the controller's lines) states it too, for the chosen plan.
+    assert main(["plan", "mlp:batch=32,hidden=64,layers=2", "--cluster", "1x2",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "utilization       estimated MFU" in out and "(2 devices ×" in out
