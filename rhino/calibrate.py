@@ -117,14 +117,25 @@ class CalibrationSizes:
 
 
 # ------------------------------------------------------------------------------ timing
-def _median_time(fn: Callable, arg: Any, reps: int) -> float:
+def _times(fn: Callable, arg: Any, reps: int) -> list[float]:
     fn(arg).block_until_ready()  # compile + warm up
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn(arg).block_until_ready()
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return times
+
+
+def _median_time(fn: Callable, arg: Any, reps: int) -> float:
+    return float(np.median(_times(fn, arg, reps)))
+
+
+def _least_time(fn: Callable, arg: Any, reps: int) -> float:
+    """The fastest of ``reps`` runs: for a figure taken as the difference of two programs'
+    times (a launch, a collective's latency), whose noise — other work on the machine —
+    only ever adds, and would not cancel in the difference of medians."""
+    return float(min(_times(fn, arg, reps)))
 
 
 def _net(t: float, overhead: float) -> float:
@@ -288,8 +299,8 @@ def measure_transcendental_rate(devices: Sequence[Any] | None = None,
 def measure_kernel_launch(devices: Sequence[Any] | None = None, kernels: int = 128,
                           reps: int = 9) -> float:
     """Seconds one more kernel adds to a program on every device at once: programs of 1
-    and of ``1 + kernels`` dependent 8×8 matmuls (each its own kernel), the difference
-    over ``kernels``."""
+    and of ``1 + kernels`` dependent 8×8 matmuls (each its own kernel), the difference of
+    their fastest runs over ``kernels``."""
     import jax.numpy as jnp
 
     def program(k: int):
@@ -305,7 +316,7 @@ def measure_kernel_launch(devices: Sequence[Any] | None = None, kernels: int = 1
     ts = []
     for k in (1, 1 + kernels):
         f, x = _per_device(devs, program(k), (64,), "float32")
-        ts.append(_median_time(f, x, reps))
+        ts.append(_least_time(f, x, reps))
     return max(0.0, (ts[1] - ts[0]) / kernels)
 
 
@@ -440,8 +451,8 @@ def measure_collective(kind: str, group: int, devices: Sequence[Any] | None = No
     """(α, β) of a ``kind`` collective over groups of ``group`` devices, all groups at
     once, in the planner's formula ``α + c·(n-1)/n·B·β`` (``c`` 2 for an all-reduce, ``B``
     in the planner's byte convention): α from a program of ``chain`` dependent collectives
-    on a few bytes against one of a single one (the difference over ``chain - 1``: no
-    dispatch in it), β the slope of single collectives' times over ``sizes`` bytes per
+    on a few bytes against one of a single one (the difference of their fastest runs over
+    ``chain - 1``: no dispatch in it), β the slope of single collectives' times over ``sizes`` bytes per
     device (least squares; the intercept, dispatch and α, is not used).
 
     Groups are consecutive devices, or with ``strided`` every ``len/group``-th device (the
@@ -472,8 +483,8 @@ def measure_collective(kind: str, group: int, devices: Sequence[Any] | None = No
         return k, jax.device_put(jnp.ones((n * k,), jnp.float32), sharding)
 
     _, tiny = arg(256 * group)
-    one = _median_time(_collective_program(kind, mesh, axis), tiny, reps)
-    many = _median_time(_collective_program(kind, mesh, axis, chain), tiny, reps)
+    one = _least_time(_collective_program(kind, mesh, axis), tiny, max(reps, 5))
+    many = _least_time(_collective_program(kind, mesh, axis, chain), tiny, max(reps, 5))
     alpha = max(0.0, (many - one) / max(chain - 1, 1))
     f = _collective_program(kind, mesh, axis)
     xs, ts = [], []
