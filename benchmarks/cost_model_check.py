@@ -174,6 +174,19 @@ def calibration(path: str | None, quick: bool, say: Callable[[str], None]):
     return calibrate_roofline(jax.devices()[:N_DEVICES], sizes, progress=say)
 
 
+def probe(devices) -> dict:
+    """Three quick figures of the machine now (a 512³ matmul's FLOP/s, a 4 MiB stream's
+    bytes/s, a program's dispatch), taken before planning and after measuring: how far the
+    machine drifted while a model's pairs ran (other work on a shared machine)."""
+    from rhino.calibrate import (measure_launch_latency, measure_matmul_rates,
+                                 measure_memory_bandwidth)
+
+    return {"matmul_flops": measure_matmul_rates(devices, (512,), "float32", 7)[0][1],
+            "bandwidth": measure_memory_bandwidth(nbytes=1 << 22, reps=7, devices=devices),
+            "program_s": measure_launch_latency(reps=20, devices=devices),
+            "load_average": os.getloadavg()[0]}
+
+
 def build_step(plan: str, model_name: str, model, roofline, peaks) -> Any:
     """The ``ParallelStep`` of one pair, priced by the calibrated figures."""
     import rhino
@@ -205,6 +218,8 @@ def run_model(name: str, overrides: dict, plans: Sequence[str], rounds: int, ste
     def say(msg: str) -> None:
         print(f"[{name}] {msg}", file=sys.stderr, flush=True)
 
+    devices = jax.devices()[:N_DEVICES]
+    before = probe(devices)
     t0 = time.perf_counter()
     roofline, peaks = calibration(calib_path, quick, say)
     calib_s = time.perf_counter() - t0
@@ -254,7 +269,12 @@ def run_model(name: str, overrides: dict, plans: Sequence[str], rounds: int, ste
                 t = time.perf_counter()
                 entry["state"], _ = _step(entry)
                 entry["times"].append(time.perf_counter() - t)
+    after = probe(devices)
+    drift = {k: after[k] / before[k] for k in before if before[k]}
+    say("drift while measuring (after ÷ before): " + ", ".join(f"{k} {v:.2f}"
+                                                             for k, v in drift.items()))
     for row in rows:
+        row.update(probe_before=before, probe_after=after)
         entry = live.get(row["plan"])
         if entry is None:
             continue
@@ -294,8 +314,10 @@ def table(result: dict) -> str:
             f"{100 * p['error']:+.1f} % | {100 * p['mfu_estimated']:.1f} % |")
     s = result["summary"]
     lines.append("")
-    lines.append(f"Pairs measured: {s['pairs_measured']}; Spearman {s['spearman']:.3f}; "
-                 f"median |error| {100 * s['median_abs_error']:.1f} %; rhino's chosen plan "
+    sp = "—" if s["spearman"] is None else f"{s['spearman']:.3f}"
+    err = "—" if s["median_abs_error"] is None else f"{100 * s['median_abs_error']:.1f} %"
+    lines.append(f"Pairs measured: {s['pairs_measured']}; Spearman {sp}; "
+                 f"median |error| {err}; rhino's chosen plan "
                  f"({CHOSEN}) fastest or within {100 * WITHIN:.0f} %: "
                  f"{'yes' if s['chosen_ok'] else 'NO'}")
     for m, r in s["models"].items():
