@@ -13,7 +13,9 @@ arguments, no devices). Each run plans the step twice under the same cost model:
   ring; rhino's attention is one fused call whose sharding rule keeps the sequence whole,
   so the CP devices become data parallel) and virtual pipeline stages (interleaved 1F1B:
   rhino runs one stage per mesh under 1F1B, GPipe or eager 1F1B, so the stages are plain
-  1F1B). NeMo's distributed optimizer (the Adam moments split over the data-parallel
+  1F1B), and a one-stage recipe's gradient accumulation (rhino's one-stage plans run the
+  whole batch at once, whose activations do not fit: two 1F1B stages microbatch instead).
+  NeMo's distributed optimizer (the Adam moments split over the data-parallel
   devices) is expressible and pinned.
 
 Every row prints the plan's estimated MFU (``Plan.utilization``: matmul FLOPs ÷ (devices
@@ -53,10 +55,21 @@ class Recipe:
     pp: int
     cp: int
     vp: int | None = None
+    pp_rhino: int | None = None
+
+    @property
+    def stages(self) -> int:
+        """The pipeline stages rhino runs the recipe with."""
+        return self.pp_rhino or self.pp
 
     def not_expressible(self) -> list[str]:
         """What rhino cannot express of the recipe, and what it pins instead."""
         out = []
+        if self.stages != self.pp:
+            out.append(f"PP={self.pp} with gradient accumulation over micro-batches (rhino's "
+                       f"one-stage plans run the whole batch at once; the global batch's "
+                       f"activations do not fit), so PP={self.stages}, whose 1F1B "
+                       f"microbatches accumulate the gradients")
         if self.cp > 1:
             out.append(f"CP={self.cp} (context parallel: ring attention over the sequence; "
                        f"rhino's fused attention keeps each sequence whole, so the CP "
@@ -70,7 +83,7 @@ class Recipe:
 # NeMo (Megatron-Bridge) performance recipes, bf16 pretraining on H100 (DESIGN.md's anchors).
 RECIPES = {
     "8b": Recipe("NeMo Llama-3-8B pretraining on 8 H100: TP=1, PP=1, CP=2 (DP=4), "
-                 "distributed optimizer", tp=1, pp=1, cp=2),
+                 "distributed optimizer", tp=1, pp=1, cp=2, pp_rhino=2),
     "70b": Recipe("NeMo Llama-3-70B pretraining on 64 H100: TP=4, PP=4, CP=2 (DP=2), "
                   "5 virtual stages, GBS 256, distributed optimizer", tp=4, pp=4, cp=2, vp=5),
 }
@@ -111,7 +124,8 @@ def expert_options(recipe: Recipe, step, args, cluster: str, layers: int, microb
 
     hosts, per = (int(x) for x in cluster.split("x"))
     devices = hosts * per
-    dp = devices // (recipe.tp * recipe.pp)
+    pp = recipe.stages
+    dp = devices // (recipe.tp * pp)
     tp = recipe.tp > 1
     shape = (dp, recipe.tp) if tp else (dp,)
     pins: dict = {}
@@ -126,16 +140,15 @@ def expert_options(recipe: Recipe, step, args, cluster: str, layers: int, microb
                 spec[max(free, key=lambda d: dims[d])] = "x"
         pins[path] = tuple(spec)
     stages = None
-    if recipe.pp > 1:
-        stages = {"params['embed']": 0, "params['norm']": recipe.pp - 1,
-                  "params['lm_head']": recipe.pp - 1}
+    if pp > 1:
+        stages = {"params['embed']": 0, "params['norm']": pp - 1, "params['lm_head']": pp - 1}
         for i in range(layers):
-            stages[f"params['layers'][{i}]"] = i * recipe.pp // layers
+            stages[f"params['layers'][{i}]"] = i * pp // layers
     from jax.sharding import PartitionSpec as P
 
-    opts = PipelineOptions(num_microbatches=microbatches, num_stages=recipe.pp,
+    opts = PipelineOptions(num_microbatches=microbatches, num_stages=pp,
                            weight_stages=stages, two_d=tp, stage_shapes=(shape,),
-                           kinds=("hybrid",) if recipe.pp > 1 else ("spmd",),
+                           kinds=("hybrid",) if pp > 1 else ("spmd",),
                            annotations={k: P(*v) for k, v in pins.items()})
     return opts, shape
 
@@ -195,7 +208,7 @@ def main() -> None:
         recipe = RECIPES[a.model]
         opts, shape = expert_options(recipe, m.step, args, cluster, layers, a.microbatches)
         gaps = recipe.not_expressible()
-        progress(f"expert: {recipe.source}; as pins on {cluster}: {recipe.pp} stage(s) × "
+        progress(f"expert: {recipe.source}; as pins on {cluster}: {recipe.stages} stage(s) × "
                  f"mesh {shape}" + ("; not expressible: " + "; ".join(gaps) if gaps else ""))
         expert = plan_pipeline(graph, cluster=cluster, backend="h100", options=opts,
                                progress=progress)
