@@ -89,8 +89,8 @@ class CalibrationSizes:
     launch_kernels: int = 128
     collective_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
     collective_kinds: tuple[str, ...] = COLLECTIVE_KINDS
-    conv_shapes: tuple[tuple[int, int, int], ...] = ((8, 32, 16), (8, 32, 32), (8, 16, 64),
-                                                      (8, 8, 128))
+    conv_shapes: tuple[tuple[int, int, int], ...] = ((2, 32, 8), (2, 16, 32), (8, 32, 16),
+                                                      (8, 32, 32), (8, 16, 64), (8, 8, 128))
     attention: tuple[int, int, int, int] | None = None
     reps: int = 7
 
