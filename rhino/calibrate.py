@@ -79,6 +79,10 @@ class CalibrationSizes:
             first dtype; none: convolutions run at the matmul curve).
         attention: ``(batch, sequence, heads, head dim)`` of the cuDNN attention measured
             on accelerators (None: the figures' attention efficiency is kept).
+        statistic: ``median`` (default) or ``min`` of each measurement's timed runs:
+            ``min`` measures the machine as it is without the other work it shares its
+            cores with (a launch and a collective's latency, differences of two programs,
+            always use the fastest runs).
         reps: timed runs per measurement (the median is kept).
     """
 
@@ -93,6 +97,7 @@ class CalibrationSizes:
                                                       (8, 32, 32), (8, 16, 64), (8, 8, 128))
     attention: tuple[int, int, int, int] | None = None
     reps: int = 7
+    statistic: str = "median"
 
     @classmethod
     def for_platform(cls, platform: str) -> "CalibrationSizes":
@@ -127,8 +132,11 @@ def _times(fn: Callable, arg: Any, reps: int) -> list[float]:
     return times
 
 
-def _median_time(fn: Callable, arg: Any, reps: int) -> float:
-    return float(np.median(_times(fn, arg, reps)))
+def _median_time(fn: Callable, arg: Any, reps: int, stat: str = "median") -> float:
+    """The median of ``reps`` timed runs, or with ``stat="min"`` the fastest (the machine
+    without the other work it shares its cores with: see ``CalibrationSizes.statistic``)."""
+    ts = _times(fn, arg, reps)
+    return float(min(ts) if stat == "min" else np.median(ts))
 
 
 def _least_time(fn: Callable, arg: Any, reps: int) -> float:
@@ -177,14 +185,15 @@ def _devices(devices: Sequence[Any] | None) -> list:
 # ------------------------------------------------------------------------------ compute
 def measure_matmul_rates(devices: Sequence[Any] | None = None,
                          sizes: Sequence[int] = (256, 512, 1024), dtype: str = "float32",
-                         reps: int = 5, overhead: float = 0.0) -> list[tuple[float, float]]:
+                         reps: int = 5, overhead: float = 0.0, stat: str = "median"
+                         ) -> list[tuple[float, float]]:
     """``(FLOPs, FLOP/s per device)`` of an ``n×n`` matmul on every device at once, for
     each ``n`` in ``sizes`` (``overhead``: seconds of each program that are not the
     matmul's, its dispatch and launch, taken off)."""
     out = []
     for n in sizes:
         f, x = _per_device(_devices(devices), lambda a: a @ a, (n, n), dtype)
-        t = _net(_median_time(f, x, reps), overhead)
+        t = _net(_median_time(f, x, reps, stat), overhead)
         out.append((2.0 * n ** 3, 2.0 * n ** 3 / t))
     return out
 
@@ -207,8 +216,8 @@ def conv_square_flops(batch: int, hw: int, cin: int, cout: int, window: int = 3)
 def measure_conv_rates(devices: Sequence[Any] | None = None,
                        shapes: Sequence[tuple[int, int, int]] = ((8, 32, 16), (8, 32, 32),
                                                                   (8, 16, 64), (8, 8, 128)),
-                       dtype: str = "float32", reps: int = 5, overhead: float = 0.0
-                       ) -> list[tuple[float, float]]:
+                       dtype: str = "float32", reps: int = 5, overhead: float = 0.0,
+                       stat: str = "median") -> list[tuple[float, float]]:
     """``(square FLOPs, FLOP/s per device)`` of 3×3 convolutions ``(batch, size,
     channels)`` in NHWC on every device at once: the forward convolution and the weight
     gradient's (a training step runs both kinds), their FLOPs over their summed time."""
@@ -234,7 +243,7 @@ def measure_conv_rates(devices: Sequence[Any] | None = None,
         t = 0.0
         for fn in (fwd, wgrad):
             f, x = _per_device(_devices(devices), fn, (b * hw * hw * c,), dtype)
-            t += _net(_median_time(f, x, reps), overhead)
+            t += _net(_median_time(f, x, reps, stat), overhead)
         flops = 2.0 * b * hw * hw * c * c * 9
         out.append((conv_square_flops(b, hw, c, c), 2 * flops / t))
     return out
@@ -242,7 +251,7 @@ def measure_conv_rates(devices: Sequence[Any] | None = None,
 
 def measure_memory_bandwidth(device=None, nbytes: int = 1 << 28, reps: int = 5,
                              devices: Sequence[Any] | None = None,
-                             overhead: float = 0.0) -> float:
+                             overhead: float = 0.0, stat: str = "median") -> float:
     """Bytes per second that one device's memory moves: an elementwise ``x + 1`` over a
     float32 array of ``nbytes`` bytes, which reads it once and writes a new one (2 ×
     ``nbytes`` moved per run); with ``devices``, on each of them at once (per device).
@@ -264,11 +273,12 @@ def measure_memory_bandwidth(device=None, nbytes: int = 1 << 28, reps: int = 5,
     devs = list(devices) if devices is not None else [device or _devices(None)[0]]
     k = nbytes // 4
     f, x = _per_device(devs, lambda v: v + 1, (k,), "float32")
-    return 2.0 * k * 4 / _net(_median_time(f, x, reps), overhead)
+    return 2.0 * k * 4 / _net(_median_time(f, x, reps, stat), overhead)
 
 
 def measure_vector_rate(devices: Sequence[Any] | None = None, elements: int = 1 << 18,
-                        reps: int = 5, steps: int = 32, overhead: float = 0.0) -> float:
+                        reps: int = 5, steps: int = 32, overhead: float = 0.0,
+                        stat: str = "median") -> float:
     """FLOP/s per device of fused elementwise work: ``steps`` multiply-adds per element of
     a float32 array (HLO counts 2 FLOPs each), one kernel, on every device at once."""
     def chain(v):
@@ -277,12 +287,12 @@ def measure_vector_rate(devices: Sequence[Any] | None = None, elements: int = 1 
         return v
 
     f, x = _per_device(_devices(devices), chain, (elements,), "float32")
-    return 2.0 * steps * elements / _net(_median_time(f, x, reps), overhead)
+    return 2.0 * steps * elements / _net(_median_time(f, x, reps, stat), overhead)
 
 
 def measure_transcendental_rate(devices: Sequence[Any] | None = None,
                                 elements: int = 1 << 18, reps: int = 5, steps: int = 8,
-                                overhead: float = 0.0) -> float:
+                                overhead: float = 0.0, stat: str = "median") -> float:
     """Transcendental elements per second per device: ``steps`` chained ``tanh`` per
     element of a float32 array, one kernel, on every device at once."""
     import jax.numpy as jnp
@@ -293,7 +303,7 @@ def measure_transcendental_rate(devices: Sequence[Any] | None = None,
         return v
 
     f, x = _per_device(_devices(devices), chain, (elements,), "float32")
-    return float(steps * elements) / _net(_median_time(f, x, reps), overhead)
+    return float(steps * elements) / _net(_median_time(f, x, reps, stat), overhead)
 
 
 def measure_kernel_launch(devices: Sequence[Any] | None = None, kernels: int = 128,
@@ -321,7 +331,7 @@ def measure_kernel_launch(devices: Sequence[Any] | None = None, kernels: int = 1
 
 
 def measure_launch_latency(device=None, reps: int = 100,
-                           devices: Sequence[Any] | None = None) -> float:
+                           devices: Sequence[Any] | None = None, stat: str = "median") -> float:
     """Seconds from calling a compiled one-element program (``x + 1``) to holding its
     result: dispatch, one kernel launch and the wait, the floor under every step; with
     ``devices``, one element on each of them (one program over all).
@@ -333,7 +343,7 @@ def measure_launch_latency(device=None, reps: int = 100,
         raise ValueError(f"measure_launch_latency: expected reps >= 1, found {reps}")
     devs = list(devices) if devices is not None else [device or _devices(None)[0]]
     f, x = _per_device(devs, lambda v: v + 1, (1,), "float32")
-    return _median_time(f, x, reps)
+    return _median_time(f, x, reps, stat)
 
 
 def measure_attention_efficiency(device=None, shape: tuple[int, int, int, int] = (4, 2048,
@@ -447,7 +457,8 @@ def _collective_program(kind: str, mesh, axis: str, chain: int = 1):
 
 def measure_collective(kind: str, group: int, devices: Sequence[Any] | None = None,
                        sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20), reps: int = 5,
-                       strided: bool = False, chain: int = 16) -> tuple[float, float]:
+                       strided: bool = False, chain: int = 16, stat: str = "median"
+                       ) -> tuple[float, float]:
     """(α, β) of a ``kind`` collective over groups of ``group`` devices, all groups at
     once, in the planner's formula ``α + c·(n-1)/n·B·β`` (``c`` 2 for an all-reduce, ``B``
     in the planner's byte convention): α from a program of ``chain`` dependent collectives
@@ -490,7 +501,7 @@ def measure_collective(kind: str, group: int, devices: Sequence[Any] | None = No
     xs, ts = [], []
     for nbytes in sizes:
         k, x = arg(nbytes)
-        ts.append(_median_time(f, x, reps))
+        ts.append(_median_time(f, x, reps, stat))
         b = k * 4 * (group if kind == "all-gather" else 1)   # all-gather: the result
         xs.append(_wire(kind, group) * b)
     return float(alpha), _slope(xs, ts)
@@ -520,7 +531,7 @@ def measure_collectives(devices: Sequence[Any] | None = None,
         for link, strided in links:
             for kind in sizes.collective_kinds:
                 a, b = measure_collective(kind, g, devs, sizes.collective_bytes, sizes.reps,
-                                          strided)
+                                          strided, stat=sizes.statistic)
                 out.append((link, kind, g, a, b))
     return tuple(out)
 
@@ -580,14 +591,15 @@ def calibrate_roofline(devices: Sequence[Any] | None = None,
     sizes = sizes or CalibrationSizes.for_platform(platform)
     figures = figures_for_devices(devs)
     say("calibrate: program dispatch and kernel launch")
-    program = measure_launch_latency(reps=max(3 * sizes.reps, 20), devices=devs)
+    st = sizes.statistic
+    program = measure_launch_latency(reps=max(3 * sizes.reps, 20), devices=devs, stat=st)
     launch = measure_kernel_launch(devs, sizes.launch_kernels, max(sizes.reps, 9))
     over = program + launch
     measured: dict[str, list[tuple[float, float]]] = {}
     for dt in sizes.dtypes:
         say(f"calibrate: {dt} matmuls {list(sizes.matmul_n)}")
         measured[_HLO_DTYPE.get(dt, dt)] = measure_matmul_rates(devs, sizes.matmul_n, dt,
-                                                                sizes.reps, over)
+                                                                sizes.reps, over, st)
     peak_of = dict(peaks or {})
     for dt, pts in measured.items():
         if dt not in peak_of:
@@ -598,17 +610,17 @@ def calibrate_roofline(devices: Sequence[Any] | None = None,
     if sizes.conv_shapes:
         say(f"calibrate: convolutions {list(sizes.conv_shapes)}")
         dt = sizes.dtypes[0]
-        conv = measure_conv_rates(devs, sizes.conv_shapes, dt, sizes.reps, over)
+        conv = measure_conv_rates(devs, sizes.conv_shapes, dt, sizes.reps, over, st)
         hlo = _HLO_DTYPE.get(dt, dt)
         eff[f"conv:{hlo}"] = tuple((f, min(1.5, r / peak_of[hlo])) for f, r in conv)
     say("calibrate: bandwidth, vector and transcendental rates")
     curve = tuple((2.0 * nb, measure_memory_bandwidth(nbytes=nb, reps=sizes.reps,
-                                                      devices=devs, overhead=over))
+                                                      devices=devs, overhead=over, stat=st))
                   for nb in sorted(sizes.bandwidth_bytes))
     bw = curve[-1][1]
-    vec = measure_vector_rate(devs, sizes.vector_elements, sizes.reps, overhead=over)
+    vec = measure_vector_rate(devs, sizes.vector_elements, sizes.reps, overhead=over, stat=st)
     trans = measure_transcendental_rate(devs, sizes.vector_elements, sizes.reps,
-                                        overhead=over)
+                                        overhead=over, stat=st)
     colls: tuple = ()
     if len(devs) > 1:
         say(f"calibrate: collectives {list(sizes.collective_kinds)} over groups of the "
