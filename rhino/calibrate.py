@@ -23,7 +23,8 @@ hardware are measured sharing it):
 * collectives: for each kind (all-reduce, all-gather, reduce-scatter, all-to-all) and each
   group size that divides the mesh, all groups at once, in the planner's own formulas
   (``rhino.planner.collectives``): α from a chain of dependent collectives on a few bytes
-  (what one more adds), β the slope over several sizes; per link (``intra``: a group
+  (what one more adds), β the slope over several sizes, and the time by size (a CPU's
+  all-reduce of 32 MiB per device takes eight times the time per byte of 4 MiB); per link (``intra``: a group
   within one process/host; ``inter``: groups spanning processes, measured when the devices
   span several).
 
@@ -91,7 +92,8 @@ class CalibrationSizes:
     bandwidth_bytes: tuple[int, ...] = (1 << 18, 1 << 22, 1 << 25)
     vector_elements: int = 1 << 18
     launch_kernels: int = 128
-    collective_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+    collective_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24,
+                                         1 << 25)
     collective_kinds: tuple[str, ...] = COLLECTIVE_KINDS
     conv_shapes: tuple[tuple[int, int, int], ...] = ((2, 32, 8), (2, 16, 32), (8, 32, 16),
                                                       (8, 32, 32), (8, 16, 64), (8, 8, 128))
@@ -458,13 +460,16 @@ def _collective_program(kind: str, mesh, axis: str, chain: int = 1):
 def measure_collective(kind: str, group: int, devices: Sequence[Any] | None = None,
                        sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20), reps: int = 5,
                        strided: bool = False, chain: int = 16, stat: str = "median"
-                       ) -> tuple[float, float]:
-    """(α, β) of a ``kind`` collective over groups of ``group`` devices, all groups at
-    once, in the planner's formula ``α + c·(n-1)/n·B·β`` (``c`` 2 for an all-reduce, ``B``
-    in the planner's byte convention): α from a program of ``chain`` dependent collectives
-    on a few bytes against one of a single one (the difference of their fastest runs over
-    ``chain - 1``: no dispatch in it), β the slope of single collectives' times over ``sizes`` bytes per
-    device (least squares; the intercept, dispatch and α, is not used).
+                       ) -> tuple[float, float, tuple[tuple[float, float], ...]]:
+    """(α, β, curve) of a ``kind`` collective over groups of ``group`` devices, all groups
+    at once, in the planner's formula ``α + c·(n-1)/n·B·β`` (``c`` 2 for an all-reduce,
+    ``B`` in the planner's byte convention): α from a program of ``chain`` dependent
+    collectives on a few bytes against one of a single one (the difference of their fastest
+    runs over ``chain - 1``: no dispatch in it), β the slope of single collectives' times
+    over ``sizes`` bytes per device (least squares; the intercept, dispatch and α, is not
+    used), and the curve: per size, its formula bytes ``x`` and its time past that of the
+    same program on a few bytes (``Roofline.collective_curves``: the time per byte grows
+    for large buffers).
 
     Groups are consecutive devices, or with ``strided`` every ``len/group``-th device (the
     groups that cross hosts when the devices span several).
@@ -494,32 +499,38 @@ def measure_collective(kind: str, group: int, devices: Sequence[Any] | None = No
         return k, jax.device_put(jnp.ones((n * k,), jnp.float32), sharding)
 
     _, tiny = arg(256 * group)
-    one = _least_time(_collective_program(kind, mesh, axis), tiny, max(reps, 5))
+    f = _collective_program(kind, mesh, axis)
+    one = _least_time(f, tiny, max(reps, 5))
     many = _least_time(_collective_program(kind, mesh, axis, chain), tiny, max(reps, 5))
     alpha = max(0.0, (many - one) / max(chain - 1, 1))
-    f = _collective_program(kind, mesh, axis)
+    base = _median_time(f, tiny, reps, stat)
     xs, ts = [], []
     for nbytes in sizes:
         k, x = arg(nbytes)
         ts.append(_median_time(f, x, reps, stat))
         b = k * 4 * (group if kind == "all-gather" else 1)   # all-gather: the result
         xs.append(_wire(kind, group) * b)
-    return float(alpha), _slope(xs, ts)
+    curve, top = [], 0.0
+    for x, t in sorted(zip(xs, ts)):
+        top = max(top, t - base)                 # time only grows with size
+        curve.append((x, top))
+    return float(alpha), _slope(xs, ts), tuple(curve)
 def _processes(devices: Sequence[Any]) -> int:
     return len({getattr(d, "process_index", 0) for d in devices})
 
 
 def measure_collectives(devices: Sequence[Any] | None = None,
                         sizes: CalibrationSizes = CalibrationSizes()
-                        ) -> tuple[tuple[str, str, int, float, float], ...]:
-    """``(link, kind, group size, α, β)`` of every kind in ``sizes.collective_kinds`` and
-    every group size >= 2 dividing the devices: ``intra`` over consecutive devices of one
+                        ) -> tuple[tuple, tuple]:
+    """``(link, kind, group size, α, β)`` entries and ``(link, kind, group size, curve)``
+    curves (``measure_collective``) of every kind in ``sizes.collective_kinds`` and every
+    group size >= 2 dividing the devices: ``intra`` over consecutive devices of one
     process, ``inter`` over strided groups when the devices span several processes."""
     devs = _devices(devices)
     n = len(devs)
     hosts = _processes(devs)
     per_host = n // hosts if hosts and n % hosts == 0 else n
-    out = []
+    out, curves = [], []
     for g in range(2, n + 1):
         if n % g:
             continue
@@ -530,10 +541,11 @@ def measure_collectives(devices: Sequence[Any] | None = None,
             links.append(("inter", True))
         for link, strided in links:
             for kind in sizes.collective_kinds:
-                a, b = measure_collective(kind, g, devs, sizes.collective_bytes, sizes.reps,
-                                          strided, stat=sizes.statistic)
+                a, b, curve = measure_collective(kind, g, devs, sizes.collective_bytes,
+                                                 sizes.reps, strided, stat=sizes.statistic)
                 out.append((link, kind, g, a, b))
-    return tuple(out)
+                curves.append((link, kind, g, curve))
+    return tuple(out), tuple(curves)
 
 
 def measure_axis(mesh_shape: Sequence[int], axis: int, devices=None,
@@ -622,10 +634,11 @@ def calibrate_roofline(devices: Sequence[Any] | None = None,
     trans = measure_transcendental_rate(devs, sizes.vector_elements, sizes.reps,
                                         overhead=over, stat=st)
     colls: tuple = ()
+    curves: tuple = ()
     if len(devs) > 1:
         say(f"calibrate: collectives {list(sizes.collective_kinds)} over groups of the "
             f"{len(devs)} devices")
-        colls = measure_collectives(devs, sizes)
+        colls, curves = measure_collectives(devs, sizes)
     base = figures.roofline
     attention = base.attention_efficiency if base else 1.0
     if platform != "cpu" and sizes.attention is not None:
@@ -643,7 +656,7 @@ def calibrate_roofline(devices: Sequence[Any] | None = None,
         launch_s=launch, program_s=program, collectives=colls,
         fusion="cpu" if platform == "cpu" else "gpu",
         transcendentals_per_s=trans if platform == "cpu" else None,
-        bandwidth_by_size=curve if len(curve) > 1 else (),
+        bandwidth_by_size=curve if len(curve) > 1 else (), collective_curves=curves,
         source=f"rhino.calibrate on {len(devs)} {platform} device(s) "
                f"({getattr(devs[0], 'device_kind', platform)}), "
                f"{time.strftime('%Y-%m-%d')}")

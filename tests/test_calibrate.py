@@ -84,10 +84,35 @@ def test_measured_collectives_replace_the_axis_figures_by_group_size():
 
 
 def test_one_collective_fit_on_the_devices():
-    a, b = measure_collective("all-gather", 4, sizes=(1 << 10, 1 << 14), reps=2, chain=3)
+    a, b, curve = measure_collective("all-gather", 4, sizes=(1 << 10, 1 << 14), reps=2,
+                                     chain=3)
     assert a >= 0 and b >= 0 and math.isfinite(a) and math.isfinite(b)
+    # The curve: per size, the formula's bytes (3/4 of the gathered result) and the time
+    # past a few bytes' (never falling with size).
+    assert [x for x, _ in curve] == [3 / 4 * 4 * (1 << 10), 3 / 4 * 4 * (1 << 14)]
+    assert 0 <= curve[0][1] <= curve[1][1]
     with pytest.raises(ValueError, match="dividing 8 devices, found 3"):
         measure_collective("all-reduce", 3)
+
+
+def test_a_measured_curve_prices_a_collective_by_its_size():
+    # 1 ms per MB up to 4 MB, then 8 ms per MB: a CPU's large all-reduces.
+    roof = Roofline(1e9, 1e9, collectives=(("intra", "all-reduce", 8, 1e-4, 1e-9),),
+                    collective_curves=(("intra", "all-reduce", 8,
+                                        ((1e6, 1e-3), (4e6, 4e-3), (8e6, 3.6e-2))),))
+    cost = cost_model_from_roofline(roof, {"f32": 1e10}, (8,))
+    mesh = AbstractMesh((8,))
+    # (formula bytes x = 2·7/8·B, seconds past α): on the curve, between its points and
+    # past its last at the last segment's slope.
+    for x, past_alpha in ((2e6, 2e-3), (6e6, 2e-2), (1.2e7, 6.8e-2)):
+        nbytes = x / (2 * 7 / 8)
+        assert collective_cost("all-reduce", (0,), nbytes, mesh, cost) == pytest.approx(
+            1e-4 + past_alpha)
+    # A kind without a curve keeps the α-β formula with its measured α and β.
+    roof2 = Roofline(1e9, 1e9, collectives=(("intra", "all-gather", 8, 1e-4, 2e-9),))
+    cost2 = cost_model_from_roofline(roof2, {"f32": 1e10}, (8,))
+    assert collective_cost("all-gather", (0,), 1e6, mesh, cost2) == pytest.approx(
+        1e-4 + 7 / 8 * 1e6 * 2e-9)
 
 
 def test_calibrate_needs_enough_devices():

@@ -170,7 +170,9 @@ def test_square_size_of_a_skinny_product():
 def test_roofline_figures_are_checked_and_round_trip():
     r = Roofline(2e12, 5e13, {"bf16": [(1e9, 0.3), (1e12, 0.7)]}, 0.5, 2e-6, 7e-5,
                  (("intra", "all-reduce", 8, 1e-5, 1e-10),), "gpu", 1e9,
-                 ((1e6, 4e12), (1e9, 2e12)), source="test")
+                 ((1e6, 4e12), (1e9, 2e12)),
+                 collective_curves=(("intra", "all-reduce", 8, ((1e6, 1e-3), (4e6, 5e-3))),),
+                 source="test")
     assert Roofline.from_dict(r.to_dict()) == r
     cost = cost_of(r)
     assert CostModel.from_json(cost.to_json()) == cost
@@ -183,6 +185,8 @@ def test_roofline_figures_are_checked_and_round_trip():
         Roofline(1e9, 1e9, collectives=(("intra", "all-reduce", 1, 0.0, 0.0),))
     with pytest.raises(OptionsError, match="efficiency"):
         Roofline(1e9, 1e9, {"f32": [(1e9, 2.0)]})
+    with pytest.raises(OptionsError, match="collective_curves: expected"):
+        Roofline(1e9, 1e9, collective_curves=(("intra", "all-reduce", 8, ((1e6, -1.0),)),))
 
 
 # ------------------------------------------------------------------------------ MFU

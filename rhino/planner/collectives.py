@@ -4,7 +4,9 @@ Cost model (per collective over a group of mesh axes ``G`` with ``n`` = product 
 sizes on the mesh, and from the ``CostModel``: ``α_G`` and ``β_G`` = the α and β of the
 slowest axis, as one collective over the group is launched once, or where the cost model's
 roofline holds measured figures for the group's link, the collective's kind and ``n``
-devices (``rhino.calibrate``), those; ``B`` = ``Collective.bytes``)::
+devices (``rhino.calibrate``), those — and where it holds a measured curve of time by
+size, that curve in place of ``x·β_G`` for the formula's bytes ``x``; ``B`` =
+``Collective.bytes``)::
 
     all-reduce       α_G + 2 (n-1)/n · B · β_G     (ring: reduce-scatter + all-gather)
     all-gather       α_G +   (n-1)/n · B · β_G
@@ -100,14 +102,18 @@ def collective_cost(kind: str, axes: Sequence[int], nbytes: float, mesh: Abstrac
     n = mesh.group_size(axes)
     if n <= 1:
         return 0.0
-    a, b = cost.collective_alpha_beta(kind, axes, n)
-    a *= alpha_share
     frac = (n - 1) / n
     if kind == ALL_REDUCE:
-        return a + 2.0 * frac * nbytes * b
-    if kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
-        return a + frac * nbytes * b
-    raise ValueError(f"collective kind: expected one of {KINDS}, found {kind!r}")
+        x = 2.0 * frac * nbytes
+    elif kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
+        x = frac * nbytes
+    else:
+        raise ValueError(f"collective kind: expected one of {KINDS}, found {kind!r}")
+    measured = cost.measured_collective(kind, axes, n, x, alpha_share)
+    if measured is not None:
+        return measured
+    a, b = cost.collective_alpha_beta(kind, axes, n)
+    return a * alpha_share + x * b
 
 
 def all_reduce_cost(nbytes: float, axes: Sequence[int], mesh: AbstractMesh,

@@ -276,6 +276,16 @@ class CostModel:
                 return got
         return self.group_alpha(axes), self.group_beta(axes)
 
+    def measured_collective(self, kind: str, axes: Sequence[int], n: int, x: float,
+                            alpha_share: float = 1.0) -> float | None:
+        """Seconds of a ``kind`` collective over ``axes`` (``n`` devices) moving ``x``
+        formula bytes, from the roofline's measurements for the group's link (None where
+        there are none: the α-β formula applies)."""
+        if self.roofline is None or not self.roofline.collectives:
+            return None
+        return self.roofline.collective_seconds(self.group_link(axes), kind, n, x,
+                                                alpha_share)
+
     def program_seconds(self) -> float:
         """Seconds to dispatch one program and wait for it (0 without a roofline)."""
         return self.roofline.program_s if self.roofline is not None else 0.0

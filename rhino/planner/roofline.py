@@ -34,7 +34,11 @@ them and prices each). ``Roofline`` holds the achievable figures of one kind of 
   reads it back over the same rows, as Triton's softmax fusion does);
 * ``collectives``: measured collective costs per link (``intra``: within a host, ``inter``:
   across hosts), kind and group size, as ``(link, kind, n, α, β)`` in the planner's
-  formulas (``rhino.planner.collectives``), which they then replace for that group.
+  formulas (``rhino.planner.collectives``), which they then replace for that group;
+  ``collective_curves``: where measured, the time past α by the formula's bytes ``x``
+  (``c·(n-1)/n·B``) as ``(link, kind, n, ((x, seconds), ...))``, piecewise linear (and
+  past the last point, at the last segment's slope): a CPU's all-reduce of 32 MiB per
+  device takes eight times the time per byte of one of 4 MiB.
 
 Figures per backend, with where each comes from, are in ``rhino.backends``; measured ones
 from ``rhino.calibrate.calibrate_roofline``.
@@ -112,6 +116,7 @@ class Roofline:
         launch_s: seconds added per kernel.
         program_s: seconds per program dispatched (a step, a pipeline task).
         collectives: measured ``(link, kind, group size, α, β)`` entries.
+        collective_curves: measured ``(link, kind, group size, ((x, seconds), ...))``.
         fusion: ``cpu`` or ``gpu`` (whose fusion rules; module docstring).
         source: where the figures come from (not compared).
     """
@@ -126,6 +131,7 @@ class Roofline:
     fusion: str = "cpu"
     transcendentals_per_s: float | None = None
     bandwidth_by_size: tuple[tuple[float, float], ...] = ()
+    collective_curves: tuple = ()
     source: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -151,6 +157,20 @@ class Roofline:
         put(self, "launch_s", _positive(self.launch_s, "launch_s", zero_ok=True))
         put(self, "program_s", _positive(self.program_s, "program_s", zero_ok=True))
         put(self, "collectives", tuple(sorted(self._entry(e) for e in self.collectives)))
+        curves = []
+        for e in self.collective_curves:
+            try:
+                link, kind, n, pts = e
+                pts = tuple(sorted((float(x), float(t)) for x, t in pts))
+            except (TypeError, ValueError):
+                pts = None
+            if pts is None or not pts or any(x < 0 or t < 0 or not math.isfinite(x + t)
+                                              for x, t in pts):
+                raise OptionsError(f"roofline collective_curves: expected (link, kind, group "
+                                   f"size, ((bytes, seconds >= 0), ...)), found {e!r}")
+            link, kind, n = self._entry((link, kind, n, 0.0, 0.0))[:3]
+            curves.append((link, kind, n, pts))
+        put(self, "collective_curves", tuple(sorted(curves)))
         if self.bandwidth_by_size:
             try:
                 pts = sorted((float(b), _positive(r, "bandwidth_by_size rate"))
@@ -205,6 +225,27 @@ class Roofline:
         """The highest bandwidth any kernel gets (for lower bounds)."""
         return max([self.memory_bandwidth] + [r for _, r in self.bandwidth_by_size])
 
+    def collective_seconds(self, link: str, kind: str, n: int, x: float,
+                           alpha_share: float = 1.0) -> float | None:
+        """Measured seconds of a ``kind`` collective over ``n`` devices on ``link`` moving
+        ``x`` formula bytes (``c·(n-1)/n·B``): α (times ``alpha_share``) plus the curve at
+        ``x`` where measured, else ``α + x·β``; None without a measurement (the nearest
+        group size as ``collective`` picks)."""
+        ab = self.collective(link, kind, n)
+        if ab is None:
+            return None
+        alpha, beta = ab
+        best = None
+        for lk, k, m, pts in self.collective_curves:
+            if lk != link or k != kind:
+                continue
+            key = (round(abs(math.log(m) - math.log(max(n, 1))), 9), -m)
+            if best is None or key < best[0]:
+                best = (key, pts)
+        if best is None:
+            return alpha * alpha_share + x * beta
+        return alpha * alpha_share + _along(best[1], x)
+
     def collective(self, link: str, kind: str, n: int) -> tuple[float, float] | None:
         """Measured (α, β) of a ``kind`` collective over ``n`` devices on ``link``: the entry
         of that size, else of the nearest measured size (in log n; between two as near, the
@@ -229,6 +270,8 @@ class Roofline:
                 "collectives": [list(e) for e in self.collectives],
                 "fusion": self.fusion, "transcendentals_per_s": self.transcendentals_per_s,
                 "bandwidth_by_size": [list(p) for p in self.bandwidth_by_size],
+                "collective_curves": [[lk, k, n, [list(p) for p in pts]]
+                                      for lk, k, n, pts in self.collective_curves],
                 "source": self.source}
 
     @classmethod
@@ -265,6 +308,19 @@ class Roofline:
                 f"kernel, {self.program_s * 1e6:.3g} µs per program, {self.fusion} fusion"
                 + (f", {len(self.collectives)} measured collectives" if self.collectives
                    else ""))
+
+
+def _along(points: Sequence[tuple[float, float]], x: float) -> float:
+    """A piecewise-linear curve through (0, 0) and ``points`` at ``x``, past the last point
+    at the last segment's slope."""
+    pts = [(0.0, 0.0)] + [p for p in points if p[0] > 0]
+    if x <= 0 or len(pts) == 1:
+        return 0.0
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + (x - x1) * (y1 - y0) / (x1 - x0)
 
 
 def interpolate(curve: Sequence[tuple[float, float]], x: float) -> float:
