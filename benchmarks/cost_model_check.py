@@ -12,7 +12,10 @@ costs, collectives by kind and group size), every (model, plan) pair is planned 
   and batch leaf (``annotations=``, the planner fills in the rest): data parallel (``dp``),
   ZeRO-3/FSDP (``fsdp``), Megatron tensor parallel (``megatron``), 2-D DP×TP on (2, 4)
   (``dp_tp``); rhino's own O2 and O3 on (8) (``rhino_O2``, ``rhino_O3``); and a pipeline of
-  two stages × 4 devices, 4 microbatches, 1F1B (``pipeline``, local executor);
+  two stages × 4 devices, 4 microbatches, 1F1B (``pipeline``, local executor); and what
+  rhino chooses by itself over the 1x8 cluster (``rhino``: ``auto_parallel(step,
+  cluster=...)``, whose controller weighs SPMD on (8) and (2, 4), pipelines and hybrids
+  by the same calibrated model);
 * the estimate is the plan's ``step_s`` (the cost model's step time); the measurement the
   median (``--statistic min``: the fastest; then the calibration takes the fastest of its
   runs too) of ``rounds × steps`` steps taken round-robin over the model's pairs (each round
@@ -23,8 +26,8 @@ costs, collectives by kind and group size), every (model, plan) pair is planned 
 Output (``--json FILE``): ``pairs`` (model, plan, estimate, measured, error = estimate ÷
 measured − 1, the plan's parts), ``spearman`` (rank correlation of estimates and
 measurements over all pairs; per model too), ``median_abs_error``, and per model whether
-rhino's chosen plan (``rhino_O2``, what ``auto_parallel`` runs by default) measured fastest
-or within 5 % of the fastest; ``--table`` prints the markdown table for RESULTS.md.
+rhino's chosen plan (``rhino``: the controller's choice) measured fastest or within 5 % of
+the fastest; ``--table`` prints the markdown table for RESULTS.md.
 
     python benchmarks/cost_model_check.py --json benchmarks/out/cost_model_check.json
     python benchmarks/cost_model_check.py --table benchmarks/out/cost_model_check.json
@@ -55,9 +58,9 @@ QUICK = {
     "gpt": dict(layers=1, hidden=64, heads=4, seq=32, vocab=256, batch=8),
     "moe": dict(layers=2, hidden=64, heads=4, seq=16, vocab=256, batch=8, experts=8),
 }
-PLANS = ("dp", "fsdp", "megatron", "dp_tp", "rhino_O2", "rhino_O3", "pipeline")
+PLANS = ("dp", "fsdp", "megatron", "dp_tp", "rhino_O2", "rhino_O3", "pipeline", "rhino")
 PIPELINE_MODELS = ("gpt", "moe")
-CHOSEN = "rhino_O2"
+CHOSEN = "rhino"
 WITHIN = 0.05
 
 
@@ -200,9 +203,11 @@ def build_step(plan: str, model_name: str, model, roofline, peaks) -> Any:
     from rhino.cluster import Cluster
 
     example = model.example_args()
-    if plan == "pipeline":
+    if plan in ("pipeline", "rhino"):
         fig = figures_from_roofline(roofline, peaks, "calibrated-cpu")
         cluster = Cluster.from_figures(1, N_DEVICES, fig)
+        if plan == "rhino":           # the controller's choice: SPMD (8), (2, 4) or stages
+            return rhino.auto_parallel(model.step, cluster=cluster)
         return rhino.auto_parallel(model.step, cluster=cluster, stages=2,
                                    num_microbatches=4)
     shape = (2, 4) if plan == "dp_tp" else (N_DEVICES,)
