@@ -45,6 +45,13 @@ def test_summary_of_pairs():
     b = s["models"]["b"]
     assert b["chosen_over_fastest"] == pytest.approx(3.2 / 3.0) and not b["chosen_ok"]
     assert not s["chosen_ok"]
+    # Two pairs that planned one program are one plan: their steps are pooled.
+    pairs[4].update(plan_key="k", times_s=[3.2, 3.3, 3.4])
+    pairs[3].update(plan_key="k", times_s=[2.9, 3.0, 3.05])
+    b = cmc.summarize(pairs)["models"]["b"]
+    # Pooled median 3.125 against megatron's 3.1: 0.8 % slower.
+    assert b["chosen_same_as"] == ["dp"] and b["fastest_plan"] == ["megatron"]
+    assert b["chosen_over_fastest"] == pytest.approx(3.125 / 3.1) and b["chosen_ok"]
 
 
 def test_peer_pins_cover_every_leaf():
