@@ -237,8 +237,7 @@ def linear_groups(eqn: Any, ins: list) -> list[frozenset[int]]:
             name == prims.CONCATENATE:
         return [everything]
     if name == prims.CONVERT:
-        return [frozenset({0})] if eqn.params.get("new_dtype") is not None and \
-            np.issubdtype(np.dtype(eqn.params["new_dtype"]), np.inexact) else []
+        return [frozenset({0})] if widening(eqn) else []
     if name in (prims.MUL, prims.DOT, prims.CONV):
         return [frozenset({0}), frozenset({1})]
     if name == prims.DIV:
@@ -256,6 +255,37 @@ def linear_groups(eqn: Any, ins: list) -> list[frozenset[int]]:
     if name in prims.SCATTER_ADD:
         return [frozenset({0, 2})]
     return []
+
+
+def widening(eqn: Any) -> bool:
+    """A ``convert_element_type`` to a floating type at least as wide as its operand's (a
+    sum of converted terms is the converted sum, to rounding no coarser than the
+    operand's own). A narrowing conversion rounds: a partial sum converted per term would
+    round each microbatch's term, where the step rounds the total once."""
+    import jax.numpy as jnp
+
+    new = eqn.params.get("new_dtype")
+    old = eqn.invars[0].aval.dtype
+    if new is None or not jnp.issubdtype(new, jnp.inexact) or \
+            not jnp.issubdtype(old, jnp.inexact):
+        return False
+    return jnp.finfo(new).bits >= jnp.finfo(old).bits and \
+        jnp.finfo(new).nmant >= jnp.finfo(old).nmant and \
+        jnp.issubdtype(new, jnp.complexfloating) == jnp.issubdtype(old, jnp.complexfloating)
+
+
+def keeps_precision(eqn: Any) -> bool:
+    """A ``reduce_precision`` to at least its operand's own precision: the identity (what
+    ``rhino.grad`` marks gradients with)."""
+    import jax.numpy as jnp
+
+    if prims.name(eqn) != "reduce_precision":
+        return False
+    dt = eqn.invars[0].aval.dtype
+    if not jnp.issubdtype(dt, jnp.floating):
+        return False
+    fi = jnp.finfo(dt)
+    return eqn.params["exponent_bits"] >= fi.nexp and eqn.params["mantissa_bits"] >= fi.nmant
 
 
 ORDER_PRESERVING = frozenset({prims.BROADCAST, prims.RESHAPE, prims.TRANSPOSE,

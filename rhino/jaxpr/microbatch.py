@@ -80,7 +80,8 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import numpy as np
 
 from rhino.jaxpr import primitives as prims
-from rhino.jaxpr.factors import ORDER_PRESERVING, factors, linear_groups, operand_shape
+from rhino.jaxpr.factors import (ORDER_PRESERVING, factors, keeps_precision, linear_groups,
+                                 operand_shape)
 from rhino.jaxpr.interpret import FlatProgram, Lit
 from rhino.jaxpr.pairs import PAIR_OPS, PairFacts
 from rhino.jaxpr.private import name_stack_text
@@ -245,6 +246,36 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
             batch_free_scope: str | None = None) -> MicrobatchLayout:
     """How every value of ``flat`` is computed over ``num_microbatches`` microbatches.
 
+    A statistic of the batch that an equation uses non-linearly (a sum cast to a narrower
+    type, a norm of a summed gradient) is first *deferred*: computed once per step after the
+    microbatches on the sums, which is what the step computes. Only where such a value meets
+    a per-example value that the gradients need is the step coupled (``Coupling``); under
+    ``per_microbatch_statistics`` the analysis then runs again with each such statistic
+    estimated per microbatch where it was first used non-linearly (``Use.local``), and
+    repeats until no deferred statistic meets a per-example value.
+
+    Args: as ``_analyze``."""
+    eager: set[int] = set()
+    while True:
+        lay, roots = _analyze(flat, batch_refs, num_microbatches, state_refs=state_refs,
+                              post=post, feeds_gradient=feeds_gradient,
+                              per_microbatch_statistics=per_microbatch_statistics,
+                              per_microbatch=per_microbatch,
+                              batch_free_scope=batch_free_scope, eager=eager)
+        if not per_microbatch_statistics or not roots - eager:
+            return lay
+        eager |= roots
+
+
+def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int, *,
+             state_refs: Collection[int] | None = None, post: Collection[int] = (),
+             feeds_gradient: Collection[int] | None = None,
+             per_microbatch_statistics: bool = False,
+             per_microbatch: Collection[int] | None = None,
+             batch_free_scope: str | None = None, eager: Collection[int] = ()
+             ) -> tuple[MicrobatchLayout, set[int]]:
+    """How every value of ``flat`` is computed over ``num_microbatches`` microbatches.
+
     Args:
         flat: the step flattened at the whole batch (``interpret.flatten``).
         batch_refs: flat arguments split into microbatches along their dimension 0.
@@ -263,6 +294,12 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
             on any part of the batch (an unrolled scan's iteration index, computed from the
             carry only to order its reads): they read partial values as their microbatch's
             own, and are no coupling.
+        eager: equations that, needing the total of partial values, are not deferred but
+            estimated per microbatch (``per_microbatch_statistics``) or named as couplings.
+
+    Returns:
+        The layout, and the deferred equations whose totals meet per-example values the
+        gradients need (the roots of its couplings of that kind).
     """
     m = int(num_microbatches)
     avals = flat.avals
@@ -288,6 +325,12 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
     post = set(post)
     feeds = set(feeds_gradient or ())
     own = None if per_microbatch is None else set(per_microbatch)
+    eager = set(eager)
+    # Deferred statistics: ref -> the deferred equations its total comes from; per such
+    # equation, the reduction over the batch it reads (for the coupling's message).
+    roots_of: dict[int, frozenset[int]] = {}
+    root_stat: dict[int, tuple[str, str | None] | None] = {}
+    met: set[int] = set()
     facts = PairFacts(avals)
     steady = facts.steady
 
@@ -307,8 +350,19 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
         kinds = {x.kind for x in ins}
         pairs = per_microbatch_statistics and (own is None or i in own)
         why = ""
+        roots = frozenset().union(*(roots_of.get(x, ()) for x in fe.ins
+                                    if isinstance(x, int)))
         if i in post or "total" in kinds:
             got = _total(fe, ins)
+            if i in feeds and roots and any(x.kind == "split" for x in ins):
+                # A deferred statistic of the whole batch meets per-example values the
+                # gradients need: no microbatch has it before the last one.
+                couplings.append(Coupling(
+                    "a statistic over the batch combined with per-example values",
+                    prims.name(fe.eqn), flat.source(fe), fe.path,
+                    next((root_stat[r] for r in sorted(roots) if root_stat[r]), None),
+                    all(root_stat.get(r) is not None for r in roots)))
+                met |= roots
         elif kinds <= {"whole"}:
             got = _Outcome([WHOLE] * len(fe.outs), {})
             if bdep and sdep and prims.name(fe.eqn) in (prims.DOT, prims.CONV):
@@ -345,6 +399,14 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                         got = got2
                 scoped = batch_free_scope is not None and \
                     batch_free_scope in name_stack_text(fe.eqn)
+                if got.needs_total and not scoped and i not in eager and \
+                        not any(x.kind in ("split", "local") for x in ins) and \
+                        all(ins[j].kind == "partial" for j in got.needs_total):
+                    # Deferred: computed once per step on the sums (what the step
+                    # computes); a coupling only where it meets per-example values.
+                    root_stat[i] = _statistic(flat, fe, got, ins, producer)
+                    roots = roots | {i}
+                    got = _total(fe, ins)
                 localized = scoped or (per_microbatch_statistics and
                                        (own is None or i in own))
                 if got.needs_total and (i in feeds or localized):
@@ -408,6 +470,8 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                 continue
             layout[r] = got.outs[k]
             producer[r] = i
+            if roots and got.outs[k].kind == "total":
+                roots_of[r] = roots
             if bdep:
                 dep_batch.add(r)
             if sdep:
@@ -430,7 +494,7 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
     return MicrobatchLayout(m, layout, tuple(place), uses, params, mb_shapes,
                             frozenset(r for r in layout if r not in dep_state),
                             frozenset(wholes), frozenset(dep_batch), tuple(couplings),
-                            frozenset(local_eqns))
+                            frozenset(local_eqns)), met
 
 
 def _makes_zero(fe: Any, zero: set[int]) -> bool:
@@ -489,8 +553,8 @@ def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: lis
     partials = [j for j, x in enumerate(ins) if x.kind == "partial"]
     splits = [j for j, x in enumerate(ins) if x.kind == "split"]
     name = prims.name(fe.eqn)
-    if name in prims.IDENTITY_LIKE and len(fe.ins) == n_out:    # values passed on as they are
-        return _Outcome(list(ins), {})
+    if (name in prims.IDENTITY_LIKE and len(fe.ins) == n_out) or keeps_precision(fe.eqn):
+        return _Outcome(list(ins), {})            # values passed on as they are
     if partials:
         if splits:
             return _Outcome([], {}, needs_total=tuple(partials),
