@@ -73,177 +73,30 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-from typing import Any, Callable, Collection, Mapping, Sequence
-
-import numpy as np
+from typing import Any, Collection, Mapping, Sequence
 
 from rhino.jaxpr import primitives as prims
-from rhino.jaxpr.factors import (ORDER_PRESERVING, factors, keeps_precision, linear_groups,
-                                 operand_shape)
+from rhino.jaxpr.factors import operand_shape
 from rhino.jaxpr.interpret import FlatProgram, Lit
-from rhino.jaxpr.pairs import PAIR_OPS, PairFacts
+from rhino.jaxpr.layouts import (LOCAL, TOTAL, WHOLE, Coupling, Layout, MicrobatchError,
+                                 MicrobatchLayout, Place, Use, partial, split)
+from rhino.jaxpr.mb_rules import Outcome, makes_zero, micro_rule, total_rule
+from rhino.jaxpr.pairs import PairFacts
 from rhino.jaxpr.private import name_stack_text
 
-
-# ------------------------------------------------------------------------------ data
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How a value is computed over the microbatches (see the module docstring)."""
-
-    kind: str                  # whole | split | partial | total | local
-    axis: int | None = None    # split: the dimension cut into microbatches
-    op: str | None = None      # partial: sum | max | min
-    pair: int | None = None    # split: a second dimension cut by the same microbatch index
-
-    def __str__(self) -> str:
-        cut = f"{self.axis}" if self.pair is None else f"{self.axis},{self.pair}"
-        return {"split": f"split({cut})", "partial": f"partial({self.op})"}.get(
-            self.kind, self.kind)
-
-    @property
-    def per_microbatch(self) -> bool:
-        return self.kind in ("split", "partial", "local")
-
-    @property
-    def dims(self) -> tuple[int, ...]:
-        """The dimensions a microbatch cuts (split only)."""
-        if self.kind != "split":
-            return ()
-        return (self.axis,) if self.pair is None else (self.axis, self.pair)
-
-
-WHOLE, TOTAL, LOCAL = Layout("whole"), Layout("total"), Layout("local")
-
-
-def split(axis: int, pair: int | None = None) -> Layout:
-    if pair is None:
-        return Layout("split", axis=int(axis))
-    a, b = sorted((int(axis), int(pair)))
-    return Layout("split", axis=a, pair=b)
-
-
-def partial(op: str = "sum") -> Layout:
-    return Layout("partial", op=op)
-
-
-@dataclasses.dataclass(frozen=True)
-class Use:
-    """How an equation reads an operand when that is not as it was made.
-
-    ``slice``: a whole value's chunk of the current microbatch along ``axis`` (and along
-    ``pair`` too: its diagonal block; a split value's chunk along another dimension it is
-    constant along, ``pair`` None); ``whole``: a
-    value computed from the batch alone, computed whole by the prologue; ``total``: the sum
-    over microbatches of a partial value; ``concat``: a split value's chunks put together
-    along ``axis``; ``local``: a partial value as the microbatch's own estimate of the
-    total (``m`` times its term; ``per_microbatch_statistics`` only)."""
-
-    kind: str
-    axis: int | None = None
-    pair: int | None = None
-
-
-class Place(str, enum.Enum):
-    FREE = "free"            # no batch in it: computed wherever it is read
-    PROLOGUE = "prologue"    # from the batch, whole: once per step by each stage needing it
-    MICRO = "micro"          # once per microbatch
-    POST = "post"            # once per step, after every microbatch
-
-
-@dataclasses.dataclass(frozen=True)
-class Coupling:
-    """An equation the gradients depend on that needs the whole batch at once.
-
-    Attributes:
-        what: why; primitive / source / path: the equation (user file:line, flat path);
-        statistic: ``(primitive, source)`` of the reduction over the batch it reads, if any.
-        estimable: each microbatch could use its own estimate instead (it reads sums or
-            maxima over the batch: ``per_microbatch_statistics``); not where it pairs the
-            examples of the batch with each other (a whole-batch softmax's ``z @ z.T``).
-        pairable: it pairs the examples (two factors of the batch) in a way the pairs of
-            ``per_microbatch_statistics`` could compute (found without that option).
-    """
-
-    what: str
-    primitive: str
-    source: str | None
-    path: tuple[int, ...]
-    statistic: tuple[str, str | None] | None = None
-    estimable: bool = True
-    pairable: bool = False
-
-    def describe(self) -> str:
-        at = f"{self.primitive} at {self.source or 'an unknown line'}"
-        made = (f" (the statistic is a {self.statistic[0]} over the batch at "
-                f"{self.statistic[1] or 'an unknown line'})" if self.statistic else "")
-        return f"{self.what}: {at}{made}"
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class MicrobatchLayout:
-    """The result of ``analyze`` (plain data over the flat program's refs and equations).
-
-    Attributes:
-        num_microbatches: ``m``.
-        layout: ref -> its ``Layout`` (arguments and equation results).
-        place: per flat equation, its ``Place``.
-        uses: ``(equation index, operand index) -> Use`` where an operand is not read as
-            it was made.
-        params: equation index -> bind parameters of a per-microbatch equation whose
-            result shapes they name (rewritten to microbatch shapes).
-        mb_shapes: ref -> the microbatch shape of a split value.
-        data: refs computed from the batch alone (no training state).
-        wholes: data refs some equation reads whole (the prologue computes them).
-        batch_dependent: refs that depend on a batch argument.
-        couplings: equations the gradients depend on that need the whole batch.
-        local: equations reading a partial value as a per-microbatch estimate.
-    """
-
-    num_microbatches: int
-    layout: Mapping[int, Layout]
-    place: tuple[Place, ...]
-    uses: Mapping[tuple[int, int], Use]
-    params: Mapping[int, dict]
-    mb_shapes: Mapping[int, tuple[int, ...]]
-    data: frozenset[int]
-    wholes: frozenset[int]
-    batch_dependent: frozenset[int]
-    couplings: tuple[Coupling, ...] = ()
-    local: frozenset[int] = frozenset()
-
-    def use(self, eqn: int, operand: int) -> Use | None:
-        return self.uses.get((eqn, operand))
-
-    def split_dims(self) -> dict[int, int]:
-        """ref -> the dimension of a split value (what a microbatch divides)."""
-        return {r: lay.axis for r, lay in self.layout.items() if lay.kind == "split"}
-
-    def cut_dims(self) -> dict[int, tuple[int, ...]]:
-        """ref -> every dimension a microbatch divides of a split value (two for a value
-        over pairs of the batch)."""
-        return {r: lay.dims for r, lay in self.layout.items() if lay.kind == "split"}
+__all__ = ["Layout", "Use", "Place", "Coupling", "MicrobatchLayout", "MicrobatchError",
+           "WHOLE", "TOTAL", "LOCAL", "split", "partial", "analyze", "ancestors",
+           "prologue_equations"]
 
 
 # ------------------------------------------------------------------------------ analysis
-@dataclasses.dataclass
-class _Outcome:
-    outs: list[Layout]
-    uses: dict[int, Use]
-    params: dict | None = None
-    needs_total: tuple[int, ...] = ()      # operands whose total it needs
-    reason: str = ""
-    block_sum: bool = False                # sums over a dimension of pairs (in its block)
-    pairable: bool = False                 # pairs the examples (two factors of the batch)
-
-
 def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int, *,
             state_refs: Collection[int] | None = None, post: Collection[int] = (),
             feeds_gradient: Collection[int] | None = None,
             per_microbatch_statistics: bool = False,
             per_microbatch: Collection[int] | None = None,
-            batch_free_scope: str | None = None) -> MicrobatchLayout:
+            batch_free_scope: str | None = None,
+            arg_layouts: Mapping[int, Layout] | None = None) -> MicrobatchLayout:
     """How every value of ``flat`` is computed over ``num_microbatches`` microbatches.
 
     A statistic of the batch that an equation uses non-linearly (a sum cast to a narrower
@@ -253,28 +106,6 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
     ``per_microbatch_statistics`` the analysis then runs again with each such statistic
     estimated per microbatch where it was first used non-linearly (``Use.local``), and
     repeats until no deferred statistic meets a per-example value.
-
-    Args: as ``_analyze``."""
-    eager: set[int] = set()
-    while True:
-        lay, roots = _analyze(flat, batch_refs, num_microbatches, state_refs=state_refs,
-                              post=post, feeds_gradient=feeds_gradient,
-                              per_microbatch_statistics=per_microbatch_statistics,
-                              per_microbatch=per_microbatch,
-                              batch_free_scope=batch_free_scope, eager=eager)
-        if not per_microbatch_statistics or not roots - eager:
-            return lay
-        eager |= roots
-
-
-def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int, *,
-             state_refs: Collection[int] | None = None, post: Collection[int] = (),
-             feeds_gradient: Collection[int] | None = None,
-             per_microbatch_statistics: bool = False,
-             per_microbatch: Collection[int] | None = None,
-             batch_free_scope: str | None = None, eager: Collection[int] = ()
-             ) -> tuple[MicrobatchLayout, set[int]]:
-    """How every value of ``flat`` is computed over ``num_microbatches`` microbatches.
 
     Args:
         flat: the step flattened at the whole batch (``interpret.flatten``).
@@ -294,31 +125,48 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
             on any part of the batch (an unrolled scan's iteration index, computed from the
             carry only to order its reads): they read partial values as their microbatch's
             own, and are no coupling.
-        eager: equations that, needing the total of partial values, are not deferred but
-            estimated per microbatch (``per_microbatch_statistics``) or named as couplings.
-
-    Returns:
-        The layout, and the deferred equations whose totals meet per-example values the
-        gradients need (the roots of its couplings of that kind).
+        arg_layouts: the layouts of arguments other than the batch's ``split(0)`` and the
+            rest's ``whole`` (a nested body's operands: ``rhino.jaxpr.bodies``).
     """
+    eager: set[int] = set()
+    while True:
+        lay, roots = _analyze(flat, batch_refs, num_microbatches, state_refs, post,
+                              feeds_gradient, per_microbatch_statistics, per_microbatch,
+                              batch_free_scope, arg_layouts or {}, eager)
+        if not per_microbatch_statistics or not roots - eager:
+            return lay
+        eager |= roots
+
+
+def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
+             state_refs: Collection[int] | None, post: Collection[int],
+             feeds_gradient: Collection[int] | None, per_microbatch_statistics: bool,
+             per_microbatch: Collection[int] | None, batch_free_scope: str | None,
+             arg_layouts: Mapping[int, Layout], eager: Collection[int]
+             ) -> tuple[MicrobatchLayout, set[int]]:
+    """One pass of ``analyze``: ``eager`` are the equations that, needing the total of
+    partial values, are estimated per microbatch (``per_microbatch_statistics``) or named
+    as couplings rather than deferred. Returns the layout and the deferred equations
+    whose totals meet per-example values the gradients need."""
     m = int(num_microbatches)
     avals = flat.avals
     batch = set(batch_refs)
     state = set(range(flat.num_args)) - batch if state_refs is None else set(state_refs)
     layout: dict[int, Layout] = {}
     for r in range(flat.num_args):
-        layout[r] = split(0) if r in batch else WHOLE
+        layout[r] = arg_layouts.get(r) or (split(0) if r in batch else WHOLE)
     for r in flat.consts:
         layout[r] = WHOLE
-    dep_batch: set[int] = set(batch)
+    dep_batch: set[int] = set(batch) | {r for r, x in layout.items() if x.per_microbatch}
     dep_state: set[int] = set(state)
     zero: set[int] = set()
     producer: dict[int, int] = {}
     place: list[Place] = []
     uses: dict[tuple[int, int], Use] = {}
     params: dict[int, dict] = {}
-    mb_shapes: dict[int, tuple[int, ...]] = {r: (avals[r].shape[0] // m,) +
-                                             tuple(avals[r].shape[1:]) for r in batch}
+    mb_shapes: dict[int, tuple[int, ...]] = {
+        r: tuple(n // m if d in layout[r].dims else n for d, n in enumerate(avals[r].shape))
+        for r in range(flat.num_args) if layout[r].kind == "split"}
     wholes: set[int] = set()
     couplings: list[Coupling] = []
     local_eqns: set[int] = set()
@@ -353,7 +201,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
         roots = frozenset().union(*(roots_of.get(x, ()) for x in fe.ins
                                     if isinstance(x, int)))
         if i in post or "total" in kinds:
-            got = _total(fe, ins)
+            got = total_rule(fe, ins)
             if i in feeds and roots and any(x.kind == "split" for x in ins):
                 # A deferred statistic of the whole batch meets per-example values the
                 # gradients need: no microbatch has it before the last one.
@@ -364,20 +212,20 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                     all(root_stat.get(r) is not None for r in roots)))
                 met |= roots
         elif kinds <= {"whole"}:
-            got = _Outcome([WHOLE] * len(fe.outs), {})
+            got = Outcome([WHOLE] * len(fe.outs), {})
             if bdep and sdep and prims.name(fe.eqn) in (prims.DOT, prims.CONV):
                 # Training state applied to the whole batch in one piece (its batch
                 # dimension was lost, e.g. to a concatenation along the batch): not made
                 # per step in a prologue.
-                got = _Outcome([], {}, needs_total=(), reason=(
+                got = Outcome([], {}, needs_total=(), reason=(
                     "a weight applied to the whole batch at once (a value whose batch "
                     "dimension the microbatches do not follow)"))
                 if i in feeds:
                     couplings.append(Coupling(got.reason, prims.name(fe.eqn),
                                               flat.source(fe), fe.path, None, False))
-                got = _total(fe, ins)
+                got = total_rule(fe, ins)
         else:
-            got = _micro(fe, ins, ins_shapes, outs_shapes, m, zero, is_data, pairs, steady)
+            got = micro_rule(fe, ins, ins_shapes, outs_shapes, m, zero, is_data, pairs, steady)
             if got.needs_total:
                 data_ops = [j for j in got.needs_total if is_data(fe.ins[j])]
                 if data_ops:
@@ -385,9 +233,9 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                     ins2 = list(ins)
                     for j in data_ops:
                         ins2[j] = WHOLE
-                    got2 = (_Outcome([WHOLE] * len(fe.outs), {}) if all(
+                    got2 = (Outcome([WHOLE] * len(fe.outs), {}) if all(
                         x.kind == "whole" for x in ins2) else
-                        _micro(fe, ins2, ins_shapes, outs_shapes, m, zero, is_data, pairs,
+                        micro_rule(fe, ins2, ins_shapes, outs_shapes, m, zero, is_data, pairs,
                                steady))
                     if not got2.needs_total and not (pairs and any(
                             j in got2.uses for j in data_ops)):
@@ -406,7 +254,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                     # computes); a coupling only where it meets per-example values.
                     root_stat[i] = _statistic(flat, fe, got, ins, producer)
                     roots = roots | {i}
-                    got = _total(fe, ins)
+                    got = total_rule(fe, ins)
                 localized = scoped or (per_microbatch_statistics and
                                        (own is None or i in own))
                 if got.needs_total and (i in feeds or localized):
@@ -421,7 +269,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                         ins3 = list(ins)
                         for j in got.needs_total:
                             ins3[j] = LOCAL
-                        got3 = _micro(fe, ins3, ins_shapes, outs_shapes, m, zero, is_data,
+                        got3 = micro_rule(fe, ins3, ins_shapes, outs_shapes, m, zero, is_data,
                                       pairs, steady)
                         if not got3.needs_total:
                             for j in got.needs_total:
@@ -438,7 +286,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                             got.pairable))
                 if got.needs_total:
                     why = got.reason
-                    got = _total(fe, ins)
+                    got = total_rule(fe, ins)
         paired = [x for x in fe.ins if isinstance(x, int) and layout[x].pair is not None]
         if paired and any(x.kind == "total" for x in got.outs) and not (
                 couplings and couplings[-1].path == fe.path):
@@ -481,7 +329,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                 for d in got.outs[k].dims:
                     shape[d] //= m
                 mb_shapes[r] = tuple(shape)
-        if _makes_zero(fe, zero):
+        if makes_zero(fe, zero):
             zero.update(r for r in fe.outs if r is not None)
     for x in flat.outs:
         if isinstance(x, int) and layout[x].pair is not None and x in producer:
@@ -497,32 +345,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                             frozenset(local_eqns)), met
 
 
-def _makes_zero(fe: Any, zero: set[int]) -> bool:
-    """Results that are zeros: a broadcast or conversion of a literal 0 or of zeros."""
-    name = prims.name(fe.eqn)
-    if name not in (prims.BROADCAST, prims.CONVERT, "copy") or len(fe.ins) != 1:
-        return False
-    x = fe.ins[0]
-    if isinstance(x, Lit):
-        return bool(np.all(np.asarray(x.value) == 0))
-    return x in zero
-
-
-def _total(fe: Any, ins: list[Layout]) -> _Outcome:
-    """Computed once per step after the microbatches: partial operands summed, split ones
-    put together."""
-    uses = {}
-    for j, x in enumerate(ins):
-        if x.kind == "partial":
-            uses[j] = Use("total")
-        elif x.kind == "split":
-            uses[j] = Use("concat", x.axis)
-        elif x.kind == "local":
-            uses[j] = Use("mean")             # each microbatch's own: their average
-    return _Outcome([TOTAL] * len(fe.outs), uses)
-
-
-def _statistic(flat: FlatProgram, fe: Any, got: _Outcome, ins: list[Layout],
+def _statistic(flat: FlatProgram, fe: Any, got: Outcome, ins: list[Layout],
                producer: Mapping[int, int]) -> tuple[str, str | None] | None:
     """Where the partial value an equation needs the total of was reduced over the batch:
     the first reduction found walking back through partial values."""
@@ -542,226 +365,6 @@ def _statistic(flat: FlatProgram, fe: Any, got: _Outcome, ins: list[Layout],
     return None
 
 
-def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
-           m: int, zero: set[int], is_data: Callable[[Any], bool], pairs: bool = False,
-           spread: Callable[[Any], Collection[int]] = lambda x: ()) -> _Outcome:
-    """An equation with a per-microbatch operand: its results' layouts and how it reads
-    its operands, or the operands whose totals it needs. ``pairs``: an equation pairing
-    the examples of the batch is computed per microbatch on its own pairs (``_pairs``);
-    ``spread(x)``: the dimensions operand ``x`` is constant along (a broadcast's)."""
-    n_out = len(fe.outs)
-    partials = [j for j, x in enumerate(ins) if x.kind == "partial"]
-    splits = [j for j, x in enumerate(ins) if x.kind == "split"]
-    name = prims.name(fe.eqn)
-    if (name in prims.IDENTITY_LIKE and len(fe.ins) == n_out) or keeps_precision(fe.eqn):
-        return _Outcome(list(ins), {})            # values passed on as they are
-    if partials:
-        if splits:
-            return _Outcome([], {}, needs_total=tuple(partials),
-                            reason="a statistic over the batch combined with per-example "
-                                   "values")
-        ops = {ins[j].op for j in partials}
-        if ops != {"sum"}:
-            if len(ops) == 1 and name in ORDER_PRESERVING and len(fe.ins) == 1:
-                return _Outcome([ins[0]] * n_out, {})
-            return _Outcome([], {}, needs_total=tuple(partials),
-                            reason="a maximum or minimum over the batch used further")
-        pset = set(partials)
-        for g in linear_groups(fe.eqn, fe.ins):
-            if pset <= g and all(j in pset or _is_zero(fe.ins[j], zero) for j in g) and \
-                    not any(ins[j].kind == "local" for j in g):
-                return _Outcome([partial("sum")] * n_out, {})
-        return _Outcome([], {}, needs_total=tuple(partials),
-                        reason="a sum over the batch used non-linearly")
-    rules = factors(fe.eqn, ins_shapes, outs_shapes)
-    if not splits:                                   # local (and whole) operands only
-        return _Outcome([LOCAL] * n_out, {})
-    if rules is None:
-        return _unsupported(fe, ins, splits, f"a per-example value enters {name}, which "
-                                             f"cannot be cut into microbatches")
-    hit: list | None = []
-    for j in splits:
-        for d in ins[j].dims:
-            fa = next((fa for fa in rules if (j, d) in fa[0]), None)
-            if fa is None:
-                hit = None
-                break
-            if fa not in hit:
-                hit.append(fa)
-        if hit is None:
-            break
-    over_pairs = any(ins[j].pair is not None for j in splits)
-    if pairs and (over_pairs or (hit is not None and len(hit) == 2)):
-        return _pairs(fe, ins, ins_shapes, outs_shapes, m, hit or [], spread)
-    if any(ins[j].pair is not None for j in splits):
-        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
-                                             f"(over pairs of them)")
-    first = splits[0]
-    f = next((fa for fa in rules if (first, ins[first].axis) in fa[0]), None)
-    if f is None or not all((j, ins[j].axis) in f[0] for j in splits):
-        got = _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
-                                            f"(along the dimension split into microbatches)")
-        got.pairable = hit is not None and len(hit) == 2 and name in PAIR_OPS
-        return got
-    members, reduce = f
-    size = ins_shapes[first][ins[first].axis]
-    uses: dict[int, Use] = {}
-    for slot, d in members:
-        if slot < 0 or ins[slot].kind == "split":
-            continue
-        if ins_shapes[slot][d] != size:
-            return _unsupported(fe, ins, splits, f"{name} reads a value along the batch "
-                                                 f"at another size")
-        uses[slot] = Use("slice", d)          # a local value: its own chunk too
-    res = {-1 - slot: d for slot, d in members if slot < 0}
-    if reduce in ("sum", "max", "min") and not res:
-        if reduce == "sum" and prims.name(fe.eqn) in prims.SCATTER_ADD and \
-                not _is_zero(fe.ins[0], zero) and ins[0].kind != "partial":
-            return _unsupported(fe, ins, splits, "examples scattered into a value that is "
-                                                 "not zeros")
-        return _Outcome([partial(reduce)] * n_out, uses)
-    if reduce == "whole" or not res:
-        return _unsupported(fe, ins, splits, f"{name} reduces over the batch")
-    if len(res) != n_out:
-        return _unsupported(fe, ins, splits, f"{name} gives results not cut with the batch")
-    outs: list[Layout] = []
-    for k in range(n_out):
-        if outs_shapes[k][res[k]] % m:
-            return _unsupported(fe, ins, splits, f"{name}'s result dimension "
-                                                 f"{outs_shapes[k][res[k]]} is not divisible "
-                                                 f"by {m} microbatches")
-        outs.append(split(res[k]))
-    return _Outcome(outs, uses, _rewrite(fe.eqn, ins, ins_shapes, outs_shapes, res, m))
-
-
-def _pairs(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
-           m: int, hit: list, spread: Callable[[Any], Collection[int]]) -> _Outcome:
-    """An equation whose per-example operands meet along two factors (``per_microbatch_
-    statistics``): ``z @ z.T`` pairs every example with every example. Each microbatch
-    computes the diagonal block (its examples against its own examples), what the step
-    computes on that microbatch alone: a result keeping both factors is split along both
-    dimensions by the same microbatch index; one reduced by a sum, maximum or minimum
-    within the block is split along the other (no partial value: no other microbatch
-    holds a term of it); both reduced, a partial value. A whole operand is read as its
-    diagonal block (iota comparisons are the same on every block), a per-example operand
-    along its other dimension only where it is constant along it (a broadcast). Anything
-    else is unsupported (named): index values (global positions of the batch), a reshape
-    merging a dimension of pairs, a contraction of pairs with a value of the whole batch's
-    positions, an operand of another size."""
-    name = prims.name(fe.eqn)
-    splits = [j for j, x in enumerate(ins) if x.kind == "split"]
-    if name in prims.INDEXING:
-        return _unsupported(fe, ins, splits, f"{name} addresses values over pairs of the "
-                                             f"batch's examples by index values (positions "
-                                             f"of the whole batch, outside a microbatch's "
-                                             f"own pairs)")
-    if name not in PAIR_OPS:
-        return _unsupported(fe, ins, splits, f"{name} on values over pairs of the batch's "
-                                             f"examples (it addresses positions of the "
-                                             f"whole batch)")
-    if len(hit) != 2:
-        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
-                                             f"(over pairs of them)")
-    cut: dict[int, list[int]] = {}
-    kept: list[dict[int, int]] = []
-    reduced: list[str | None] = []
-    for members, reduce in hit:
-        slots = [(s, d) for s, d in members if s >= 0]
-        size = next(ins_shapes[s][d] for s, d in slots
-                    if ins[s].kind == "split" and d in ins[s].dims)
-        for s, d in slots:
-            x = ins[s]
-            if ins_shapes[s][d] != size:
-                return _unsupported(fe, ins, splits, f"{name} reads a value along the batch "
-                                                     f"at another size")
-            if x.kind == "split" and d in x.dims:
-                continue
-            if reduce is not None and x.kind == "whole":
-                return _unsupported(fe, ins, splits, f"{name} contracts pairs of the batch's "
-                                                     f"examples with a value over the whole "
-                                                     f"batch's positions")
-            if x.kind == "whole" or (x.kind == "split" and d in spread(fe.ins[s])):
-                cut.setdefault(s, []).append(d)
-                continue
-            return _unsupported(fe, ins, splits, f"{name} reads a per-example value along "
-                                                 f"the positions of the batch against pairs "
-                                                 f"of its examples (a microbatch holds only "
-                                                 f"its own pairs)")
-        res = {-1 - s: d for s, d in members if s < 0}
-        if res:
-            kept.append(res)
-        else:
-            reduced.append(reduce)
-    uses = {s: Use("slice", d[0], d[1] if len(d) > 1 else None) for s, d in cut.items()}
-    n_out = len(fe.outs)
-    if any(len(r) != n_out for r in kept):
-        return _unsupported(fe, ins, splits, f"{name} gives results not cut with the batch")
-    if any(op not in ("sum", "max", "min") for op in reduced) or len(set(reduced)) > 1:
-        return _unsupported(fe, ins, splits, f"{name} reduces over pairs of the batch")
-    block_sum = name in prims.REDUCTIONS and reduced == ["sum"]
-    if not kept:
-        return _Outcome([partial(reduced[0])] * n_out, uses, block_sum=block_sum)
-    dims = [tuple(r[k] for r in kept) for k in range(n_out)]
-    for k, ds in enumerate(dims):
-        if any(outs_shapes[k][d] % m for d in ds):
-            return _unsupported(fe, ins, splits, f"{name}'s result {outs_shapes[k]} is not "
-                                                 f"divisible by {m} microbatches")
-    params = None
-    key = _SHAPE_PARAMS.get(name)
-    if key is not None:
-        from rhino.jaxpr.private import bind_params
-
-        params = bind_params(fe.eqn)
-        sizes = list(params[key])
-        for d in dims[0]:
-            sizes[d] //= m
-        params[key] = tuple(sizes)
-    return _Outcome([split(*ds) for ds in dims], uses, params, block_sum=block_sum)
-
-
-def _unsupported(fe: Any, ins: list[Layout], splits: list[int], reason: str) -> _Outcome:
-    return _Outcome([], {}, needs_total=tuple(splits), reason=reason)
-
-
-def _is_zero(x: Any, zero: set[int]) -> bool:
-    if isinstance(x, Lit):
-        return bool(np.all(np.asarray(x.value) == 0))
-    return x in zero
-
-
-# Primitives whose named parameter lists their result's sizes (a dynamic slice's and a
-# slice's along dimensions kept whole: the split one runs to its end).
-_SHAPE_PARAMS = {prims.BROADCAST: "shape", prims.RESHAPE: "new_sizes",
-                 prims.DYNAMIC_SLICE: "slice_sizes", prims.SLICE: "limit_indices"}
-
-
-def _rewrite(eqn: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
-             res: Mapping[int, int], m: int) -> dict | None:
-    """Bind parameters of ``eqn`` at microbatch shapes, where they name a result shape
-    (None: its own parameters fit)."""
-    from rhino.jaxpr.private import bind_params
-
-    name = prims.name(eqn)
-    params = bind_params(eqn)
-    key = _SHAPE_PARAMS.get(name)
-    if key is not None:          # the parameter lists the result's sizes: cut the split one
-        sizes = list(params[key])
-        sizes[res[0]] //= m
-        params[key] = tuple(sizes)
-        return params
-    split_in = next((j, x.axis) for j, x in enumerate(ins) if x.kind == "split")
-    if name == prims.GATHER:
-        j, d = split_in
-        if j == 0 and d not in (getattr(params["dimension_numbers"], "operand_batching_dims",
-                                        ()) or ()):
-            sizes = list(params["slice_sizes"])
-            sizes[d] //= m
-            params["slice_sizes"] = tuple(sizes)
-            return params
-        return None
-    return None
-
-
 def _close_wholes(flat: FlatProgram, wholes: set[int], producer: Mapping[int, int],
                   dep_state: set[int]) -> set[int]:
     """The data values read whole (every one is computed by the prologue)."""
@@ -773,10 +376,6 @@ def prologue_equations(flat: FlatProgram, layout: MicrobatchLayout, refs: Collec
     """Equation indices (in program order) that compute ``refs`` whole, from the whole
     batch arguments: every equation they depend on, bound at its own shapes."""
     return sorted(ancestors(flat, refs))
-
-
-class MicrobatchError(ValueError):
-    """A step this pass cannot make per-microbatch programs of."""
 
 
 def ancestors(flat: FlatProgram, refs: Collection[int]) -> set[int]:

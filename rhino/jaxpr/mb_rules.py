@@ -1,0 +1,275 @@
+"""Per-equation rules of the microbatch analysis (``rhino.jaxpr.microbatch``): given the
+layouts of an equation's operands over the microbatches, the layouts of its results and how
+it reads each operand (``micro_rule``; over pairs of the batch, ``_pairs``), or the operands
+whose totals it needs; the bind parameters of an equation bound at microbatch shapes
+(``_rewrite``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Collection, Mapping
+
+import numpy as np
+
+from rhino.jaxpr import primitives as prims
+from rhino.jaxpr.factors import (ORDER_PRESERVING, factors, keeps_precision, linear_groups)
+from rhino.jaxpr.interpret import Lit
+from rhino.jaxpr.layouts import LOCAL, TOTAL, Layout, Use, partial, split
+from rhino.jaxpr.pairs import PAIR_OPS
+
+
+@dataclasses.dataclass
+class Outcome:
+    outs: list[Layout]
+    uses: dict[int, Use]
+    params: dict | None = None
+    needs_total: tuple[int, ...] = ()      # operands whose total it needs
+    reason: str = ""
+    block_sum: bool = False                # sums over a dimension of pairs (in its block)
+    pairable: bool = False                 # pairs the examples (two factors of the batch)
+
+
+
+def makes_zero(fe: Any, zero: set[int]) -> bool:
+    """Results that are zeros: a broadcast or conversion of a literal 0 or of zeros."""
+    name = prims.name(fe.eqn)
+    if name not in (prims.BROADCAST, prims.CONVERT, "copy") or len(fe.ins) != 1:
+        return False
+    x = fe.ins[0]
+    if isinstance(x, Lit):
+        return bool(np.all(np.asarray(x.value) == 0))
+    return x in zero
+
+
+def total_rule(fe: Any, ins: list[Layout]) -> Outcome:
+    """Computed once per step after the microbatches: partial operands summed, split ones
+    put together."""
+    uses = {}
+    for j, x in enumerate(ins):
+        if x.kind == "partial":
+            uses[j] = Use("total")
+        elif x.kind == "split":
+            uses[j] = Use("concat", x.axis)
+        elif x.kind == "local":
+            uses[j] = Use("mean")             # each microbatch's own: their average
+    return Outcome([TOTAL] * len(fe.outs), uses)
+
+
+def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
+           m: int, zero: set[int], is_data: Callable[[Any], bool], pairs: bool = False,
+           spread: Callable[[Any], Collection[int]] = lambda x: ()) -> Outcome:
+    """An equation with a per-microbatch operand: its results' layouts and how it reads
+    its operands, or the operands whose totals it needs. ``pairs``: an equation pairing
+    the examples of the batch is computed per microbatch on its own pairs (``_pairs``);
+    ``spread(x)``: the dimensions operand ``x`` is constant along (a broadcast's)."""
+    n_out = len(fe.outs)
+    partials = [j for j, x in enumerate(ins) if x.kind == "partial"]
+    splits = [j for j, x in enumerate(ins) if x.kind == "split"]
+    name = prims.name(fe.eqn)
+    if (name in prims.IDENTITY_LIKE and len(fe.ins) == n_out) or keeps_precision(fe.eqn):
+        return Outcome(list(ins), {})            # values passed on as they are
+    if partials:
+        if splits:
+            return Outcome([], {}, needs_total=tuple(partials),
+                            reason="a statistic over the batch combined with per-example "
+                                   "values")
+        ops = {ins[j].op for j in partials}
+        if ops != {"sum"}:
+            if len(ops) == 1 and name in ORDER_PRESERVING and len(fe.ins) == 1:
+                return Outcome([ins[0]] * n_out, {})
+            return Outcome([], {}, needs_total=tuple(partials),
+                            reason="a maximum or minimum over the batch used further")
+        pset = set(partials)
+        for g in linear_groups(fe.eqn, fe.ins):
+            if pset <= g and all(j in pset or _is_zero(fe.ins[j], zero) for j in g) and \
+                    not any(ins[j].kind == "local" for j in g):
+                return Outcome([partial("sum")] * n_out, {})
+        return Outcome([], {}, needs_total=tuple(partials),
+                        reason="a sum over the batch used non-linearly")
+    rules = factors(fe.eqn, ins_shapes, outs_shapes)
+    if not splits:                                   # local (and whole) operands only
+        return Outcome([LOCAL] * n_out, {})
+    if rules is None:
+        return _unsupported(fe, ins, splits, f"a per-example value enters {name}, which "
+                                             f"cannot be cut into microbatches")
+    hit: list | None = []
+    for j in splits:
+        for d in ins[j].dims:
+            fa = next((fa for fa in rules if (j, d) in fa[0]), None)
+            if fa is None:
+                hit = None
+                break
+            if fa not in hit:
+                hit.append(fa)
+        if hit is None:
+            break
+    over_pairs = any(ins[j].pair is not None for j in splits)
+    if pairs and (over_pairs or (hit is not None and len(hit) == 2)):
+        return _pairs(fe, ins, ins_shapes, outs_shapes, m, hit or [], spread)
+    if any(ins[j].pair is not None for j in splits):
+        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
+                                             f"(over pairs of them)")
+    first = splits[0]
+    f = next((fa for fa in rules if (first, ins[first].axis) in fa[0]), None)
+    if f is None or not all((j, ins[j].axis) in f[0] for j in splits):
+        got = _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
+                                            f"(along the dimension split into microbatches)")
+        got.pairable = hit is not None and len(hit) == 2 and name in PAIR_OPS
+        return got
+    members, reduce = f
+    size = ins_shapes[first][ins[first].axis]
+    uses: dict[int, Use] = {}
+    for slot, d in members:
+        if slot < 0 or ins[slot].kind == "split":
+            continue
+        if ins_shapes[slot][d] != size:
+            return _unsupported(fe, ins, splits, f"{name} reads a value along the batch "
+                                                 f"at another size")
+        uses[slot] = Use("slice", d)          # a local value: its own chunk too
+    res = {-1 - slot: d for slot, d in members if slot < 0}
+    if reduce in ("sum", "max", "min") and not res:
+        if reduce == "sum" and prims.name(fe.eqn) in prims.SCATTER_ADD and \
+                not _is_zero(fe.ins[0], zero) and ins[0].kind != "partial":
+            return _unsupported(fe, ins, splits, "examples scattered into a value that is "
+                                                 "not zeros")
+        return Outcome([partial(reduce)] * n_out, uses)
+    if reduce == "whole" or not res:
+        return _unsupported(fe, ins, splits, f"{name} reduces over the batch")
+    if len(res) != n_out:
+        return _unsupported(fe, ins, splits, f"{name} gives results not cut with the batch")
+    outs: list[Layout] = []
+    for k in range(n_out):
+        if outs_shapes[k][res[k]] % m:
+            return _unsupported(fe, ins, splits, f"{name}'s result dimension "
+                                                 f"{outs_shapes[k][res[k]]} is not divisible "
+                                                 f"by {m} microbatches")
+        outs.append(split(res[k]))
+    return Outcome(outs, uses, _rewrite(fe.eqn, ins, ins_shapes, outs_shapes, res, m))
+
+
+def _pairs(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
+           m: int, hit: list, spread: Callable[[Any], Collection[int]]) -> Outcome:
+    """An equation whose per-example operands meet along two factors (``per_microbatch_
+    statistics``): ``z @ z.T`` pairs every example with every example. Each microbatch
+    computes the diagonal block (its examples against its own examples), what the step
+    computes on that microbatch alone: a result keeping both factors is split along both
+    dimensions by the same microbatch index; one reduced by a sum, maximum or minimum
+    within the block is split along the other (no partial value: no other microbatch
+    holds a term of it); both reduced, a partial value. A whole operand is read as its
+    diagonal block (iota comparisons are the same on every block), a per-example operand
+    along its other dimension only where it is constant along it (a broadcast). Anything
+    else is unsupported (named): index values (global positions of the batch), a reshape
+    merging a dimension of pairs, a contraction of pairs with a value of the whole batch's
+    positions, an operand of another size."""
+    name = prims.name(fe.eqn)
+    splits = [j for j, x in enumerate(ins) if x.kind == "split"]
+    if name in prims.INDEXING:
+        return _unsupported(fe, ins, splits, f"{name} addresses values over pairs of the "
+                                             f"batch's examples by index values (positions "
+                                             f"of the whole batch, outside a microbatch's "
+                                             f"own pairs)")
+    if name not in PAIR_OPS:
+        return _unsupported(fe, ins, splits, f"{name} on values over pairs of the batch's "
+                                             f"examples (it addresses positions of the "
+                                             f"whole batch)")
+    if len(hit) != 2:
+        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
+                                             f"(over pairs of them)")
+    cut: dict[int, list[int]] = {}
+    kept: list[dict[int, int]] = []
+    reduced: list[str | None] = []
+    for members, reduce in hit:
+        slots = [(s, d) for s, d in members if s >= 0]
+        size = next(ins_shapes[s][d] for s, d in slots
+                    if ins[s].kind == "split" and d in ins[s].dims)
+        for s, d in slots:
+            x = ins[s]
+            if ins_shapes[s][d] != size:
+                return _unsupported(fe, ins, splits, f"{name} reads a value along the batch "
+                                                     f"at another size")
+            if x.kind == "split" and d in x.dims:
+                continue
+            if reduce is not None and x.kind == "whole":
+                return _unsupported(fe, ins, splits, f"{name} contracts pairs of the batch's "
+                                                     f"examples with a value over the whole "
+                                                     f"batch's positions")
+            if x.kind == "whole" or (x.kind == "split" and d in spread(fe.ins[s])):
+                cut.setdefault(s, []).append(d)
+                continue
+            return _unsupported(fe, ins, splits, f"{name} reads a per-example value along "
+                                                 f"the positions of the batch against pairs "
+                                                 f"of its examples (a microbatch holds only "
+                                                 f"its own pairs)")
+        res = {-1 - s: d for s, d in members if s < 0}
+        if res:
+            kept.append(res)
+        else:
+            reduced.append(reduce)
+    uses = {s: Use("slice", d[0], d[1] if len(d) > 1 else None) for s, d in cut.items()}
+    n_out = len(fe.outs)
+    if any(len(r) != n_out for r in kept):
+        return _unsupported(fe, ins, splits, f"{name} gives results not cut with the batch")
+    if any(op not in ("sum", "max", "min") for op in reduced) or len(set(reduced)) > 1:
+        return _unsupported(fe, ins, splits, f"{name} reduces over pairs of the batch")
+    block_sum = name in prims.REDUCTIONS and reduced == ["sum"]
+    if not kept:
+        return Outcome([partial(reduced[0])] * n_out, uses, block_sum=block_sum)
+    dims = [tuple(r[k] for r in kept) for k in range(n_out)]
+    for k, ds in enumerate(dims):
+        if any(outs_shapes[k][d] % m for d in ds):
+            return _unsupported(fe, ins, splits, f"{name}'s result {outs_shapes[k]} is not "
+                                                 f"divisible by {m} microbatches")
+    params = None
+    key = _SHAPE_PARAMS.get(name)
+    if key is not None:
+        from rhino.jaxpr.private import bind_params
+
+        params = bind_params(fe.eqn)
+        sizes = list(params[key])
+        for d in dims[0]:
+            sizes[d] //= m
+        params[key] = tuple(sizes)
+    return Outcome([split(*ds) for ds in dims], uses, params, block_sum=block_sum)
+
+
+def _unsupported(fe: Any, ins: list[Layout], splits: list[int], reason: str) -> Outcome:
+    return Outcome([], {}, needs_total=tuple(splits), reason=reason)
+
+
+def _is_zero(x: Any, zero: set[int]) -> bool:
+    if isinstance(x, Lit):
+        return bool(np.all(np.asarray(x.value) == 0))
+    return x in zero
+
+
+# Primitives whose named parameter lists their result's sizes (a dynamic slice's and a
+# slice's along dimensions kept whole: the split one runs to its end).
+_SHAPE_PARAMS = {prims.BROADCAST: "shape", prims.RESHAPE: "new_sizes",
+                 prims.DYNAMIC_SLICE: "slice_sizes", prims.SLICE: "limit_indices"}
+
+
+def _rewrite(eqn: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
+             res: Mapping[int, int], m: int) -> dict | None:
+    """Bind parameters of ``eqn`` at microbatch shapes, where they name a result shape
+    (None: its own parameters fit)."""
+    from rhino.jaxpr.private import bind_params
+
+    name = prims.name(eqn)
+    params = bind_params(eqn)
+    key = _SHAPE_PARAMS.get(name)
+    if key is not None:          # the parameter lists the result's sizes: cut the split one
+        sizes = list(params[key])
+        sizes[res[0]] //= m
+        params[key] = tuple(sizes)
+        return params
+    split_in = next((j, x.axis) for j, x in enumerate(ins) if x.kind == "split")
+    if name == prims.GATHER:
+        j, d = split_in
+        if j == 0 and d not in (getattr(params["dimension_numbers"], "operand_batching_dims",
+                                        ()) or ()):
+            sizes = list(params["slice_sizes"])
+            sizes[d] //= m
+            params["slice_sizes"] = tuple(sizes)
+            return params
+        return None
+    return None
