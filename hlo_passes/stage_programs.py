@@ -64,6 +64,7 @@ from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.interpret import FlatEqn, FlatProgram, Lit, flatten
 from rhino.jaxpr.microbatch import (MicrobatchLayout, Place, analyze, ancestors,
                                     prologue_equations)
+from rhino.jaxpr.mb_eval import bind_micro, place_chunk, read_operand
 from rhino.jaxpr.private import bind, eqn_context
 from rhino.hlo_passes.stage_shardings import StageShardings, constraints
 from rhino.vocabulary import Role
@@ -590,52 +591,6 @@ def _check_direction(dst: tuple[str, int], src: tuple[str, int], path) -> None:
 
 
 # ------------------------------------------------------------------------------ programs
-def _chunk(x: Any, axis: int, mb: Any, m: int) -> Any:
-    size = x.shape[axis] // m
-    return jax.lax.dynamic_slice_in_dim(x, mb * size, size, axis=axis)
-
-
-def _read(split: StepSplit, i: int, j: int, x: Any, env: Mapping, whole: Mapping, mb: Any
-          ) -> Any:
-    """Operand ``j`` of equation ``i`` as the equation reads it (``microbatch.Use``)."""
-    if isinstance(x, Lit):
-        return x.value
-    use = split.layout.use(i, j)
-    if use is None:
-        return env[x] if x in env else whole[x]
-    m = split.num_microbatches
-    if use.kind == "slice":
-        own = split.layout.layout[x].per_microbatch      # local, or split along another dim
-        base = env[x] if own or x not in whole else whole[x]
-        base = _chunk(base, use.axis, mb, m)
-        return base if use.pair is None else _chunk(base, use.pair, mb, m)   # its block
-    if use.kind == "local":
-        v = env[x]
-        if split.layout.layout[x].op == "sum":
-            v = v * np.asarray(m, dtype=jax.numpy.result_type(v))
-        return v if use.axis is None else _chunk(v, use.axis, mb, m)
-    return whole[x] if x in whole else env[x]        # whole / total / concat
-
-
-def _bind_checked(split: StepSplit, i: int, vals: list) -> list:
-    """Equation ``i`` bound (per microbatch with its rewritten parameters), its
-    per-microbatch results checked against their microbatch shapes."""
-    fe = split.flat.eqns[i]
-    lay = split.layout
-    params = lay.params.get(i)
-    with eqn_context(fe.eqn):
-        outs = bind(fe.eqn, vals, params)
-    if lay.place[i] is Place.MICRO:
-        for r, v in zip(fe.outs, outs):
-            want = lay.mb_shapes.get(r) if r is not None else None
-            if want is not None and tuple(v.shape) != tuple(want):
-                raise StageSplitError(
-                    f"{prims.name(fe.eqn)} at {split.flat.source(fe) or 'an unknown line'}: "
-                    f"expected a result of microbatch shape {tuple(want)}, found "
-                    f"{tuple(v.shape)}")
-    return outs
-
-
 def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
                   constrain: Callable[[tuple[int, ...], int, Any], Any] | None = None,
                   finish: Callable[[int, Any], Any] | None = None) -> Callable:
@@ -670,8 +625,9 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
                 env[spec.ref] = x
         for i in idx:
             fe = flat.eqns[i]
-            vals = [_read(split, i, j, x, env, whole, mb) for j, x in enumerate(fe.ins)]
-            outs = _bind_checked(split, i, vals)
+            vals = [read_operand(split.layout, i, j, x, env, whole, mb)
+                    for j, x in enumerate(fe.ins)]
+            outs = bind_micro(flat, split.layout, i, vals, mb)
             for k, (r, x) in enumerate(zip(fe.outs, outs)):
                 if r is not None:
                     env[r] = constrain(fe.path, k, x) if constrain is not None else x
@@ -729,9 +685,7 @@ def _accumulate(split: StepSplit, ref: int, acc: Any, x: Any, mb: Any, m: int) -
     if rule == "concat":
         if acc is None:
             acc = jnp.zeros(split.flat.avals[ref].shape, x.dtype)
-        start = [0] * x.ndim
-        start[axis] = mb * x.shape[axis]
-        return jax.lax.dynamic_update_slice(acc, x, start)
+        return place_chunk(acc, x, axis, mb, m, split.layout.layout[ref].group)
     if rule in ("sum", "mean"):
         return _wide(x) if acc is None else acc + _wide(x)
     if acc is None:

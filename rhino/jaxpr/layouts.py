@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Mapping
+from typing import Any, Mapping
+
+from rhino.errors import RhinoError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,9 +20,12 @@ class Layout:
     axis: int | None = None    # split: the dimension cut into microbatches
     op: str | None = None      # partial: sum | max | min
     pair: int | None = None    # split: a second dimension cut by the same microbatch index
+    group: int | None = None   # split: the dimension is this many equal blocks, each cut
 
     def __str__(self) -> str:
         cut = f"{self.axis}" if self.pair is None else f"{self.axis},{self.pair}"
+        if self.group:
+            cut += f" in {self.group} groups"
         return {"split": f"split({cut})", "partial": f"partial({self.op})"}.get(
             self.kind, self.kind)
 
@@ -39,9 +44,13 @@ class Layout:
 WHOLE, TOTAL, LOCAL = Layout("whole"), Layout("total"), Layout("local")
 
 
-def split(axis: int, pair: int | None = None) -> Layout:
+def split(axis: int, pair: int | None = None, group: int | None = None) -> Layout:
+    """A value split along ``axis`` (contiguous chunks; with ``group``, the dimension is
+    ``group`` equal blocks and each microbatch holds its chunk of every block: the examples
+    of a batch reshaped into chunks that a loop takes one by one)."""
     if pair is None:
-        return Layout("split", axis=int(axis))
+        return Layout("split", axis=int(axis), group=int(group) if group and group > 1
+                      else None)
     a, b = sorted((int(axis), int(pair)))
     return Layout("split", axis=a, pair=b)
 
@@ -60,11 +69,13 @@ class Use:
     value computed from the batch alone, computed whole by the prologue; ``total``: the sum
     over microbatches of a partial value; ``concat``: a split value's chunks put together
     along ``axis``; ``local``: a partial value as the microbatch's own estimate of the
-    total (``m`` times its term; ``per_microbatch_statistics`` only)."""
+    total (``m`` times its term; ``per_microbatch_statistics`` only). ``group``: the
+    chunk of each of that many blocks (``Layout.group``)."""
 
     kind: str
     axis: int | None = None
     pair: int | None = None
+    group: int | None = None
 
 
 class Place(str, enum.Enum):
@@ -121,6 +132,8 @@ class MicrobatchLayout:
         batch_dependent: refs that depend on a batch argument.
         couplings: equations the gradients depend on that need the whole batch.
         local: equations reading a partial value as a per-microbatch estimate.
+        bodies: equation index -> how a per-microbatch equation holding bodies (control
+            flow, a custom call's body) runs them per microbatch (``rhino.jaxpr.bodies``).
     """
 
     num_microbatches: int
@@ -134,6 +147,7 @@ class MicrobatchLayout:
     batch_dependent: frozenset[int]
     couplings: tuple[Coupling, ...] = ()
     local: frozenset[int] = frozenset()
+    bodies: Mapping[int, Any] = dataclasses.field(default_factory=dict)
 
     def use(self, eqn: int, operand: int) -> Use | None:
         return self.uses.get((eqn, operand))
@@ -148,6 +162,5 @@ class MicrobatchLayout:
         return {r: lay.dims for r, lay in self.layout.items() if lay.kind == "split"}
 
 
-
-class MicrobatchError(ValueError):
+class MicrobatchError(RhinoError, ValueError):
     """A step this pass cannot make per-microbatch programs of."""

@@ -27,6 +27,7 @@ class Outcome:
     reason: str = ""
     block_sum: bool = False                # sums over a dimension of pairs (in its block)
     pairable: bool = False                 # pairs the examples (two factors of the batch)
+    nested: Any = None                     # how its bodies run per microbatch (bodies.py)
 
 
 

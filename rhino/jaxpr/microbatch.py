@@ -164,6 +164,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
     place: list[Place] = []
     uses: dict[tuple[int, int], Use] = {}
     params: dict[int, dict] = {}
+    nested: dict[int, Any] = {}
     mb_shapes: dict[int, tuple[int, ...]] = {
         r: tuple(n // m if d in layout[r].dims else n for d, n in enumerate(avals[r].shape))
         for r in range(flat.num_args) if layout[r].kind == "split"}
@@ -305,6 +306,8 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
             uses[(i, j)] = u
         if got.params is not None:
             params[i] = got.params
+        if got.nested is not None:
+            nested[i] = got.nested
         kinds_out = {x.kind for x in got.outs}
         if kinds_out <= {"whole"}:
             whole_reads = any(u.kind == "whole" for u in got.uses.values())
@@ -342,7 +345,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
     return MicrobatchLayout(m, layout, tuple(place), uses, params, mb_shapes,
                             frozenset(r for r in layout if r not in dep_state),
                             frozenset(wholes), frozenset(dep_batch), tuple(couplings),
-                            frozenset(local_eqns)), met
+                            frozenset(local_eqns), nested), met
 
 
 def _statistic(flat: FlatProgram, fe: Any, got: Outcome, ins: list[Layout],
