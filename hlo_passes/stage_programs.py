@@ -62,7 +62,7 @@ from rhino.errors import RhinoError
 from rhino.hlo_passes.unroll import INDEX_SCOPE
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.interpret import FlatEqn, FlatProgram, Lit, flatten
-from rhino.jaxpr.microbatch import (MicrobatchLayout, Place, analyze, ancestors,
+from rhino.jaxpr.microbatch import (MicrobatchLayout, Place, analyze, ancestors, split,
                                     prologue_equations)
 from rhino.jaxpr.mb_eval import bind_micro, place_chunk, read_operand
 from rhino.jaxpr.private import bind, eqn_context
@@ -377,6 +377,7 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
     inputs_of: dict[tuple[str, int], list[TaskInput]] = {}
     pre_refs: dict[int, set[int]] = {s: set() for s in range(num_stages)}
     pre_refs[0] |= pre_out
+    split0 = split(0)
     for key, idx in all_eqns.items():
         kind, s = key
         made = {r for i in idx for r in flat.eqns[i].outs if r is not None}
@@ -397,8 +398,9 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
                 if x < flat.num_args:
                     if x not in batch:
                         add(x, "arg")
-                    elif layout.place[i] is Place.MICRO and not whole_read:
-                        add(x, "batch")
+                    elif layout.place[i] is Place.MICRO and not whole_read and \
+                            layout.layout[x] == split0:
+                        add(x, "batch")       # sliced by the executor; else chunked here
                     else:
                         add(x, "pre")         # the whole batch argument
                     continue

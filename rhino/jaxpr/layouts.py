@@ -70,12 +70,14 @@ class Use:
     over microbatches of a partial value; ``concat``: a split value's chunks put together
     along ``axis``; ``local``: a partial value as the microbatch's own estimate of the
     total (``m`` times its term; ``per_microbatch_statistics`` only). ``group``: the
-    chunk of each of that many blocks (``Layout.group``)."""
+    chunk of each of that many blocks (``Layout.group``). ``steady``: a slice of a value
+    constant along ``axis`` (a broadcast): every microbatch's chunk is the first."""
 
     kind: str
     axis: int | None = None
     pair: int | None = None
     group: int | None = None
+    steady: bool = False
 
 
 class Place(str, enum.Enum):

@@ -64,16 +64,23 @@ def read_operand(layout: MicrobatchLayout, i: int, j: int, x: Any, own: Mapping,
     (``Use``): ``own`` holds the microbatch's values, ``whole`` values computed whole (a
     ref may be in both: a batch argument sliced by some equations and read whole by
     others)."""
-    if isinstance(x, Lit):
-        return x.value
     use = layout.use(i, j)
-    if use is None:
-        return own[x] if x in own else whole[x]
     m = layout.num_microbatches
+    if isinstance(x, Lit):
+        if use is not None and use.kind == "divided":
+            return x.value // m
+        return x.value
+    if use is None:
+        if x in own:
+            return own[x]
+        lay = layout.layout[x]
+        if lay.kind == "split" and lay.pair is None:     # a batch argument given whole
+            return chunk(whole[x], lay.axis, mb, m, lay.group)
+        return whole[x]
     if use.kind == "slice":
         mine = layout.layout[x].per_microbatch      # local, or split along another dim
         base = own[x] if (mine or x not in whole) and x in own else whole[x]
-        base = chunk(base, use.axis, mb, m, use.group)
+        base = chunk(base, use.axis, 0 if use.steady else mb, m, use.group)
         return base if use.pair is None else chunk(base, use.pair, mb, m)   # its block
     if use.kind == "local":
         import jax.numpy as jnp
@@ -82,6 +89,9 @@ def read_operand(layout: MicrobatchLayout, i: int, j: int, x: Any, own: Mapping,
         if layout.layout[x].op == "sum":
             v = v * np.asarray(m, dtype=jnp.result_type(v))
         return v if use.axis is None else chunk(v, use.axis, mb, m)
+    if use.kind == "divided":           # an offset into blocks: the microbatch's chunk's
+        v = own[x] if x in own else whole[x]
+        return v // np.asarray(m, dtype=getattr(v, "dtype", np.int32))
     return whole[x] if x in whole else own[x]        # whole / total / concat
 
 

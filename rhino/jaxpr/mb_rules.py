@@ -11,11 +11,13 @@ from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
+from rhino.jaxpr import bodies
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.factors import (ORDER_PRESERVING, factors, keeps_precision, linear_groups)
 from rhino.jaxpr.interpret import Lit
 from rhino.jaxpr.layouts import LOCAL, TOTAL, Layout, Use, partial, split
 from rhino.jaxpr.pairs import PAIR_OPS
+from rhino.jaxpr.private import bind_params
 
 
 @dataclasses.dataclass
@@ -58,17 +60,25 @@ def total_rule(fe: Any, ins: list[Layout]) -> Outcome:
 
 def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
            m: int, zero: set[int], is_data: Callable[[Any], bool], pairs: bool = False,
-           spread: Callable[[Any], Collection[int]] = lambda x: ()) -> Outcome:
+           spread: Callable[[Any], Collection[int]] = lambda x: (),
+           constant: Callable[[Any], Collection[int]] = lambda x: (),
+           divisible: Callable[[Any, int], bool] = lambda x, k: False) -> Outcome:
     """An equation with a per-microbatch operand: its results' layouts and how it reads
     its operands, or the operands whose totals it needs. ``pairs``: an equation pairing
     the examples of the batch is computed per microbatch on its own pairs (``_pairs``);
-    ``spread(x)``: the dimensions operand ``x`` is constant along (a broadcast's)."""
+    ``spread(x)``: the dimensions along which operand ``x``'s diagonal blocks are what a
+    microbatch alone computes (``PairFacts.steady``); ``constant(x)``: the dimensions it
+    is constant along (a broadcast's), whose chunk is the same for every microbatch;
+    ``divisible(x, k)``: whether index operand ``x`` is a multiple of ``k``."""
     n_out = len(fe.outs)
     partials = [j for j, x in enumerate(ins) if x.kind == "partial"]
     splits = [j for j, x in enumerate(ins) if x.kind == "split"]
     name = prims.name(fe.eqn)
     if (name in prims.IDENTITY_LIKE and len(fe.ins) == n_out) or keeps_precision(fe.eqn):
         return Outcome(list(ins), {})            # values passed on as they are
+    nested = bodies.rule(fe.eqn, ins, m, lambda j: _is_zero(fe.ins[j], zero))
+    if nested is not None:
+        return nested
     if partials:
         if splits:
             return Outcome([], {}, needs_total=tuple(partials),
@@ -87,9 +97,29 @@ def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes:
                 return Outcome([partial("sum")] * n_out, {})
         return Outcome([], {}, needs_total=tuple(partials),
                         reason="a sum over the batch used non-linearly")
-    rules = factors(fe.eqn, ins_shapes, outs_shapes)
     if not splits:                                   # local (and whole) operands only
         return Outcome([LOCAL] * n_out, {})
+    if name == prims.RESHAPE and fe.eqn.params.get("dimensions") is None and \
+            ins[0].pair is None:
+        got = reshape_layout(ins_shapes[0], outs_shapes[0], ins[0], m)
+        if got is None:
+            return _unsupported(fe, ins, splits, f"reshape from {ins_shapes[0]} to "
+                                                 f"{outs_shapes[0]} moves the examples of "
+                                                 f"{ins[0]} apart")
+        params = bind_params(fe.eqn)
+        sizes = list(params["new_sizes"])
+        sizes[got.axis] //= m
+        params["new_sizes"] = tuple(sizes)
+        return Outcome([got], {}, params)
+    if name in (prims.SLICE, prims.DYNAMIC_SLICE) and ins[0].group and \
+            ins[0].axis is not None:
+        return _block_slice(fe, ins, ins_shapes, m, divisible)
+    groups = {ins[j].group for j in splits}
+    if len(groups) > 1:
+        return _unsupported(fe, ins, splits, f"{name} combines values of the batch split "
+                                             f"in different groups")
+    group = groups.pop()
+    rules = factors(fe.eqn, ins_shapes, outs_shapes)
     if rules is None:
         return _unsupported(fe, ins, splits, f"a per-example value enters {name}, which "
                                              f"cannot be cut into microbatches")
@@ -126,7 +156,9 @@ def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes:
         if ins_shapes[slot][d] != size:
             return _unsupported(fe, ins, splits, f"{name} reads a value along the batch "
                                                  f"at another size")
-        uses[slot] = Use("slice", d)          # a local value: its own chunk too
+        uses[slot] = Use("slice", d,          # a local value: its own chunk too
+                         steady=d in constant(fe.ins[slot]) and ins[slot].kind == "whole",
+                         group=group)
     res = {-1 - slot: d for slot, d in members if slot < 0}
     if reduce in ("sum", "max", "min") and not res:
         if reduce == "sum" and prims.name(fe.eqn) in prims.SCATTER_ADD and \
@@ -144,8 +176,106 @@ def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes:
             return _unsupported(fe, ins, splits, f"{name}'s result dimension "
                                                  f"{outs_shapes[k][res[k]]} is not divisible "
                                                  f"by {m} microbatches")
-        outs.append(split(res[k]))
+        outs.append(split(res[k], group=group))
+    if group and name == prims.GATHER:
+        return _unsupported(fe, ins, splits, "a gather from values of the batch split in "
+                                             "groups")
     return Outcome(outs, uses, _rewrite(fe.eqn, ins, ins_shapes, outs_shapes, res, m))
+
+
+def reshape_layout(old: tuple, new: tuple, lay: Layout, m: int) -> Layout | None:
+    """The layout of ``reshape(x, new)`` for ``x`` of shape ``old`` split as ``lay`` (a
+    dimension cut into ``m`` chunks, or into ``m`` chunks of each of ``group`` blocks), or
+    None where the microbatch's elements are no such cut of the result.
+
+    The dimensions a reshape rewrites in one piece (a run of old dimensions whose product
+    is a run of new ones) are read as one flat dimension: there a microbatch holds a chunk
+    of each of ``G`` blocks of ``B`` elements (``G`` = the product of the old dimensions
+    before the split one, times its groups). That is a cut of new dimension ``h`` in ``t``
+    groups where the new dimensions before ``h`` make ``G / t`` of the blocks and the rest
+    of each block runs along ``h``.
+
+    Example:
+        >>> str(reshape_layout((16, 8), (4, 4, 8), split(0, group=4), 4))
+        'split(1)'
+        >>> str(reshape_layout((4, 4, 8), (16, 8), split(1), 4))
+        'split(0 in 4 groups)'
+        >>> reshape_layout((16, 8), (4, 4, 8), split(0), 2) is None   # (4 chunks of 2 rows)
+        False
+    """
+    import math
+
+    d, g = lay.axis, lay.group or 1
+    if d is None or lay.pair is not None:
+        return None
+    # the run of old dims [a, c] holding d, and the new dims [p, q] with the same product
+    a = p = 0
+    while True:
+        c, q = a, p
+        po = old[a] if a < len(old) else 1
+        pn = new[p] if p < len(new) else 1
+        while po != pn:
+            if po < pn:
+                c += 1
+                if c >= len(old):
+                    return None
+                po *= old[c]
+            else:
+                q += 1
+                if q >= len(new):
+                    return None
+                pn *= new[q]
+        if c >= d:
+            break
+        a, p = c + 1, q + 1
+    if q >= len(new):
+        return None
+    n = old[d]
+    if n % (g * m):
+        return None
+    big = math.prod(old[a:d]) * g                        # blocks
+    block = (n // g) * math.prod(old[d + 1:c + 1])       # elements per block
+    chunk = block // m
+    for h in range(p, q + 1):
+        before, after = math.prod(new[p:h]), math.prod(new[h + 1:q + 1])
+        if big % before or new[h] % (big // before) or chunk % after:
+            continue
+        t = big // before
+        if block == (new[h] // t) * after and (new[h] // t) % m == 0:
+            return split(h, group=t)
+    return None
+
+
+def _block_slice(fe: Any, ins: list[Layout], ins_shapes: list[tuple], m: int,
+                 divisible: Callable[[Any, int], bool]) -> Outcome:
+    """A slice or dynamic slice of one block along a dimension split in groups (a loop
+    taking the batch's chunks one by one): each microbatch takes its chunk of the block,
+    at the block's offset divided by ``m``."""
+    name = prims.name(fe.eqn)
+    x = ins[0]
+    d, g = x.axis, x.group
+    n = ins_shapes[0][d]
+    block = n // g
+    p = bind_params(fe.eqn)
+    splits = [j for j, y in enumerate(ins) if y.kind == "split"]
+    why = (f"{name} of the batch split in {g} groups, along its examples, that is not one "
+           f"whole group")
+    if any(y.per_microbatch for y in ins[1:]):
+        return _unsupported(fe, ins, splits, why)
+    if name == prims.SLICE:
+        start, limit = p["start_indices"][d], p["limit_indices"][d]
+        strides = p["strides"] or (1,) * len(ins_shapes[0])
+        if limit - start != block or start % block or strides[d] != 1:
+            return _unsupported(fe, ins, splits, why)
+        p["start_indices"] = tuple(v // m if k == d else v
+                                   for k, v in enumerate(p["start_indices"]))
+        p["limit_indices"] = tuple((start + block) // m if k == d else v
+                                   for k, v in enumerate(p["limit_indices"]))
+        return Outcome([split(d)], {}, p)
+    if p["slice_sizes"][d] != block or not divisible(fe.ins[1 + d], block):
+        return _unsupported(fe, ins, splits, why)
+    p["slice_sizes"] = tuple(v // m if k == d else v for k, v in enumerate(p["slice_sizes"]))
+    return Outcome([split(d)], {1 + d: Use("divided")}, p)
 
 
 def _pairs(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],

@@ -75,6 +75,8 @@ from __future__ import annotations
 
 from typing import Any, Collection, Mapping, Sequence
 
+import numpy as np
+
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.factors import operand_shape
 from rhino.jaxpr.interpret import FlatProgram, Lit
@@ -96,7 +98,8 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
             per_microbatch_statistics: bool = False,
             per_microbatch: Collection[int] | None = None,
             batch_free_scope: str | None = None,
-            arg_layouts: Mapping[int, Layout] | None = None) -> MicrobatchLayout:
+            arg_layouts: Mapping[int, Layout] | None = None,
+            arg_zeros: Collection[int] = ()) -> MicrobatchLayout:
     """How every value of ``flat`` is computed over ``num_microbatches`` microbatches.
 
     A statistic of the batch that an equation uses non-linearly (a sum cast to a narrower
@@ -126,23 +129,141 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
             carry only to order its reads): they read partial values as their microbatch's
             own, and are no coupling.
         arg_layouts: the layouts of arguments other than the batch's ``split(0)`` and the
-            rest's ``whole`` (a nested body's operands: ``rhino.jaxpr.bodies``).
+            rest's ``whole`` (a nested body's operands: ``rhino.jaxpr.bodies``); default:
+            the batch arguments a loop takes in chunks split in groups
+            (``batch_groups``).
+        arg_zeros: arguments known to be zeros (a loop's carry on its first iteration).
     """
+    if arg_layouts is None:
+        arg_layouts = batch_groups(flat, batch_refs, num_microbatches)
     eager: set[int] = set()
     while True:
         lay, roots = _analyze(flat, batch_refs, num_microbatches, state_refs, post,
                               feeds_gradient, per_microbatch_statistics, per_microbatch,
-                              batch_free_scope, arg_layouts or {}, eager)
+                              batch_free_scope, arg_layouts or {}, set(arg_zeros), eager)
         if not per_microbatch_statistics or not roots - eager:
             return lay
         eager |= roots
+
+
+def batch_groups(flat: FlatProgram, batch_refs: Sequence[int], m: int) -> dict[int, Layout]:
+    """Batch arguments the step takes in ``k`` chunks (gradient accumulation written in the
+    step: the batch reshaped to ``(k, n / k, ...)`` and indexed chunk by chunk, or sliced
+    ``n / k`` examples at a time by a loop): split in ``k`` groups, so that each microbatch
+    holds its part of every chunk and each chunk's computation runs per microbatch. One
+    chunk size per argument, dividing into ``m`` parts; otherwise the argument keeps the
+    contiguous ``split(0)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from rhino.jaxpr.interpret import flatten
+        >>> def acc(w, x):      # two chunks of the batch, one after the other
+        ...     xs = x.reshape(2, 4, 3)
+        ...     return jnp.sum(jnp.tanh(xs[0] @ w)) + jnp.sum(jnp.tanh(xs[1] @ w))
+        >>> flat = flatten(jax.make_jaxpr(acc)(jnp.ones((3, 3)), jnp.ones((8, 3))))
+        >>> {r: str(x) for r, x in batch_groups(flat, [1], 4).items()}
+        {1: 'split(0 in 2 groups)'}
+    """
+    out: dict[int, Layout] = {}
+    for r in batch_refs:
+        shape = tuple(flat.avals[r].shape)
+        if not shape:
+            continue
+        ks = _chunk_counts(flat, r, shape[0])
+        if len(ks) == 1:
+            k = ks.pop()
+            if 1 < k < shape[0] and shape[0] % k == 0 and (shape[0] // k) % m == 0:
+                out[r] = split(0, group=k)
+    return out
+
+
+def _chunk_counts(flat: FlatProgram, ref: int, n: int) -> set[int]:
+    """How many chunks of its dimension 0 (of size ``n``) the program takes ``ref`` in,
+    looking through conversions, into reshapes indexed along their new first dimension,
+    and into the bodies of control flow it enters."""
+    from rhino.jaxpr.interpret import flatten
+
+    readers: dict[int, list[tuple[int, int]]] = {}
+    for i, fe in enumerate(flat.eqns):
+        for j, x in enumerate(fe.ins):
+            if isinstance(x, int):
+                readers.setdefault(x, []).append((i, j))
+    ks: set[int] = set()
+
+    def indexed(x: int) -> bool:
+        """Whether ``x`` is read one index of its dimension 0 at a time."""
+        for i, j in readers.get(x, ()):
+            fe = flat.eqns[i]
+            name = prims.name(fe.eqn)
+            shape = flat.avals[x].shape
+            if name == prims.SLICE and j == 0:
+                p = fe.eqn.params
+                if p["limit_indices"][0] - p["start_indices"][0] < shape[0]:
+                    return True
+            if name in (prims.DYNAMIC_SLICE, prims.GATHER) and j == 0:
+                return True
+        return False
+
+    def walk(x: int) -> None:
+        for i, j in readers.get(x, ()):
+            fe = flat.eqns[i]
+            name = prims.name(fe.eqn)
+            p = fe.eqn.params
+            out = fe.outs[0] if fe.outs else None
+            if name == prims.CONVERT and out is not None:
+                walk(out)
+            elif name == prims.RESHAPE and out is not None and j == 0:
+                new = tuple(flat.avals[out].shape)
+                old = tuple(flat.avals[x].shape)
+                if len(new) == len(old) + 1 and new[0] * new[1] == n and \
+                        new[2:] == old[1:] and indexed(out):
+                    ks.add(new[0])
+            elif name == prims.DYNAMIC_SLICE and j == 0:
+                c = p["slice_sizes"][0]
+                if c < n and n % c == 0:
+                    ks.add(n // c)
+            elif name == prims.SLICE and j == 0:
+                lo, hi = p["start_indices"][0], p["limit_indices"][0]
+                c = hi - lo
+                if 0 < c < n and n % c == 0 and lo % c == 0:
+                    ks.add(n // c)
+            else:
+                for closed, k in _body_args(fe.eqn, j):
+                    body = flatten(closed)
+                    ks.update(_chunk_counts(body, k, n))
+
+    walk(ref)
+    return ks
+
+
+def _body_args(eqn: Any, j: int) -> list[tuple[Any, int]]:
+    """The bodies of a control-flow equation that operand ``j`` enters, each with the
+    argument it becomes there."""
+    name = prims.name(eqn)
+    p = eqn.params
+    if name == prims.COND:
+        return [(b, j - 1) for b in p["branches"]] if j > 0 else []
+    if name == prims.WHILE:
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        out = []
+        if j < nc:
+            out.append((p["cond_jaxpr"], j))
+        elif j < nc + nb:
+            out.append((p["body_jaxpr"], j - nc))
+        else:
+            out += [(p["cond_jaxpr"], j - nb), (p["body_jaxpr"], j - nc)]
+        return out
+    if name == prims.SCAN:
+        nc, nk, _ = prims.scan_info(eqn)[:3]
+        return [(p["jaxpr"], j)] if j < nc + nk else []
+    return []
 
 
 def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
              state_refs: Collection[int] | None, post: Collection[int],
              feeds_gradient: Collection[int] | None, per_microbatch_statistics: bool,
              per_microbatch: Collection[int] | None, batch_free_scope: str | None,
-             arg_layouts: Mapping[int, Layout], eager: Collection[int]
+             arg_layouts: Mapping[int, Layout], arg_zeros: set[int], eager: Collection[int]
              ) -> tuple[MicrobatchLayout, set[int]]:
     """One pass of ``analyze``: ``eager`` are the equations that, needing the total of
     partial values, are estimated per microbatch (``per_microbatch_statistics``) or named
@@ -159,7 +280,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
         layout[r] = WHOLE
     dep_batch: set[int] = set(batch) | {r for r, x in layout.items() if x.per_microbatch}
     dep_state: set[int] = set(state)
-    zero: set[int] = set()
+    zero: set[int] = set(arg_zeros)
     producer: dict[int, int] = {}
     place: list[Place] = []
     uses: dict[tuple[int, int], Use] = {}
@@ -182,6 +303,24 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
     met: set[int] = set()
     facts = PairFacts(avals)
     steady = facts.steady
+
+    def divisible(x: Any, k: int, depth: int = 0) -> bool:
+        """Whether index operand ``x`` is a multiple of ``k``: a literal; a product with
+        one (an offset ``i * chunk``); sums, conversions and selects of such (``jnp``'s
+        wrapping of negative indices)."""
+        if isinstance(x, Lit):
+            return int(np.asarray(x.value)) % k == 0
+        fe = flat.eqns[producer[x]] if x in producer else None
+        if fe is None or depth > 8:
+            return False
+        name = prims.name(fe.eqn)
+        if name == prims.MUL:
+            return any(divisible(y, k, depth + 1) for y in fe.ins)
+        if name in (prims.CONVERT, "add", "sub"):
+            return all(divisible(y, k, depth + 1) for y in fe.ins)
+        if name == prims.SELECT_N:
+            return all(divisible(y, k, depth + 1) for y in fe.ins[1:])
+        return False
 
     def is_data(x: Any) -> bool:
         return isinstance(x, int) and x not in dep_state
@@ -226,7 +365,8 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                                               flat.source(fe), fe.path, None, False))
                 got = total_rule(fe, ins)
         else:
-            got = micro_rule(fe, ins, ins_shapes, outs_shapes, m, zero, is_data, pairs, steady)
+            got = micro_rule(fe, ins, ins_shapes, outs_shapes, m, zero, is_data, pairs, steady,
+                                  facts.spread_of, divisible)
             if got.needs_total:
                 data_ops = [j for j in got.needs_total if is_data(fe.ins[j])]
                 if data_ops:
@@ -237,7 +377,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                     got2 = (Outcome([WHOLE] * len(fe.outs), {}) if all(
                         x.kind == "whole" for x in ins2) else
                         micro_rule(fe, ins2, ins_shapes, outs_shapes, m, zero, is_data, pairs,
-                               steady))
+                                   steady, facts.spread_of, divisible))
                     if not got2.needs_total and not (pairs and any(
                             j in got2.uses for j in data_ops)):
                         # (a value of the batch alone read whole cannot also be read as
@@ -271,7 +411,8 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                         for j in got.needs_total:
                             ins3[j] = LOCAL
                         got3 = micro_rule(fe, ins3, ins_shapes, outs_shapes, m, zero, is_data,
-                                      pairs, steady)
+                                      pairs, steady,
+                                  facts.spread_of, divisible)
                         if not got3.needs_total:
                             for j in got.needs_total:
                                 u = got3.uses.get(j)

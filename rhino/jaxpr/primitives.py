@@ -207,6 +207,59 @@ def while_parts(eqn: Any) -> tuple[int, int, Any] | None:
     return p["cond_nconsts"], p["body_nconsts"], private.open_body(p["cond_jaxpr"])[0]
 
 
+def while_trips(eqn: Any) -> int | None:
+    """The number of iterations of a ``while`` equation that counts: a carry started from
+    a literal, stepped by a literal in the body and compared with a literal bound by
+    ``lt`` / ``le`` / ``gt`` / ``ge`` / ``ne`` in the condition (``fori_loop`` with a
+    bound known when traced but written as a loop); None for any other equation or loop.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: jax.lax.while_loop(
+        ...     lambda c: c[0] < 5, lambda c: (c[0] + 2, c[1] * 2), (0, x)))(1.0).eqns[0]
+        >>> while_trips(eqn)
+        3
+    """
+    parts = while_parts(eqn)
+    if parts is None:
+        return None
+    nc, nb, cond = parts
+    body = private.open_body(eqn.params["body_jaxpr"])[0]
+    if len(cond.eqns) != 1 or len(cond.outvars) != 1:
+        return None
+    test = cond.eqns[0]
+    ops = {"lt": lambda i, n: i < n, "le": lambda i, n: i <= n, "gt": lambda i, n: i > n,
+           "ge": lambda i, n: i >= n, "ne": lambda i, n: i != n}
+    if test.primitive.name not in ops or test.outvars[0] is not cond.outvars[0]:
+        return None
+    a, b = test.invars
+    carry_in = cond.invars[nc:]
+    if private.is_literal(a) or a not in carry_in or not private.is_literal(b):
+        return None
+    k = carry_in.index(a)
+    start = eqn.invars[nc + nb + k]
+    if not private.is_literal(start):
+        return None
+    out = body.outvars[k]
+    step_eqn = next((e for e in body.eqns if out in e.outvars), None)
+    if step_eqn is None or step_eqn.primitive.name not in ("add", "sub"):
+        return None
+    x, y = step_eqn.invars
+    if x is not body.invars[nb + k] or not private.is_literal(y):
+        return None
+    i, n = int(start.val), int(b.val)
+    step = int(y.val) if step_eqn.primitive.name == "add" else -int(y.val)
+    if step == 0:
+        return None
+    trips, test_of = 0, ops[test.primitive.name]
+    while test_of(i, n):
+        trips += 1
+        i += step
+        if trips > 1 << 20:
+            return None
+    return trips
+
+
 def reduction_axes(eqn: Any) -> tuple[int, ...]:
     """The axes a reduction (``REDUCTIONS``, ``ARG_REDUCTIONS``) reduces over."""
     p = eqn.params
