@@ -24,6 +24,8 @@ inside it). Its results take the body's layouts:
 ``custom_partitioning``  its body (``call``) under the operands' layouts; bound again
                      with that body traced at microbatch shapes (its partitioner traces
                      its own function at the shapes it is given)
+``custom_linear_solve``  its ``solve`` function (what it computes; the rest serves its
+                     derivatives, taken already), run per microbatch
 ===================  ===================================================================
 
 Per microbatch the equation runs its bodies per microbatch (``Nested.bind``): a ``cond``
@@ -55,7 +57,16 @@ from rhino.jaxpr.mb_eval import bind_micro, chunk, read_operand
 from rhino.jaxpr.private import bind, bind_params, eqn_context
 
 CUSTOM_PARTITIONING = "custom_partitioning"
-NAMES = frozenset({prims.COND, prims.WHILE, prims.SCAN, CUSTOM_PARTITIONING})
+LINEAR_SOLVE = "custom_linear_solve"
+NAMES = frozenset({prims.COND, prims.WHILE, prims.SCAN, CUSTOM_PARTITIONING, LINEAR_SOLVE})
+
+
+def _solve_operands(eqn: Any) -> tuple[int, int, int]:
+    """``custom_linear_solve``'s operands: ``(first solve constant, solve constants, first
+    right-hand side)``; its value is its ``solve`` function on those (the others serve
+    its derivatives)."""
+    c = eqn.params["const_lengths"]
+    return c.matvec + c.vecmat, c.solve, c.matvec + c.vecmat + c.solve + c.transpose_solve
 
 
 class Refused(Exception):
@@ -81,8 +92,8 @@ class Body:
     def reads_mb(self) -> bool:
         """Whether running it needs the microbatch's index (it chunks a whole value)."""
         lay = self.layout
-        return any(u.kind == "local" or (u.kind == "slice" and not u.steady)
-                   for u in lay.uses.values()) or \
+        return any(u.kind == "local" or (u.kind == "slice" and not u.steady) or
+                   u.rebase is not None for u in lay.uses.values()) or \
             any(a != b for a, b in zip(self.outs, self.want)) or \
             any(n.reads_mb for n in lay.bodies.values())
 
@@ -174,9 +185,11 @@ class Nested:
     """How a per-microbatch equation runs its bodies (``MicrobatchLayout.bodies``).
 
     Attributes:
-        kind: ``cond``, ``while``, ``scan`` or ``call`` (a custom call's body).
-        bodies: cond: its branches; while: (condition, body); scan and call: (body,).
-        counts: while: (condition constants, body constants); scan: (constants, carry).
+        kind: ``cond``, ``while``, ``scan``, ``call`` (a custom call's body) or ``solve``
+            (``custom_linear_solve``: its ``solve`` function).
+        bodies: cond: its branches; while: (condition, body); the others: (body,).
+        counts: while: (condition constants, body constants); scan: (constants, carry);
+            solve: ``_solve_operands``.
     """
 
     kind: str
@@ -197,6 +210,9 @@ class Nested:
             params = bind_params(eqn)
             params["call"] = jax.make_jaxpr(lambda *a: body.run(a, None, m))(*avals)
             return bind(eqn, vals, params)
+        if self.kind == "solve":
+            a, n, b = self.counts
+            return self.bodies[0].run([*vals[a:a + n], *vals[b:]], mb, m)
         if self.kind == "cond":
             branches = [lambda *a, b=b: b.run(a, mb, m) for b in self.bodies]
             return list(jax.lax.switch(vals[0], branches, *vals[1:]))
@@ -244,6 +260,10 @@ def rule(eqn: Any, ins: Sequence[Layout], m: int, is_zero: Callable[[int], bool]
                 if body.reads_mb:
                     raise Refused("its body reads positions of the whole batch")
                 return Outcome(list(body.outs), {}, nested=Nested("call", (body,)))
+            if name == LINEAR_SOLVE:
+                a, n, b = _solve_operands(eqn)
+                body = analyze_body(eqn.params["jaxprs"].solve, [*ins[a:a + n], *ins[b:]], m)
+                return Outcome(list(body.outs), {}, nested=Nested("solve", (body,), (a, n, b)))
             if name == prims.COND:
                 return _cond(eqn, ins, m, Outcome)
             if name == prims.WHILE:

@@ -71,13 +71,17 @@ class Use:
     along ``axis``; ``local``: a partial value as the microbatch's own estimate of the
     total (``m`` times its term; ``per_microbatch_statistics`` only). ``group``: the
     chunk of each of that many blocks (``Layout.group``). ``steady``: a slice of a value
-    constant along ``axis`` (a broadcast): every microbatch's chunk is the first."""
+    constant along ``axis`` (a broadcast): every microbatch's chunk is the first.
+    ``rebase``: ``(coordinate, chunk)`` of an index array (read as it is, ``rebase``, or
+    sliced) whose coordinate holds positions along the batch: the microbatch's offset
+    ``mb * chunk`` is taken off it, making them positions in the microbatch."""
 
     kind: str
     axis: int | None = None
     pair: int | None = None
     group: int | None = None
     steady: bool = False
+    rebase: tuple[int, int] | None = None
 
 
 class Place(str, enum.Enum):

@@ -64,13 +64,26 @@ def read_operand(layout: MicrobatchLayout, i: int, j: int, x: Any, own: Mapping,
     (``Use``): ``own`` holds the microbatch's values, ``whole`` values computed whole (a
     ref may be in both: a batch argument sliced by some equations and read whole by
     others)."""
+    v = _read(layout, i, j, x, own, whole, mb)
+    use = layout.use(i, j)
+    if use is not None and use.rebase is not None:
+        import jax.numpy as jnp
+
+        k, size = use.rebase
+        shift = jnp.zeros(v.shape[-1], v.dtype).at[k].set(mb * size)
+        v = v - shift
+    return v
+
+
+def _read(layout: MicrobatchLayout, i: int, j: int, x: Any, own: Mapping, whole: Mapping,
+          mb: Any) -> Any:
     use = layout.use(i, j)
     m = layout.num_microbatches
     if isinstance(x, Lit):
         if use is not None and use.kind == "divided":
             return x.value // m
         return x.value
-    if use is None:
+    if use is None or use.kind == "rebase":
         if x in own:
             return own[x]
         lay = layout.layout[x]

@@ -13,7 +13,8 @@ import numpy as np
 
 from rhino.jaxpr import bodies
 from rhino.jaxpr import primitives as prims
-from rhino.jaxpr.factors import (ORDER_PRESERVING, factors, keeps_precision, linear_groups)
+from rhino.jaxpr.factors import (ORDER_PRESERVING, addressed_by_position, factors,
+                                 keeps_precision, linear_groups)
 from rhino.jaxpr.interpret import Lit
 from rhino.jaxpr.layouts import LOCAL, TOTAL, Layout, Use, partial, split
 from rhino.jaxpr.pairs import PAIR_OPS
@@ -58,18 +59,38 @@ def total_rule(fe: Any, ins: list[Layout]) -> Outcome:
     return Outcome([TOTAL] * len(fe.outs), uses)
 
 
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What the analysis knows of a program's values that the rules ask about.
+
+    Attributes:
+        zero: refs that are zeros.
+        is_data: whether a ref is computed from the batch alone (no training state).
+        spread: the dimensions along which a value's diagonal blocks are what a microbatch
+            alone computes (``PairFacts.steady``).
+        constant: the dimensions a value is constant along (a broadcast's): its chunk is
+            the same for every microbatch.
+        divisible: whether an index operand is a multiple of ``k``.
+        positions: for an index array whose last dimension lists the coordinates, the
+            coordinates that are the index along one of its dimensions (``arange(n)`` in
+            ``x[arange(n), labels]``): component -> that dimension.
+    """
+
+    zero: Collection[int] = frozenset()
+    is_data: Callable[[Any], bool] = lambda x: False
+    spread: Callable[[Any], Collection[int]] = lambda x: ()
+    constant: Callable[[Any], Collection[int]] = lambda x: ()
+    divisible: Callable[[Any, int], bool] = lambda x, k: False
+    positions: Callable[[Any], Mapping[int, int]] = lambda x: {}
+
+
 def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
-           m: int, zero: set[int], is_data: Callable[[Any], bool], pairs: bool = False,
-           spread: Callable[[Any], Collection[int]] = lambda x: (),
-           constant: Callable[[Any], Collection[int]] = lambda x: (),
-           divisible: Callable[[Any, int], bool] = lambda x, k: False) -> Outcome:
+               m: int, facts: Facts, pairs: bool = False) -> Outcome:
     """An equation with a per-microbatch operand: its results' layouts and how it reads
     its operands, or the operands whose totals it needs. ``pairs``: an equation pairing
-    the examples of the batch is computed per microbatch on its own pairs (``_pairs``);
-    ``spread(x)``: the dimensions along which operand ``x``'s diagonal blocks are what a
-    microbatch alone computes (``PairFacts.steady``); ``constant(x)``: the dimensions it
-    is constant along (a broadcast's), whose chunk is the same for every microbatch;
-    ``divisible(x, k)``: whether index operand ``x`` is a multiple of ``k``."""
+    the examples of the batch is computed per microbatch on its own pairs (``_pairs``)."""
+    zero, spread, constant, divisible = facts.zero, facts.spread, facts.constant, \
+        facts.divisible
     n_out = len(fe.outs)
     partials = [j for j, x in enumerate(ins) if x.kind == "partial"]
     splits = [j for j, x in enumerate(ins) if x.kind == "split"]
@@ -99,9 +120,14 @@ def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes:
                         reason="a sum over the batch used non-linearly")
     if not splits:                                   # local (and whole) operands only
         return Outcome([LOCAL] * n_out, {})
-    if name == prims.RESHAPE and fe.eqn.params.get("dimensions") is None and \
-            ins[0].pair is None:
-        got = reshape_layout(ins_shapes[0], outs_shapes[0], ins[0], m)
+    if name == prims.RESHAPE and ins[0].pair is None:
+        got = None
+        old, lay0 = ins_shapes[0], ins[0]
+        dims = fe.eqn.params.get("dimensions")
+        if dims is not None and lay0.kind == "split":    # a transpose, then the reshape
+            old = tuple(old[d] for d in dims)
+            lay0 = dataclasses.replace(lay0, axis=list(dims).index(lay0.axis))
+        got = reshape_layout(old, outs_shapes[0], lay0, m)
         if got is None:
             return _unsupported(fe, ins, splits, f"reshape from {ins_shapes[0]} to "
                                                  f"{outs_shapes[0]} moves the examples of "
@@ -114,12 +140,17 @@ def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes:
     if name in (prims.SLICE, prims.DYNAMIC_SLICE) and ins[0].group and \
             ins[0].axis is not None:
         return _block_slice(fe, ins, ins_shapes, m, divisible)
+    along = _along_split(fe, ins, ins_shapes, outs_shapes, m)
+    if along is not None:
+        return along
     groups = {ins[j].group for j in splits}
     if len(groups) > 1:
         return _unsupported(fe, ins, splits, f"{name} combines values of the batch split "
                                              f"in different groups")
     group = groups.pop()
-    rules = factors(fe.eqn, ins_shapes, outs_shapes)
+    index_at = facts.positions(fe.ins[1]) if name in prims.INDEXING and len(fe.ins) > 1 \
+        else {}
+    rules = factors(fe.eqn, ins_shapes, outs_shapes, index_at)
     if rules is None:
         return _unsupported(fe, ins, splits, f"a per-example value enters {name}, which "
                                              f"cannot be cut into microbatches")
@@ -159,6 +190,14 @@ def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes:
         uses[slot] = Use("slice", d,          # a local value: its own chunk too
                          steady=d in constant(fe.ins[slot]) and ins[slot].kind == "whole",
                          group=group)
+    # An index coordinate that is the position along the batch addresses the operand's
+    # split dimension: each microbatch's positions are made its own (less its offset).
+    by_position = addressed_by_position(fe.eqn, ins_shapes, index_at)
+    for od, (j, k) in by_position.items():
+        if (0, od) in members and (1, j) in members:
+            u = uses.get(1)
+            uses[1] = dataclasses.replace(u or Use("rebase"),
+                                          rebase=(k, ins_shapes[0][od] // m))
     res = {-1 - slot: d for slot, d in members if slot < 0}
     if reduce in ("sum", "max", "min") and not res:
         if reduce == "sum" and prims.name(fe.eqn) in prims.SCATTER_ADD and \
@@ -243,6 +282,50 @@ def reshape_layout(old: tuple, new: tuple, lay: Layout, m: int) -> Layout | None
         t = big // before
         if block == (new[h] // t) * after and (new[h] // t) % m == 0:
             return split(h, group=t)
+    return None
+
+
+def _along_split(fe: Any, ins: list[Layout], ins_shapes: list[tuple],
+                 outs_shapes: list[tuple], m: int) -> Outcome | None:
+    """Two ways of taking examples along the split dimension that keep every microbatch's
+    examples its own: a concatenation of equally many examples from each operand (its
+    result split in as many groups: each microbatch holds its chunk of each part, data
+    augmentation by concatenated copies) and a strided slice whose stride divides a
+    microbatch's chunk (each takes every ``k``-th of its own). None for anything else."""
+    name = prims.name(fe.eqn)
+    p = fe.eqn.params
+    x = ins[0]
+    if x.kind != "split" or x.pair is not None:
+        return None
+    d = x.axis
+    if name == prims.CONCATENATE and int(p["dimension"]) == d:
+        if any(y != x for y in ins) or len({s[d] for s in ins_shapes}) != 1:
+            return None
+        return Outcome([split(d, group=len(ins) * (x.group or 1))], {})
+    if name == prims.SPLIT and int(p["axis"]) == d:        # its inverse
+        k = len(fe.outs)
+        if not x.group or x.group % k or len(set(p["sizes"])) != 1:
+            return None
+        params = bind_params(fe.eqn)
+        params["sizes"] = tuple(n // m for n in p["sizes"])
+        return Outcome([split(d, group=x.group // k)] * k, {}, params)
+    if name == prims.PAD and x.group is None:      # a strided slice's transpose
+        lo, hi, inner = p["padding_config"][d]
+        n, step = ins_shapes[0][d], inner + 1
+        if inner and 0 <= lo < step and hi == step - 1 - lo and (n // m) * m == n and \
+                all(c == (0, 0, 0) for k, c in enumerate(p["padding_config"]) if k != d):
+            return Outcome([split(d)], {})
+    if name == prims.SLICE and x.group is None and len(fe.ins) == 1:
+        start, limit = p["start_indices"][d], p["limit_indices"][d]
+        stride = (p["strides"] or (1,) * len(ins_shapes[0]))[d]
+        n = ins_shapes[0][d]
+        chunk = n // m
+        if stride > 1 and start < stride and limit == n and n % stride == 0 and \
+                chunk % stride == 0:
+            params = bind_params(fe.eqn)
+            params["limit_indices"] = tuple(chunk if k == d else v
+                                            for k, v in enumerate(p["limit_indices"]))
+            return Outcome([split(d)], {}, params)
     return None
 
 
@@ -396,8 +479,9 @@ def _rewrite(eqn: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: 
     split_in = next((j, x.axis) for j, x in enumerate(ins) if x.kind == "split")
     if name == prims.GATHER:
         j, d = split_in
-        if j == 0 and d not in (getattr(params["dimension_numbers"], "operand_batching_dims",
-                                        ()) or ()):
+        if j == 0 and params["slice_sizes"][d] == ins_shapes[0][d] and \
+                d not in (getattr(params["dimension_numbers"], "operand_batching_dims", ())
+                          or ()):                  # a window along the split dimension
             sizes = list(params["slice_sizes"])
             sizes[d] //= m
             params["slice_sizes"] = tuple(sizes)

@@ -82,7 +82,7 @@ from rhino.jaxpr.factors import operand_shape
 from rhino.jaxpr.interpret import FlatProgram, Lit
 from rhino.jaxpr.layouts import (LOCAL, TOTAL, WHOLE, Coupling, Layout, MicrobatchError,
                                  MicrobatchLayout, Place, Use, partial, split)
-from rhino.jaxpr.mb_rules import Outcome, makes_zero, micro_rule, total_rule
+from rhino.jaxpr.mb_rules import Facts, Outcome, makes_zero, micro_rule, total_rule
 from rhino.jaxpr.pairs import PairFacts
 from rhino.jaxpr.private import name_stack_text
 
@@ -259,6 +259,70 @@ def _body_args(eqn: Any, j: int) -> list[tuple[Any, int]]:
     return []
 
 
+class IndexFacts:
+    """Index arrays computed from ``iota`` alone whose values are positions along one of
+    their dimensions (``arange(n)``, broadcast, converted, with ``jnp``'s wrapping of
+    negative indices), and index arrays whose last dimension lists coordinates some of
+    which are such positions (``x[arange(n), labels]``'s ``concatenate``)."""
+
+    def __init__(self, flat: FlatProgram):
+        self.flat = flat
+        self.pos: dict[int, int] = {}                 # ref -> the dimension it counts
+        self.comps: dict[int, dict[int, int]] = {}    # ref -> {coordinate: dimension}
+        self.producer: dict[int, Any] = {}
+
+    def components(self, x: Any) -> Mapping[int, int]:
+        return self.comps.get(x, {}) if isinstance(x, int) else {}
+
+    def update(self, fe: Any) -> None:
+        name = prims.name(fe.eqn)
+        out = fe.outs[0] if len(fe.outs) == 1 else None
+        if out is None:
+            return
+        self.producer[out] = fe
+        ins = fe.ins
+        first = ins[0] if ins else None
+        p = fe.eqn.params
+        pos = self.pos.get(first) if isinstance(first, int) else None
+        if name == prims.IOTA:
+            self.pos[out] = int(p["dimension"])
+        elif name == prims.CONVERT and pos is not None:
+            self.pos[out] = pos
+        elif name == prims.BROADCAST and pos is not None:
+            self.pos[out] = int(p["broadcast_dimensions"][pos])
+        elif name == prims.RESHAPE and pos is not None and p.get("dimensions") is None:
+            old = self.flat.avals[first].shape
+            new = self.flat.avals[out].shape
+            kept = [d for d, n in enumerate(new) if n != 1]
+            if [n for n in old if n != 1] == [new[d] for d in kept] and old[pos] != 1:
+                self.pos[out] = kept[[d for d, n in enumerate(old) if n != 1].index(pos)]
+        elif name == prims.SELECT_N and len(ins) == 3 and isinstance(ins[1], int) and \
+                ins[1] in self.pos and self._wraps(ins[0], ins[1], ins[2]):
+            self.pos[out] = self.pos[ins[1]]
+        elif name == prims.CONCATENATE:
+            rank = len(self.flat.avals[out].shape)
+            if int(p["dimension"]) != rank - 1:
+                return
+            comps, k = {}, 0
+            for x in ins:
+                if isinstance(x, int) and x in self.pos and self.pos[x] != rank - 1:
+                    comps[k] = self.pos[x]
+                k += self.flat.avals[x].shape[-1] if isinstance(x, int) else 1
+            if comps:
+                self.comps[out] = comps
+        if out in self.pos and self.flat.avals[out].shape and \
+                self.flat.avals[out].shape[-1] == 1 and self.pos[out] != \
+                len(self.flat.avals[out].shape) - 1:
+            self.comps[out] = {0: self.pos[out]}
+
+    def _wraps(self, pred: Any, x: int, wrapped: Any) -> bool:
+        """``select_n(x < 0, x, x + n)``: ``x`` itself for positions (never negative)."""
+        a = self.producer.get(pred) if isinstance(pred, int) else None
+        b = self.producer.get(wrapped) if isinstance(wrapped, int) else None
+        return a is not None and b is not None and prims.name(a.eqn) == "lt" and \
+            a.ins[0] == x and prims.name(b.eqn) == "add" and b.ins[0] == x
+
+
 def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
              state_refs: Collection[int] | None, post: Collection[int],
              feeds_gradient: Collection[int] | None, per_microbatch_statistics: bool,
@@ -328,6 +392,8 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
     def lay(x: Any) -> Layout:
         return WHOLE if isinstance(x, Lit) else layout[x]
 
+    index = IndexFacts(flat)
+    known = Facts(zero, is_data, steady, facts.spread_of, divisible, index.components)
     for i, fe in enumerate(flat.eqns):
         refs = [x for x in fe.ins if isinstance(x, int)]
         bdep = any(r in dep_batch for r in refs)
@@ -365,8 +431,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                                               flat.source(fe), fe.path, None, False))
                 got = total_rule(fe, ins)
         else:
-            got = micro_rule(fe, ins, ins_shapes, outs_shapes, m, zero, is_data, pairs, steady,
-                                  facts.spread_of, divisible)
+            got = micro_rule(fe, ins, ins_shapes, outs_shapes, m, known, pairs)
             if got.needs_total:
                 data_ops = [j for j in got.needs_total if is_data(fe.ins[j])]
                 if data_ops:
@@ -376,8 +441,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                         ins2[j] = WHOLE
                     got2 = (Outcome([WHOLE] * len(fe.outs), {}) if all(
                         x.kind == "whole" for x in ins2) else
-                        micro_rule(fe, ins2, ins_shapes, outs_shapes, m, zero, is_data, pairs,
-                                   steady, facts.spread_of, divisible))
+                        micro_rule(fe, ins2, ins_shapes, outs_shapes, m, known, pairs))
                     if not got2.needs_total and not (pairs and any(
                             j in got2.uses for j in data_ops)):
                         # (a value of the batch alone read whole cannot also be read as
@@ -410,9 +474,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                         ins3 = list(ins)
                         for j in got.needs_total:
                             ins3[j] = LOCAL
-                        got3 = micro_rule(fe, ins3, ins_shapes, outs_shapes, m, zero, is_data,
-                                      pairs, steady,
-                                  facts.spread_of, divisible)
+                        got3 = micro_rule(fe, ins3, ins_shapes, outs_shapes, m, known, pairs)
                         if not got3.needs_total:
                             for j in got.needs_total:
                                 u = got3.uses.get(j)
@@ -443,6 +505,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                 "pairs counts the whole batch's; each microbatch holds only its own)",
                 name, flat.source(fe), fe.path, None, False))
         facts.update(fe, ins_shapes, outs_shapes, got.block_sum, not bdep and not sdep)
+        index.update(fe)
         for j, u in got.uses.items():
             uses[(i, j)] = u
         if got.params is not None:

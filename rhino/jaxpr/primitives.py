@@ -28,7 +28,9 @@ from rhino.jaxpr import private
 CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
          "core_call": "call_jaxpr"}
 CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-          "custom_vjp_call_jaxpr": "fun_jaxpr"}
+          "custom_vjp_call_jaxpr": "fun_jaxpr",
+          # a function with a custom batching rule, a named decomposition: their bodies
+          "custom_vmap_call": "call", "composite": "jaxpr"}
 REMAT = {"remat": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
 HI = "call_hi_primitive"
 SCAN, COND, WHILE = "scan", "cond", "while"
@@ -42,7 +44,10 @@ VERSION_DEPENDENT = frozenset({"pjit", "remat", "checkpoint", "core_call", "clos
                                "reciprocal", "square", "split", "erf_inv", "sharding_constraint",
                                "mesh_cast", "reshard", "pvary", "cumlogsumexp",
                                "expand_dims", "custom_call", "scatter_add", "scatter_mul",
-                               "scatter_min", "scatter_max", "scatter_sub"})
+                               "scatter_min", "scatter_max", "scatter_sub", "eq_to",
+                               "le_to", "lt_to", "stage", "stack", "unstack", "tile",
+                               "random_gamma_grad", "geqp3", "cholesky_update",
+                               "symmetric_product", "composite", "custom_vmap_call"})
 
 # One result per element from the elements at the same position of every operand (rank-0
 # operands broadcast): slicing the operands slices the result.
@@ -57,11 +62,21 @@ ELEMENTWISE = frozenset({
     "is_finite", "atan2", "clamp", "nextafter", "reciprocal", "real", "imag", "conj",
     "complex", "shift_left", "shift_right_arithmetic", "shift_right_logical",
     "population_count", "clz", "reduce_precision", "stop_gradient", "one_minus_square",
-    "mulhi"})
+    "mulhi", "eq_to", "le_to", "lt_to", "regularized_incomplete_beta",
+    "random_gamma_grad"})
 # Elementwise too, but not arithmetic: values passed on unchanged (a sharding, a name, a
 # barrier), and the counter-based random functions over key data.
 IDENTITY_LIKE = frozenset({"device_put", "sharding_constraint", "mesh_cast", "reshard",
-                           "pvary", "name", OPTIMIZATION_BARRIER})
+                           "pvary", "name", OPTIMIZATION_BARRIER, "stage"})
+# Batched linear algebra: every dimension before the last ``core`` ones of the first
+# operand is a batch dimension of every operand and result (one problem per index).
+LINALG_CORE = {"cholesky": 2, "cholesky_update": 2, "eig": 2, "eigh": 2, "svd": 2,
+               "qr": 2, "geqrf": 2, "geqp3": 2, "householder_product": 2, "ormqr": 2,
+               "lu": 2, "lu_pivots_to_permutation": 1, "triangular_solve": 2, "schur": 2,
+               "hessenberg": 2, "tridiagonal": 2, "tridiagonal_solve": 1,
+               "symmetric_product": 2, "fft": None}
+STACK, UNSTACK, TILE, REDUCE, APPROX_TOP_K = "stack", "unstack", "tile", "reduce", \
+    "approx_top_k"
 RNG_ELEMENTWISE = frozenset({"threefry2x32", "random_fold_in"})
 # Elementwise and linear in their floating operands (a sum of per-part results is the
 # result of the sum): what a partial sum may pass through unreduced.
@@ -292,6 +307,7 @@ def all_names() -> frozenset[str]:
     names = set(CALLS) | set(CUSTOM) | set(REMAT) | {HI, SCAN, COND, WHILE}
     names |= ELEMENTWISE | IDENTITY_LIKE | RNG_ELEMENTWISE | LINEAR_ELEMENTWISE | set(REDUCTIONS) | ARG_REDUCTIONS | CUMULATIVE
     names |= RNG_SHAPED | LINEAR_UNARY | SUMS | {RANDOM_WRAP, RANDOM_UNWRAP} | HEAVY | SCATTERS | REDUCE_WINDOWS
+    names |= set(LINALG_CORE) | {STACK, UNSTACK, TILE, REDUCE, APPROX_TOP_K}
     names |= {DOT, CONV, BROADCAST, RESHAPE, TRANSPOSE, SQUEEZE, CONVERT, IOTA, SLICE,
               DYNAMIC_SLICE, DYNAMIC_UPDATE_SLICE, CONCATENATE, PAD, REV, SPLIT, GATHER, SORT,
               TOP_K, SELECT_N, MUL, DIV, INTEGER_POW, SUB, OPTIMIZATION_BARRIER,

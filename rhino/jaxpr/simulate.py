@@ -18,12 +18,18 @@ from rhino.jaxpr.microbatch import MicrobatchError, MicrobatchLayout, Place
 
 
 def _combine(op: str, parts: list) -> Any:
+    """The parts of a partial value combined as the stage programs accumulate them (sums
+    of lower-precision floats in float32, returned to their own type)."""
     import jax.numpy as jnp
 
+    if op == "sum":
+        dt = jnp.result_type(parts[0])
+        wide = jnp.issubdtype(dt, jnp.floating) and jnp.finfo(dt).bits < 32
+        out = sum(x.astype(jnp.float32) if wide else x for x in parts)
+        return out.astype(dt)
     out = parts[0]
     for x in parts[1:]:
-        out = out + x if op == "sum" else jnp.maximum(out, x) if op == "max" \
-            else jnp.minimum(out, x)
+        out = jnp.maximum(out, x) if op == "max" else jnp.minimum(out, x)
     return out
 
 
