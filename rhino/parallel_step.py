@@ -260,7 +260,9 @@ class ParallelStep:
         self.plans_built = 0
         self._last: _Entry | None = None
         self._direct: Any = None      # the last signature's executable, when it is direct
-        functools.update_wrapper(self, fn)
+        # Name, docstring and __wrapped__ only: the wrapped object's own attributes (an
+        # eqx.filter_jit wrapper has `fn`) must not replace this step's.
+        functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any) -> Any:
         # Fastest path: the last signature's executable called as it is. It checks the
