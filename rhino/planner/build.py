@@ -314,7 +314,9 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
     by_rest: dict[str, list[int]] = {}
     by_pos: dict[tuple[int, str], list[int]] = {}
     by_arg: dict[str, dict[str, int]] = {}
-    positions: dict[str, int] = {}
+    # The k-th argument by the function's own order (an argument without leaves, such as
+    # SGD's empty state, still counts), else by the order the parameters name them.
+    positions: dict[str, int] = {n: k for k, n in enumerate(graph.arg_names)}
     for p in graph.params:
         arg = graph.ops[p].arg
         m = _HEAD.match(arg.path) if arg is not None else None
