@@ -617,3 +617,33 @@ def test_stage_plans_split_only_what_a_microbatch_divides():
             if p.path.startswith("batch"):
                 d0 = p.spec.dims[0]
                 assert not d0.axes or 2 % st.spmd.mesh.group_size(d0.axes) == 0, p
+
+
+def test_nnx_objects_in_containers_shared_and_beside_arrays():
+    """NNX objects anywhere in the arguments, as ``nnx.jit`` takes them: a tuple of
+    model and optimizer, the same model again in a dict beside an array, a Python-float
+    learning-rate scale; the model is updated once (it is one object), as nnx.jit does."""
+    from flax import nnx
+
+    def make():
+        model = nnx.Linear(16, 10, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step(pair, extra, x, y, scale):
+        model, optimizer = pair
+        def loss_fn(m):
+            return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(extra["model"])
+        optimizer.update(model, jax.tree.map(lambda g: g * scale, grads))
+        return loss + 0.0 * extra["bias"].sum()
+
+    x, y = _xy()
+    (m1, o1), (m2, o2) = make(), make()
+    ref, par = nnx.jit(step), rhino.auto_parallel(step, mesh_shape=(2,))
+    for _ in range(3):
+        want = ref((m1, o1), {"model": m1, "bias": jnp.ones(3)}, x, y, 0.5)
+        got = par((m2, o2), {"model": m2, "bias": jnp.ones(3)}, x, y, 0.5)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert par.plans_built == 1
+    for a, b in zip(jax.tree.leaves(nnx.state((m1, o1))), jax.tree.leaves(nnx.state((m2, o2)))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)

@@ -384,6 +384,56 @@ def test_nnx_gemma_example_step_with_rngs_and_metrics(run, dtype):
             assert far.mean() <= 0.01 and np.abs(b - a).max() <= 3 * 1e-2 * 3, (a, b)
 
 
+@pytest.mark.parametrize("run", ["pipeline", "spmd"])
+def test_nnx_objects_passed_straight_in_are_updated_as_nnx_jit_does(run):
+    """The ``nnx.jit`` idiom (issue 48): the step takes the module, optimizer, rngs and
+    metrics themselves, mutates them and returns nothing. It used to train nothing without
+    a word under SPMD (the loss stayed where it was) and be refused when pipelined; the
+    objects are now updated in place, equal to ``nnx.jit``."""
+    from flax import nnx
+
+    def train_step(model, optimizer, rngs, batch, train_metrics):
+        def loss_fn(model, rngs):
+            logits = model(batch["inputs"], rngs=rngs).astype(jnp.float32)
+            per_example = optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["targets"]).mean(axis=-1)
+            return per_example.mean(), per_example
+
+        (_, per_example), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+            model, rngs.fork())
+        optimizer.update(model, grads)
+        train_metrics.update(loss=per_example)
+
+    vocab, ours = _nnx_lm(jnp.float32)
+    _, theirs = _nnx_lm(jnp.float32)
+    t = jax.random.randint(jax.random.key(1), (B, 9), 0, vocab)
+    batch = {"inputs": t[:, :-1], "targets": t[:, 1:]}
+    ref = nnx.jit(train_step)
+    step = rhino.auto_parallel(train_step, **(PIPE if run == "pipeline" else
+                                              dict(mesh_shape=(8,))))
+    losses = []
+    try:
+        for _ in range(3):
+            assert ref(*theirs[:3], batch, theirs[3]) is None
+            assert step(*ours[:3], batch, ours[3]) is None
+            got = jax.device_get(nnx.state(ours[3]))["loss"]
+            losses.append(float(got["total"].get_value() / got["count"].get_value()))
+            np.testing.assert_allclose(losses[-1], float(theirs[3].compute()["loss"]),
+                                       rtol=1e-5)
+        plan = step.plan_for(*ours[:3], batch, ours[3])
+        assert plan.num_stages == (2 if run == "pipeline" else 1)
+    finally:
+        step.close()
+    assert losses[2] < losses[0]
+    assert int(ours[1].step.get_value()) == 3
+    for a, b in zip(jax.tree.leaves(nnx.state(theirs)),
+                    jax.tree.leaves(jax.device_get(nnx.state(ours)))):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(a, np.float64),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def _line(text: str) -> int:
     lines = open(__file__).read().splitlines()
     return next(k + 1 for k, ln in enumerate(lines) if text in ln and "_line(" not in ln)
