@@ -308,6 +308,14 @@ def _nnx_lm(dtype):
     return vocab, (model, optimizer, rngs, metrics)
 
 
+def _per_example_loss(module, batch, rngs):
+    """(mean loss, per-example losses) of a decoder on next-token targets."""
+    logits = module(batch["inputs"], rngs=rngs).astype(jnp.float32)
+    per_example = optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["targets"]).mean(axis=-1)
+    return per_example.mean(), per_example
+
+
 def _nnx_example_train_step(model, optimizer, rngs, batch, train_metrics):
     """The Flax Gemma example's training step, in the form its ``jax.jit`` path takes:
     parameters split from the rest, a loss over the merged module, the optimizer and the
@@ -317,11 +325,7 @@ def _nnx_example_train_step(model, optimizer, rngs, batch, train_metrics):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss_fn(params, rngs):
-        module = nnx.merge(graphdef, params, rest)
-        logits = module(batch["inputs"], rngs=rngs).astype(jnp.float32)
-        per_example = optax.softmax_cross_entropy_with_integer_labels(
-            logits, batch["targets"]).mean(axis=-1)
-        return per_example.mean(), per_example
+        return _per_example_loss(nnx.merge(graphdef, params, rest), batch, rngs)
 
     (loss, per_example), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
         params, rngs.fork())
@@ -393,13 +397,8 @@ def test_nnx_objects_passed_straight_in_are_updated_as_nnx_jit_does(run):
     from flax import nnx
 
     def train_step(model, optimizer, rngs, batch, train_metrics):
-        def loss_fn(model, rngs):
-            logits = model(batch["inputs"], rngs=rngs).astype(jnp.float32)
-            per_example = optax.softmax_cross_entropy_with_integer_labels(
-                logits, batch["targets"]).mean(axis=-1)
-            return per_example.mean(), per_example
-
-        (_, per_example), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+        (_, per_example), grads = nnx.value_and_grad(
+            lambda model, rngs: _per_example_loss(model, batch, rngs), has_aux=True)(
             model, rngs.fork())
         optimizer.update(model, grads)
         train_metrics.update(loss=per_example)
