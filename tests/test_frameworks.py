@@ -259,7 +259,7 @@ def test_equinox_with_per_example_dropout_keys():
     _compare(step, (params, tx.init(params)), (*_xy(), jax.random.key(5)))
 
 
-@pytest.mark.parametrize("key", ["raw", "typed"])
+@pytest.mark.parametrize("key", ["raw", pytest.param("typed", marks=pytest.mark.slow)])
 def test_equinox_filter_jit_step_with_a_key_beside_the_data(key):
     """An Equinox step as its users write it: decorated with ``eqx.filter_jit`` (so every
     use of the key is inside a nested jit), the key (``jax.random.PRNGKey``'s raw
