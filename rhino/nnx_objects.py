@@ -42,8 +42,11 @@ def _nnx() -> Any:
 
 
 def _is_object(x: Any) -> bool:
+    """An NNX object (module, optimizer, rngs, metric): a graph node that is no
+    ``nnx.Variable``. The variables of an ``nnx.State`` (a step written for ``jax.jit``,
+    returning its new state) are left to be pytree leaves as ``jax.jit`` takes them."""
     nnx = _nnx()
-    return nnx is not None and nnx.graph.is_graph_node(x)
+    return nnx is not None and nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -570,3 +570,23 @@ def test_a_cond_on_the_loss_around_the_gradients_is_named():
     with pytest.raises(rhino.BatchCouplingError) as err:
         step_(_host(params), _host(tx.init(params)), x, y)
     assert f"test_pipeline_exact.py:{_line('# the cond')}" in str(err.value), str(err.value)
+
+
+def test_rhino_plan_takes_nnx_objects_as_auto_parallel_runs_them():
+    """``rhino.plan`` traces a step given NNX objects as ``auto_parallel`` runs it: the
+    objects' updates are the step's updated state, so the pipeline is planned (it was
+    refused: no apply-gradients part returning updated state)."""
+    from flax import nnx
+
+    def train_step(model, optimizer, rngs, batch):
+        grads = nnx.grad(lambda m, r: _per_example_loss(m, batch, r)[0])(model, rngs.fork())
+        optimizer.update(model, grads)
+
+    vocab, (model, optimizer, rngs, _) = _nnx_lm(jnp.float32)
+    t = jax.random.randint(jax.random.key(1), (B, 9), 0, vocab)
+    plan = rhino.plan(train_step, model, optimizer, rngs,
+                      {"inputs": t[:, :-1], "targets": t[:, 1:]},
+                      cluster="2x4", stages=2, num_microbatches=4)
+    assert plan.num_stages == 2
+    assert any(p.path.startswith("model['blocks'][1]") for st in plan.stages[1:]
+               for p in st.spmd.params)
