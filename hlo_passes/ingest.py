@@ -476,6 +476,7 @@ def graph_from_function(fn: Callable, *args: Any) -> HloGraph:
     name = getattr(fn, "__name__", "fn")
     graph = graph_from_hlo_text(text, f"<lowered {name}>", origin=f"jax:{name}",
                                 arg_infos=infos, out_paths=out_paths)
+    graph.arg_names = tuple(names)
     if calls:
         _body_flops(graph, calls)
     return graph

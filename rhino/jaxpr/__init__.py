@@ -14,4 +14,5 @@ name; ``tests/test_jaxpr_private.py`` has a canary per internal)::
     factors.py      sharding rules of primitives with the microbatches as a time axis
     microbatch.py   microbatches as a sharding of the batch over time: per value, whether
                     it is computed per step or per microbatch, and how
+    keys.py         which arguments are PRNG keys (typed, or raw key data by its use)
 """

@@ -92,6 +92,10 @@ CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 # Random primitives whose ``shape`` parameter sets how many values they draw per key.
 RNG_SHAPED = frozenset({"random_bits", "random_split"})
 RANDOM_WRAP, RANDOM_UNWRAP = "random_wrap", "random_unwrap"
+# Random functions whose results are no key made from their operands: a key from a seed,
+# and random bits (their counter-based hash, ``threefry2x32(k1, k2, x1, x2)``).
+RANDOM_SEED, RANDOM_BITS, THREEFRY = "random_seed", "random_bits", "threefry2x32"
+RANDOM_FOLD_IN = "random_fold_in"       # a key from a key (operand 0) and a message
 # Heavy or effectful: a ``cond`` holding one is not evaluated as a select.
 HEAVY = frozenset({"dot_general", "conv_general_dilated", WHILE, SCAN, COND, "fft", "sort",
                    "custom_call", "pure_callback", "io_callback", "debug_callback", "cumsum",
@@ -275,6 +279,14 @@ def while_trips(eqn: Any) -> int | None:
     return trips
 
 
+def while_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+    """``(jaxpr, consts)`` of a ``while`` equation's body (it reads the body's constants,
+    then the carry); None for other equations."""
+    if eqn.primitive.name != WHILE:
+        return None
+    return private.open_body(eqn.params["body_jaxpr"])
+
+
 def reduction_axes(eqn: Any) -> tuple[int, ...]:
     """The axes a reduction (``REDUCTIONS``, ``ARG_REDUCTIONS``) reduces over."""
     p = eqn.params
@@ -308,6 +320,11 @@ def all_names() -> frozenset[str]:
     names |= ELEMENTWISE | IDENTITY_LIKE | RNG_ELEMENTWISE | LINEAR_ELEMENTWISE | set(REDUCTIONS) | ARG_REDUCTIONS | CUMULATIVE
     names |= RNG_SHAPED | LINEAR_UNARY | SUMS | {RANDOM_WRAP, RANDOM_UNWRAP} | HEAVY | SCATTERS | REDUCE_WINDOWS
     names |= set(LINALG_CORE) | {STACK, UNSTACK, TILE, REDUCE, APPROX_TOP_K}
+
+
+    names |= RNG_SHAPED | LINEAR_UNARY | SUMS | HEAVY
+    names |= {RANDOM_WRAP, RANDOM_UNWRAP, RANDOM_SEED, RANDOM_BITS, THREEFRY,
+              RANDOM_FOLD_IN} | SCATTERS | REDUCE_WINDOWS
     names |= {DOT, CONV, BROADCAST, RESHAPE, TRANSPOSE, SQUEEZE, CONVERT, IOTA, SLICE,
               DYNAMIC_SLICE, DYNAMIC_UPDATE_SLICE, CONCATENATE, PAD, REV, SPLIT, GATHER, SORT,
               TOP_K, SELECT_N, MUL, DIV, INTEGER_POW, SUB, OPTIMIZATION_BARRIER,
