@@ -337,11 +337,7 @@ def _nnx_example_train_step(model, optimizer, rngs, batch, train_metrics):
 @pytest.mark.parametrize("run,dtype", [
     ("pipeline", "float32"),
     ("spmd", "bfloat16"),
-    pytest.param("pipeline", "bfloat16", marks=pytest.mark.xfail(
-        raises=rhino.BatchCouplingError, strict=True,
-        reason="rhino.jaxpr.microbatch refuses the bf16 embedding gradient's convert of a "
-               "sum over the batch ('a sum over the batch used non-linearly: "
-               "convert_element_type'); being rewritten")),
+    ("pipeline", "bfloat16"),
 ])
 def test_nnx_gemma_example_step_with_rngs_and_metrics(run, dtype):
     """The Flax Gemma example's loop: ``train_step(model, optimizer, rngs, batch,
