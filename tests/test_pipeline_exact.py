@@ -586,3 +586,110 @@ def test_rhino_plan_takes_nnx_objects_as_auto_parallel_runs_them():
     assert plan.num_stages == 2
     assert any(p.path.startswith("model['blocks'][1]") for st in plan.stages[1:]
                for p in st.spmd.params)
+
+
+# ------------------------------------------------------------------ issue 43, acceptance 2
+def _bf16_rms_mlp(dtype):
+    """The issue's reproduction: a 4-layer MLP with RMSNorm weights in ``dtype``, the norm
+    computed in float32 and cast back, as every Llama does."""
+    k = jax.random.split(jax.random.PRNGKey(0), 6)
+    p = {f"w{i}": (jax.random.normal(k[i], (64, 64)) * 0.1).astype(dtype) for i in range(4)}
+    p.update({f"g{i}": jnp.ones((64,), dtype) for i in range(4)})
+    tx = optax.adamw(1e-3)
+    x = jax.random.normal(k[4], (16, 8, 64)).astype(dtype)
+    y = jax.random.normal(k[5], (16, 8, 64))
+
+    def rms(g, h):
+        h32 = h.astype(jnp.float32)
+        return (h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True) + 1e-5) *
+                g.astype(jnp.float32)).astype(h.dtype)
+
+    def loss(p, x, y):
+        h = x
+        for i in range(4):
+            h = jnp.tanh(rms(p[f"g{i}"], h) @ p[f"w{i}"])
+        return jnp.mean((h.astype(jnp.float32) - y) ** 2)
+
+    def step(p, o, x, y):
+        l, g = jax.value_and_grad(loss)(p, x, y)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, l
+    return step, (p, tx.init(p)), (x, y)
+
+
+def _close_in_bf16(step, state, batch, steps=3, lr=1e-3, **options):
+    """``steps`` steps pipelined against jax.jit in bfloat16: losses to 1e-3 relative, each
+    parameter within one bfloat16 unit of its magnitude plus two learning rates per step
+    (AdamW turns a rounding of a near-zero gradient into a step of up to ``lr``)."""
+    ref, piped = jax.jit(step), rhino.auto_parallel(step, **PIPE, **options)
+    s1 = s2 = tuple(state)
+    try:
+        for k in range(steps):
+            o1, o2 = ref(*s1, *batch), piped(*s2, *batch)
+            np.testing.assert_allclose(float(o2[-1]), float(o1[-1]), rtol=1e-3)
+            s1, s2 = tuple(o1[:-1]), tuple(o2[:-1])
+            for a, b in zip(jax.tree.leaves(s1[0]), jax.tree.leaves(s2[0])):
+                a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+                tol = 2 * lr * (k + 1) + np.abs(a) * float(jnp.finfo(jnp.bfloat16).eps)
+                assert np.all(np.abs(a - b) <= tol), (k, float(np.max(np.abs(a - b))))
+    finally:
+        piped.close()
+
+
+def test_the_bf16_rmsnorm_mlp_of_the_issue_pipelines_as_jit():
+    step, state, batch = _bf16_rms_mlp(jnp.bfloat16)
+    _close_in_bf16(step, state, batch)
+
+
+def test_a_step_marking_its_gradients_with_rhino_grad_pipelines_exactly():
+    """``rhino.grad`` marks gradients with ``reduce_precision`` to their own precision: an
+    identity, passed on as it is (it was taken for a non-linear use of the batch's sums)."""
+    k = jax.random.split(jax.random.PRNGKey(1), 3)
+    params = _mlp(k[0])
+    tx = optax.adam(1e-2)
+    x, y = jax.random.normal(k[1], (B, 8)), jax.random.normal(k[2], (B, 1))
+
+    def step(p, o, x, y):
+        l, g = jax.value_and_grad(lambda p: jnp.mean((_apply(p, x) - y) ** 2))(p)
+        u, o = tx.update(rhino.grad(g), o, p)
+        return optax.apply_updates(p, u), o, l
+    compare(step, (params, tx.init(params)), (x, y))
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori", "while"])
+def test_gradient_accumulation_written_in_the_step_pipelines_exactly(loop):
+    """The batch taken in 4 chunks inside the step (a scan over the reshaped batch, a
+    fori_loop or a while_loop slicing it), gradients summed over the chunks: each
+    microbatch holds its part of every chunk (the batch split in groups), so the loop's
+    every iteration runs per microbatch. It was refused ('pairs examples')."""
+    k = jax.random.split(jax.random.PRNGKey(2), 3)
+    params = _mlp(k[0])
+    tx = optax.adam(1e-2)
+    x, y = jax.random.normal(k[1], (B, 8)), jax.random.normal(k[2], (B, 1))
+    chunks, size = 4, B // 4
+
+    def grads(p, xc, yc):
+        return jax.value_and_grad(lambda p: jnp.mean((_apply(p, xc) - yc) ** 2))(p)
+
+    def step(p, o, x, y):
+        zero = (jnp.float32(0.0), jax.tree.map(jnp.zeros_like, p))
+
+        def add(c, xc, yc):
+            l, g = grads(p, xc, yc)
+            return c[0] + l, jax.tree.map(jnp.add, c[1], g)
+
+        def at(c, i):
+            return add(c, jax.lax.dynamic_slice_in_dim(x, i * size, size),
+                       jax.lax.dynamic_slice_in_dim(y, i * size, size))
+        if loop == "scan":
+            (l, g), _ = jax.lax.scan(lambda c, xy: (add(c, *xy), None), zero,
+                                     (x.reshape(chunks, size, 8), y.reshape(chunks, size, 1)))
+        elif loop == "fori":
+            l, g = jax.lax.fori_loop(0, chunks, lambda i, c: at(c, i), zero)
+        else:
+            _, l, g = jax.lax.while_loop(lambda c: c[0] < chunks,
+                                         lambda c: (c[0] + 1, *at(c[1:], c[0])),
+                                         (jnp.int32(0), *zero))
+        u, o = tx.update(jax.tree.map(lambda t: t / chunks, g), o, p)
+        return optax.apply_updates(p, u), o, l / chunks
+    compare(step, (params, tx.init(params)), (x, y))
