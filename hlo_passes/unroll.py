@@ -141,9 +141,9 @@ class _Unroller(Interpreter):
         return _unrollable(eqn)
 
     def scan(self, eqn, path, invals):
-        if eqn.primitive.name == prims.WHILE:       # a counted loop: its body, n times
+        if prims.name(eqn) == prims.WHILE:          # a counted loop: its body, n times
             nc, nb, _ = prims.while_parts(eqn)
-            body, body_consts = private.open_body(eqn.params["body_jaxpr"])
+            body, body_consts = prims.while_body(eqn)
             consts = [_whole(x) for x in invals[nc:nc + nb]]
             carry = [_whole(x) for x in invals[nc + nb:]]
             for _ in range(prims.while_trips(eqn)):

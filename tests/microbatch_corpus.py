@@ -587,9 +587,11 @@ def pipelined_verdict(c: Case, dtype: str, **options) -> Verdict:
 
     args = args_of(dtype)
     step, _ = make_step(c, dtype)
+    run = rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=M, **options)
     try:
-        run = rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=M, **options)
         got = jax.tree.leaves(run(*args))
     except BatchCouplingError:
         got = None
+    finally:
+        run.close()
     return judge(c, dtype, args, got)

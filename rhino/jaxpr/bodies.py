@@ -39,7 +39,8 @@ Example:
     ...     return jax.lax.while_loop(lambda c: c[0] < 3,
     ...                               lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1]
     >>> eqn = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((8, 4))).eqns[0]
-    >>> got = rule(eqn, [WHOLE, WHOLE, split(0)], 4, lambda x: False)
+    >>> from rhino.jaxpr.microbatch import analyze
+    >>> got = rule(eqn, [WHOLE, WHOLE, split(0)], 4, lambda x: False, analyze)
     >>> [str(x) for x in got.outs]
     ['whole', 'split(0)']
 """
@@ -52,12 +53,11 @@ from typing import Any, Callable, Sequence
 
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.interpret import FlatProgram, Lit, flatten
-from rhino.jaxpr.layouts import WHOLE, Layout, MicrobatchLayout, Place, Use, split
+from rhino.jaxpr.layouts import WHOLE, Layout, MicrobatchLayout, Outcome, Place, Use, split
 from rhino.jaxpr.mb_eval import bind_micro, chunk, read_operand
 from rhino.jaxpr.private import bind, bind_params, eqn_context
 
-CUSTOM_PARTITIONING = "custom_partitioning"
-LINEAR_SOLVE = "custom_linear_solve"
+CUSTOM_PARTITIONING, LINEAR_SOLVE = prims.CUSTOM_PARTITIONING, prims.LINEAR_SOLVE
 NAMES = frozenset({prims.COND, prims.WHILE, prims.SCAN, CUSTOM_PARTITIONING, LINEAR_SOLVE})
 
 
@@ -122,17 +122,16 @@ class Body:
         return res
 
 
-def analyze_body(closed: Any, ins: Sequence[Layout], m: int, zeros: Sequence[int] = ()
-                 ) -> Body:
+def analyze_body(closed: Any, ins: Sequence[Layout], m: int, analyze: Callable,
+                 zeros: Sequence[int] = ()) -> Body:
     """``closed`` (a ``ClosedJaxpr``, or ``(jaxpr, consts)``) analysed under its
-    arguments' layouts ``ins`` (``zeros``: arguments known to be zeros).
+    arguments' layouts ``ins`` (``zeros``: arguments known to be zeros) by ``analyze``
+    (``microbatch.analyze``, which calls this module's ``rule``).
 
     Raises:
         Refused: an argument no body can take (a total, pairs), or an equation of the
             body needing the whole batch (named, with its line).
     """
-    from rhino.jaxpr.microbatch import analyze
-
     if isinstance(closed, tuple):
         closed = types.SimpleNamespace(jaxpr=closed[0], consts=closed[1])
     for x in ins:
@@ -238,17 +237,16 @@ class Nested:
         return [*carry, *ys]
 
 
-def rule(eqn: Any, ins: Sequence[Layout], m: int, is_zero: Callable[[int], bool]
-         ) -> Any:
+def rule(eqn: Any, ins: Sequence[Layout], m: int, is_zero: Callable[[int], bool],
+         analyze: Callable) -> Any:
     """The layouts of a body-holding equation's results (``mb_rules.Outcome``), or None
     for an equation without a body this module runs per microbatch.
 
     Args:
         eqn: the equation; ins: its operands' layouts; m: the microbatches.
         is_zero: whether operand ``j`` is zeros (a partial carry's initial value must be).
+        analyze: ``microbatch.analyze`` (for the bodies).
     """
-    from rhino.jaxpr.mb_rules import Outcome
-
     name = prims.name(eqn)
     if name not in NAMES:
         return None
@@ -256,19 +254,18 @@ def rule(eqn: Any, ins: Sequence[Layout], m: int, is_zero: Callable[[int], bool]
     try:
         with eqn_context(eqn):
             if name == CUSTOM_PARTITIONING:
-                body = analyze_body(eqn.params["call"], ins, m)
+                body = analyze_body(eqn.params["call"], ins, m, analyze)
                 if body.reads_mb:
                     raise Refused("its body reads positions of the whole batch")
                 return Outcome(list(body.outs), {}, nested=Nested("call", (body,)))
             if name == LINEAR_SOLVE:
                 a, n, b = _solve_operands(eqn)
-                body = analyze_body(eqn.params["jaxprs"].solve, [*ins[a:a + n], *ins[b:]], m)
+                body = analyze_body(eqn.params["jaxprs"].solve, [*ins[a:a + n], *ins[b:]], m,
+                                    analyze)
                 return Outcome(list(body.outs), {}, nested=Nested("solve", (body,), (a, n, b)))
             if name == prims.COND:
-                return _cond(eqn, ins, m, Outcome)
-            if name == prims.WHILE:
-                return _loop(eqn, ins, m, is_zero, Outcome)
-            return _loop(eqn, ins, m, is_zero, Outcome)
+                return _cond(eqn, ins, m, analyze)
+            return _loop(eqn, ins, m, is_zero, analyze)
     except Refused as e:
         per = [j for j, x in enumerate(ins) if x.per_microbatch]
         return Outcome([], {}, needs_total=tuple(per),
@@ -276,10 +273,10 @@ def rule(eqn: Any, ins: Sequence[Layout], m: int, is_zero: Callable[[int], bool]
                               f"microbatch: {e}")
 
 
-def _cond(eqn: Any, ins: list[Layout], m: int, Outcome: type) -> Any:
+def _cond(eqn: Any, ins: list[Layout], m: int, analyze: Callable) -> Outcome:
     if ins[0].kind != "whole":
         raise Refused("the branch it takes depends on the batch")
-    bodies = [analyze_body(b, ins[1:], m) for b in prims.cond_branches(eqn)]
+    bodies = [analyze_body(b, ins[1:], m, analyze) for b in prims.cond_branches(eqn)]
     want = []
     for k in range(len(eqn.outvars)):
         got = bodies[0].outs[k]
@@ -298,7 +295,7 @@ def _cond(eqn: Any, ins: list[Layout], m: int, Outcome: type) -> Any:
 
 
 def _loop(eqn: Any, ins: list[Layout], m: int, is_zero: Callable[[Any], bool],
-          Outcome: type) -> Any:
+          analyze: Callable) -> Outcome:
     """``while`` and ``scan``: the carry's layouts to a fixed point (module docstring)."""
     if prims.name(eqn) == prims.WHILE:
         nc, nb, _ = prims.while_parts(eqn)
@@ -322,7 +319,8 @@ def _loop(eqn: Any, ins: list[Layout], m: int, is_zero: Callable[[Any], bool],
     zeros = [len(fixed) + k for k, c in enumerate(carry)
              if c.kind == "whole" and is_zero(start + k)]
     for it in range(len(carry) + 2):
-        body = analyze_body(body_closed, [*fixed, *carry, *xs], m, zeros if it == 0 else ())
+        body = analyze_body(body_closed, [*fixed, *carry, *xs], m, analyze,
+                            zeros if it == 0 else ())
         new = [_join(c, o) for c, o in zip(carry, body.outs)]
         if any(x is None for x in new):
             k = next(k for k, x in enumerate(new) if x is None)
@@ -347,7 +345,7 @@ def _loop(eqn: Any, ins: list[Layout], m: int, is_zero: Callable[[Any], bool],
             raise Refused(f"its carry {k}, a sum over the batch, is set to one value for the "
                           f"whole batch")
     if ys_of is None:
-        cond = analyze_body(eqn.params["cond_jaxpr"], [*ins[:nc], *carry], m)
+        cond = analyze_body(eqn.params["cond_jaxpr"], [*ins[:nc], *carry], m, analyze)
         if cond.outs[0].kind != "whole":
             raise Refused("how many iterations it runs depends on the examples")
         nested = Nested("while", (cond, body.returning([*carry])), (nc, len(fixed)))

@@ -168,5 +168,21 @@ class MicrobatchLayout:
         return {r: lay.dims for r, lay in self.layout.items() if lay.kind == "split"}
 
 
+@dataclasses.dataclass
+class Outcome:
+    """What a rule (``mb_rules``, ``bodies``) says of one equation: its results' layouts,
+    how it reads its operands, the parameters it is bound with per microbatch, or the
+    operands whose totals it needs (and why)."""
+
+    outs: list[Layout]
+    uses: dict[int, Use]
+    params: dict | None = None
+    needs_total: tuple[int, ...] = ()      # operands whose total it needs
+    reason: str = ""
+    block_sum: bool = False                # sums over a dimension of pairs (in its block)
+    pairable: bool = False                 # pairs the examples (two factors of the batch)
+    nested: Any = None                     # how its bodies run per microbatch (bodies.py)
+
+
 class MicrobatchError(RhinoError, ValueError):
     """A step this pass cannot make per-microbatch programs of."""

@@ -16,21 +16,9 @@ from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.factors import (ORDER_PRESERVING, addressed_by_position, factors,
                                  keeps_precision, linear_groups)
 from rhino.jaxpr.interpret import Lit
-from rhino.jaxpr.layouts import LOCAL, TOTAL, Layout, Use, partial, split
+from rhino.jaxpr.layouts import LOCAL, TOTAL, Layout, Outcome, Use, partial, split
 from rhino.jaxpr.pairs import PAIR_OPS
 from rhino.jaxpr.private import bind_params
-
-
-@dataclasses.dataclass
-class Outcome:
-    outs: list[Layout]
-    uses: dict[int, Use]
-    params: dict | None = None
-    needs_total: tuple[int, ...] = ()      # operands whose total it needs
-    reason: str = ""
-    block_sum: bool = False                # sums over a dimension of pairs (in its block)
-    pairable: bool = False                 # pairs the examples (two factors of the batch)
-    nested: Any = None                     # how its bodies run per microbatch (bodies.py)
 
 
 
@@ -74,6 +62,7 @@ class Facts:
         positions: for an index array whose last dimension lists the coordinates, the
             coordinates that are the index along one of its dimensions (``arange(n)`` in
             ``x[arange(n), labels]``): component -> that dimension.
+        analyze: the analysis (``microbatch.analyze``), for the bodies of control flow.
     """
 
     zero: Collection[int] = frozenset()
@@ -82,6 +71,7 @@ class Facts:
     constant: Callable[[Any], Collection[int]] = lambda x: ()
     divisible: Callable[[Any, int], bool] = lambda x, k: False
     positions: Callable[[Any], Mapping[int, int]] = lambda x: {}
+    analyze: Callable[..., Any] | None = None
 
 
 def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
@@ -97,7 +87,7 @@ def micro_rule(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes:
     name = prims.name(fe.eqn)
     if (name in prims.IDENTITY_LIKE and len(fe.ins) == n_out) or keeps_precision(fe.eqn):
         return Outcome(list(ins), {})            # values passed on as they are
-    nested = bodies.rule(fe.eqn, ins, m, lambda j: _is_zero(fe.ins[j], zero))
+    nested = bodies.rule(fe.eqn, ins, m, lambda j: _is_zero(fe.ins[j], zero), facts.analyze)
     if nested is not None:
         return nested
     if partials:
@@ -436,8 +426,6 @@ def _pairs(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: lis
     params = None
     key = _SHAPE_PARAMS.get(name)
     if key is not None:
-        from rhino.jaxpr.private import bind_params
-
         params = bind_params(fe.eqn)
         sizes = list(params[key])
         for d in dims[0]:
@@ -466,8 +454,6 @@ def _rewrite(eqn: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: 
              res: Mapping[int, int], m: int) -> dict | None:
     """Bind parameters of ``eqn`` at microbatch shapes, where they name a result shape
     (None: its own parameters fit)."""
-    from rhino.jaxpr.private import bind_params
-
     name = prims.name(eqn)
     params = bind_params(eqn)
     key = _SHAPE_PARAMS.get(name)

@@ -393,7 +393,7 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
         return WHOLE if isinstance(x, Lit) else layout[x]
 
     index = IndexFacts(flat)
-    known = Facts(zero, is_data, steady, facts.spread_of, divisible, index.components)
+    known = Facts(zero, is_data, steady, facts.spread_of, divisible, index.components, analyze)
     for i, fe in enumerate(flat.eqns):
         refs = [x for x in fe.ins if isinstance(x, int)]
         bdep = any(r in dep_batch for r in refs)

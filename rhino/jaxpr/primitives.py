@@ -77,6 +77,9 @@ LINALG_CORE = {"cholesky": 2, "cholesky_update": 2, "eig": 2, "eigh": 2, "svd": 
                "symmetric_product": 2, "fft": None}
 STACK, UNSTACK, TILE, REDUCE, APPROX_TOP_K = "stack", "unstack", "tile", "reduce", \
     "approx_top_k"
+# Calls with a body that the flat program keeps (their bodies run per microbatch:
+# ``rhino.jaxpr.bodies``).
+CUSTOM_PARTITIONING, LINEAR_SOLVE = "custom_partitioning", "custom_linear_solve"
 RNG_ELEMENTWISE = frozenset({"threefry2x32", "random_fold_in"})
 # Elementwise and linear in their floating operands (a sum of per-part results is the
 # result of the sum): what a partial sum may pass through unreduced.
@@ -319,7 +322,8 @@ def all_names() -> frozenset[str]:
     names = set(CALLS) | set(CUSTOM) | set(REMAT) | {HI, SCAN, COND, WHILE}
     names |= ELEMENTWISE | IDENTITY_LIKE | RNG_ELEMENTWISE | LINEAR_ELEMENTWISE | set(REDUCTIONS) | ARG_REDUCTIONS | CUMULATIVE
     names |= RNG_SHAPED | LINEAR_UNARY | SUMS | {RANDOM_WRAP, RANDOM_UNWRAP} | HEAVY | SCATTERS | REDUCE_WINDOWS
-    names |= set(LINALG_CORE) | {STACK, UNSTACK, TILE, REDUCE, APPROX_TOP_K}
+    names |= set(LINALG_CORE) | {STACK, UNSTACK, TILE, REDUCE, APPROX_TOP_K,
+                                 CUSTOM_PARTITIONING, LINEAR_SOLVE}
 
 
     names |= RNG_SHAPED | LINEAR_UNARY | SUMS | HEAVY
