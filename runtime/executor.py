@@ -50,6 +50,7 @@ import numpy as np
 
 from rhino.runtime.schedules import Schedule, make_schedule
 from rhino.hlo_passes.unroll import trace
+from rhino.hlo_passes import stage_effects
 from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, constraints,
                                              finish_acc, flatten, is_apply, prologue_function,
                                              split_step, task_function)
@@ -115,9 +116,11 @@ class WorkerSpec:
 
 
 def build_worker(spec: Any, split: StepSplit, devices: Sequence[Any],
-                 programs: Mapping[tuple[str, bool], Any] | None = None) -> "StageWorker":
+                 programs: Mapping[tuple[str, bool], Any] | None = None,
+                 complete: bool = True) -> "StageWorker":
     """The ``StageWorker`` of ``spec`` (a ``WorkerSpec`` or a ``StageArtifact``: its stage,
-    mesh, shardings, schedule) on ``devices`` (as many as the mesh has)."""
+    mesh, shardings, schedule) on ``devices`` (as many as the mesh has); ``programs``,
+    ``complete``: as ``StageWorker`` takes them."""
     from rhino.runtime.spmd import device_mesh
 
     need = int(np.prod(spec.mesh_shape))
@@ -127,7 +130,7 @@ def build_worker(spec: Any, split: StepSplit, devices: Sequence[Any],
     mesh = device_mesh(spec.mesh_shape, spec.axis_names, list(devices))
     schedule = make_schedule(spec.schedule, spec.num_stages, spec.num_microbatches)
     return StageWorker(split, spec.stage, mesh, spec.shardings, schedule, spec.measure,
-                       programs=programs)
+                       programs=programs, complete=complete)
 
 
 def place(x: Any, sharding: Any) -> Any:
@@ -166,11 +169,14 @@ class StageWorker:
         programs: ``(kind, with_acc) -> callable``: the stage's programs compiled from its
             artifacts (``runtime.artifacts``); without, each is jitted from ``split`` on
             first use.
+        complete: ``programs`` are all there is (else those missing, the programs holding
+            host callbacks, are jitted from ``split``: ``stage_effects``).
     """
 
     def __init__(self, split: StepSplit, stage: int, mesh: Any, shardings: StageShardings,
                  schedule: Schedule, measure: bool = True,
-                 programs: Mapping[tuple[str, bool], Any] | None = None):
+                 programs: Mapping[tuple[str, bool], Any] | None = None,
+                 complete: bool = True):
         from jax.sharding import NamedSharding, PartitionSpec
 
         self.split, self.stage, self.mesh, self.schedule = split, stage, mesh, schedule
@@ -181,9 +187,14 @@ class StageWorker:
         self._ref_sharding = {r: self._named(p) for r, p in shardings.refs.items()}
         self._constrain, self._finish = constraints(mesh, shardings)
         self._replicated = self._named(None)
+        self._first_device = mesh.devices.flat[0]
         # Compiled from artifacts (``runtime.artifacts``), or jitted from the split on use.
-        self._from_artifacts = programs is not None
+        self._from_artifacts = programs is not None and complete
         self._programs: dict[tuple[str, bool], Any] = dict(programs or {})
+        # Programs binding host callbacks: the warm-up runs their quiet variants, and
+        # effects programs run after apply tasks on the mesh's first device.
+        self._quiet = stage_effects.quiet_kinds(split, stage, self._programs)
+        stage_effects.check_mesh(split, stage, int(np.prod(mesh.devices.shape)))
         # How many tasks of this stage read each (ref, microbatch) value: released after.
         self._readers: dict[int, int] = {}
         mine = [t for (k, s), t in split.tasks.items() if s == stage]
@@ -214,8 +225,11 @@ class StageWorker:
     def sharding(self, ref: int) -> Any:
         return self._ref_sharding.get(ref, self._replicated)
 
-    def program(self, kind: str, with_acc: bool) -> Any:
-        key = (kind, with_acc)
+    def program(self, kind: str, with_acc: bool, quiet: bool = False) -> Any:
+        """The program of task ``kind`` (``quiet``: its variant whose host callbacks give
+        zeros, where it binds some)."""
+        quiet = quiet and kind in self._quiet
+        key = (stage_effects.QUIET + kind if quiet else kind, with_acc)
         fn = self._programs.get(key)
         if fn is None and self._from_artifacts:
             raise ExecutorError(f"stage {self.stage}: no program {kind}"
@@ -225,16 +239,36 @@ class StageWorker:
             task = self.split.task(kind, self.stage)
             donate = (1,) if with_acc else ()
             fn = jax.jit(task_function(self.split, task, with_acc, self._constrain,
-                                       self._finish), donate_argnums=donate)
+                                       self._finish, quiet), donate_argnums=donate)
             self._programs[key] = fn
         return fn
 
-    def prologue_program(self) -> Any:
-        """The stage's prologue, jitted (None when it computes nothing)."""
-        fn = self._programs.get(("P", False))
+    def prologue_program(self, quiet: bool = False) -> Any:
+        """The stage's prologue, jitted (None when it computes nothing; ``quiet``: as
+        ``program``)."""
+        quiet = quiet and "P" in self._quiet
+        key = (stage_effects.QUIET + "P" if quiet else "P", False)
+        fn = self._programs.get(key)
         if fn is None and self._prologue.outputs and not self._from_artifacts:
-            fn = jax.jit(prologue_function(self.split, self.stage, self._constrain))
-            self._programs[("P", False)] = fn
+            fn = jax.jit(prologue_function(self.split, self.stage, self._constrain, quiet))
+            self._programs[key] = fn
+        return fn
+
+    def effects_program(self, kind: str) -> Any:
+        """The effects program of apply task ``kind``, on the mesh's first device."""
+        key = (stage_effects.EFFECTS + kind, False)
+        fn = self._programs.get(key)
+        if fn is None:
+            if not self.split.flat.eqns:
+                raise ExecutorError(f"stage {self.stage}: task {kind} has host effects, and "
+                                    f"its effects program needs the step's code (an "
+                                    f"artifact saved without it cannot run them)",
+                                    stage=self.stage)
+            from jax.sharding import SingleDeviceSharding
+
+            fn = jax.jit(stage_effects.effects_function(self.split, self.split.task(
+                kind, self.stage)), out_shardings=SingleDeviceSharding(self._first_device))
+            self._programs[key] = fn
         return fn
 
     def zero_args(self) -> dict[int, Any]:
@@ -329,10 +363,10 @@ class StageWorker:
         # One call places every slice (fewer dispatches than one per slice).
         return dict(zip(keys, jax.device_put(slices, targets)))
 
-    def _run_prologue(self, state: Mapping[int, Any], whole: dict[int, Any]
-                      ) -> TaskRecord | None:
+    def _run_prologue(self, state: Mapping[int, Any], whole: dict[int, Any],
+                      quiet: bool = False) -> TaskRecord | None:
         """The stage's prologue on the whole batch: its values join ``whole``."""
-        fn = self.prologue_program()
+        fn = self.prologue_program(quiet)
         if fn is None:
             return None
         args = [whole[r] if r in whole else state[r] for r in self._prologue.inputs]
@@ -345,13 +379,16 @@ class StageWorker:
         return Pending(TaskRecord(self.stage, "P", t0, t0, None, "prologue"), done)
 
     def run_step(self, args: Mapping[int, Any], transport: Transport,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> tuple[dict[int, Any], list[TaskRecord]]:
+                 timeout: float = DEFAULT_TIMEOUT_S, warm_up: bool = False
+                 ) -> tuple[dict[int, Any], list[TaskRecord]]:
         """Run this stage's instructions once.
 
         Args:
             args: flat argument ref -> array for the arguments this stage reads.
             transport: moves values between stages.
             timeout: seconds to wait for any one value.
+            warm_up: a step on zeros before the first (``zero_args``): host callbacks are
+                not called (quiet programs, no effects programs: ``stage_effects``).
 
         Returns:
             (the step's results this stage produces: ref -> array, measured task records).
@@ -378,8 +415,9 @@ class StageWorker:
         left: dict[tuple[int, Any], int] = {}
         accs: dict[int, Any] = {}
         records: list[TaskRecord] = []
+        effects: list[tuple[Instr, Any]] = []    # effects programs run: (task, their token)
         try:
-            rec = self._run_prologue(state, whole)
+            rec = self._run_prologue(state, whole, warm_up)
         except Exception as e:
             raise self._error(Instr("run", "P"), f"{type(e).__name__}: {e}",
                               Failure.PROGRAM) from e
@@ -433,7 +471,7 @@ class StageWorker:
                     if n == self._first_apply and self._held and wait_taken is not None:
                         wait_taken(self.stage, self._held, timeout)
                     records.append(self._run(ins, state, batch, whole, values, left, accs,
-                                             timeout))
+                                             timeout, warm_up, effects))
                     if n == first:
                         if expect is not None:
                             for r in later:
@@ -464,6 +502,12 @@ class StageWorker:
         values.clear()
         accs.clear()
         batch.clear()
+        for ins, token in effects:      # the step ends when its callbacks have run
+            try:
+                ready_at(token, timeout=timeout)
+            except Exception as e:
+                raise self._error(ins, f"its host effects: {type(e).__name__}: {e}",
+                                  Failure.PROGRAM) from e
         try:
             return outs, self._timed(records, timeout)
         except ExecutorError:
@@ -521,7 +565,8 @@ class StageWorker:
             raise e
 
     def _run(self, ins: Instr, state, batch, whole, values, left, accs,
-             timeout: float = DEFAULT_TIMEOUT_S) -> TaskRecord:
+             timeout: float = DEFAULT_TIMEOUT_S, quiet: bool = False,
+             effects: list | None = None) -> TaskRecord:
         task = self.split.task(ins.kind, self.stage)
         mb = ins.microbatch
         inputs = []
@@ -546,7 +591,10 @@ class StageWorker:
         if (ins.kind, with_acc) not in self._seen:
             self._seen[(ins.kind, with_acc)] = jax.tree_util.tree_map(
                 _abstract, (inputs, acc_in, mb_arg))
-        outs, new = self.program(ins.kind, with_acc)(inputs, acc_in, mb_arg)
+        outs, new = self.program(ins.kind, with_acc, quiet)(inputs, acc_in, mb_arg)
+        if task.effects and not quiet and effects is not None:
+            handed = outs[len(outs) - len(task.effect_inputs):] if task.effect_inputs else []
+            effects.append((ins, self._run_effects(ins.kind, handed)))
         # Timed without stalling dispatch: a watcher thread waits for the results while
         # this thread goes on to the next instruction (see _timed).
         # (Its accumulators are not waited on there: the next microbatch's call donates
@@ -570,6 +618,22 @@ class StageWorker:
                 values.pop(key, None)
         kind = {"F": "forward", "B": "backward"}.get(ins.kind, "apply")
         return Pending(TaskRecord(self.stage, ins.label(), t0, t0, mb, kind), done)
+
+    def _run_effects(self, kind: str, handed: Sequence[Any]) -> Any:
+        """Task ``kind``'s effects program on the mesh's first device (on a mesh spanning
+        processes, the values are replicated first and only the process holding that
+        device runs it: once per step, as ``jax.jit`` runs a callback on one device).
+        Returns its token (None where another process runs it)."""
+        first = self._first_device
+        if self._replicated.is_fully_addressable:
+            handed = jax.device_put(list(handed), first)
+        else:
+            handed = jax.jit(lambda xs: xs, out_shardings=self._replicated)(list(handed))
+            if first.process_index != jax.process_index():
+                return None
+            handed = [next(s.data for s in x.addressable_shards if s.device == first)
+                      for x in handed]
+        return self.effects_program(kind)(handed)
 
     def _timed(self, records: list, timeout: float) -> list[TaskRecord]:
         """Measured records (``task_timing.measured``); a background send's record is
@@ -668,8 +732,9 @@ class LocalExecutor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def run(self, flat_args: Sequence[Any]) -> dict[int, Any]:
-        """One step: flat arguments in, ``ref -> value`` of the step's stage results out.
+    def run(self, flat_args: Sequence[Any], warm_up: bool = False) -> dict[int, Any]:
+        """One step: flat arguments in, ``ref -> value`` of the step's stage results out
+        (``warm_up``: a step on zeros that calls no host callback, ``StageWorker.run_step``).
 
         Raises:
             ExecutorError: a stage failed, timed out or did not finish within
@@ -693,7 +758,7 @@ class LocalExecutor:
         self._running = {}
         for w in self.workers:
             args = {r: flat_args[r] for r in split.stage_args(w.stage)}
-            self._running[threads.start(self._stage, w, args, step,
+            self._running[threads.start(self._stage, w, args, step, warm_up,
                                         name=f"rhino-stage{w.stage}-step{step}")] = w.stage
         try:
             results = self._wait(step, t0)
@@ -711,11 +776,12 @@ class LocalExecutor:
         self.last_records = records
         return outs
 
-    def _stage(self, worker: StageWorker, args: dict, step: int) -> tuple[dict, list]:
+    def _stage(self, worker: StageWorker, args: dict, step: int, warm_up: bool = False
+               ) -> tuple[dict, list]:
         """One stage's step, on its own thread; a failure aborts the step at once."""
         try:
             outs, records = worker.run_step(args, StepTransport(self.transport, step),
-                                            self.timeout)
+                                            self.timeout, warm_up)
             try:
                 ready_at(outs, timeout=self.timeout)
             except TimeoutError as e:

@@ -83,7 +83,7 @@ from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.factors import ORDER_PRESERVING, factors, linear_groups, operand_shape
 from rhino.jaxpr.interpret import FlatProgram, Lit
 from rhino.jaxpr.pairs import PAIR_OPS, PairFacts
-from rhino.jaxpr.private import name_stack_text
+from rhino.jaxpr.private import eqn_source, name_stack_text
 
 
 # ------------------------------------------------------------------------------ data
@@ -309,6 +309,8 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
         why = ""
         if i in post or "total" in kinds:
             got = _total(fe, ins)
+        elif prims.is_effect(fe.eqn) and any(x.per_microbatch for x in ins):
+            got = _effect(flat, fe, ins, i in feeds, couplings)
         elif kinds <= {"whole"}:
             got = _Outcome([WHOLE] * len(fe.outs), {})
             if bdep and sdep and prims.name(fe.eqn) in (prims.DOT, prims.CONV):
@@ -456,6 +458,27 @@ def _total(fe: Any, ins: list[Layout]) -> _Outcome:
         elif x.kind == "local":
             uses[j] = Use("mean")             # each microbatch's own: their average
     return _Outcome([TOTAL] * len(fe.outs), uses)
+
+
+def _effect(flat: FlatProgram, fe: Any, ins: list[Layout], feeds_gradient: bool,
+            couplings: list[Coupling]) -> _Outcome:
+    """A host effect (a debug or io callback) reading per-microbatch values: run once per
+    step, as under ``jax.jit``, on their totals and concatenations (``_total``). One whose
+    results the gradients need (it would have to run per microbatch), or that reads values
+    over pairs of the batch (no microbatch holds them all), is a coupling."""
+    pairs = any(x.pair is not None for x in ins)
+    if feeds_gradient or pairs:
+        inner = [s for s in prims.callback_sites(fe.eqn) if s is not fe.eqn][:1]
+        held = "".join(f" (it holds {prims.name(s)} at {eqn_source(s) or 'an unknown line'})"
+                       for s in inner)
+        couplings.append(Coupling(
+            f"a host effect{held} reads " + (
+                "values over pairs of the batch's examples (each microbatch holds only its "
+                "own pairs)" if pairs else "per-example values and the gradients need its "
+                "results (jax.jit runs it once per step on the whole batch; a pipeline "
+                "would run it once per microbatch)"),
+            prims.name(fe.eqn), flat.source(fe), fe.path, None, False))
+    return _total(fe, ins)
 
 
 def _statistic(flat: FlatProgram, fe: Any, got: _Outcome, ins: list[Layout],

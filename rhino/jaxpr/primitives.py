@@ -234,11 +234,44 @@ def light_cond(eqn: Any) -> bool:
     return all(light(b[0]) for b in branches)
 
 
+# Host callbacks: Python run by the program (``jax.debug.callback`` / ``print`` are
+# ``debug_callback``; ``io_callback``; ``pure_callback``, which has no effect).
+CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback"})
+
+
+def is_effect(eqn: Any) -> bool:
+    """An equation with an effect (a debug or io callback, or control flow holding one):
+    under ``jax.jit`` it runs once per step even where nothing reads its results."""
+    return bool(getattr(eqn, "effects", None))
+
+
+def is_ordered(eqn: Any) -> bool:
+    """An equation with an ordered effect (``ordered=True``): ``jax.jit`` runs those in
+    program order, and only on one device."""
+    return any(private.is_ordered_effect(e) for e in getattr(eqn, "effects", None) or ())
+
+
+def callback_sites(eqn: Any) -> list[Any]:
+    """The host-callback equations ``eqn`` is or holds (in its bodies, branches, loops),
+    innermost, in program order: where a message names the user's callback."""
+    if eqn.primitive.name in CALLBACKS:
+        return [eqn]
+    out: list[Any] = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            body = private.open_body(v)
+            if body is not None:
+                for e in body[0].eqns:
+                    out.extend(callback_sites(e))
+    return out
+
+
 def all_names() -> frozenset[str]:
     """Every primitive name this table spells (for the canary test)."""
     names = set(CALLS) | set(CUSTOM) | set(REMAT) | {HI, SCAN, COND, WHILE}
     names |= ELEMENTWISE | IDENTITY_LIKE | RNG_ELEMENTWISE | LINEAR_ELEMENTWISE | set(REDUCTIONS) | ARG_REDUCTIONS | CUMULATIVE
     names |= RNG_SHAPED | LINEAR_UNARY | SUMS | {RANDOM_WRAP, RANDOM_UNWRAP} | HEAVY | SCATTERS | REDUCE_WINDOWS
+    names |= CALLBACKS
     names |= {DOT, CONV, BROADCAST, RESHAPE, TRANSPOSE, SQUEEZE, CONVERT, IOTA, SLICE,
               DYNAMIC_SLICE, DYNAMIC_UPDATE_SLICE, CONCATENATE, PAD, REV, SPLIT, GATHER, SORT,
               TOP_K, SELECT_N, MUL, DIV, INTEGER_POW, SUB, OPTIMIZATION_BARRIER,
