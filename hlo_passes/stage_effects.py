@@ -7,10 +7,11 @@ pipelined step computes per-microbatch values in pieces, so an effect reading on
 (``jnp.sum(h)``: a partial sum; ``h``: a per-example value) runs once per step after the
 microbatches, on the total or the concatenation (``microbatch._effect``). Where it runs::
 
-    effect nothing reads (a print, a callback)   ─► its apply task's *effects program*:
-        the apply task hands its operands out (``TaskSpec.effect_inputs``); they are put on
-        the stage's first device and the effects are bound there, in program order
-        (``effects_function``): ``jax.jit`` runs an ordered effect on one device only
+    effect nothing reads (a print, a callback)   ─► an *effects program* of stage 0, after
+        an apply task of it: the task hands the effects' operands out
+        (``TaskSpec.effect_inputs``); they are put on the stage's first device and the
+        effects are bound there, in program order (``effects_function``), as ``jax.jit``
+        runs a callback on its program's first device (an ordered one on one device only)
     effect or pure_callback whose result is read, computed whole from state alone
         ─► the prologue of the stage reading it (once per step; never recomputed by every
         task, as other values computed from state alone are)
@@ -46,7 +47,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Collection, Sequence
 
 from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.interpret import Lit
@@ -85,22 +86,17 @@ def whole_callbacks(flat: Any, free: Collection[int], once: Collection[int]) -> 
 
 
 def place_once(flat: Any, once: Collection[int], role: list, stage: list) -> dict[int, int]:
-    """Give the effects of ``once`` the apply role (``role``, ``stage`` updated in place):
-    on their stage, or stage 0 for one reading state alone; every ordered effect on the
-    stage of the first ordered one, so that they run in program order. Returns ``after``:
-    ordered effect -> the ordered apply equation before it (``_apply_phases`` runs it in
-    no earlier phase)."""
+    """Give the effects of ``once`` the apply role on stage 0 (``role``, ``stage`` updated
+    in place): ``jax.jit`` runs a callback on the first device of its program, with the
+    values gathered there, so a pipeline runs it on its first stage's first device (in a
+    multi-controller job, the process ``jax.jit`` would run it in; one stage for every
+    effect keeps ordered ones in program order). Returns ``after``: ordered effect -> the
+    ordered apply equation before it (``_apply_phases`` runs it in no earlier phase)."""
     for i in once:
         role[i] = Role.APPLY
-        stage[i] = max(stage[i], 0)
+        stage[i] = 0
     ordered = [i for i, fe in enumerate(flat.eqns)
                if prims.is_ordered(fe.eqn) and role[i] == Role.APPLY]
-    if not ordered:
-        return {}
-    home = stage[ordered[0]]
-    for i in ordered:
-        if i in once:
-            stage[i] = home
     return {b: a for a, b in zip(ordered, ordered[1:])}
 
 
@@ -253,3 +249,13 @@ def check_mesh(split: Any, stage: int, devices: int) -> None:
                 f"runs in a program of stage {stage}, on a mesh of {devices} devices; "
                 f"jax.jit runs ordered effects on one device only. Make it unordered "
                 f"(ordered=False), or leave its results unread")
+
+
+def stage_callbacks(split: Any, stage: int) -> tuple[str, ...]:
+    """The host callbacks ``stage``'s programs bind or its effects programs run
+    (``describe``), in program order."""
+    eqns = set(split.prologues[stage].eqns)
+    for (k, s), t in split.tasks.items():
+        if s == stage:
+            eqns |= set(t.eqns) | set(t.effects)
+    return tuple(describe(split.flat, i) for i in sorted(loud(split, sorted(eqns))))

@@ -609,7 +609,7 @@ class _Builder:
 
             platform = actor_platform(o.ray_actor_options)
             self.progress(f"exporting the stage programs for the actors ({platform})")
-            specs_out = export_stages(specs, lowering.split, platform)
+            specs_out = export_stages(specs, lowering.split, platform, with_code=True)
             self.progress(f"starting {plan.num_stages} stage(s) on Ray actors, which compile "
                           f"their stage programs with one step on zeros")
             executor = RayExecutor(specs_out, plan.cluster, timeout=o.timeout,

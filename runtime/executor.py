@@ -43,18 +43,19 @@ import concurrent.futures as cf
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from rhino.runtime.schedules import Schedule, make_schedule
-from rhino.hlo_passes.unroll import trace
+from rhino.runtime.schedules import Schedule
 from rhino.hlo_passes import stage_effects
 from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, constraints,
-                                             finish_acc, flatten, is_apply, prologue_function,
-                                             split_step, task_function)
+                                             finish_acc, is_apply, prologue_function,
+                                             task_function)
 from rhino.runtime import threads
+from rhino.runtime.host_effects import EffectsRunner
+from rhino.runtime.worker_spec import WorkerSpec, build_worker, place
 from rhino.runtime.instructions import (Instr, acknowledged_recvs, first_apply, held_sends,
                                         instructions)
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
@@ -63,7 +64,8 @@ from rhino.runtime.task_timing import Pending, all_ready, done_now, measured, re
 from rhino.runtime.timeline import TaskRecord
 
 __all__ = ["ExecutorError", "Failure", "LocalTransport", "StepTransport", "Transport",
-           "root_cause", "Instr", "instructions", "WorkerSpec", "StageWorker",
+           "root_cause", "Instr", "instructions", "WorkerSpec", "build_worker", "place",
+           "StageWorker",
            "LocalExecutor", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -72,77 +74,6 @@ ABORT_GRACE_S = 10.0
 CLOSE_GRACE_S = 2.0
 """How long ``close()`` (and an interrupted step) waits for stage threads to stop."""
 
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a process needs to build one ``StageWorker`` (picklable: a Ray actor
-    re-traces the step and re-splits it; the split is deterministic).
-
-    Attributes:
-        fn: the step; abstract: its arguments (whole batch).
-        assignment: equation path -> (role, stage); batch_refs, key_refs, num_stages,
-        num_microbatches, per_microbatch_statistics, schedule: as in ``split_step`` /
-        ``make_schedule``.
-        stage: the stage; mesh_shape, axis_names: its mesh; shardings: its shardings.
-        measure: time every task (blocking on its results).
-    """
-
-    fn: Callable
-    abstract: tuple
-    assignment: dict
-    batch_refs: tuple[int, ...]
-    num_stages: int
-    num_microbatches: int
-    schedule: str
-    stage: int
-    mesh_shape: tuple[int, ...]
-    axis_names: tuple[str, ...]
-    shardings: StageShardings
-    measure: bool = True
-    key_refs: tuple[int, ...] = ()
-    per_microbatch_statistics: bool = False
-
-    def split(self) -> StepSplit:
-        flat = flatten(trace(self.fn, *self.abstract),
-                       platform_branches=self.per_microbatch_statistics)
-        return split_step(flat, self.assignment, self.batch_refs, self.num_stages,
-                          self.num_microbatches, key_refs=self.key_refs,
-                          per_microbatch_statistics=self.per_microbatch_statistics)
-
-    def build(self, devices: Sequence[Any], split: StepSplit | None = None) -> "StageWorker":
-        """The worker on ``devices`` (as many as the mesh has)."""
-        return build_worker(self, split or self.split(), devices)
-
-
-def build_worker(spec: Any, split: StepSplit, devices: Sequence[Any],
-                 programs: Mapping[tuple[str, bool], Any] | None = None,
-                 complete: bool = True) -> "StageWorker":
-    """The ``StageWorker`` of ``spec`` (a ``WorkerSpec`` or a ``StageArtifact``: its stage,
-    mesh, shardings, schedule) on ``devices`` (as many as the mesh has); ``programs``,
-    ``complete``: as ``StageWorker`` takes them."""
-    from rhino.runtime.spmd import device_mesh
-
-    need = int(np.prod(spec.mesh_shape))
-    if len(devices) != need:
-        raise ExecutorError(f"stage {spec.stage}: expected {need} devices for mesh "
-                            f"{spec.mesh_shape}, found {len(devices)}")
-    mesh = device_mesh(spec.mesh_shape, spec.axis_names, list(devices))
-    schedule = make_schedule(spec.schedule, spec.num_stages, spec.num_microbatches)
-    return StageWorker(split, spec.stage, mesh, spec.shardings, schedule, spec.measure,
-                       programs=programs, complete=complete)
-
-
-def place(x: Any, sharding: Any) -> Any:
-    """``x`` with ``sharding``. On a mesh spanning processes, a host value is placed by each
-    process from its own copy, reading only the shards its devices hold (other rows may
-    differ between processes: ``jax.device_put`` would refuse that)."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x    # what device_put returns too, without its ~20 µs of dispatch
-    if sharding.is_fully_addressable or isinstance(x, jax.Array):
-        return jax.device_put(x, sharding)
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -187,13 +118,13 @@ class StageWorker:
         self._ref_sharding = {r: self._named(p) for r, p in shardings.refs.items()}
         self._constrain, self._finish = constraints(mesh, shardings)
         self._replicated = self._named(None)
-        self._first_device = mesh.devices.flat[0]
         # Compiled from artifacts (``runtime.artifacts``), or jitted from the split on use.
         self._from_artifacts = programs is not None and complete
         self._programs: dict[tuple[str, bool], Any] = dict(programs or {})
         # Programs binding host callbacks: the warm-up runs their quiet variants, and
         # effects programs run after apply tasks on the mesh's first device.
         self._quiet = stage_effects.quiet_kinds(split, stage, self._programs)
+        self._effects = EffectsRunner(split, stage, mesh)
         stage_effects.check_mesh(split, stage, int(np.prod(mesh.devices.shape)))
         # How many tasks of this stage read each (ref, microbatch) value: released after.
         self._readers: dict[int, int] = {}
@@ -251,23 +182,6 @@ class StageWorker:
         fn = self._programs.get(key)
         if fn is None and self._prologue.outputs and not self._from_artifacts:
             fn = jax.jit(prologue_function(self.split, self.stage, self._constrain, quiet))
-            self._programs[key] = fn
-        return fn
-
-    def effects_program(self, kind: str) -> Any:
-        """The effects program of apply task ``kind``, on the mesh's first device."""
-        key = (stage_effects.EFFECTS + kind, False)
-        fn = self._programs.get(key)
-        if fn is None:
-            if not self.split.flat.eqns:
-                raise ExecutorError(f"stage {self.stage}: task {kind} has host effects, and "
-                                    f"its effects program needs the step's code (an "
-                                    f"artifact saved without it cannot run them)",
-                                    stage=self.stage)
-            from jax.sharding import SingleDeviceSharding
-
-            fn = jax.jit(stage_effects.effects_function(self.split, self.split.task(
-                kind, self.stage)), out_shardings=SingleDeviceSharding(self._first_device))
             self._programs[key] = fn
         return fn
 
@@ -502,12 +416,9 @@ class StageWorker:
         values.clear()
         accs.clear()
         batch.clear()
-        for ins, token in effects:      # the step ends when its callbacks have run
-            try:
-                ready_at(token, timeout=timeout)
-            except Exception as e:
-                raise self._error(ins, f"its host effects: {type(e).__name__}: {e}",
-                                  Failure.PROGRAM) from e
+        # The step ends when its callbacks have run.
+        self._effects.wait(effects, timeout, lambda ins, what: self._error(
+            ins, what, Failure.PROGRAM))
         try:
             return outs, self._timed(records, timeout)
         except ExecutorError:
@@ -594,7 +505,7 @@ class StageWorker:
         outs, new = self.program(ins.kind, with_acc, quiet)(inputs, acc_in, mb_arg)
         if task.effects and not quiet and effects is not None:
             handed = outs[len(outs) - len(task.effect_inputs):] if task.effect_inputs else []
-            effects.append((ins, self._run_effects(ins.kind, handed)))
+            effects.append((ins, self._effects.run(ins.kind, handed)))
         # Timed without stalling dispatch: a watcher thread waits for the results while
         # this thread goes on to the next instruction (see _timed).
         # (Its accumulators are not waited on there: the next microbatch's call donates
@@ -618,22 +529,6 @@ class StageWorker:
                 values.pop(key, None)
         kind = {"F": "forward", "B": "backward"}.get(ins.kind, "apply")
         return Pending(TaskRecord(self.stage, ins.label(), t0, t0, mb, kind), done)
-
-    def _run_effects(self, kind: str, handed: Sequence[Any]) -> Any:
-        """Task ``kind``'s effects program on the mesh's first device (on a mesh spanning
-        processes, the values are replicated first and only the process holding that
-        device runs it: once per step, as ``jax.jit`` runs a callback on one device).
-        Returns its token (None where another process runs it)."""
-        first = self._first_device
-        if self._replicated.is_fully_addressable:
-            handed = jax.device_put(list(handed), first)
-        else:
-            handed = jax.jit(lambda xs: xs, out_shardings=self._replicated)(list(handed))
-            if first.process_index != jax.process_index():
-                return None
-            handed = [next(s.data for s in x.addressable_shards if s.device == first)
-                      for x in handed]
-        return self.effects_program(kind)(handed)
 
     def _timed(self, records: list, timeout: float) -> list[TaskRecord]:
         """Measured records (``task_timing.measured``); a background send's record is

@@ -42,7 +42,7 @@ VERSION_DEPENDENT = frozenset({"pjit", "remat", "checkpoint", "core_call", "clos
                                "reciprocal", "square", "split", "erf_inv", "sharding_constraint",
                                "mesh_cast", "reshard", "pvary", "cumlogsumexp",
                                "expand_dims", "custom_call", "scatter_add", "scatter_mul",
-                               "scatter_min", "scatter_max", "scatter_sub"})
+                               "scatter_min", "scatter_max", "scatter_sub", "debug_print"})
 
 # One result per element from the elements at the same position of every operand (rank-0
 # operands broadcast): slicing the operands slices the result.
@@ -234,9 +234,10 @@ def light_cond(eqn: Any) -> bool:
     return all(light(b[0]) for b in branches)
 
 
-# Host callbacks: Python run by the program (``jax.debug.callback`` / ``print`` are
-# ``debug_callback``; ``io_callback``; ``pure_callback``, which has no effect).
-CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback"})
+# Host callbacks: Python run by the program (``jax.debug.callback`` is ``debug_callback``,
+# ``jax.debug.print`` ``debug_print``; ``io_callback``; ``pure_callback``, which has no
+# effect).
+CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "debug_print"})
 
 
 def is_effect(eqn: Any) -> bool:
@@ -253,17 +254,20 @@ def is_ordered(eqn: Any) -> bool:
 
 def callback_sites(eqn: Any) -> list[Any]:
     """The host-callback equations ``eqn`` is or holds (in its bodies, branches, loops),
-    innermost, in program order: where a message names the user's callback."""
+    innermost, in program order: where a message names the user's callback. (An
+    effect of another primitive, holding no body, counts as one.)"""
     if eqn.primitive.name in CALLBACKS:
         return [eqn]
     out: list[Any] = []
+    bodies = False
     for value in eqn.params.values():
         for v in value if isinstance(value, (tuple, list)) else (value,):
             body = private.open_body(v)
             if body is not None:
+                bodies = True
                 for e in body[0].eqns:
                     out.extend(callback_sites(e))
-    return out
+    return [eqn] if not bodies and is_effect(eqn) else out
 
 
 def all_names() -> frozenset[str]:
