@@ -188,9 +188,11 @@ def check(split: Any) -> None:
     for (a, wa), (b, wb) in zip(ordered, ordered[1:]):
         if wa[0] != wb[0] or wa[1:3] > wb[1:3]:
             raise StageSplitError(
-                f"ordered effects {describe(flat, a)} and {describe(flat, b)}: the pipeline "
-                f"would run them on {wa[3]} and {wb[3]}, not in program order; make one of "
-                f"them unordered (ordered=False), or read their results on one stage")
+                f"ordered effects {describe(flat, a)} and then {describe(flat, b)}: the "
+                f"pipeline would not run them in program order (the first in {wa[3]}, the "
+                f"second in {wb[3]}{', before it' if wa[0] == wb[0] else ''}); make one of "
+                f"them unordered (ordered=False), or leave the results of an ordered "
+                f"io_callback unread")
 
 
 def same_tasks(a: Any, b: Any, stage: int) -> str | None:

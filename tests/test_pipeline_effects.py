@@ -10,6 +10,8 @@ On Ray and under ``rhino.launch`` (the callback runs in another process):
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 
 import jax
@@ -243,3 +245,77 @@ def test_an_ordered_effect_is_no_argument_of_the_planned_graph():
     assert [g.ops[i].arg.path for i in g.params] == ["w", "x"]
     assert [str(g.ops[i].shape) for i in g.params] == ["f32[3]", "f32[4]"]
     assert [o.path for o in g.output_info] == ["out[0]", "out[1]"]
+
+
+@pytest.mark.slow
+def test_flax_nnx_blocks_under_nnx_scan_report_their_activations():
+    """A Flax NNX LM whose blocks (made by ``nnx.vmap``, run by ``nnx.scan``) each report
+    the mean square of their output through ``jax.debug.callback``, with the loss and the
+    gradients' global norm printed after ``jax.value_and_grad``, trained with optax Adam:
+    pipelined, every block's report comes once per step, in layer order, with jax.jit's
+    values, and the printed norms are jax.jit's."""
+    import optax
+    from flax import nnx
+
+    layers, d, vocab = 4, 32, 64
+    reports: list = []
+
+    class Block(nnx.Module):
+        def __init__(self, d, rngs):
+            self.ln = nnx.LayerNorm(d, rngs=rngs)
+            self.fc = nnx.Linear(d, d, rngs=rngs)
+
+        def __call__(self, x):
+            y = x + jax.nn.gelu(self.fc(self.ln(x)))
+            jax.debug.callback(lambda v: reports.append(float(v)), jnp.mean(y ** 2))
+            return y
+
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(vocab, d, rngs=rngs)
+
+            @nnx.split_rngs(splits=layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def blocks(rngs):
+                return Block(d, rngs)
+            self.blocks = blocks(rngs)
+            self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+        def __call__(self, tokens):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(x, block):
+                return block(x)
+            return self.head(run(self.embed(tokens), self.blocks))
+
+    graphdef, params, rest = nnx.split(LM(nnx.Rngs(0)), nnx.Param, ...)
+    tx = optax.adam(1e-3)
+
+    def step(params, opt_state, batch):
+        def loss_fn(params):
+            logits = nnx.merge(graphdef, params, rest)(batch["tokens"])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["labels"]).mean()
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        jax.debug.print("loss {l} norm {g}", l=loss, g=optax.tree.norm(grads))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (16, 8), 0, vocab)
+    batch = {"tokens": tokens, "labels": jnp.roll(tokens, 1, axis=1)}
+
+    def printed(fn, state):
+        reports.clear()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            for _ in range(2):
+                *state, _ = fn(*state, batch)
+            jax.effects_barrier()
+        return list(reports), [float(v) for v in re.findall(r"norm (\S+)", out.getvalue())]
+
+    want, want_norms = printed(jax.jit(step), (params, tx.init(params)))
+    with rhino.auto_parallel(step, **PIPE) as piped:
+        got, got_norms = printed(piped, jax.tree.map(np.asarray, (params, tx.init(params))))
+    assert len(want) == len(got) == 2 * layers
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert len(got_norms) == len(want_norms) == 2
+    np.testing.assert_allclose(got_norms, want_norms, rtol=1e-5)
