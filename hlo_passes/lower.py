@@ -465,7 +465,7 @@ def refuse_couplings(layout: MicrobatchLayout, m: int,
         fix = ("Pass per_microbatch_statistics=True to let each microbatch use its own "
                "statistics (as gradient accumulation does), or run the step as one SPMD "
                "stage (mesh_shape=..., or stages=1)")
-    elif first.primitive in prims.CALLBACKS or first.what.startswith("a host effect"):
+    elif first.on_callback:
         fix = ("jax.jit runs a host callback once per step on the whole batch: compute its "
                "operands from the batch alone (each stage's prologue then runs it once per "
                "step on the whole batch), keep its results out of the gradients (it then runs "

@@ -148,22 +148,19 @@ def loud(split: Any, eqns: Sequence[int]) -> frozenset[int]:
     return frozenset(i for i in eqns if prims.callback_sites(split.flat.eqns[i].eqn))
 
 
-def check(split: Any) -> None:
-    """Refuse an effect that would not run exactly once per step (or that runs per
-    microbatch), and ordered effects that would run on two stages or out of program order.
-
-    Raises:
-        StageSplitError: naming the effect's primitive and source line.
-    """
-    from rhino.hlo_passes.stage_programs import StageSplitError, is_apply
-
+def check(split: Any) -> str | None:
+    """Why ``split`` cannot keep its effects' meaning, naming the effect's primitive and
+    source line (None: it can): an effect that would not run exactly once per step (or
+    that runs per microbatch), ordered effects that would run on two stages or out of
+    program order (``split_step`` raises it)."""
     flat = split.flat
     runs: dict[int, list[tuple]] = {}
     for s, pro in split.prologues.items():
         for i in pro.eqns:
             runs.setdefault(i, []).append((s, 0, 0, f"the prologue of stage {s}"))
     for (kind, s), t in split.tasks.items():
-        phase = int(kind[1:] or 0) + 1 if is_apply(kind) else -1
+        phases = split.apply_phases.get(s, ())
+        phase = phases.index(kind) + 1 if kind in phases else -1
         for i in t.eqns:
             runs.setdefault(i, []).append((s, phase, 0, f"task {t.label}"))
         for i in t.effects:
@@ -179,20 +176,19 @@ def check(split: Any) -> None:
                 f"would run once per microbatch (in {where[0][3]})" if where[0][1] < 0
                 else None)
         if what is not None:
-            raise StageSplitError(
-                f"{describe(flat, i)}: a host effect {what}; jax.jit runs it once per "
-                f"step. Read its results on one stage only, or compute them outside the "
-                f"step")
+            return (f"{describe(flat, i)}: a host effect {what}; jax.jit runs it once per "
+                    f"step. Read its results on one stage only, or compute them outside "
+                    f"the step and pass them in")
         if prims.is_ordered(fe.eqn):
             ordered.append((i, where[0]))
     for (a, wa), (b, wb) in zip(ordered, ordered[1:]):
         if wa[0] != wb[0] or wa[1:3] > wb[1:3]:
-            raise StageSplitError(
-                f"ordered effects {describe(flat, a)} and then {describe(flat, b)}: the "
-                f"pipeline would not run them in program order (the first in {wa[3]}, the "
-                f"second in {wb[3]}{', before it' if wa[0] == wb[0] else ''}); make one of "
-                f"them unordered (ordered=False), or leave the results of an ordered "
-                f"io_callback unread")
+            return (f"ordered effects {describe(flat, a)} and then {describe(flat, b)}: the "
+                    f"pipeline would not run them in program order (the first in {wa[3]}, "
+                    f"the second in {wb[3]}{', before it' if wa[0] == wb[0] else ''}); make "
+                    f"one of them unordered (ordered=False), or leave the results of an "
+                    f"ordered io_callback unread")
+    return None
 
 
 def same_tasks(a: Any, b: Any, stage: int) -> str | None:
@@ -230,27 +226,22 @@ def quiet_kinds(split: Any, stage: int, programs: Collection[tuple[str, bool]] =
     return frozenset(out)
 
 
-def check_mesh(split: Any, stage: int, devices: int) -> None:
-    """Refuse an ordered effect bound in a program of ``stage`` (its results are read, so
-    it is no effects program's) on a mesh of more than one device: ``jax.jit`` runs
-    ordered effects on one device only.
-
-    Raises:
-        StageSplitError: naming the effect.
-    """
-    from rhino.hlo_passes.stage_programs import StageSplitError
-
+def check_mesh(split: Any, stage: int, devices: int) -> str | None:
+    """Why ``stage`` cannot run on a mesh of ``devices`` devices, naming the effect (None:
+    it can): an ordered effect bound in one of its programs (its results are read, so it
+    is no effects program's) on more than one device, where ``jax.jit`` runs ordered
+    effects on one device only."""
     if devices <= 1 or not split.flat.eqns:
-        return
+        return None
     bound = [i for (k, s), t in split.tasks.items() if s == stage for i in t.eqns]
     bound += list(split.prologues[stage].eqns)
     for i in sorted(bound):
         if prims.is_ordered(split.flat.eqns[i].eqn):
-            raise StageSplitError(
-                f"{describe(split.flat, i)}: an ordered effect whose results the step reads "
-                f"runs in a program of stage {stage}, on a mesh of {devices} devices; "
-                f"jax.jit runs ordered effects on one device only. Make it unordered "
-                f"(ordered=False), or leave its results unread")
+            return (f"{describe(split.flat, i)}: an ordered effect whose results the step "
+                    f"reads runs in a program of stage {stage}, on a mesh of {devices} "
+                    f"devices; jax.jit runs ordered effects on one device only. Make it "
+                    f"unordered (ordered=False), or leave its results unread")
+    return None
 
 
 def stage_callbacks(split: Any, stage: int) -> tuple[str, ...]:

@@ -451,7 +451,9 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
     split = StepSplit(flat, num_stages, m, tasks, tuple(outputs), tuple(role), tuple(stage),
                       tuple(sorted(batch)), {r: frozenset(c) for r, c in consumers.items()},
                       layout, prologues, acc_rules, phases)
-    stage_effects.check(split)
+    refused = stage_effects.check(split)
+    if refused is not None:
+        raise StageSplitError(refused)
     return split
 
 

@@ -67,7 +67,8 @@ from rhino.planning import argument_lower_bound, fit_compiled_memory
 from rhino.step_arguments import signature
 from rhino.progress import Progress
 from rhino.runtime import spmd
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
+from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
+from rhino.runtime.worker_spec import WorkerSpec
 from rhino.runtime.host_data import has_host_data, materialize
 from rhino.runtime.runs import DirectRun, StagedRun
 from rhino.vocabulary import (REMOVED_TRANSPORTS, ExecutorKind, ScheduleKind, TransportKind,

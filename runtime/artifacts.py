@@ -125,7 +125,7 @@ class StageArtifact:
         """The ``StageWorker`` on ``devices`` (as many as the mesh has), its programs
         compiled from the artifact (those binding host callbacks jitted from the step
         re-traced here: ``rebuild``)."""
-        from rhino.runtime.executor import build_worker
+        from rhino.runtime.worker_spec import build_worker
 
         programs = self.programs_on()
         if self.rebuild is None:

@@ -55,7 +55,6 @@ from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, constrai
                                              task_function)
 from rhino.runtime import threads
 from rhino.runtime.host_effects import EffectsRunner
-from rhino.runtime.worker_spec import WorkerSpec, build_worker, place
 from rhino.runtime.instructions import (Instr, acknowledged_recvs, first_apply, held_sends,
                                         instructions)
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
@@ -64,8 +63,7 @@ from rhino.runtime.task_timing import Pending, all_ready, done_now, measured, re
 from rhino.runtime.timeline import TaskRecord
 
 __all__ = ["ExecutorError", "Failure", "LocalTransport", "StepTransport", "Transport",
-           "root_cause", "Instr", "instructions", "WorkerSpec", "build_worker", "place",
-           "StageWorker",
+           "root_cause", "Instr", "instructions", "place", "StageWorker",
            "LocalExecutor", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -74,6 +72,18 @@ ABORT_GRACE_S = 10.0
 CLOSE_GRACE_S = 2.0
 """How long ``close()`` (and an interrupted step) waits for stage threads to stop."""
 
+
+
+def place(x: Any, sharding: Any) -> Any:
+    """``x`` with ``sharding``. On a mesh spanning processes, a host value is placed by each
+    process from its own copy, reading only the shards its devices hold (other rows may
+    differ between processes: ``jax.device_put`` would refuse that)."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x    # what device_put returns too, without its ~20 µs of dispatch
+    if sharding.is_fully_addressable or isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -125,7 +135,9 @@ class StageWorker:
         # effects programs run after apply tasks on the mesh's first device.
         self._quiet = stage_effects.quiet_kinds(split, stage, self._programs)
         self._effects = EffectsRunner(split, stage, mesh)
-        stage_effects.check_mesh(split, stage, int(np.prod(mesh.devices.shape)))
+        refused = stage_effects.check_mesh(split, stage, int(np.prod(mesh.devices.shape)))
+        if refused is not None:
+            raise ExecutorError(f"stage {stage}: {refused}", stage=stage)
         # How many tasks of this stage read each (ref, microbatch) value: released after.
         self._readers: dict[int, int] = {}
         mine = [t for (k, s), t in split.tasks.items() if s == stage]

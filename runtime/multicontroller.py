@@ -24,7 +24,8 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
+from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
+from rhino.runtime.worker_spec import WorkerSpec
 from rhino.runtime.transport import ExecutorError
 
 

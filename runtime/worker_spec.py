@@ -1,6 +1,5 @@
 """What a process needs to build one stage's ``StageWorker`` (``WorkerSpec``: the step, its
-abstract arguments, the assignment of equations to stages, the stage's mesh and shardings),
-and how a value is placed on a stage's mesh (``place``).
+abstract arguments, the assignment of equations to stages, the stage's mesh and shardings).
 
 The split is a pure function of the traced step and the assignment, so every process that
 has the step's code (every process of a multi-controller job; a Ray actor rebuilding the
@@ -17,6 +16,7 @@ import numpy as np
 
 from rhino.hlo_passes.stage_programs import StageShardings, StepSplit, flatten, split_step
 from rhino.hlo_passes.unroll import trace
+from rhino.runtime.executor import StageWorker
 from rhino.runtime.schedules import make_schedule
 from rhino.runtime.transport import ExecutorError
 
@@ -76,19 +76,5 @@ def build_worker(spec: Any, split: StepSplit, devices: Sequence[Any],
                             f"{spec.mesh_shape}, found {len(devices)}")
     mesh = device_mesh(spec.mesh_shape, spec.axis_names, list(devices))
     schedule = make_schedule(spec.schedule, spec.num_stages, spec.num_microbatches)
-    from rhino.runtime.executor import StageWorker
-
     return StageWorker(split, spec.stage, mesh, spec.shardings, schedule, spec.measure,
                        programs=programs, complete=complete)
-
-
-def place(x: Any, sharding: Any) -> Any:
-    """``x`` with ``sharding``. On a mesh spanning processes, a host value is placed by each
-    process from its own copy, reading only the shards its devices hold (other rows may
-    differ between processes: ``jax.device_put`` would refuse that)."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x    # what device_put returns too, without its ~20 µs of dispatch
-    if sharding.is_fully_addressable or isinstance(x, jax.Array):
-        return jax.device_put(x, sharding)
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -179,6 +179,11 @@ class Coupling:
                 f"{self.statistic[1] or 'an unknown line'})" if self.statistic else "")
         return f"{self.what}: {at}{made}"
 
+    @property
+    def on_callback(self) -> bool:
+        """On a host callback (``_effect``, or a ``pure_callback`` read per example)."""
+        return self.primitive in prims.CALLBACKS or self.what.startswith("a host effect")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MicrobatchLayout:
