@@ -134,13 +134,14 @@ def effects_function(split: Any, task: Any) -> Any:
 
 def quiet_outputs(split: Any, i: int) -> list:
     """Zeros for the results of callback equation ``i`` (its quiet variant, the warm-up's:
-    the callback is not called)."""
+    the callback is not called); None for a result nothing reads."""
     import jax
 
-    fe = split.flat.eqns[i]
-    return [jax.numpy.zeros(split.microbatch_shape(r) if r is not None
-                            and split.layout.place[i] is Place.MICRO else v.aval.shape,
-                            v.aval.dtype) for r, v in zip(fe.outs, fe.eqn.outvars)]
+    fe, avals = split.flat.eqns[i], split.flat.avals
+    micro = split.layout.place[i] is Place.MICRO
+    return [None if r is None else jax.numpy.zeros(
+        split.microbatch_shape(r) if micro else avals[r].shape, avals[r].dtype)
+        for r in fe.outs]
 
 
 def loud(split: Any, eqns: Sequence[int]) -> frozenset[int]:
