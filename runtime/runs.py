@@ -230,6 +230,11 @@ class StagedRun:
             lines.append(f"  statistics        {len(lay.local)} equations read each "
                          f"microbatch's own estimate of a whole-batch statistic "
                          f"(per_microbatch_statistics)")
+        effects = sum(len(t.effects) for t in sp.tasks.values())
+        if effects:
+            lines.append(f"  host effects      {effects} callback{'s' if effects > 1 else ''} "
+                         f"nothing reads: once per step, after stage 0's apply-gradients, "
+                         f"on its first device")
         if self.warm_up_s is not None:
             lines.append(f"  compiled          every stage program before the first step "
                          f"({self.warm_up_s:.1f} s, one step on zeros)")

@@ -104,6 +104,8 @@ def test_every_host_callback_runs_as_under_jit(capfd):
             s, loss2, metric2 = piped(s, x, y)
         jax.effects_barrier()
         split = piped.split_for(jax.tree.map(np.asarray, p), x, y)
+        report = piped.report_for(jax.tree.map(np.asarray, p), x, y)
+    assert "host effects      9 callbacks nothing reads: once per step" in report, report
     got_printed = _printed(capfd.readouterr().out)
     assert split.num_stages == 2
     assert {t: len(v) for t, v in got.items()} == {t: len(v) for t, v in want.items()}
