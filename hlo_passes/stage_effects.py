@@ -68,14 +68,25 @@ def describe(flat: Any, i: int) -> str:
     return f"{prims.name(fe.eqn)} at {flat.source(fe) or 'an unknown line'}"
 
 
-def once_effects(flat: Any) -> frozenset[int]:
-    """Effect equations whose results nothing reads (a print, a debug callback, an
-    ``io_callback`` whose result is dropped): each runs in its apply task's effects
-    program."""
-    read = {x for fe in flat.eqns for x in fe.ins if isinstance(x, int)}
-    read |= {x for x in flat.outs if isinstance(x, int)}
-    return frozenset(i for i, fe in enumerate(flat.eqns) if prims.is_effect(fe.eqn)
-                     and not any(r in read for r in fe.outs if r is not None))
+def liveness(flat: Any) -> tuple[frozenset[int], frozenset[int]]:
+    """``(dead, once)``: the equations nothing live reads a result of (no step result, no
+    effect depends on them: ``jax.jit`` leaves them out, and so do the stage programs),
+    and the effect equations among the live ones whose results nothing live reads (a
+    print, a debug callback, an ``io_callback`` whose result is dropped or read only by
+    dead code): each of those runs in an effects program."""
+    live = {x for x in flat.outs if isinstance(x, int)}
+    dead, once = set(), set()
+    for i in range(len(flat.eqns) - 1, -1, -1):
+        fe = flat.eqns[i]
+        read = any(r in live for r in fe.outs if r is not None)
+        effect = prims.is_effect(fe.eqn)
+        if read or effect:
+            live.update(x for x in fe.ins if isinstance(x, int))
+        if effect and not read:
+            once.add(i)
+        elif not read and not effect:
+            dead.add(i)
+    return frozenset(dead), frozenset(once)
 
 
 def whole_callbacks(flat: Any, free: Collection[int], once: Collection[int]) -> set[int]:

@@ -302,18 +302,20 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
                      feeds_gradient=feeds, per_microbatch=cg,
                      per_microbatch_statistics=per_microbatch_statistics,
                      batch_free_scope=INDEX_SCOPE)
-    once = stage_effects.once_effects(flat)        # host effects: once per step
+    dead, once = stage_effects.liveness(flat)      # host effects: once per step
     after = stage_effects.place_once(flat, once, role, stage)
     for i in range(n):
         where = layout.place[i]
-        if where is Place.POST:
+        if i in dead:                   # nothing reads it (jax.jit leaves it out too)
+            role[i], stage[i] = Role.FREE, -1
+        elif where is Place.POST:
             if role[i] != Role.APPLY:
                 role[i] = Role.APPLY
                 stage[i] = max(stage[i], 0)
         elif where in (Place.FREE, Place.PROLOGUE) and i not in once:
             role[i] = Role.FREE
             stage[i] = -1
-    pre = {i for i in range(n) if layout.place[i] is Place.PROLOGUE and i not in once}
+    pre = {i for i in range(n) if layout.place[i] is Place.PROLOGUE and i not in once | dead}
     pre |= stage_effects.whole_callbacks(flat, [i for i in range(n) if layout.place[i] is
                                                 Place.FREE], once)
     phase = _apply_phases(flat, role, stage, prod, after)

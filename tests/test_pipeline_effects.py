@@ -38,7 +38,10 @@ def _every_callback(calls: dict):
     """A step with every kind of host callback, each recording ``(tag, values)`` in
     ``calls``."""
     def log(tag):
-        return lambda *v: calls.setdefault(tag, []).append([np.array(a) for a in v])
+        def call(*v):
+            calls.setdefault(tag, []).append([np.array(a) for a in v])
+            return np.float32(0.0) if tag == "io_dead" else None
+        return call
 
     def pure(tag, fn):
         def call(v):
@@ -61,6 +64,9 @@ def _every_callback(calls: dict):
                             ordered=True)
             io_callback(log("io_ordered"), None, jax.lax.stop_gradient(jnp.mean(h)),
                         ordered=True)
+            dead = io_callback(log("io_dead"), jax.ShapeDtypeStruct((), jnp.float32),
+                               jax.lax.stop_gradient(jnp.min(h)))
+            dead = dead * 2.0               # read by dead code only: jax.jit still calls it
             # From the batch alone (a prologue computes it whole) and from the weights
             # alone (once per step, not once per task and microbatch): both feed the loss.
             s = jax.pure_callback(pure("pure_data", lambda v: 1.0 + np.mean(v * v)),
@@ -105,7 +111,7 @@ def test_every_host_callback_runs_as_under_jit(capfd):
         jax.effects_barrier()
         split = piped.split_for(jax.tree.map(np.asarray, p), x, y)
         report = piped.report_for(jax.tree.map(np.asarray, p), x, y)
-    assert "host effects      9 callbacks nothing reads: once per step" in report, report
+    assert "host effects      10 callbacks nothing reads: once per step" in report, report
     got_printed = _printed(capfd.readouterr().out)
     assert split.num_stages == 2
     assert {t: len(v) for t, v in got.items()} == {t: len(v) for t, v in want.items()}
