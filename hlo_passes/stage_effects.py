@@ -89,11 +89,12 @@ def liveness(flat: Any) -> tuple[frozenset[int], frozenset[int]]:
     return frozenset(dead), frozenset(once)
 
 
-def whole_callbacks(flat: Any, free: Collection[int], once: Collection[int]) -> set[int]:
-    """Free equations (computed from state alone) holding a host callback whose results
-    are read: computed by a prologue, once per step, instead of by every task reading
-    them."""
-    return {i for i in free if i not in once and prims.callback_sites(flat.eqns[i].eqn)}
+def whole_callbacks(flat: Any, layout: Any, once: Collection[int]) -> set[int]:
+    """Free equations (computed from state alone: ``layout.place``) holding a host callback
+    whose results are read: computed by a prologue, once per step, instead of by every
+    task reading them."""
+    return {i for i, where in enumerate(layout.place) if where is Place.FREE
+            and i not in once and prims.callback_sites(flat.eqns[i].eqn)}
 
 
 def place_once(flat: Any, once: Collection[int], role: list, stage: list) -> dict[int, int]:

@@ -316,8 +316,7 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
             role[i] = Role.FREE
             stage[i] = -1
     pre = {i for i in range(n) if layout.place[i] is Place.PROLOGUE and i not in once | dead}
-    pre |= stage_effects.whole_callbacks(flat, [i for i in range(n) if layout.place[i] is
-                                                Place.FREE], once)
+    pre |= stage_effects.whole_callbacks(flat, layout, once)
     phase = _apply_phases(flat, role, stage, prod, after)
 
     def key_of(i: int) -> tuple[str, int]:
@@ -436,11 +435,10 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
         made = {r for i in idx for r in flat.eqns[i].outs if r is not None}
         outs = sorted(r for r in made if (task_readers.get(r, set()) - {key})
                       or any(o.ref == r and o.source == "task" for o in outputs))
-        effects = [i for i in idx if i in once]
+        fx = tuple(i for i in idx if i in once)      # run by its effects program
         tasks[key] = TaskSpec(key[0], key[1], tuple(i for i in idx if i not in once),
-                              tuple(inputs_of[key]), tuple(outs),
-                              tuple(sorted(acc_refs.get(key, ()))), tuple(effects),
-                              stage_effects.effect_inputs(flat, effects))
+                              tuple(inputs_of[key]), tuple(outs), tuple(sorted(acc_refs.get(
+                                  key, ()))), fx, stage_effects.effect_inputs(flat, fx))
     prologues = {}
     for s in range(num_stages):
         eqns = prologue_equations(flat, layout, pre_refs[s])
@@ -453,9 +451,8 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
     split = StepSplit(flat, num_stages, m, tasks, tuple(outputs), tuple(role), tuple(stage),
                       tuple(sorted(batch)), {r: frozenset(c) for r, c in consumers.items()},
                       layout, prologues, acc_rules, phases)
-    refused = stage_effects.check(split)
-    if refused is not None:
-        raise StageSplitError(refused)
+    if stage_effects.check(split) is not None:
+        raise StageSplitError(stage_effects.check(split))
     return split
 
 
