@@ -436,9 +436,10 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
         outs = sorted(r for r in made if (task_readers.get(r, set()) - {key})
                       or any(o.ref == r and o.source == "task" for o in outputs))
         fx = tuple(i for i in idx if i in once)      # run by its effects program
+        acc = tuple(sorted(acc_refs.get(key, ())))
         tasks[key] = TaskSpec(key[0], key[1], tuple(i for i in idx if i not in once),
-                              tuple(inputs_of[key]), tuple(outs), tuple(sorted(acc_refs.get(
-                                  key, ()))), fx, stage_effects.effect_inputs(flat, fx))
+                              tuple(inputs_of[key]), tuple(outs), acc, fx,
+                              stage_effects.effect_inputs(flat, fx))
     prologues = {}
     for s in range(num_stages):
         eqns = prologue_equations(flat, layout, pre_refs[s])
@@ -451,8 +452,8 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
     split = StepSplit(flat, num_stages, m, tasks, tuple(outputs), tuple(role), tuple(stage),
                       tuple(sorted(batch)), {r: frozenset(c) for r, c in consumers.items()},
                       layout, prologues, acc_rules, phases)
-    if stage_effects.check(split) is not None:
-        raise StageSplitError(stage_effects.check(split))
+    if (refused := stage_effects.check(split)) is not None:
+        raise StageSplitError(refused)
     return split
 
 
