@@ -466,6 +466,12 @@ def refuse_couplings(layout: MicrobatchLayout, m: int,
         fix = ("Pass per_microbatch_statistics=True to let each microbatch use its own "
                "statistics (as gradient accumulation does), or run the step as one SPMD "
                "stage (mesh_shape=..., or stages=1)")
+    elif first.on_callback:
+        fix = ("jax.jit runs a host callback once per step on the whole batch: compute its "
+               "operands from the batch alone (each stage's prologue then runs it once per "
+               "step on the whole batch), keep its results out of the gradients (it then runs "
+               "once per step after the microbatches), or run the step as one SPMD stage "
+               "(mesh_shape=..., or stages=1)")
     elif first.pairable and not per_microbatch_statistics:
         fix = ("It pairs examples of the batch with each other, which no microbatch can do "
                "on its own: pass per_microbatch_statistics=True to let each microbatch pair "

@@ -68,7 +68,8 @@ from rhino.planning import argument_lower_bound, fit_compiled_memory
 from rhino.step_arguments import signature
 from rhino.progress import Progress
 from rhino.runtime import spmd
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
+from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
+from rhino.runtime.worker_spec import WorkerSpec
 from rhino.runtime.host_data import has_host_data, materialize
 from rhino.runtime.runs import DirectRun, StagedRun
 from rhino.vocabulary import (REMOVED_TRANSPORTS, ExecutorKind, ScheduleKind, TransportKind,
@@ -626,7 +627,7 @@ class _Builder:
 
             platform = actor_platform(o.ray_actor_options)
             self.progress(f"exporting the stage programs for the actors ({platform})")
-            specs_out = export_stages(specs, lowering.split, platform)
+            specs_out = export_stages(specs, lowering.split, platform, with_code=True)
             self.progress(f"starting {plan.num_stages} stage(s) on Ray actors, which compile "
                           f"their stage programs with one step on zeros")
             executor = RayExecutor(specs_out, plan.cluster, timeout=o.timeout,

@@ -24,7 +24,8 @@ import numpy as np
 from rhino.errors import RhinoError, format_bytes
 from rhino.jaxpr.private import with_weak_type
 from rhino.hlo_passes.lower import SpmdLowering, StageLowering
-from rhino.runtime.executor import WorkerSpec, place
+from rhino.runtime.executor import place
+from rhino.runtime.worker_spec import WorkerSpec
 from rhino.vocabulary import ScheduleKind
 
 
@@ -194,7 +195,7 @@ class StagedRun:
                 weak = getattr(w.split.flat.avals[r], "weak_type", False)
                 zeros[r] = jax.numpy.full(z.shape, z.dtype.type(0).item()) if weak else z
         try:
-            self.executor.run(zeros)
+            self.executor.run(zeros, warm_up=True)     # host callbacks not called
         finally:
             done.set()
         self.warm_up_s = time.perf_counter() - t0
@@ -229,6 +230,11 @@ class StagedRun:
             lines.append(f"  statistics        {len(lay.local)} equations read each "
                          f"microbatch's own estimate of a whole-batch statistic "
                          f"(per_microbatch_statistics)")
+        effects = sum(len(t.effects) for t in sp.tasks.values())
+        if effects:
+            lines.append(f"  host effects      {effects} callback{'s' if effects > 1 else ''} "
+                         f"nothing reads: once per step, after stage 0's apply-gradients, "
+                         f"on its first device")
         if self.warm_up_s is not None:
             lines.append(f"  compiled          every stage program before the first step "
                          f"({self.warm_up_s:.1f} s, one step on zeros)")

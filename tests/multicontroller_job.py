@@ -6,7 +6,9 @@ Options make it misbehave on purpose: ``--pin-on P`` (process P pins a weight's 
 its plan differs from the others'), ``--fail-on P`` (process P exits with ``--exit-code``
 right after joining; the others wait), ``--raise-on P`` (process P raises instead),
 ``--global-batch`` (each process passes only its own rows, through ``rhino.global_batch``);
-``--cluster``, ``--stages``: ``auto_parallel``'s options.
+``--cluster``, ``--stages``: ``auto_parallel``'s options; ``--effects PATH``: the step holds
+a ``jax.debug.callback`` and an ordered ``io_callback``, which append ``TAG pPROCESS VALUE``
+lines to PATH (the one-device ``jax.jit`` reference's tags start with ``ref-``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,27 @@ def train_step(params, x, y):
     return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
 
 
+def effect_step(path: str, prefix: str):
+    """``train_step`` with host callbacks appending to ``path``."""
+    from jax.experimental import io_callback
+
+    def write(tag):
+        def f(v):
+            with open(path, "a") as out:
+                out.write(f"{prefix}{tag} p{jax.process_index()} {float(np.sum(v)):.6f}\n")
+        return f
+
+    def step(params, x, y):
+        def loss_fn(p):
+            h = jax.nn.relu(x @ p["w1"])
+            jax.debug.callback(write("sum"), jnp.sum(h))
+            return jnp.mean((h @ p["w2"] - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        io_callback(write("loss"), None, loss, ordered=True)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+    return step
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2)
@@ -40,6 +63,7 @@ def main() -> int:
     ap.add_argument("--global-batch", action="store_true")
     ap.add_argument("--cluster", default=None)
     ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--effects", default=None)
     a = ap.parse_args()
 
     job = rhino.distributed_init()
@@ -62,8 +86,10 @@ def main() -> int:
     x = rng.normal(size=(128, 64)).astype(np.float32)
     y = rng.normal(size=(128, 16)).astype(np.float32)
     pins = {"params['w1']": "R·R"} if a.pin_on == me else {}
-    step = rhino.auto_parallel(train_step, annotations=pins, cluster=a.cluster,
-                               stages=a.stages)
+    fn, ref_fn = train_step, train_step
+    if a.effects:
+        fn, ref_fn = effect_step(a.effects, ""), effect_step(a.effects, "ref-")
+    step = rhino.auto_parallel(fn, annotations=pins, cluster=a.cluster, stages=a.stages)
     if a.global_batch:        # each process only has its own rows
         rows = len(x) // n
         mine = slice(me * rows, (me + 1) * rows)
@@ -71,7 +97,7 @@ def main() -> int:
     else:
         xb, yb = x, y
     p, ref = params, params
-    ref_step = jax.jit(train_step)
+    ref_step = jax.jit(ref_fn)
     for k in range(a.steps):
         p, loss = step(p, xb, yb)
         if k == 0:        # global arrays in the plan's layout, passed back as they are

@@ -273,3 +273,26 @@ def test_with_weak_type_changes_only_the_weak_type():
 def test_distributed_kv_client_is_none_outside_a_job():
     # Inside a job it is the coordination client (tests/test_jax_transfer.py uses it).
     assert jp.distributed_kv_client() is None
+
+
+def test_effects_ordered_or_not_and_the_callbacks_they_hold():
+    """``is_ordered_effect`` (JAX's ordered-effect set) through ``primitives.is_effect`` /
+    ``is_ordered``, and ``callback_sites`` finding a print inside a ``cond``'s branch;
+    ``pure_callback`` has no effect."""
+    from jax.experimental import io_callback
+
+    def f(x):
+        jax.debug.print("{}", x[0], ordered=True)
+        io_callback(lambda v: None, None, x)
+        jax.debug.callback(lambda v: None, x)
+        y = jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return jax.lax.cond(x[0] > 0, lambda v: (jax.debug.print("{}", v[0]), v)[1],
+                            lambda v: -v, y)
+
+    eqns = [e for e in jax.make_jaxpr(f)(jnp.ones(3)).jaxpr.eqns
+            if prims.is_effect(e) or prims.callback_sites(e)]
+    assert [(prims.name(e), prims.is_effect(e), prims.is_ordered(e)) for e in eqns] == [
+        ("debug_print", True, True), ("io_callback", True, False),
+        ("debug_callback", True, False), ("pure_callback", False, False),
+        ("cond", True, False)]
+    assert [prims.name(s) for s in prims.callback_sites(eqns[-1])] == ["debug_print"]

@@ -119,6 +119,14 @@ class Coupling:
                 f"{self.statistic[1] or 'an unknown line'})" if self.statistic else "")
         return f"{self.what}: {at}{made}"
 
+    @property
+    def on_callback(self) -> bool:
+        """On a host callback (``microbatch._effect``, or a ``pure_callback`` read per
+        example)."""
+        from rhino.jaxpr import primitives as prims
+
+        return self.primitive in prims.CALLBACKS or self.what.startswith("a host effect")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MicrobatchLayout:

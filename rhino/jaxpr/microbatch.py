@@ -84,7 +84,7 @@ from rhino.jaxpr.layouts import (LOCAL, TOTAL, WHOLE, Coupling, Layout, Microbat
                                  MicrobatchLayout, Place, Use, partial, split)
 from rhino.jaxpr.mb_rules import Facts, Outcome, makes_zero, micro_rule, total_rule
 from rhino.jaxpr.pairs import PairFacts
-from rhino.jaxpr.private import name_stack_text
+from rhino.jaxpr.private import eqn_source, name_stack_text
 
 __all__ = ["Layout", "Use", "Place", "Coupling", "MicrobatchLayout", "MicrobatchError",
            "WHOLE", "TOTAL", "LOCAL", "split", "partial", "analyze", "ancestors",
@@ -417,6 +417,8 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                     next((root_stat[r] for r in sorted(roots) if root_stat[r]), None),
                     all(root_stat.get(r) is not None for r in roots)))
                 met |= roots
+        elif prims.is_effect(fe.eqn) and any(x.per_microbatch for x in ins):
+            got = _effect(flat, fe, ins, i in feeds, couplings)
         elif kinds <= {"whole"}:
             got = Outcome([WHOLE] * len(fe.outs), {})
             if bdep and sdep and prims.name(fe.eqn) in (prims.DOT, prims.CONV):
@@ -550,6 +552,27 @@ def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int
                             frozenset(r for r in layout if r not in dep_state),
                             frozenset(wholes), frozenset(dep_batch), tuple(couplings),
                             frozenset(local_eqns), nested), met
+
+
+def _effect(flat: FlatProgram, fe: Any, ins: list[Layout], feeds_gradient: bool,
+            couplings: list[Coupling]) -> Outcome:
+    """A host effect (a debug or io callback) reading per-microbatch values: run once per
+    step, as under ``jax.jit``, on their totals and concatenations (``_total``). One whose
+    results the gradients need (it would have to run per microbatch), or that reads values
+    over pairs of the batch (no microbatch holds them all), is a coupling."""
+    pairs = any(x.pair is not None for x in ins)
+    if feeds_gradient or pairs:
+        inner = [s for s in prims.callback_sites(fe.eqn) if s is not fe.eqn][:1]
+        held = "".join(f" (it holds {prims.name(s)} at {eqn_source(s) or 'an unknown line'})"
+                       for s in inner)
+        couplings.append(Coupling(
+            f"a host effect{held} reads " + (
+                "values over pairs of the batch's examples (each microbatch holds only its "
+                "own pairs)" if pairs else "per-example values and the gradients need its "
+                "results (jax.jit runs it once per step on the whole batch; a pipeline "
+                "would run it once per microbatch)"),
+            prims.name(fe.eqn), flat.source(fe), fe.path, None, False))
+    return total_rule(fe, ins)
 
 
 def _statistic(flat: FlatProgram, fe: Any, got: Outcome, ins: list[Layout],

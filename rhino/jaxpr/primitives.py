@@ -47,7 +47,8 @@ VERSION_DEPENDENT = frozenset({"pjit", "remat", "checkpoint", "core_call", "clos
                                "scatter_min", "scatter_max", "scatter_sub", "eq_to",
                                "le_to", "lt_to", "stage", "stack", "unstack", "tile",
                                "random_gamma_grad", "geqp3", "cholesky_update",
-                               "symmetric_product", "composite", "custom_vmap_call"})
+                               "symmetric_product", "composite", "custom_vmap_call",
+                               "debug_print"})
 
 # One result per element from the elements at the same position of every operand (rank-0
 # operands broadcast): slicing the operands slices the result.
@@ -317,6 +318,42 @@ def light_cond(eqn: Any) -> bool:
     return all(light(b[0]) for b in branches)
 
 
+# Host callbacks: Python run by the program (``jax.debug.callback`` is ``debug_callback``,
+# ``jax.debug.print`` ``debug_print``; ``io_callback``; ``pure_callback``, which has no
+# effect).
+CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "debug_print"})
+
+
+def is_effect(eqn: Any) -> bool:
+    """An equation with an effect (a debug or io callback, or control flow holding one):
+    under ``jax.jit`` it runs once per step even where nothing reads its results."""
+    return bool(getattr(eqn, "effects", None))
+
+
+def is_ordered(eqn: Any) -> bool:
+    """An equation with an ordered effect (``ordered=True``): ``jax.jit`` runs those in
+    program order, and only on one device."""
+    return any(private.is_ordered_effect(e) for e in getattr(eqn, "effects", None) or ())
+
+
+def callback_sites(eqn: Any) -> list[Any]:
+    """The host-callback equations ``eqn`` is or holds (in its bodies, branches, loops),
+    innermost, in program order: where a message names the user's callback. (An
+    effect of another primitive, holding no body, counts as one.)"""
+    if eqn.primitive.name in CALLBACKS:
+        return [eqn]
+    out: list[Any] = []
+    bodies = False
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            body = private.open_body(v)
+            if body is not None:
+                bodies = True
+                for e in body[0].eqns:
+                    out.extend(callback_sites(e))
+    return [eqn] if not bodies and is_effect(eqn) else out
+
+
 def all_names() -> frozenset[str]:
     """Every primitive name this table spells (for the canary test)."""
     names = set(CALLS) | set(CUSTOM) | set(REMAT) | {HI, SCAN, COND, WHILE}
@@ -324,11 +361,8 @@ def all_names() -> frozenset[str]:
     names |= RNG_SHAPED | LINEAR_UNARY | SUMS | {RANDOM_WRAP, RANDOM_UNWRAP} | HEAVY | SCATTERS | REDUCE_WINDOWS
     names |= set(LINALG_CORE) | {STACK, UNSTACK, TILE, REDUCE, APPROX_TOP_K,
                                  CUSTOM_PARTITIONING, LINEAR_SOLVE}
-
-
-    names |= RNG_SHAPED | LINEAR_UNARY | SUMS | HEAVY
     names |= {RANDOM_WRAP, RANDOM_UNWRAP, RANDOM_SEED, RANDOM_BITS, THREEFRY,
-              RANDOM_FOLD_IN} | SCATTERS | REDUCE_WINDOWS
+              RANDOM_FOLD_IN} | CALLBACKS
     names |= {DOT, CONV, BROADCAST, RESHAPE, TRANSPOSE, SQUEEZE, CONVERT, IOTA, SLICE,
               DYNAMIC_SLICE, DYNAMIC_UPDATE_SLICE, CONCATENATE, PAD, REV, SPLIT, GATHER, SORT,
               TOP_K, SELECT_N, MUL, DIV, INTEGER_POW, SUB, OPTIMIZATION_BARRIER,

@@ -73,6 +73,14 @@ def bind_params(eqn: Any) -> dict:
     return dict(eqn.primitive.get_bind_params(eqn.params))
 
 
+def is_ordered_effect(effect: Any) -> bool:
+    """An ordered effect (``jax.debug.print(..., ordered=True)``, ``io_callback(...,
+    ordered=True)``): JAX threads a runtime token through the programs holding one."""
+    from jax._src import effects
+
+    return effects.ordered_effects.contains(effect)
+
+
 # ------------------------------------------------------------------------------ sources
 def eqn_context(eqn: Any):
     """The context ``jax.core.eval_jaxpr`` binds an equation in: its source traceback and
