@@ -171,7 +171,7 @@ def signatures(split: StepSplit) -> dict[tuple[str, int, bool], tuple]:
             out[("P", s, False)] = (args,)
     made: dict[tuple[str, int], dict[int, Any]] = {}     # task -> ref -> its output
     accs: dict[tuple[str, int], dict[int, Any]] = {}     # task -> ref -> its accumulator
-    todo = [key for key, t in split.tasks.items() if t.eqns or t.outputs or t.accumulate]
+    todo = [key for key, t in split.tasks.items() if not t.empty]
     while todo:
         ready = [k for k in todo if all(i.producer in made for i in split.tasks[k].inputs
                                         if i.source in ("task", "acc"))]
