@@ -301,6 +301,7 @@ class SavedPipeline:
         import jax
 
         from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
+        from rhino.runtime.runs import Handover
 
         self.stages = load(stages) if isinstance(stages, str) else list(stages)
         sizes = [int(np.prod(a.mesh_shape)) for a in self.stages]
@@ -317,14 +318,16 @@ class SavedPipeline:
                                 f"found {len(devices)}")
         self.workers = [a.build(list(d)) for a, d in zip(self.stages, devices)]
         self.executor = LocalExecutor(self.workers, timeout or DEFAULT_TIMEOUT_S)
+        self.handover = Handover()
 
     def __call__(self, *args: Any) -> list:
         import jax
 
         from rhino.runtime.runs import step_results
 
-        flat = jax.tree_util.tree_leaves(args)
-        return step_results(self.stages[0].split, flat, self.executor.run(flat))
+        flat = self.handover.back(jax.tree_util.tree_leaves(args))
+        return self.handover.give(step_results(self.stages[0].split, flat,
+                                               self.executor.run(flat)))
 
     def close(self) -> None:
         self.executor.close()
