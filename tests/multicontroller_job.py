@@ -90,7 +90,12 @@ def main() -> int:
         if not np.allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-6):
             print(f"process {me}: MISMATCH", flush=True)
             return 1
-    for got, want in zip(jax.tree.leaves(p), jax.tree.leaves(ref)):
+    return shards_match(me, p, ref)
+
+
+def shards_match(me: int, got_tree, want_tree) -> int:
+    """0 (and OK) when this process's shards of ``got_tree`` equal ``want_tree``'s."""
+    for got, want in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
         for shard in got.addressable_shards:
             if not np.allclose(np.asarray(shard.data), np.asarray(want)[shard.index],
                                rtol=1e-5, atol=1e-6):
@@ -124,14 +129,7 @@ def frozen(me: int, cluster: str, stages: int) -> int:
     split = step.split_for(p, *host[1:])
     print(f"process {me}: empty tasks "
           f"{sorted(f'{k}{s}' for (k, s), t in split.tasks.items() if t.empty)}", flush=True)
-    for got, want in zip(jax.tree.leaves(p), jax.tree.leaves(ref)):
-        for shard in got.addressable_shards:
-            if not np.allclose(np.asarray(shard.data), np.asarray(want)[shard.index],
-                               rtol=1e-5, atol=1e-6):
-                print(f"process {me}: MISMATCH in a shard", flush=True)
-                return 1
-    print(f"process {me}: OK", flush=True)
-    return 0
+    return shards_match(me, p, ref)
 
 
 def dataclass_again(job):
