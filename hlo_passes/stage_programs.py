@@ -144,6 +144,15 @@ class TaskSpec:
     def label(self) -> str:
         return f"{self.kind}{self.stage}"
 
+    @property
+    def empty(self) -> bool:
+        """The task computes nothing: no equations, outputs or accumulators (the backward
+        task of a stage holding no trained weights, the apply task of a stage that is only
+        the loss), and no host effects. An empty task has no program: none is exported for
+        it (``runtime.artifacts``) and no instruction list runs it
+        (``runtime.instructions``)."""
+        return not (self.eqns or self.outputs or self.accumulate or self.effects)
+
 
 @dataclasses.dataclass(frozen=True)
 class Prologue:

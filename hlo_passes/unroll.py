@@ -134,6 +134,11 @@ class _Unroller(Interpreter):
     def remat(self, eqn, path, body, invals):
         return super().remat(eqn, path, body, [_whole(x) for x in invals])
 
+    def cond_as_select(self, eqn, path, invals):
+        # Its branches run on a plain ``Interpreter``: a scan's stacked result (the
+        # gradients of stacked layers, read by ``optax.MultiSteps``' cond) enters whole.
+        return super().cond_as_select(eqn, path, [_whole(x) for x in invals])
+
     def remat_body(self, eqn, path, body, args):
         return [_whole(x) for x in self.run(body[0], body[1], args, path)]
 

@@ -199,8 +199,7 @@ def signatures(split: StepSplit) -> dict[tuple[str, int, bool], tuple]:
             out[("P", s, False)] = (args,)
     made: dict[tuple[str, int], dict[int, Any]] = {}     # task -> ref -> its output
     accs: dict[tuple[str, int], dict[int, Any]] = {}     # task -> ref -> its accumulator
-    todo = [key for key, t in split.tasks.items()
-            if t.eqns or t.outputs or t.accumulate or t.effects]
+    todo = [key for key, t in split.tasks.items() if not t.empty]
     while todo:
         ready = [k for k in todo if all(i.producer in made for i in split.tasks[k].inputs
                                         if i.source in ("task", "acc"))]
@@ -361,6 +360,7 @@ class SavedPipeline:
         import jax
 
         from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
+        from rhino.runtime.runs import Handover
 
         self.stages = load(stages) if isinstance(stages, str) else list(stages)
         sizes = [int(np.prod(a.mesh_shape)) for a in self.stages]
@@ -377,14 +377,16 @@ class SavedPipeline:
                                 f"found {len(devices)}")
         self.workers = [a.build(list(d)) for a, d in zip(self.stages, devices)]
         self.executor = LocalExecutor(self.workers, timeout or DEFAULT_TIMEOUT_S)
+        self.handover = Handover()
 
     def __call__(self, *args: Any) -> list:
         import jax
 
         from rhino.runtime.runs import step_results
 
-        flat = jax.tree_util.tree_leaves(args)
-        return step_results(self.stages[0].split, flat, self.executor.run(flat))
+        flat = self.handover.back(jax.tree_util.tree_leaves(args))
+        return self.handover.give(step_results(self.stages[0].split, flat,
+                                               self.executor.run(flat)))
 
     def close(self) -> None:
         self.executor.close()

@@ -174,16 +174,20 @@ class StageWorker:
         quiet = quiet and kind in self._quiet
         key = (stage_effects.QUIET + kind if quiet else kind, with_acc)
         fn = self._programs.get(key)
-        if fn is None and self._from_artifacts:
+        if fn is not None:
+            return fn
+        task = self.split.task(kind, self.stage)
+        if task.empty:    # instruction lists never run one: asking for it is a bug
+            raise ExecutorError(f"stage {self.stage}: task {task.label} is empty (no "
+                                f"equations, outputs or accumulators): it has no program",
+                                stage=self.stage)
+        if self._from_artifacts:
             raise ExecutorError(f"stage {self.stage}: no program {kind}"
                                 f"{'+acc' if with_acc else ''} among its artifacts "
                                 f"{sorted(self._programs)}", stage=self.stage)
-        if fn is None:
-            task = self.split.task(kind, self.stage)
-            donate = (1,) if with_acc else ()
-            fn = jax.jit(task_function(self.split, task, with_acc, self._constrain,
-                                       self._finish, quiet), donate_argnums=donate)
-            self._programs[key] = fn
+        fn = jax.jit(task_function(self.split, task, with_acc, self._constrain,
+                                   self._finish, quiet), donate_argnums=(1,) if with_acc else ())
+        self._programs[key] = fn
         return fn
 
     def prologue_program(self, quiet: bool = False) -> Any:

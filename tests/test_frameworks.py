@@ -191,6 +191,67 @@ def test_flax_nnx_scan_over_layers_is_planned(monkeypatch):
     _compare(step, state, batch, steps=3)
 
 
+def test_nnx_metrics_of_two_stages_compute_on_the_pipelined_state():
+    """``nnx.MultiMetric`` (an ``Average`` of the loss and an ``Accuracy``) in the state of
+    a pipelined step: each metric's total is summed where the loss and logits are (the
+    last stage), its count is a constant added once per step (stage 0). ``compute()`` on
+    the state the step returns divides one stage's value by the other's, as on jax.jit's
+    (before: "incompatible devices": each 0-d result committed to its stage's devices).
+    Fed back, a stage reads the values it made as they are: nothing is moved. (A value one
+    stage makes and another reads, Adam's step count, moves as before.)"""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(16, 64, rngs=rngs)] +
+                                   [nnx.Linear(64, 64, rngs=rngs) for _ in range(2)] +
+                                   [nnx.Linear(64, 10, rngs=rngs)])
+
+        def __call__(self, x):
+            for layer in self.layers[:-1]:
+                x = jax.nn.relu(layer(x))
+            return self.layers[-1](x)
+
+    graphdef, params = nnx.split(MLP(nnx.Rngs(0)))
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"),
+                              accuracy=nnx.metrics.Accuracy())
+    mdef, mstate = nnx.split(metrics)
+    tx = optax.adam(1e-2)
+
+    def step(params, opt_state, mstate, x, y):
+        def loss_fn(p):
+            logits = nnx.merge(graphdef, p)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        metrics = nnx.merge(mdef, mstate)
+        metrics.update(loss=loss, logits=logits, labels=y)
+        return optax.apply_updates(params, updates), opt_state, nnx.state(metrics), loss
+
+    x, y = _xy()
+    ref = jax.jit(step)
+    s1 = (params, tx.init(params), mstate)
+    s2 = _host(s1)
+    with rhino.auto_parallel(step, **PIPE) as piped:
+        for _ in range(3):
+            *s1, l1 = ref(*s1, x, y)
+            *s2, l2 = piped(*s2, x, y)
+            got = nnx.merge(mdef, s2[2]).compute()
+            want = nnx.merge(mdef, s1[2]).compute()
+            for k in ("loss", "accuracy"):
+                np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=RTOL)
+            np.testing.assert_allclose(float(l2 / got["loss"]), float(l1 / want["loss"]),
+                                       rtol=RTOL)
+        run = piped._entry((*s2, x, y)).run
+        held = {w.stage: {d.id for x_ in jax.tree.leaves(s2[2]) for d in x_.devices()
+                          if d in set(w.mesh.devices.flat)} for w in run.executor.workers}
+        assert all(held.values()), held          # the metrics' values of both stages
+        for w in run.executor.workers:   # what a stage made comes back to it as it was
+            own = [r for r, a in w._state_src.items() if np.ndim(a) == 0 and
+                   getattr(a.sharding, "mesh", None) == w.mesh]
+            assert own and all(w._state[r] is w._state_src[r] for r in own), w.stage
+
+
 def test_flax_linen_with_dropout_key_argument():
     import flax.linen as nn
 

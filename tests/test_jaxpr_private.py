@@ -270,6 +270,25 @@ def test_with_weak_type_changes_only_the_weak_type():
         jnp.bfloat16
 
 
+def test_uncommitted_view_shares_a_shard_and_combines_with_other_meshes():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devs = jax.devices()
+    a_mesh, b_mesh = Mesh(np.array(devs[:2]), ("x",)), Mesh(np.array(devs[2:4]), ("x",))
+    a = jax.device_put(jnp.float32(6), NamedSharding(a_mesh, PartitionSpec()))
+    b = jax.device_put(jnp.asarray(2.0), NamedSharding(b_mesh, PartitionSpec()))   # weak
+    va, vb = jp.uncommitted_view(a), jp.uncommitted_view(b)
+    assert not va.committed and va.devices() == {devs[0]} and vb.devices() == {devs[2]}
+    assert vb.weak_type and vb.dtype == b.dtype
+    assert va.addressable_data(0).unsafe_buffer_pointer() == \
+        a.addressable_shards[0].data.unsafe_buffer_pointer()         # no copy
+    assert float(va / vb) == 3.0                     # committed, they would be refused
+    with pytest.raises(ValueError, match="incompatible devices"):
+        a / b
+    w = jax.device_put(jnp.ones(4), NamedSharding(b_mesh, PartitionSpec("x")))
+    assert (w * va).sharding == w.sharding           # follows the committed array
+
+
 def test_distributed_kv_client_is_none_outside_a_job():
     # Inside a job it is the coordination client (tests/test_jax_transfer.py uses it).
     assert jp.distributed_kv_client() is None

@@ -2,7 +2,7 @@
 simulated CPU devices, ``rhino.distributed_init`` and ``auto_parallel`` across processes.
 
 Each job runs as a subprocess of the test (a process that joined a job cannot leave it);
-the coordinator's and transfer sockets' ports are free ones the launcher picks. About 55 s
+the coordinator's and transfer sockets' ports are free ones the launcher picks. About 62 s
 in the default suite; four more jobs (the GPT example as one SPMD program, whose path the
 pipeline and the process-local rows jobs take too; an exception's prompt exit, a cluster's
 SPMD-only search, the script's arguments and path) under ``-m slow``.
@@ -127,6 +127,23 @@ def test_a_pipeline_runs_one_stage_per_process():
         assert f"[p{p}] process {p}: plan hybrid on 2 stages on meshes [(4,), (4,)]" \
             in out.stdout, _show(out)
         assert f"[p{p}] process {p}: OK: 3 steps match jax.jit" in out.stdout, _show(out)
+
+
+def test_stages_without_trained_weights_and_results_of_several_stages_per_process():
+    """Issue 43: 4 stages on 2 processes × 4 devices, the first two holding only frozen
+    layers (their backward and apply tasks empty: no instruction runs them). Each process
+    divides the loss (stage 3) by a count made on stage 0; on process 1 the count arrives
+    on stage 2's devices, the loss is on stage 3's (before: "incompatible devices"; now
+    both are uncommitted, as jax.jit's results). 3 steps equal jax.jit."""
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(JOB), "--frozen",
+                  "--stages", "4")
+    assert out.returncode == 0, _show(out)
+    for p in (0, 1):
+        assert f"[p{p}] process {p}: empty tasks ['A0', 'A1', 'B0', 'B1']" in out.stdout, \
+            _show(out)
+        assert f"[p{p}] process {p}: step 2 ran" in out.stdout, _show(out)
+        assert f"[p{p}] process {p}: OK" in out.stdout, _show(out)
+    assert "MISMATCH" not in out.stdout
 
 
 @pytest.mark.slow

@@ -382,6 +382,35 @@ def test_host_callbacks_run_once_per_step_in_an_actor(ray_cluster, tmp_path):
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
 
 
+def test_a_stage_without_trained_weights_runs_on_ray(ray_cluster):
+    """Issue 43: stage 0 holds only frozen layers (its backward and apply tasks are empty,
+    so its artifacts have no program for them): the actors run no such task and 3 steps
+    equal jax.jit (before: "stage 0: warming up the stage failed: no program B among its
+    artifacts"). The loss (stage 1) and a count made on stage 0 come back as 0-d arrays on
+    this process that combine as jax.jit's do; the weights stay on the actors."""
+    from handmade import frozen_front_step
+
+    step, (params, frozen, x, y), opts = frozen_front_step()
+    piped = rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=4,
+                                executor="ray", timeout=120.0, **opts)
+    try:
+        p1, p2 = jax.tree.map(np.asarray, params), params
+        for _ in range(3):
+            p1, l1, a1 = piped(p1, frozen, x, y)
+            p2, l2, a2 = jax.jit(step)(p2, frozen, x, y)
+            np.testing.assert_allclose(float(l1 / a1), float(l2 / a2), rtol=1e-5)
+            assert int(a1) == int(a2)
+        for a, b in zip(jax.tree.leaves(rhino.fetch(p1)), jax.tree.leaves(p2)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        split = piped.split_for(p1, frozen, x, y)
+        assert sorted(k for k, t in split.tasks.items() if t.empty) == [("A", 0), ("B", 0)]
+        labels = {r.label[0] for r in piped.last_records if r.stage == 0 and
+                  r.kind in ("forward", "backward", "apply")}
+        assert labels == {"F"}, labels
+    finally:
+        piped.close()
+
+
 def test_an_equinox_class_of_the_scripts_main_runs_on_ray():
     """``examples/equinox_ray.py``: an Equinox model class defined in the training script
     (``__main__.Net``, closed over by the step) and per-example dropout keys made on one

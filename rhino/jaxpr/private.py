@@ -307,6 +307,20 @@ def with_weak_type(x: Any, weak: bool) -> Any:
     return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
 
 
+# ------------------------------------------------------------------------------ placement
+def uncommitted_view(x: Any) -> Any:
+    """The replicated jax array ``x`` (e.g. 0-d) as an *uncommitted* array on the first
+    device holding it, sharing that device's buffer (no copy). An uncommitted array is what
+    ``jax.jit`` returns for host inputs: a later computation moves it to the devices of the
+    committed arrays it meets (or to the default device) instead of refusing them as
+    "incompatible devices". JAX makes uncommitted arrays of host values only
+    (``jax.device_put`` of a device array commits it)."""
+    from jax._src import array
+
+    shard = x.addressable_shards[0].data
+    return array.ArrayImpl(shard.aval, shard.sharding, [shard], committed=False)
+
+
 # ------------------------------------------------------------------------ jax.distributed
 
 
