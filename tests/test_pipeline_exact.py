@@ -9,6 +9,8 @@ summed, each value by its own rule.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -785,3 +787,39 @@ def test_plain_jax_llama2_with_scanned_layers_and_gradient_accumulation(mode):
         assert int(s2[1].gradient_step) == 1 and int(s2[1].mini_step) == 1
         plan = piped.plan_for(*s2, tokens, labels)
         assert plan.num_stages == (1 if mode == "spmd" else 2)
+
+
+def _rotary_interleaved(x):
+    """Rotary embedding in the interleaved form (pairs of neighbouring features rotated,
+    put back with ``jnp.stack``: on jax 0.10 its own ``stack`` primitive)."""
+    t, d = x.shape[1], x.shape[-1]
+    inv = 1.0 / 10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]
+    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    a, b = x.astype(jnp.float32)[..., 0::2], x.astype(jnp.float32)[..., 1::2]
+    out = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def test_plain_jax_llama2_in_bf16_with_interleaved_rotary_pipelines(monkeypatch):
+    """The plain-JAX Llama 2 above with bfloat16 weights (its RMSNorm weights' gradients
+    float32 sums cast to bfloat16) and interleaved rotary embeddings (``jnp.stack``):
+    both were refused pipelined; within bfloat16 rounding of jax.jit."""
+    monkeypatch.setattr(sys.modules[__name__], "_rotary", _rotary_interleaved)
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+
+    def loss_fn(params, tokens, labels):
+        h = params["embed"][tokens]
+        h, _ = jax.lax.scan(_llama_layer, h, params["layers"])
+        logits = (_rms_norm(h, params["norm"]) @ params["lm_head"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def step(params, opt_state, tokens, labels):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _llama_init(jax.random.key(0)))
+    tokens = jax.random.randint(jax.random.key(1), (8, LLAMA["seq"]), 0, LLAMA["vocab"])
+    _close_in_bf16(step, (params, tx.init(params)), (tokens, jnp.roll(tokens, -1, axis=1)),
+                   lr=1e-2)
