@@ -102,6 +102,11 @@ def factors(eqn: Any, ins: list[tuple], outs: list[tuple],
             members += [(-1 - k, d) for k, s in enumerate(outs) if len(s) > d and s[d] == size]
             out.append((tuple(members), None))
         return out
+    if name in prims.CUDNN_ATTENTION:
+        batch = ins[0][0]
+        members = [(i, 0) for i, s in enumerate(ins) if s and s[0] == batch]
+        members += [(-1 - k, 0) for k, s in enumerate(outs) if s and s[0] == batch]
+        return [(tuple(members), None)]
     if name == prims.STACK:
         axis = int(p["axis"])
         return [(tuple([(i, d) for i in range(len(ins))] + [(-1, d + (d >= axis))]), None)

@@ -38,6 +38,14 @@ PLATFORM_INDEX = "platform_index"
 CONTROL_FLOW = frozenset({SCAN, COND, WHILE})
 OPTIMIZATION_BARRIER = "optimization_barrier"
 
+# cuDNN's fused attention as jax.nn.dot_product_attention(implementation="cudnn") binds it
+# (GPU only): one problem per index of the batch, its leading dimension in every operand and
+# result that has it (query, key, value, a per-example bias or sequence lengths; empty
+# operands stand for what is absent).
+CUDNN_ATTENTION = frozenset({"dot_product_attention_fwd_wrapper",
+                             "dot_product_attention_bwd_wrapper",
+                             "dot_product_attention_fp8_fwd_wrapper",
+                             "dot_product_attention_fp8_bwd_wrapper"})
 # Names only some supported JAX releases have (the canary does not require them).
 VERSION_DEPENDENT = frozenset({"pjit", "remat", "checkpoint", "core_call", "closed_call",
                                "custom_vjp_call_jaxpr", "one_minus_square", "copy_p",
@@ -48,7 +56,7 @@ VERSION_DEPENDENT = frozenset({"pjit", "remat", "checkpoint", "core_call", "clos
                                "le_to", "lt_to", "stage", "stack", "unstack", "tile",
                                "random_gamma_grad", "geqp3", "cholesky_update",
                                "symmetric_product", "composite", "custom_vmap_call",
-                               "debug_print"})
+                               "debug_print"}) | CUDNN_ATTENTION
 
 # One result per element from the elements at the same position of every operand (rank-0
 # operands broadcast): slicing the operands slices the result.
@@ -360,7 +368,7 @@ def all_names() -> frozenset[str]:
     names |= ELEMENTWISE | IDENTITY_LIKE | RNG_ELEMENTWISE | LINEAR_ELEMENTWISE | set(REDUCTIONS) | ARG_REDUCTIONS | CUMULATIVE
     names |= RNG_SHAPED | LINEAR_UNARY | SUMS | {RANDOM_WRAP, RANDOM_UNWRAP} | HEAVY | SCATTERS | REDUCE_WINDOWS
     names |= set(LINALG_CORE) | {STACK, UNSTACK, TILE, REDUCE, APPROX_TOP_K,
-                                 CUSTOM_PARTITIONING, LINEAR_SOLVE}
+                                 CUSTOM_PARTITIONING, LINEAR_SOLVE} | CUDNN_ATTENTION
     names |= {RANDOM_WRAP, RANDOM_UNWRAP, RANDOM_SEED, RANDOM_BITS, THREEFRY,
               RANDOM_FOLD_IN} | CALLBACKS
     names |= {DOT, CONV, BROADCAST, RESHAPE, TRANSPOSE, SQUEEZE, CONVERT, IOTA, SLICE,
