@@ -30,7 +30,8 @@ CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
 CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
           "custom_vjp_call_jaxpr": "fun_jaxpr",
           # a function with a custom batching rule, a named decomposition: their bodies
-          "custom_vmap_call": "call", "composite": "jaxpr"}
+          # (composite's is "jaxpr" in jax 0.10, "call_jaxpr" from 0.12)
+          "custom_vmap_call": "call", "composite": ("jaxpr", "call_jaxpr")}
 REMAT = {"remat": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
 HI = "call_hi_primitive"
 SCAN, COND, WHILE = "scan", "cond", "while"
@@ -154,9 +155,10 @@ def call_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     if n == HI:
         return private.hi_body(eqn)
     key = CALLS.get(n) or CUSTOM.get(n) or REMAT.get(n)
-    if key is None or key not in eqn.params:
+    present = [k for k in ((key,) if isinstance(key, str) else key or ()) if k in eqn.params]
+    if not present:
         return None
-    return private.open_body(eqn.params[key])
+    return private.open_body(eqn.params[present[0]])
 
 
 def is_remat(eqn: Any) -> bool:
