@@ -58,6 +58,27 @@ def critical_path_s(records, num_stages: int, num_microbatches: int, schedule) -
     return g.critical_path(lambda n: dur.get(n.id, 0.0)).length
 
 
+def handover_cost(step, example: tuple, results: tuple, repeat: int = 500
+                  ) -> tuple[float, int]:
+    """Microseconds per step that ``Handover`` takes (``back`` of the step's arguments,
+    ``give`` of its results, as ``StagedRun.__call__`` calls them) on the last step's
+    results, and how many 0-d results it hands back."""
+    import jax
+
+    run = step._entry(example).run
+    handover = getattr(run, "handover", None)
+    if handover is None:
+        return 0.0, 0
+    args = jax.tree_util.tree_leaves(results[:-1] + example[-1:])
+    own = handover.back(jax.tree_util.tree_leaves(results))   # what the executor returned
+    handed = sum(1 for x, y in zip(own, jax.tree_util.tree_leaves(results)) if x is not y)
+    t = time.perf_counter()
+    for _ in range(repeat):
+        handover.back(args)
+        handover.give(own)
+    return (time.perf_counter() - t) / repeat * 1e6, handed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt", choices=["gpt", "unet"])
@@ -119,13 +140,16 @@ def main(argv=None) -> int:
         ref_losses.append(float(rloss))
     losses = [(float(loss), ref_losses[0])]
     sched = make_schedule(args.schedule, args.stages, args.microbatches)
-    rows, driver = [], []
+    rows, driver, outside = [], [], []
     for k in range(args.warmup + args.steps):
+        t = time.perf_counter()
         p, o, loss = step(p, o, batch)
+        wall = time.perf_counter() - t
         losses.append((float(loss), ref_losses[k + 1]))
         if k >= args.warmup:
             cp = critical_path_s(step.last_records, args.stages, args.microbatches, sched)
             rows.append((step.last_step_s, cp))
+            outside.append(wall - step.last_step_s)
             ex = step._entry((params, opt, batch)).run.executor
             if getattr(ex, "last_stage_s", None):   # Ray: the driver's share of the step
                 driver.append(step.last_step_s - max(ex.last_stage_s))
@@ -152,6 +176,12 @@ def main(argv=None) -> int:
           f"(step - critical path) / step, min {min(over) * 100:.2f} %, "
           f"max {max(over) * 100:.2f} %")
     print(f"overhead  median {statistics.median([s - c for s, c in rows]) * 1e3:8.2f} ms")
+    print(f"outside the executor (the call's wall time - its step) median "
+          f"{statistics.median(outside) * 1e3:.3f} ms")
+    handover_us, handed = handover_cost(step, (params, opt, batch), (p, o, loss))
+    print(f"of which the handover of results (runtime.runs.Handover: {handed} 0-d results "
+          f"handed back uncommitted, the arguments mapped back to the stages' copies) "
+          f"{handover_us:.1f} us per step")
     if driver:
         print(f"of which on the driver (step - slowest actor's run_step) median "
               f"{statistics.median(driver) * 1e3:.2f} ms")

@@ -115,7 +115,7 @@ class ScopedFunction:
         self.in_hook = in_hook
         self.binder: Binder | None = None
         self.finish: Callable[[Any], Any] | None = None
-        functools.update_wrapper(self, fn)
+        functools.update_wrapper(self, fn, updated=())   # its name, not its attributes
 
     def with_hook(self, hook: Hook | None, in_hook: Hook | None = None,
                   binder: Binder | None = None,

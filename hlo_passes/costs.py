@@ -21,7 +21,7 @@ ELEMENTWISE = frozenset({
     "not", "or", "popcnt", "power", "real", "reduce-precision", "remainder", "round-nearest-afz",
     "round-nearest-even", "rsqrt", "select", "shift-left", "shift-right-arithmetic",
     "shift-right-logical", "sign", "sine", "sqrt", "subtract", "tan", "tanh", "xor",
-    "stochastic-convert", "bitcast-convert",
+    "stochastic-convert", "bitcast-convert", "clz", "count-leading-zeros", "mulhi",
 })
 
 # Ops that cost a multi-FLOP evaluation per element (transcendentals count the same here).

@@ -157,6 +157,8 @@ class HloGraph:
         output_info: pytree paths of the outputs (parallel to ``outputs``).
         opaque: ids of ops kept opaque (control flow), with the reason in ``attrs['opaque']``.
         origin: what was ingested: ``"jax"``, ``"hlo"`` or ``"mlir"``, plus a path for files.
+        arg_names: the function's top-level argument names in order, those without any
+            array leaf too (an empty optimizer state); empty for files.
     """
 
     name: str
@@ -166,6 +168,7 @@ class HloGraph:
     output_info: list[ArgInfo]
     opaque: list[int]
     origin: str
+    arg_names: tuple[str, ...] = ()
     _users: list[list[int]] | None = dataclasses.field(default=None, repr=False)
 
     def __len__(self) -> int:

@@ -40,7 +40,8 @@ ELEMENT_TYPES = frozenset(DTYPE_BYTES) | frozenset({
     "f8e3m4", "f8e4m3", "f8e4m3b11fnuz", "f8e4m3fn", "f8e4m3fnuz", "f8e5m2", "f8e5m2fnuz",
     "f8e8m0fnu", "f4e2m1fn", "f6e2m3fn", "f6e3m2fn"})
 
-# HLO opcodes as XLA prints them (xla/hlo/ir/hlo_opcode.h), checked against jaxlib 0.10.2.
+# HLO opcodes as XLA prints them (xla/hlo/ir/hlo_opcode.h), checked against jaxlib 0.10.2
+# (which prints clz as count-leading-zeros and JAX's mulhi as a mulhi instruction).
 # Ingestion rejects others; the parser alone (also used on compiled HLO from other XLA
 # versions, e.g. by runtime.spmd) accepts any opcode-like token.
 OPCODES = frozenset("""
@@ -49,6 +50,7 @@ all-reduce-done all-reduce-start all-to-all and async-done async-start async-upd
 batch-norm-grad batch-norm-inference batch-norm-training bitcast bitcast-convert broadcast
 call cbrt ceil cholesky clamp clz collective-broadcast collective-permute
 collective-permute-done collective-permute-start compare complex concatenate conditional
+count-leading-zeros mulhi
 constant convert convolution copy copy-done copy-start cosine custom-call divide domain dot
 dynamic-reshape dynamic-slice dynamic-update-slice erf exponential exponential-minus-one fft
 floor fusion gather get-dimension-size get-tuple-element imag infeed iota is-finite log

@@ -26,10 +26,11 @@ def typed_attrs(raw: dict[str, str], path: str = "<string>",
 
 # Elementwise ops whose operands all have the result's dimensions (select's predicate and
 # clamp's bounds may also be scalars), and those whose operands and result share a type.
-_UNARY = frozenset("""abs cbrt ceil clz convert cosine erf exponential exponential-minus-one
+_UNARY = frozenset("""abs cbrt ceil clz count-leading-zeros convert cosine erf exponential exponential-minus-one
 floor imag is-finite log log-plus-one logistic negate not popcnt real reduce-precision
 round-nearest-afz round-nearest-even rsqrt sign sine sqrt tan tanh""".split())
-_BINARY = frozenset("""add and atan2 compare complex divide maximum minimum multiply or power
+_BINARY = frozenset("""add and atan2 compare complex divide maximum minimum multiply mulhi or
+power
 remainder shift-left shift-right-arithmetic shift-right-logical stochastic-convert subtract
 xor""".split())
 _TERNARY = frozenset({"select", "clamp"})

@@ -261,6 +261,17 @@ def _finish(builder: _Builder, root: int, name: str, origin: str,
             kept.append(op)
     params = sorted((op for op in kept if op.opcode == "parameter"),
                     key=lambda op: op.attrs["parameter_number"])
+    # A step with ordered effects (``jax.debug.print(..., ordered=True)``) is lowered with
+    # a runtime token in front of its arguments and its results: not a value of the step.
+    # The token parameter is read as a fresh token (``after-all``), the argument numbers
+    # and the results are the step's own.
+    for p in [p for p in params if _is_token(p.shape)]:
+        p.opcode = "after-all"
+        p.attrs.pop("parameter_number", None)
+    params = [p for p in params if p.opcode == "parameter"]
+    outputs = [o for o in outputs if not _is_token(kept[remap[o]].shape)]
+    for k, p in enumerate(params):
+        p.attrs["parameter_number"] = k
     for k, p in enumerate(params):
         if arg_infos is not None and k < len(arg_infos):
             p.arg = arg_infos[k]
@@ -273,6 +284,10 @@ def _finish(builder: _Builder, root: int, name: str, origin: str,
                  output_info=[ArgInfo(k, pth) for k, pth in enumerate(out_paths)],
                  opaque=[op.id for op in kept if op.opcode in _OPAQUE], origin=origin)
     return g
+
+
+def _is_token(shape: Any) -> bool:
+    return any(t.dtype == "token" for t in flatten_shape(shape))
 
 
 def graph_from_hlo_text(text: str, path: str = "<string>", origin: str = "hlo",
@@ -481,6 +496,7 @@ def graph_from_function(fn: Callable, *args: Any) -> HloGraph:
     name = getattr(fn, "__name__", "fn")
     graph = graph_from_hlo_text(text, f"<lowered {name}>", origin=f"jax:{name}",
                                 arg_infos=infos, out_paths=out_paths)
+    graph.arg_names = tuple(names)
     if calls:
         _body_flops(graph, calls)
     return graph

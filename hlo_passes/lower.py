@@ -42,6 +42,7 @@ from rhino.hlo_passes.stage_programs import (FlatProgram, StageShardings, StageS
 from rhino.hlo_passes.strided import StridedRealizer
 from rhino.hlo_passes.unroll import trace
 from rhino.jaxpr import primitives as prims
+from rhino.jaxpr.keys import key_arguments
 from rhino.jaxpr.microbatch import MicrobatchLayout
 from rhino.jaxpr.pairs import batch_size_constants
 from rhino.parallel_plan import Plan
@@ -465,6 +466,12 @@ def refuse_couplings(layout: MicrobatchLayout, m: int,
         fix = ("Pass per_microbatch_statistics=True to let each microbatch use its own "
                "statistics (as gradient accumulation does), or run the step as one SPMD "
                "stage (mesh_shape=..., or stages=1)")
+    elif first.on_callback:
+        fix = ("jax.jit runs a host callback once per step on the whole batch: compute its "
+               "operands from the batch alone (each stage's prologue then runs it once per "
+               "step on the whole batch), keep its results out of the gradients (it then runs "
+               "once per step after the microbatches), or run the step as one SPMD stage "
+               "(mesh_shape=..., or stages=1)")
     elif first.pairable and not per_microbatch_statistics:
         fix = ("It pairs examples of the batch with each other, which no microbatch can do "
                "on its own: pass per_microbatch_statistics=True to let each microbatch pair "
@@ -533,16 +540,10 @@ def _stage_of(plan: Plan, graph: HloGraph) -> list[int]:
 
 
 def key_args(traced: ScopedFunction) -> frozenset[int]:
-    """Flat arguments that are PRNG keys: a key dtype, or raw key data the step wraps
-    (``random_wrap``). A key is the same for every microbatch, never split."""
-    jaxpr = traced.closed.jaxpr
-    out = {k for k, v in enumerate(jaxpr.invars)
-           if jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.prng_key)}
-    index = {v: k for k, v in enumerate(jaxpr.invars)}
-    for eqn in traced.leaf_eqns().values():
-        if prims.name(eqn) == prims.RANDOM_WRAP:
-            out |= {index[v] for v in eqn.invars if v in index}
-    return frozenset(out)
+    """Flat arguments that are PRNG keys (``rhino.jaxpr.keys``): a key dtype, or raw key
+    data the step uses as a key, wherever it does. A key is the same for every microbatch,
+    never split."""
+    return key_arguments(traced.closed)
 
 
 def _stage_shardings(plan: SpmdPlan, stage: int, graph: HloGraph, emap: EqnMap,

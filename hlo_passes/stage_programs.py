@@ -64,7 +64,10 @@ from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.interpret import FlatEqn, FlatProgram, Lit, flatten
 from rhino.jaxpr.microbatch import (MicrobatchLayout, Place, analyze, ancestors,
                                     prologue_equations)
+from rhino.jaxpr.layouts import Layout
+from rhino.jaxpr.mb_eval import bind_micro, place_chunk, read_operand
 from rhino.jaxpr.private import bind, eqn_context
+from rhino.hlo_passes import stage_effects
 from rhino.hlo_passes.stage_shardings import StageShardings, constraints
 from rhino.vocabulary import Role
 
@@ -119,6 +122,9 @@ class TaskSpec:
         outputs: refs it produces that other tasks or the step's results read.
         accumulate: refs (among its values) accumulated over microbatches (F and B only),
             each by its rule (``StepSplit.acc_rules``).
+        effects: host effects nothing reads a result of, run after the task by its
+            effects program (apply tasks only; ``stage_effects``), on ``effect_inputs``,
+            which the task hands out after its outputs.
     """
 
     kind: str
@@ -127,6 +133,8 @@ class TaskSpec:
     inputs: tuple[TaskInput, ...]
     outputs: tuple[int, ...]
     accumulate: tuple[int, ...]
+    effects: tuple[int, ...] = ()
+    effect_inputs: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[str, int]:
@@ -135,6 +143,15 @@ class TaskSpec:
     @property
     def label(self) -> str:
         return f"{self.kind}{self.stage}"
+
+    @property
+    def empty(self) -> bool:
+        """The task computes nothing: no equations, outputs or accumulators (the backward
+        task of a stage holding no trained weights, the apply task of a stage that is only
+        the loss), and no host effects. An empty task has no program: none is exported for
+        it (``runtime.artifacts``) and no instruction list runs it
+        (``runtime.instructions``)."""
+        return not (self.eqns or self.outputs or self.accumulate or self.effects)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,17 +313,22 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
                      feeds_gradient=feeds, per_microbatch=cg,
                      per_microbatch_statistics=per_microbatch_statistics,
                      batch_free_scope=INDEX_SCOPE)
+    dead, once = stage_effects.liveness(flat)      # host effects: once per step
+    after = stage_effects.place_once(flat, once, role, stage)
     for i in range(n):
         where = layout.place[i]
-        if where is Place.POST:
+        if i in dead:                   # nothing reads it (jax.jit leaves it out too)
+            role[i], stage[i] = Role.FREE, -1
+        elif where is Place.POST:
             if role[i] != Role.APPLY:
                 role[i] = Role.APPLY
                 stage[i] = max(stage[i], 0)
-        elif where in (Place.FREE, Place.PROLOGUE):
+        elif where in (Place.FREE, Place.PROLOGUE) and i not in once:
             role[i] = Role.FREE
             stage[i] = -1
-    pre = {i for i in range(n) if layout.place[i] is Place.PROLOGUE}
-    phase = _apply_phases(flat, role, stage, prod)
+    pre = {i for i in range(n) if layout.place[i] is Place.PROLOGUE and i not in once | dead}
+    pre |= stage_effects.whole_callbacks(flat, layout, once)
+    phase = _apply_phases(flat, role, stage, prod, after)
 
     def key_of(i: int) -> tuple[str, int]:
         r = role[i]
@@ -376,6 +398,7 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
     inputs_of: dict[tuple[str, int], list[TaskInput]] = {}
     pre_refs: dict[int, set[int]] = {s: set() for s in range(num_stages)}
     pre_refs[0] |= pre_out
+    split0 = Layout("split", axis=0)
     for key, idx in all_eqns.items():
         kind, s = key
         made = {r for i in idx for r in flat.eqns[i].outs if r is not None}
@@ -396,8 +419,9 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
                 if x < flat.num_args:
                     if x not in batch:
                         add(x, "arg")
-                    elif layout.place[i] is Place.MICRO and not whole_read:
-                        add(x, "batch")
+                    elif layout.place[i] is Place.MICRO and not whole_read and \
+                            layout.layout[x] == split0:
+                        add(x, "batch")       # sliced by the executor; else chunked here
                     else:
                         add(x, "pre")         # the whole batch argument
                     continue
@@ -424,8 +448,11 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
         made = {r for i in idx for r in flat.eqns[i].outs if r is not None}
         outs = sorted(r for r in made if (task_readers.get(r, set()) - {key})
                       or any(o.ref == r and o.source == "task" for o in outputs))
-        tasks[key] = TaskSpec(key[0], key[1], tuple(idx), tuple(inputs_of[key]), tuple(outs),
-                              tuple(sorted(acc_refs.get(key, ()))))
+        fx = tuple(i for i in idx if i in once)      # run by its effects program
+        acc = tuple(sorted(acc_refs.get(key, ())))
+        tasks[key] = TaskSpec(key[0], key[1], tuple(i for i in idx if i not in once),
+                              tuple(inputs_of[key]), tuple(outs), acc, fx,
+                              stage_effects.effect_inputs(flat, fx))
     prologues = {}
     for s in range(num_stages):
         eqns = prologue_equations(flat, layout, pre_refs[s])
@@ -435,9 +462,12 @@ def split_step(flat: FlatProgram, assignment: Mapping[tuple[int, ...], tuple[str
         prologues[s] = Prologue(tuple(eqns), tuple(args), tuple(sorted(pre_refs[s])))
     phases = {s: tuple(sorted({k for (k, t) in tasks if t == s and is_apply(k)},
                               key=lambda k: int(k[1:] or 0))) for s in range(num_stages)}
-    return StepSplit(flat, num_stages, m, tasks, tuple(outputs), tuple(role), tuple(stage),
-                     tuple(sorted(batch)), {r: frozenset(c) for r, c in consumers.items()},
-                     layout, prologues, acc_rules, phases)
+    split = StepSplit(flat, num_stages, m, tasks, tuple(outputs), tuple(role), tuple(stage),
+                      tuple(sorted(batch)), {r: frozenset(c) for r, c in consumers.items()},
+                      layout, prologues, acc_rules, phases)
+    if (refused := stage_effects.check(split)) is not None:
+        raise StageSplitError(refused)
+    return split
 
 
 def _acc_rule(layout: MicrobatchLayout, ref: int) -> tuple[str, int | None]:
@@ -494,16 +524,18 @@ def _roles(flat: FlatProgram, assignment: Mapping, batch: set[int], num_stages: 
 
 
 def _apply_phases(flat: FlatProgram, role: Sequence, stage: Sequence,
-                  prod: Mapping[int, int]) -> dict[int, int]:
+                  prod: Mapping[int, int], after: Mapping[int, int] | None = None
+                  ) -> dict[int, int]:
     """Per apply equation its phase: apply-gradients of a stage that reads apply values of
     another stage runs after them, in a later phase (global-norm clipping: every stage's
     sum of squares, then the norm, then every stage's update). Phases never wait on each
-    other in a cycle: a value crosses stages only into a later phase."""
+    other in a cycle: a value crosses stages only into a later phase. ``after``: equation
+    -> an apply equation it runs in no earlier phase than (ordered effects)."""
     phase: dict[int, int] = {}
     for i, fe in enumerate(flat.eqns):
         if role[i] != Role.APPLY:
             continue
-        ph = 0
+        ph = phase.get((after or {}).get(i), 0)
         for x in fe.ins:
             j = prod.get(x) if isinstance(x, int) else None
             if j is not None and role[j] == Role.APPLY:
@@ -590,55 +622,10 @@ def _check_direction(dst: tuple[str, int], src: tuple[str, int], path) -> None:
 
 
 # ------------------------------------------------------------------------------ programs
-def _chunk(x: Any, axis: int, mb: Any, m: int) -> Any:
-    size = x.shape[axis] // m
-    return jax.lax.dynamic_slice_in_dim(x, mb * size, size, axis=axis)
-
-
-def _read(split: StepSplit, i: int, j: int, x: Any, env: Mapping, whole: Mapping, mb: Any
-          ) -> Any:
-    """Operand ``j`` of equation ``i`` as the equation reads it (``microbatch.Use``)."""
-    if isinstance(x, Lit):
-        return x.value
-    use = split.layout.use(i, j)
-    if use is None:
-        return env[x] if x in env else whole[x]
-    m = split.num_microbatches
-    if use.kind == "slice":
-        own = split.layout.layout[x].per_microbatch      # local, or split along another dim
-        base = env[x] if own or x not in whole else whole[x]
-        base = _chunk(base, use.axis, mb, m)
-        return base if use.pair is None else _chunk(base, use.pair, mb, m)   # its block
-    if use.kind == "local":
-        v = env[x]
-        if split.layout.layout[x].op == "sum":
-            v = v * np.asarray(m, dtype=jax.numpy.result_type(v))
-        return v if use.axis is None else _chunk(v, use.axis, mb, m)
-    return whole[x] if x in whole else env[x]        # whole / total / concat
-
-
-def _bind_checked(split: StepSplit, i: int, vals: list) -> list:
-    """Equation ``i`` bound (per microbatch with its rewritten parameters), its
-    per-microbatch results checked against their microbatch shapes."""
-    fe = split.flat.eqns[i]
-    lay = split.layout
-    params = lay.params.get(i)
-    with eqn_context(fe.eqn):
-        outs = bind(fe.eqn, vals, params)
-    if lay.place[i] is Place.MICRO:
-        for r, v in zip(fe.outs, outs):
-            want = lay.mb_shapes.get(r) if r is not None else None
-            if want is not None and tuple(v.shape) != tuple(want):
-                raise StageSplitError(
-                    f"{prims.name(fe.eqn)} at {split.flat.source(fe) or 'an unknown line'}: "
-                    f"expected a result of microbatch shape {tuple(want)}, found "
-                    f"{tuple(v.shape)}")
-    return outs
-
-
 def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
                   constrain: Callable[[tuple[int, ...], int, Any], Any] | None = None,
-                  finish: Callable[[int, Any], Any] | None = None) -> Callable:
+                  finish: Callable[[int, Any], Any] | None = None, quiet: bool = False
+                  ) -> Callable:
     """The Python function of a stage program (to ``jax.jit``).
 
     Signature: ``fn(inputs, accs, mb) -> (outputs, new_accs)``; ``inputs`` in
@@ -650,10 +637,13 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
     ``with_acc``). Per-microbatch equations read whole values' chunks of microbatch ``mb``
     and are bound at microbatch shapes. ``constrain(path, k, x)`` may apply sharding
     constraints to results, ``finish(ref, x)`` to the outputs as they leave (both:
-    ``constraints``).
+    ``constraints``). ``task.effect_inputs`` follow the outputs (for its effects program,
+    ``stage_effects``); ``quiet``: host callbacks give zeros instead of running (the
+    warm-up's variant).
     """
     flat = split.flat
     idx = list(task.eqns)
+    loud = stage_effects.loud(split, idx) if quiet else frozenset()
     consts = {x: flat.consts[x] for i in idx for x in flat.eqns[i].ins
               if isinstance(x, int) and x in flat.consts}
     m = split.num_microbatches
@@ -670,8 +660,10 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
                 env[spec.ref] = x
         for i in idx:
             fe = flat.eqns[i]
-            vals = [_read(split, i, j, x, env, whole, mb) for j, x in enumerate(fe.ins)]
-            outs = _bind_checked(split, i, vals)
+            vals = [read_operand(split.layout, i, j, x, env, whole, mb)
+                    for j, x in enumerate(fe.ins)]
+            outs = stage_effects.quiet_outputs(split, i) if i in loud else \
+                bind_micro(flat, split.layout, i, vals, mb)
             for k, (r, x) in enumerate(zip(fe.outs, outs)):
                 if r is not None:
                     env[r] = constrain(fe.path, k, x) if constrain is not None else x
@@ -680,6 +672,7 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
         # microbatch's call), so dispatch need not wait for the task to finish.
         outs = [env[r] if finish is None else finish(r, env[r]) for r in task.outputs] \
             or [jax.numpy.zeros((), bool)]
+        outs += [env[r] if r in env else whole[r] for r in task.effect_inputs]
         new = [_accumulate(split, r, a if with_acc else None, env[r], mb, m)
                for r, a in zip(task.accumulate, accs if with_acc else
                                [None] * len(task.accumulate))]
@@ -689,13 +682,14 @@ def task_function(split: StepSplit, task: TaskSpec, with_acc: bool,
 
 
 def prologue_function(split: StepSplit, stage: int,
-                      constrain: Callable[[tuple[int, ...], int, Any], Any] | None = None
-                      ) -> Callable:
+                      constrain: Callable[[tuple[int, ...], int, Any], Any] | None = None,
+                      quiet: bool = False) -> Callable:
     """``fn(args) -> outputs``: ``stage``'s prologue (``args`` in ``Prologue.inputs``
     order, whole; ``outputs`` in ``Prologue.outputs`` order), every equation bound at its
-    whole shapes."""
+    whole shapes (``quiet``: host callbacks give zeros, as in ``task_function``)."""
     flat = split.flat
     pro = split.prologues[stage]
+    loud = stage_effects.loud(split, pro.eqns) if quiet else frozenset()
 
     def fn(args):
         env: dict[int, Any] = dict(zip(pro.inputs, args))
@@ -703,8 +697,11 @@ def prologue_function(split: StepSplit, stage: int,
             fe = flat.eqns[i]
             vals = [x.value if isinstance(x, Lit) else
                     flat.consts[x] if x in flat.consts else env[x] for x in fe.ins]
-            with eqn_context(fe.eqn):
-                outs = bind(fe.eqn, vals)
+            if i in loud:
+                outs = stage_effects.quiet_outputs(split, i)
+            else:
+                with eqn_context(fe.eqn):
+                    outs = bind(fe.eqn, vals)
             for k, (r, x) in enumerate(zip(fe.outs, outs)):
                 if r is not None:
                     env[r] = constrain(fe.path, k, x) if constrain is not None else x
@@ -729,9 +726,7 @@ def _accumulate(split: StepSplit, ref: int, acc: Any, x: Any, mb: Any, m: int) -
     if rule == "concat":
         if acc is None:
             acc = jnp.zeros(split.flat.avals[ref].shape, x.dtype)
-        start = [0] * x.ndim
-        start[axis] = mb * x.shape[axis]
-        return jax.lax.dynamic_update_slice(acc, x, start)
+        return place_chunk(acc, x, axis, mb, m, split.layout.layout[ref].group)
     if rule in ("sum", "mean"):
         return _wide(x) if acc is None else acc + _wide(x)
     if acc is None:

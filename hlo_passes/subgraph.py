@@ -182,7 +182,7 @@ def extract_subgraph(graph: HloGraph, ops: Iterable[int], *, duplicate: Iterable
     sub = HloGraph(name=name or f"{graph.name}.sub", ops=new_ops, params=params,
                    outputs=[remap[o] for o in outs], output_info=out_infos,
                    opaque=[remap[i] for i in graph.opaque if i in remap],
-                   origin=graph.origin)
+                   origin=graph.origin, arg_names=graph.arg_names)
     sub.check()
     return Subgraph(sub, tuple(origin), tuple(cut_inputs), tuple(outs),
                     tuple(sorted(pulled)))

@@ -18,6 +18,10 @@ branch and a select, which computes the same: its values are then planned (and c
 microbatches) like the rest instead of staying inside an opaque conditional. Every equation keeps its source line
 and name stack (``rhino.jaxpr.private.eqn_context``), so gradient ops still look like gradient ops
 and errors name the user's line. Longer scans (a loop over time steps, say) stay loops.
+A ``while`` loop that counts from a literal to a literal bound by a literal step
+(``primitives.while_trips``: a ``fori_loop`` written with a ``while_loop``, or gradient
+accumulation over the batch's chunks) is written out the same way, its body that many
+times.
 ``trace`` is the one way rhino traces a step: the planned program, the microbatch programs
 of a pipeline and the programs a Ray actor rebuilds all unroll alike.
 """
@@ -70,7 +74,10 @@ def unrolled_function(fn: Callable, *args: Any) -> Callable | None:
 
 def _unrollable(eqn: Any) -> bool:
     info = prims.scan_info(eqn)
-    return info is not None and 0 < info[2] <= UNROLL_LIMIT
+    if info is not None:
+        return 0 < info[2] <= UNROLL_LIMIT
+    trips = prims.while_trips(eqn)
+    return trips is not None and 0 < trips <= UNROLL_LIMIT
 
 
 def _has_scan(jaxpr: Any) -> bool:
@@ -127,6 +134,11 @@ class _Unroller(Interpreter):
     def remat(self, eqn, path, body, invals):
         return super().remat(eqn, path, body, [_whole(x) for x in invals])
 
+    def cond_as_select(self, eqn, path, invals):
+        # Its branches run on a plain ``Interpreter``: a scan's stacked result (the
+        # gradients of stacked layers, read by ``optax.MultiSteps``' cond) enters whole.
+        return super().cond_as_select(eqn, path, [_whole(x) for x in invals])
+
     def remat_body(self, eqn, path, body, args):
         return [_whole(x) for x in self.run(body[0], body[1], args, path)]
 
@@ -134,6 +146,14 @@ class _Unroller(Interpreter):
         return _unrollable(eqn)
 
     def scan(self, eqn, path, invals):
+        if prims.name(eqn) == prims.WHILE:          # a counted loop: its body, n times
+            nc, nb, _ = prims.while_parts(eqn)
+            body, body_consts = prims.while_body(eqn)
+            consts = [_whole(x) for x in invals[nc:nc + nb]]
+            carry = [_whole(x) for x in invals[nc + nb:]]
+            for _ in range(prims.while_trips(eqn)):
+                carry = [_whole(x) for x in self.run(body, body_consts, [*consts, *carry])]
+            return carry
         nc, nk, length, reverse, (body, body_consts) = prims.scan_info(eqn)
         consts = [_whole(x) for x in invals[:nc]]
         carry, xs = [_whole(x) for x in invals[nc:nc + nk]], invals[nc + nk:]

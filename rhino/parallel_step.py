@@ -58,6 +58,7 @@ from rhino.hlo_passes.lower import compile_spmd, key_args, lower_spmd, lower_sta
 from rhino.pipeline.api import make_cluster
 from rhino.pipeline.coarsen import classify_ops
 from rhino.pipeline.gradient import BoundaryOptions, check_batch_leaves, find_gradient_boundary
+from rhino.nnx_objects import NnxObjects
 from rhino.parallel_plan import Plan
 from rhino.planner.api import PlanOptions
 from rhino.planner.cost_model import CostModel
@@ -67,7 +68,8 @@ from rhino.planning import argument_lower_bound, fit_compiled_memory
 from rhino.step_arguments import signature
 from rhino.progress import Progress
 from rhino.runtime import spmd
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
+from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
+from rhino.runtime.worker_spec import WorkerSpec
 from rhino.runtime.host_data import has_host_data, materialize
 from rhino.runtime.runs import DirectRun, StagedRun
 from rhino.vocabulary import (REMOVED_TRANSPORTS, ExecutorKind, ScheduleKind, TransportKind,
@@ -260,7 +262,9 @@ class ParallelStep:
         self.plans_built = 0
         self._last: _Entry | None = None
         self._direct: Any = None      # the last signature's executable, when it is direct
-        functools.update_wrapper(self, fn)
+        # Name, docstring and __wrapped__ only: the wrapped object's own attributes (an
+        # eqx.filter_jit wrapper has `fn`) must not replace this step's.
+        functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any) -> Any:
         # Fastest path: the last signature's executable called as it is. It checks the
@@ -273,7 +277,13 @@ class ParallelStep:
                 return direct(*args)
             except (TypeError, ValueError):
                 pass
-        entry = self._entry(args)
+        objects = NnxObjects.of(args)
+        if objects is not None:      # Flax NNX objects: updated in place, as nnx.jit does
+            return objects.finish(self._run(objects.args, objects))
+        return self._run(args)
+
+    def _run(self, args: tuple, objects: NnxObjects | None = None) -> Any:
+        entry = self._entry(args, objects)
         self._last = entry
         if not getattr(getattr(entry.run, "executor", None), "takes_host_data", False):
             # host_data batches: made here, for every row, where no host makes its own.
@@ -283,7 +293,8 @@ class ParallelStep:
         if isinstance(entry.run, DirectRun):
             # Across processes every call places host values itself (each process writes
             # only its own devices' shards), so the executable is not called bare.
-            self._direct = None if entry.run.multi_process else entry.run.compiled
+            bare = not entry.run.multi_process and objects is None
+            self._direct = entry.run.compiled if bare else None
             return entry.run(args)
         self._direct = None
         return jax.tree_util.tree_unflatten(entry.out_tree, entry.run(args))
@@ -291,33 +302,33 @@ class ParallelStep:
     # ----------------------------------------------------------------- public helpers
     def plan_for(self, *args: Any) -> Plan:
         """The plan used for these arguments (planning and compiling if needed)."""
-        return self._entry(args).plan
+        return self._entry_of(args).plan
 
     def report_for(self, *args: Any) -> str:
         """The plan report for these arguments (with the compiled program's memory for an
         SPMD program run directly)."""
-        return self._entry(args).report()
+        return self._entry_of(args).report()
 
     def memory_for(self, *args: Any) -> dict | None:
         """The compiled SPMD program's memory per device for these arguments (bytes:
         ``argument``, ``output``, ``temp``, ``alias``, ``peak``) from XLA's
         ``memory_analysis()``; None where the backend gives none or the step runs as
         stage programs."""
-        run = self._entry(args).run
+        run = self._entry_of(args).run
         return run.memory if isinstance(run, DirectRun) else None
 
     def compiled_text(self, *args: Any) -> str:
         """The compiled, partitioned HLO of a directly run SPMD program."""
-        run = self._entry(args).run
+        run = self._entry_of(args).run
         if not isinstance(run, DirectRun):
             raise RhinoError("compiled_text: expected a one-stage plan run directly, found "
-                             f"{self._entry(args).plan.num_stages} stage(s) run as stage "
+                             f"{self._entry_of(args).plan.num_stages} stage(s) run as stage "
                              f"programs")
         return run.compiled_text()
 
     def split_for(self, *args: Any):
         """The stage programs' split (``StepSplit``) for these arguments."""
-        run = self._entry(args).run
+        run = self._entry_of(args).run
         if not isinstance(run, StagedRun):
             raise RhinoError("split_for: expected a step run as stage programs, found a "
                              "one-stage SPMD program run directly")
@@ -360,7 +371,7 @@ class ParallelStep:
         Returns the file's path."""
         from rhino.runtime import artifacts
 
-        run = self._entry(args).run
+        run = self._entry_of(args).run
         if not isinstance(run, StagedRun):
             raise RhinoError("save_stages: expected a step run as stage programs, found a "
                              "one-stage SPMD program run directly")
@@ -427,21 +438,28 @@ class ParallelStep:
         self._last, self._direct = None, None
 
     # ----------------------------------------------------------------- build
-    def _entry(self, args: tuple) -> _Entry:
+    def _entry_of(self, args: tuple) -> _Entry:
+        """The entry of the arguments as the user passes them (NNX objects or not)."""
+        objects = NnxObjects.of(args)
+        return self._entry(args) if objects is None else self._entry(objects.args, objects)
+
+    def _entry(self, args: tuple, objects: NnxObjects | None = None) -> _Entry:
         key = signature(self.fn, args)
+        if objects is not None:
+            key = (key, objects.static)
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._build(args)
+            entry = self._build(args, self.fn if objects is None else objects.pure(self.fn))
             self._cache[key] = entry
             self.plans_built += 1
         return entry
 
-    def _build(self, args: tuple) -> _Entry:
+    def _build(self, args: tuple, fn: Callable) -> _Entry:
         o = self.options
         name = getattr(self.fn, "__name__", "step")
         progress = Progress(f"auto_parallel({name})", o.progress_after_s)
         try:
-            step = trace_step(self.fn, args, progress)
+            step = trace_step(fn, args, progress)
             entry = _Builder(step, o, progress).build()
         finally:
             progress.close()
@@ -609,7 +627,7 @@ class _Builder:
 
             platform = actor_platform(o.ray_actor_options)
             self.progress(f"exporting the stage programs for the actors ({platform})")
-            specs_out = export_stages(specs, lowering.split, platform)
+            specs_out = export_stages(specs, lowering.split, platform, with_code=True)
             self.progress(f"starting {plan.num_stages} stage(s) on Ray actors, which compile "
                           f"their stage programs with one step on zeros")
             executor = RayExecutor(specs_out, plan.cluster, timeout=o.timeout,
@@ -665,7 +683,9 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
     before anything is traced. Returns a ``ParallelStep`` whatever the options.
 
     Args:
-        fn: the step function (pure; pytrees of arrays in and out).
+        fn: the step function (pure; pytrees of arrays in and out). Flax NNX objects
+            in its arguments are updated in place after each call, as ``nnx.jit`` does
+            (``rhino.nnx_objects``).
         devices: the devices to use (default: all local devices).
         mesh_shape: an SPMD mesh over the devices, e.g. ``(8,)`` or ``(2, 4)`` (default:
             one axis over all devices).

@@ -44,6 +44,7 @@ from rhino.front_door import (PlanRequest, TracedStep, plan_on_cluster,
                               plan_on_mesh, runnable_cost, spmd_plan, trace_step)
 from rhino.front_door import choose_mesh, mesh_shapes_to_weigh  # noqa: F401  (re-exported)
 from rhino.pipeline.api import make_cluster
+from rhino.nnx_objects import NnxObjects
 from rhino.progress import Progress
 from rhino.parallel_plan import Plan
 from rhino.planner.api import PlanOptions
@@ -192,6 +193,9 @@ def _source_graph(source: Any, example_args: tuple, progress: Callable[[str], No
                                "HloGraph and arguments")
         return source
     if callable(source) and not isinstance(source, (str, os.PathLike)):
+        objects = NnxObjects.of(example_args)
+        if objects is not None:      # Flax NNX objects, as auto_parallel runs them
+            source, example_args = objects.pure(source), objects.args
         return trace_step(source, example_args, progress)
     return ingest(source, *example_args)
 

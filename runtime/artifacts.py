@@ -1,9 +1,11 @@
 """Stage programs as artifacts: every program of a stage (``F``, ``B``, ``B+acc``, the apply
 phases, the prologue) exported once where the step is planned, shipped as bytes, compiled
 where it runs. A process that runs a stage from its ``StageArtifact`` never imports,
-unpickles or traces the user's code: the artifact is plain data (``pickle`` of rhino's own
-dataclasses and ``jax.export`` serializations), so a model class defined in the training
-script's ``__main__`` or a closure over it costs nothing on the actors.
+unpickles or traces the user's code (but for a stage binding host callbacks, which
+``jax.export`` cannot serialize: ``StageArtifact.rebuild``): the artifact is plain data
+(``pickle`` of rhino's own dataclasses and ``jax.export`` serializations), so a model class
+defined in the training script's ``__main__`` or a closure over it costs nothing on the
+actors.
 
 Pass order::
 
@@ -35,6 +37,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rhino.errors import RhinoError
+from rhino.hlo_passes import stage_effects
 from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, constraints,
                                              is_apply, prologue_function, task_function)
 
@@ -62,6 +65,11 @@ class StageArtifact:
         platform: what the programs were lowered for (``cpu``, ``cuda``, ``rocm``, ``tpu``).
         jax_version: the JAX that exported them (serializations are read by the same).
         measure: time every task.
+        rebuild: the stage's ``WorkerSpec`` pickled with its step (cloudpickle), where
+            programs bind host callbacks, which ``jax.export`` cannot serialize: the
+            process running the stage re-traces the step and jits those (``build``);
+            ``programs`` hold their quiet variants (``stage_effects``) for the warm-up.
+        callbacks: those callbacks (``debug_callback at train.py:12``), for messages.
     """
 
     stage: int
@@ -77,6 +85,8 @@ class StageArtifact:
     jax_version: str
     measure: bool = True
     format: int = ARTIFACT_FORMAT
+    rebuild: bytes | None = None
+    callbacks: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -113,10 +123,28 @@ class StageArtifact:
 
     def build(self, devices: Sequence[Any]) -> Any:
         """The ``StageWorker`` on ``devices`` (as many as the mesh has), its programs
-        compiled from the artifact."""
-        from rhino.runtime.executor import build_worker
+        compiled from the artifact (those binding host callbacks jitted from the step
+        re-traced here: ``rebuild``)."""
+        from rhino.runtime.worker_spec import build_worker
 
-        return build_worker(self, self.split, devices, programs=self.programs_on())
+        programs = self.programs_on()
+        if self.rebuild is None:
+            return build_worker(self, self.split, devices, programs=programs)
+        from rhino.hlo_passes.stage_effects import same_tasks
+
+        try:
+            split = _cloudpickle().loads(self.rebuild).split()
+        except Exception as e:
+            raise ArtifactError(f"stage {self.stage}: its programs binding host callbacks "
+                                f"({', '.join(self.callbacks)}) are built here from the "
+                                f"step's code, which failed: {type(e).__name__}: {e}") from e
+        differs = same_tasks(self.split, split, self.stage)
+        if differs is not None:
+            raise ArtifactError(f"stage {self.stage}: the step traced here splits "
+                                f"differently from the driver's ({differs} reads or writes "
+                                f"other values): its host callbacks "
+                                f"({', '.join(self.callbacks)}) cannot run here")
+        return build_worker(self, split, devices, programs=programs, complete=False)
 
 
 def this_platform() -> str:
@@ -171,7 +199,7 @@ def signatures(split: StepSplit) -> dict[tuple[str, int, bool], tuple]:
             out[("P", s, False)] = (args,)
     made: dict[tuple[str, int], dict[int, Any]] = {}     # task -> ref -> its output
     accs: dict[tuple[str, int], dict[int, Any]] = {}     # task -> ref -> its accumulator
-    todo = [key for key, t in split.tasks.items() if t.eqns or t.outputs or t.accumulate]
+    todo = [key for key, t in split.tasks.items() if not t.empty]
     while todo:
         ready = [k for k in todo if all(i.producer in made for i in split.tasks[k].inputs
                                         if i.source in ("task", "acc"))]
@@ -212,25 +240,41 @@ def _abstract_mesh(shape: Sequence[int], names: Sequence[str]) -> Any:
 def export_stage(split: StepSplit, stage: int, mesh_shape: Sequence[int],
                  axis_names: Sequence[str], shardings: StageShardings, schedule: str,
                  platform: str, measure: bool = True,
-                 sigs: Mapping[tuple[str, int, bool], tuple] | None = None) -> StageArtifact:
-    """``stage``'s programs exported for ``platform`` on an abstract mesh of its shape."""
+                 sigs: Mapping[tuple[str, int, bool], tuple] | None = None,
+                 spec: Any = None) -> StageArtifact:
+    """``stage``'s programs exported for ``platform`` on an abstract mesh of its shape.
+    Programs binding host callbacks are exported as their quiet variants, with ``spec``
+    (the stage's ``WorkerSpec``) pickled for the process running the stage to jit them
+    (``StageArtifact.rebuild``); without ``spec`` such a stage is refused, naming them."""
     import jax
     from jax import export
 
     sigs = signatures(split) if sigs is None else sigs
     mesh = _abstract_mesh(mesh_shape, axis_names)
     constrain, finish = constraints(mesh, shardings)
+    loud = stage_effects.quiet_kinds(split, stage)
+    callbacks = stage_effects.stage_callbacks(split, stage)
+    rebuild = None
+    if callbacks:
+        if spec is None or not hasattr(spec, "fn"):
+            raise ArtifactError(
+                f"stage {stage}: its programs bind host callbacks ({', '.join(callbacks)}), "
+                f"which jax.export cannot serialize, and saved stage programs do not hold "
+                f"the step's code to rebuild them: remove them from the step to save it")
+        rebuild = _cloudpickle().dumps(spec)
 
     programs: dict[tuple[str, bool], bytes] = {}
     for (kind, s, with_acc), args in sigs.items():
         if s != stage:
             continue
+        quiet = kind in loud
         if kind == "P":
-            fn = jax.jit(prologue_function(split, stage, constrain))
+            fn = jax.jit(prologue_function(split, stage, constrain, quiet))
         else:
             fn = jax.jit(task_function(split, split.task(kind, stage), with_acc, constrain,
-                                       finish), donate_argnums=(1,) if with_acc else ())
+                                       finish, quiet), donate_argnums=(1,) if with_acc else ())
         label = kind + ("+acc" if with_acc else "")
+        kind = stage_effects.QUIET + kind if quiet else kind
         try:
             exp = export.export(fn, platforms=[platform],
                                 disabled_checks=_custom_calls_allowed())(*args)
@@ -240,7 +284,18 @@ def export_stage(split: StepSplit, stage: int, mesh_shape: Sequence[int],
                                 f"{platform}: {type(e).__name__}: {e}") from e
     return StageArtifact(stage, tuple(mesh_shape), tuple(axis_names), shardings,
                          strip(split), schedule, split.num_stages, split.num_microbatches,
-                         programs, platform, jax.__version__, measure)
+                         programs, platform, jax.__version__, measure, rebuild=rebuild,
+                         callbacks=callbacks)
+
+
+def _cloudpickle() -> Any:
+    """cloudpickle (Ray's own where it is not installed on its own): pickles a step defined
+    in a script or a closure by value."""
+    try:
+        import cloudpickle
+    except ImportError:
+        from ray import cloudpickle
+    return cloudpickle
 
 
 def _custom_calls_allowed() -> list:
@@ -252,11 +307,15 @@ def _custom_calls_allowed() -> list:
     return [export.DisabledSafetyCheck.custom_call("ALL")]   # jax.export's wildcard
 
 
-def export_stages(specs: Sequence[Any], split: StepSplit, platform: str) -> list[StageArtifact]:
-    """One artifact per ``WorkerSpec`` of ``specs`` (all of one step split)."""
+def export_stages(specs: Sequence[Any], split: StepSplit, platform: str,
+                  with_code: bool = False) -> list[StageArtifact]:
+    """One artifact per ``WorkerSpec`` of ``specs`` (all of one step split); ``with_code``:
+    a stage whose programs bind host callbacks carries its ``WorkerSpec`` to rebuild them
+    (``export_stage``; Ray actors), else it is refused (saved programs)."""
     sigs = signatures(split)
     return [export_stage(split, sp.stage, sp.mesh_shape, sp.axis_names, sp.shardings,
-                         sp.schedule, platform, sp.measure, sigs) for sp in specs]
+                         sp.schedule, platform, sp.measure, sigs,
+                         sp if with_code else None) for sp in specs]
 
 
 def save(directory: str, artifacts: Sequence[StageArtifact]) -> str:
@@ -301,6 +360,7 @@ class SavedPipeline:
         import jax
 
         from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
+        from rhino.runtime.runs import Handover
 
         self.stages = load(stages) if isinstance(stages, str) else list(stages)
         sizes = [int(np.prod(a.mesh_shape)) for a in self.stages]
@@ -317,14 +377,16 @@ class SavedPipeline:
                                 f"found {len(devices)}")
         self.workers = [a.build(list(d)) for a, d in zip(self.stages, devices)]
         self.executor = LocalExecutor(self.workers, timeout or DEFAULT_TIMEOUT_S)
+        self.handover = Handover()
 
     def __call__(self, *args: Any) -> list:
         import jax
 
         from rhino.runtime.runs import step_results
 
-        flat = jax.tree_util.tree_leaves(args)
-        return step_results(self.stages[0].split, flat, self.executor.run(flat))
+        flat = self.handover.back(jax.tree_util.tree_leaves(args))
+        return self.handover.give(step_results(self.stages[0].split, flat,
+                                               self.executor.run(flat)))
 
     def close(self) -> None:
         self.executor.close()

@@ -43,17 +43,18 @@ import concurrent.futures as cf
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from rhino.runtime.schedules import Schedule, make_schedule
-from rhino.hlo_passes.unroll import trace
+from rhino.runtime.schedules import Schedule
+from rhino.hlo_passes import stage_effects
 from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, constraints,
-                                             finish_acc, flatten, is_apply, prologue_function,
-                                             split_step, task_function)
+                                             finish_acc, is_apply, prologue_function,
+                                             task_function)
 from rhino.runtime import threads
+from rhino.runtime.host_effects import EffectsRunner
 from rhino.runtime.instructions import (Instr, acknowledged_recvs, first_apply, held_sends,
                                         instructions)
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
@@ -62,7 +63,7 @@ from rhino.runtime.task_timing import Pending, all_ready, done_now, measured, re
 from rhino.runtime.timeline import TaskRecord
 
 __all__ = ["ExecutorError", "Failure", "LocalTransport", "StepTransport", "Transport",
-           "root_cause", "Instr", "instructions", "WorkerSpec", "StageWorker",
+           "root_cause", "Instr", "instructions", "place", "StageWorker",
            "LocalExecutor", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -71,63 +72,6 @@ ABORT_GRACE_S = 10.0
 CLOSE_GRACE_S = 2.0
 """How long ``close()`` (and an interrupted step) waits for stage threads to stop."""
 
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a process needs to build one ``StageWorker`` (picklable: a Ray actor
-    re-traces the step and re-splits it; the split is deterministic).
-
-    Attributes:
-        fn: the step; abstract: its arguments (whole batch).
-        assignment: equation path -> (role, stage); batch_refs, key_refs, num_stages,
-        num_microbatches, per_microbatch_statistics, schedule: as in ``split_step`` /
-        ``make_schedule``.
-        stage: the stage; mesh_shape, axis_names: its mesh; shardings: its shardings.
-        measure: time every task (blocking on its results).
-    """
-
-    fn: Callable
-    abstract: tuple
-    assignment: dict
-    batch_refs: tuple[int, ...]
-    num_stages: int
-    num_microbatches: int
-    schedule: str
-    stage: int
-    mesh_shape: tuple[int, ...]
-    axis_names: tuple[str, ...]
-    shardings: StageShardings
-    measure: bool = True
-    key_refs: tuple[int, ...] = ()
-    per_microbatch_statistics: bool = False
-
-    def split(self) -> StepSplit:
-        flat = flatten(trace(self.fn, *self.abstract),
-                       platform_branches=self.per_microbatch_statistics)
-        return split_step(flat, self.assignment, self.batch_refs, self.num_stages,
-                          self.num_microbatches, key_refs=self.key_refs,
-                          per_microbatch_statistics=self.per_microbatch_statistics)
-
-    def build(self, devices: Sequence[Any], split: StepSplit | None = None) -> "StageWorker":
-        """The worker on ``devices`` (as many as the mesh has)."""
-        return build_worker(self, split or self.split(), devices)
-
-
-def build_worker(spec: Any, split: StepSplit, devices: Sequence[Any],
-                 programs: Mapping[tuple[str, bool], Any] | None = None) -> "StageWorker":
-    """The ``StageWorker`` of ``spec`` (a ``WorkerSpec`` or a ``StageArtifact``: its stage,
-    mesh, shardings, schedule) on ``devices`` (as many as the mesh has)."""
-    from rhino.runtime.spmd import device_mesh
-
-    need = int(np.prod(spec.mesh_shape))
-    if len(devices) != need:
-        raise ExecutorError(f"stage {spec.stage}: expected {need} devices for mesh "
-                            f"{spec.mesh_shape}, found {len(devices)}")
-    mesh = device_mesh(spec.mesh_shape, spec.axis_names, list(devices))
-    schedule = make_schedule(spec.schedule, spec.num_stages, spec.num_microbatches)
-    return StageWorker(split, spec.stage, mesh, spec.shardings, schedule, spec.measure,
-                       programs=programs)
 
 
 def place(x: Any, sharding: Any) -> Any:
@@ -166,11 +110,14 @@ class StageWorker:
         programs: ``(kind, with_acc) -> callable``: the stage's programs compiled from its
             artifacts (``runtime.artifacts``); without, each is jitted from ``split`` on
             first use.
+        complete: ``programs`` are all there is (else those missing, the programs holding
+            host callbacks, are jitted from ``split``: ``stage_effects``).
     """
 
     def __init__(self, split: StepSplit, stage: int, mesh: Any, shardings: StageShardings,
                  schedule: Schedule, measure: bool = True,
-                 programs: Mapping[tuple[str, bool], Any] | None = None):
+                 programs: Mapping[tuple[str, bool], Any] | None = None,
+                 complete: bool = True):
         from jax.sharding import NamedSharding, PartitionSpec
 
         self.split, self.stage, self.mesh, self.schedule = split, stage, mesh, schedule
@@ -182,8 +129,15 @@ class StageWorker:
         self._constrain, self._finish = constraints(mesh, shardings)
         self._replicated = self._named(None)
         # Compiled from artifacts (``runtime.artifacts``), or jitted from the split on use.
-        self._from_artifacts = programs is not None
+        self._from_artifacts = programs is not None and complete
         self._programs: dict[tuple[str, bool], Any] = dict(programs or {})
+        # Programs binding host callbacks: the warm-up runs their quiet variants, and
+        # effects programs run after apply tasks on the mesh's first device.
+        self._quiet = stage_effects.quiet_kinds(split, stage, self._programs)
+        self._effects = EffectsRunner(split, stage, mesh)
+        refused = stage_effects.check_mesh(split, stage, int(np.prod(mesh.devices.shape)))
+        if refused is not None:
+            raise ExecutorError(f"stage {stage}: {refused}", stage=stage)
         # How many tasks of this stage read each (ref, microbatch) value: released after.
         self._readers: dict[int, int] = {}
         mine = [t for (k, s), t in split.tasks.items() if s == stage]
@@ -214,27 +168,37 @@ class StageWorker:
     def sharding(self, ref: int) -> Any:
         return self._ref_sharding.get(ref, self._replicated)
 
-    def program(self, kind: str, with_acc: bool) -> Any:
-        key = (kind, with_acc)
+    def program(self, kind: str, with_acc: bool, quiet: bool = False) -> Any:
+        """The program of task ``kind`` (``quiet``: its variant whose host callbacks give
+        zeros, where it binds some)."""
+        quiet = quiet and kind in self._quiet
+        key = (stage_effects.QUIET + kind if quiet else kind, with_acc)
         fn = self._programs.get(key)
-        if fn is None and self._from_artifacts:
+        if fn is not None:
+            return fn
+        task = self.split.task(kind, self.stage)
+        if task.empty:    # instruction lists never run one: asking for it is a bug
+            raise ExecutorError(f"stage {self.stage}: task {task.label} is empty (no "
+                                f"equations, outputs or accumulators): it has no program",
+                                stage=self.stage)
+        if self._from_artifacts:
             raise ExecutorError(f"stage {self.stage}: no program {kind}"
                                 f"{'+acc' if with_acc else ''} among its artifacts "
                                 f"{sorted(self._programs)}", stage=self.stage)
-        if fn is None:
-            task = self.split.task(kind, self.stage)
-            donate = (1,) if with_acc else ()
-            fn = jax.jit(task_function(self.split, task, with_acc, self._constrain,
-                                       self._finish), donate_argnums=donate)
-            self._programs[key] = fn
+        fn = jax.jit(task_function(self.split, task, with_acc, self._constrain,
+                                   self._finish, quiet), donate_argnums=(1,) if with_acc else ())
+        self._programs[key] = fn
         return fn
 
-    def prologue_program(self) -> Any:
-        """The stage's prologue, jitted (None when it computes nothing)."""
-        fn = self._programs.get(("P", False))
+    def prologue_program(self, quiet: bool = False) -> Any:
+        """The stage's prologue, jitted (None when it computes nothing; ``quiet``: as
+        ``program``)."""
+        quiet = quiet and "P" in self._quiet
+        key = (stage_effects.QUIET + "P" if quiet else "P", False)
+        fn = self._programs.get(key)
         if fn is None and self._prologue.outputs and not self._from_artifacts:
-            fn = jax.jit(prologue_function(self.split, self.stage, self._constrain))
-            self._programs[("P", False)] = fn
+            fn = jax.jit(prologue_function(self.split, self.stage, self._constrain, quiet))
+            self._programs[key] = fn
         return fn
 
     def zero_args(self) -> dict[int, Any]:
@@ -329,10 +293,10 @@ class StageWorker:
         # One call places every slice (fewer dispatches than one per slice).
         return dict(zip(keys, jax.device_put(slices, targets)))
 
-    def _run_prologue(self, state: Mapping[int, Any], whole: dict[int, Any]
-                      ) -> TaskRecord | None:
+    def _run_prologue(self, state: Mapping[int, Any], whole: dict[int, Any],
+                      quiet: bool = False) -> TaskRecord | None:
         """The stage's prologue on the whole batch: its values join ``whole``."""
-        fn = self.prologue_program()
+        fn = self.prologue_program(quiet)
         if fn is None:
             return None
         args = [whole[r] if r in whole else state[r] for r in self._prologue.inputs]
@@ -345,13 +309,16 @@ class StageWorker:
         return Pending(TaskRecord(self.stage, "P", t0, t0, None, "prologue"), done)
 
     def run_step(self, args: Mapping[int, Any], transport: Transport,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> tuple[dict[int, Any], list[TaskRecord]]:
+                 timeout: float = DEFAULT_TIMEOUT_S, warm_up: bool = False
+                 ) -> tuple[dict[int, Any], list[TaskRecord]]:
         """Run this stage's instructions once.
 
         Args:
             args: flat argument ref -> array for the arguments this stage reads.
             transport: moves values between stages.
             timeout: seconds to wait for any one value.
+            warm_up: a step on zeros before the first (``zero_args``): host callbacks are
+                not called (quiet programs, no effects programs: ``stage_effects``).
 
         Returns:
             (the step's results this stage produces: ref -> array, measured task records).
@@ -378,8 +345,9 @@ class StageWorker:
         left: dict[tuple[int, Any], int] = {}
         accs: dict[int, Any] = {}
         records: list[TaskRecord] = []
+        effects: list[tuple[Instr, Any]] = []    # effects programs run: (task, their token)
         try:
-            rec = self._run_prologue(state, whole)
+            rec = self._run_prologue(state, whole, warm_up)
         except Exception as e:
             raise self._error(Instr("run", "P"), f"{type(e).__name__}: {e}",
                               Failure.PROGRAM) from e
@@ -433,7 +401,7 @@ class StageWorker:
                     if n == self._first_apply and self._held and wait_taken is not None:
                         wait_taken(self.stage, self._held, timeout)
                     records.append(self._run(ins, state, batch, whole, values, left, accs,
-                                             timeout))
+                                             timeout, warm_up, effects))
                     if n == first:
                         if expect is not None:
                             for r in later:
@@ -464,6 +432,9 @@ class StageWorker:
         values.clear()
         accs.clear()
         batch.clear()
+        # The step ends when its callbacks have run.
+        self._effects.wait(effects, timeout, lambda ins, what: self._error(
+            ins, what, Failure.PROGRAM))
         try:
             return outs, self._timed(records, timeout)
         except ExecutorError:
@@ -521,7 +492,8 @@ class StageWorker:
             raise e
 
     def _run(self, ins: Instr, state, batch, whole, values, left, accs,
-             timeout: float = DEFAULT_TIMEOUT_S) -> TaskRecord:
+             timeout: float = DEFAULT_TIMEOUT_S, quiet: bool = False,
+             effects: list | None = None) -> TaskRecord:
         task = self.split.task(ins.kind, self.stage)
         mb = ins.microbatch
         inputs = []
@@ -546,7 +518,10 @@ class StageWorker:
         if (ins.kind, with_acc) not in self._seen:
             self._seen[(ins.kind, with_acc)] = jax.tree_util.tree_map(
                 _abstract, (inputs, acc_in, mb_arg))
-        outs, new = self.program(ins.kind, with_acc)(inputs, acc_in, mb_arg)
+        outs, new = self.program(ins.kind, with_acc, quiet)(inputs, acc_in, mb_arg)
+        if task.effects and not quiet and effects is not None:
+            handed = outs[len(outs) - len(task.effect_inputs):] if task.effect_inputs else []
+            effects.append((ins, self._effects.run(ins.kind, handed)))
         # Timed without stalling dispatch: a watcher thread waits for the results while
         # this thread goes on to the next instruction (see _timed).
         # (Its accumulators are not waited on there: the next microbatch's call donates
@@ -668,8 +643,9 @@ class LocalExecutor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def run(self, flat_args: Sequence[Any]) -> dict[int, Any]:
-        """One step: flat arguments in, ``ref -> value`` of the step's stage results out.
+    def run(self, flat_args: Sequence[Any], warm_up: bool = False) -> dict[int, Any]:
+        """One step: flat arguments in, ``ref -> value`` of the step's stage results out
+        (``warm_up``: a step on zeros that calls no host callback, ``StageWorker.run_step``).
 
         Raises:
             ExecutorError: a stage failed, timed out or did not finish within
@@ -693,7 +669,7 @@ class LocalExecutor:
         self._running = {}
         for w in self.workers:
             args = {r: flat_args[r] for r in split.stage_args(w.stage)}
-            self._running[threads.start(self._stage, w, args, step,
+            self._running[threads.start(self._stage, w, args, step, warm_up,
                                         name=f"rhino-stage{w.stage}-step{step}")] = w.stage
         try:
             results = self._wait(step, t0)
@@ -711,11 +687,12 @@ class LocalExecutor:
         self.last_records = records
         return outs
 
-    def _stage(self, worker: StageWorker, args: dict, step: int) -> tuple[dict, list]:
+    def _stage(self, worker: StageWorker, args: dict, step: int, warm_up: bool = False
+               ) -> tuple[dict, list]:
         """One stage's step, on its own thread; a failure aborts the step at once."""
         try:
             outs, records = worker.run_step(args, StepTransport(self.transport, step),
-                                            self.timeout)
+                                            self.timeout, warm_up)
             try:
                 ready_at(outs, timeout=self.timeout)
             except TimeoutError as e:

@@ -8,6 +8,8 @@ tests play them against each other without devices::
 
 Apply-gradients runs in its phases (``StepSplit.apply_phases``) after the stage's last
 backward task; values accumulated over the microbatches are sent once, after the last one.
+An empty task (``TaskSpec.empty``: a stage with no trained weights has no backward or apply
+work) has no program and no instruction.
 
 Example:
     >>> Instr("send", ref=12, microbatch=0, peer=1).label()
@@ -67,6 +69,8 @@ def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr
         kinds = split.apply_phases[stage] if t.kind == "A" else (t.kind,)
         for kind in kinds:
             spec = split.task(kind, stage)
+            if spec.empty:      # no program (``TaskSpec.empty``): nothing to run or move
+                continue
             mb = None if is_apply(kind) else t.microbatch
             for i in spec.inputs:
                 if i.source == "task" and i.producer[1] != stage:

@@ -24,7 +24,8 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor, WorkerSpec
+from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
+from rhino.runtime.worker_spec import WorkerSpec
 from rhino.runtime.transport import ExecutorError
 
 
@@ -93,14 +94,15 @@ class ProcessStages:
         spec = self._specs[stage].shardings.refs.get(ref)
         return NamedSharding(self._meshes[stage], spec or PartitionSpec())
 
-    def run(self, flat_args: Sequence[Any] | Mapping[int, Any]) -> dict[int, Any]:
+    def run(self, flat_args: Sequence[Any] | Mapping[int, Any], warm_up: bool = False
+            ) -> dict[int, Any]:
         step = self.local._step + 1           # the number the local executor gives it
         args = dict(flat_args) if isinstance(flat_args, Mapping) else dict(
             enumerate(flat_args))
         foreign = self._foreign_args(args)
         self._expect(step, foreign)
         args.update(self._exchange_args(step, args, foreign))
-        outs = self.local.run(args)
+        outs = self.local.run(args, warm_up)
         self.last_records, self.last_step_s = self.local.last_records, self.local.last_step_s
         outs.update(self._exchange_results(step, outs))
         return outs

@@ -334,7 +334,8 @@ class StageActor:
         and every collective's communicator set up before the first step. Seconds."""
         t0 = time.perf_counter()
         self._start(0)
-        outs, _ = self.worker.run_step(self.worker.zero_args(), self._transport(0), timeout)
+        outs, _ = self.worker.run_step(self.worker.zero_args(), self._transport(0), timeout,
+                                       warm_up=True)
         import jax
 
         jax.block_until_ready(outs)

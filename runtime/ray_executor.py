@@ -114,7 +114,8 @@ def _artifacts(specs: Sequence[Any], actor_options: Mapping[str, Any]) -> list:
     todo = [s for s in specs if not isinstance(s, StageArtifact)]
     if not todo:
         return list(specs)
-    made = iter(export_stages(todo, todo[0].split(), actor_platform(actor_options)))
+    made = iter(export_stages(todo, todo[0].split(), actor_platform(actor_options),
+                              with_code=True))
     return [s if isinstance(s, StageArtifact) else next(made) for s in specs]
 
 

@@ -9,7 +9,9 @@ Ray executor's actors do the same when they start), so the first call, and its
 (``donate=True``: state the step updates and returns) after every call, the first included,
 whether the program took them as they were or a copy moved onto the plan's devices
 (``delete_donated``). Stage programs do not donate the state (they keep it per stage
-between steps), so a ``StagedRun`` deletes nothing, on any call.
+between steps), so a ``StagedRun`` deletes nothing, on any call. A ``StagedRun`` hands its
+0-d results back uncommitted (``Handover``), so that results of different stages combine
+as ``jax.jit``'s do.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import numpy as np
 from rhino.errors import RhinoError, format_bytes
 from rhino.jaxpr.private import with_weak_type
 from rhino.hlo_passes.lower import SpmdLowering, StageLowering
-from rhino.runtime.executor import WorkerSpec, place
+from rhino.runtime.executor import place
+from rhino.runtime.worker_spec import WorkerSpec
 from rhino.vocabulary import ScheduleKind
 
 
@@ -151,6 +154,57 @@ def step_results(split: Any, flat: Sequence[Any], outs: Mapping[int, Any],
     return res
 
 
+class Handover:
+    """Where a pipelined step's results come back, so that they combine as ``jax.jit``'s.
+
+    Each stage's programs leave its results on the stage's devices. A 0-d result (a loss, a
+    metric, a metric's total or count, a step counter) comes back *uncommitted* on one
+    device holding it (a view of its buffer there, no copy), as ``jax.jit`` returns results
+    of host inputs: ``total / count`` of two stages' values, or a loss times a norm of one
+    stage's weights, runs where JAX puts it instead of failing on "incompatible devices".
+    Passed back as the next step's argument (a counter, a metric's state), the stage's own
+    copy is used (``back``): no transfer. An array result stays committed on the devices
+    of the stage that made it, in the sharding the next step reads it in: the state is fed
+    back without moving, and combining arrays of two stages (``optax.global_norm`` of the
+    whole model's parameters) needs them moved first (``jax.device_put``, or host values);
+    moving every result to one device each step would cost the transfer and the memory of
+    the whole state. Typed PRNG keys stay as they are.
+
+    Only the last step's results are remembered.
+    """
+
+    def __init__(self) -> None:
+        self._given: dict[int, tuple[Any, Any]] = {}   # id(handed) -> (handed, stage's)
+
+    def give(self, results: Sequence[Any]) -> list:
+        """The step's flat results as the caller gets them (remembered for ``back``)."""
+        from rhino.jaxpr.private import uncommitted_view
+
+        given: dict[int, tuple[Any, Any]] = {}
+        out = []
+        for x in results:
+            if isinstance(x, jax.Array) and not x.ndim and x.committed and \
+                    x.is_fully_addressable and \
+                    not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                view = uncommitted_view(x)
+                given[id(view)] = (view, x)
+                x = view
+            out.append(x)
+        self._given = given
+        return out
+
+    def back(self, flat: Sequence[Any]) -> list:
+        """The step's flat arguments, the last step's handed results among them replaced
+        by the stages' own copies."""
+        if not self._given:
+            return list(flat)
+        out = []
+        for x in flat:
+            kept = self._given.get(id(x))
+            out.append(kept[1] if kept is not None and kept[0] is x else x)
+        return out
+
+
 class StagedRun:
     """Stage programs under a static schedule, by a local or a Ray executor.
 
@@ -164,6 +218,7 @@ class StagedRun:
                                                                    schedule)
         self.out_avals = tuple(out_avals) if out_avals is not None else None
         self.warm_up_s: float | None = None
+        self.handover = Handover()
 
     def warm_up(self, say: Callable[[str], None]) -> None:
         """Compile every stage program before the first step: one step of the local
@@ -194,7 +249,7 @@ class StagedRun:
                 weak = getattr(w.split.flat.avals[r], "weak_type", False)
                 zeros[r] = jax.numpy.full(z.shape, z.dtype.type(0).item()) if weak else z
         try:
-            self.executor.run(zeros)
+            self.executor.run(zeros, warm_up=True)     # host callbacks not called
         finally:
             done.set()
         self.warm_up_s = time.perf_counter() - t0
@@ -202,9 +257,9 @@ class StagedRun:
             f"{self.warm_up_s:.1f} s")
 
     def __call__(self, args: tuple) -> list:
-        flat = jax.tree_util.tree_leaves(args)
-        return step_results(self.lowering.split, flat, self.executor.run(flat),
-                            self.out_avals)
+        flat = self.handover.back(jax.tree_util.tree_leaves(args))
+        return self.handover.give(step_results(self.lowering.split, flat,
+                                               self.executor.run(flat), self.out_avals))
 
     def typed_args(self, values: Sequence[Any]) -> list[Any]:
         """The step's leading argument leaves ``values`` (e.g. ``RemoteArray`` handles made
@@ -229,6 +284,11 @@ class StagedRun:
             lines.append(f"  statistics        {len(lay.local)} equations read each "
                          f"microbatch's own estimate of a whole-batch statistic "
                          f"(per_microbatch_statistics)")
+        effects = sum(len(t.effects) for t in sp.tasks.values())
+        if effects:
+            lines.append(f"  host effects      {effects} callback{'s' if effects > 1 else ''} "
+                         f"nothing reads: once per step, after stage 0's apply-gradients, "
+                         f"on its first device")
         if self.warm_up_s is not None:
             lines.append(f"  compiled          every stage program before the first step "
                          f"({self.warm_up_s:.1f} s, one step on zeros)")

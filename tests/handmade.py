@@ -56,3 +56,69 @@ def ffn_layernorm_step(p, x):
         return jnp.mean((x0 + jax.nn.relu(ln(x0) @ p["w1"]) @ p["w2"]) ** 2)
     grads = jax.grad(loss)(p)
     return jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
+
+
+def _dense(key, n, d):
+    import jax
+
+    return [jax.random.normal(k, (d, d)) / d ** 0.5 for k in jax.random.split(key, n)]
+
+
+def frozen_front_step(batch: int = 16, d: int = 64):
+    """A step whose first four layers are frozen (an argument it reads and never trains)
+    and whose last two are trained with SGD; it returns the new weights, the loss and the
+    number of positive features of the first frozen layer. Pipelined in two stages, stage 0
+    holds only the frozen layers: its backward and apply tasks are empty, and the loss
+    (stage 1) and the count (stage 0) are results of different stages.
+
+    Returns:
+        ``(step, args, options)``: ``args = (params, frozen, x, y)``; ``options`` for
+        ``rhino.auto_parallel`` (``batch_args``: the frozen layers are no batch).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def step(params, frozen, x, y):
+        h = jnp.tanh(x @ frozen[0])
+        active = jnp.sum(h > 0)
+        for w in frozen[1:]:
+            h = jnp.tanh(h @ w)
+
+        def loss_fn(p):
+            z = h
+            for w in p:
+                z = jnp.tanh(z @ w)
+            return jnp.mean((z - y) ** 2)
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        return [w - 0.1 * d for w, d in zip(params, g)], loss, active
+
+    k = jax.random.split(jax.random.key(0), 4)
+    args = (_dense(k[0], 2, d), _dense(k[1], 4, d), jax.random.normal(k[2], (batch, d)),
+            jax.random.normal(k[3], (batch, d)))
+    return step, args, {"batch_args": ("x", "y")}
+
+
+def loss_only_last_step(batch: int = 16, d: int = 64):
+    """Two trained layers, then a loss with no weights that costs as much as they do
+    (per example: products of the features with themselves): pipelined in two stages,
+    stage 1 is only the loss, so its apply task is empty. Returns ``(step, args,
+    options)``, ``args = (params, x, y)``."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(params, x, y):
+        def loss_fn(p):
+            h = x
+            for w in p:
+                h = jnp.tanh(h @ w)
+            z = jnp.einsum("bi,bj->bij", h, h)
+            for _ in range(3):
+                z = jnp.tanh(z @ z)
+            return jnp.mean(z) + jnp.mean((h - y) ** 2)
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        return [w - 0.1 * d for w, d in zip(params, g)], loss
+
+    k = jax.random.split(jax.random.key(0), 3)
+    args = (_dense(k[0], 2, d), jax.random.normal(k[1], (batch, d)),
+            jax.random.normal(k[2], (batch, d)))
+    return step, args, {}

@@ -220,7 +220,7 @@ def pipeline(steps=3):
     from rhino.pipeline.gradient import BoundaryOptions, check_batch_leaves, \
         find_gradient_boundary
     from rhino.progress import Progress
-    from rhino.runtime.executor import WorkerSpec
+    from rhino.runtime.worker_spec import WorkerSpec
     from rhino.runtime.spmd import device_mesh
     from rhino.runtime.transport import StepTransport
 

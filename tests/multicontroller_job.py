@@ -6,7 +6,11 @@ Options make it misbehave on purpose: ``--pin-on P`` (process P pins a weight's 
 its plan differs from the others'), ``--fail-on P`` (process P exits with ``--exit-code``
 right after joining; the others wait), ``--raise-on P`` (process P raises instead),
 ``--global-batch`` (each process passes only its own rows, through ``rhino.global_batch``);
-``--cluster``, ``--stages``: ``auto_parallel``'s options.
+``--cluster``, ``--stages``: ``auto_parallel``'s options; ``--effects PATH``: the step holds
+a ``jax.debug.callback`` and an ordered ``io_callback``, which append ``TAG pPROCESS VALUE``
+lines to PATH (the one-device ``jax.jit`` reference's tags start with ``ref-``).
+``--frozen`` runs another step instead (``handmade.frozen_front_step``: frozen first layers, so a stage may have no
+backward or apply task; results of several stages combined).
 """
 
 from __future__ import annotations
@@ -30,6 +34,27 @@ def train_step(params, x, y):
     return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
 
 
+def effect_step(path: str, prefix: str):
+    """``train_step`` with host callbacks appending to ``path``."""
+    from jax.experimental import io_callback
+
+    def write(tag):
+        def f(v):
+            with open(path, "a") as out:
+                out.write(f"{prefix}{tag} p{jax.process_index()} {float(np.sum(v)):.6f}\n")
+        return f
+
+    def step(params, x, y):
+        def loss_fn(p):
+            h = jax.nn.relu(x @ p["w1"])
+            jax.debug.callback(write("sum"), jnp.sum(h))
+            return jnp.mean((h @ p["w2"] - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        io_callback(write("loss"), None, loss, ordered=True)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+    return step
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2)
@@ -40,6 +65,8 @@ def main() -> int:
     ap.add_argument("--global-batch", action="store_true")
     ap.add_argument("--cluster", default=None)
     ap.add_argument("--stages", type=int, default=None)
+    ap.add_argument("--effects", default=None)
+    ap.add_argument("--frozen", action="store_true")
     a = ap.parse_args()
 
     job = rhino.distributed_init()
@@ -55,6 +82,8 @@ def main() -> int:
         return 0
     if a.raise_on == me:
         raise RuntimeError(f"process {me}: raising on purpose")
+    if a.frozen:
+        return frozen(me, f"{n}x{jax.local_device_count()}", a.stages)
 
     rng = np.random.default_rng(0)
     params = {"w1": rng.normal(size=(64, 256)).astype(np.float32) * 0.05,
@@ -62,8 +91,10 @@ def main() -> int:
     x = rng.normal(size=(128, 64)).astype(np.float32)
     y = rng.normal(size=(128, 16)).astype(np.float32)
     pins = {"params['w1']": "R·R"} if a.pin_on == me else {}
-    step = rhino.auto_parallel(train_step, annotations=pins, cluster=a.cluster,
-                               stages=a.stages)
+    fn, ref_fn = train_step, train_step
+    if a.effects:
+        fn, ref_fn = effect_step(a.effects, ""), effect_step(a.effects, "ref-")
+    step = rhino.auto_parallel(fn, annotations=pins, cluster=a.cluster, stages=a.stages)
     if a.global_batch:        # each process only has its own rows
         rows = len(x) // n
         mine = slice(me * rows, (me + 1) * rows)
@@ -71,7 +102,7 @@ def main() -> int:
     else:
         xb, yb = x, y
     p, ref = params, params
-    ref_step = jax.jit(train_step)
+    ref_step = jax.jit(ref_fn)
     for k in range(a.steps):
         p, loss = step(p, xb, yb)
         if k == 0:        # global arrays in the plan's layout, passed back as they are
@@ -85,7 +116,12 @@ def main() -> int:
         if not np.allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-6):
             print(f"process {me}: MISMATCH", flush=True)
             return 1
-    for got, want in zip(jax.tree.leaves(p), jax.tree.leaves(ref)):
+    return shards_match(me, p, ref)
+
+
+def shards_match(me: int, got_tree, want_tree) -> int:
+    """0 (and OK) when this process's shards of ``got_tree`` equal ``want_tree``'s."""
+    for got, want in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
         for shard in got.addressable_shards:
             if not np.allclose(np.asarray(shard.data), np.asarray(want)[shard.index],
                                rtol=1e-5, atol=1e-6):
@@ -93,6 +129,33 @@ def main() -> int:
                 return 1
     print(f"process {me}: OK", flush=True)
     return 0
+
+
+def frozen(me: int, cluster: str, stages: int) -> int:
+    """``handmade.frozen_front_step`` pipelined over the job, 3 steps beside jax.jit: the
+    loss divided by the count (results of different stages, here or received) and each
+    process's own shards of the weights."""
+    from handmade import frozen_front_step
+
+    fn, (params, layers, x, y), opts = frozen_front_step()
+    step = rhino.auto_parallel(fn, cluster=cluster, stages=stages, num_microbatches=4,
+                               **opts)
+    ref_step = jax.jit(fn)
+    host = jax.tree.map(np.asarray, (params, layers, x, y))
+    p, ref = host[0], params
+    for k in range(3):
+        p, loss, count = step(p, *host[1:])
+        ref, ref_loss, ref_count = ref_step(ref, layers, x, y)
+        got, want = float(loss / count), float(ref_loss / ref_count)
+        print(f"process {me}: step {k} ran: loss / count {got:.6g} (jax.jit {want:.6g})",
+              flush=True)
+        if not np.isclose(got, want, rtol=1e-5) or int(count) != int(ref_count):
+            print(f"process {me}: MISMATCH", flush=True)
+            return 1
+    split = step.split_for(p, *host[1:])
+    print(f"process {me}: empty tasks "
+          f"{sorted(f'{k}{s}' for (k, s), t in split.tasks.items() if t.empty)}", flush=True)
+    return shards_match(me, p, ref)
 
 
 def dataclass_again(job):

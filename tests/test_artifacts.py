@@ -16,6 +16,8 @@ from rhino.models import get_model
 from rhino.runtime import artifacts
 from rhino.runtime.executor import LocalExecutor
 
+from handmade import frozen_front_step, loss_only_last_step
+
 GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
 
 
@@ -172,3 +174,28 @@ def test_saved_stages_run_later_in_a_process_without_the_steps_code(tmp_path):
     assert len(out.files) == len(want)
     for i, w in enumerate(want):
         np.testing.assert_allclose(out[f"arr_{i}"], np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("make,empty", [(frozen_front_step, [("A", 0), ("B", 0)]),
+                                        (loss_only_last_step, [("A", 1)])])
+def test_stages_with_an_empty_task_run_from_their_artifacts(make, empty, tmp_path):
+    """Issue 43: a stage with no trained weights (its backward and apply tasks empty) or
+    that is only the loss (its apply task empty): no program is exported for an empty task
+    and none is asked for; the saved stages run (``SavedPipeline``) equal to jax.jit.
+    (Before: "no program B among its artifacts", the instruction list still ran it.)"""
+    step, args, opts = make()
+    with rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=4,
+                             **opts) as piped:
+        host = jax.tree_util.tree_map(np.array, args)
+        split = piped.split_for(*host)
+        assert sorted(k for k, t in split.tasks.items() if t.empty) == empty
+        piped.save_stages(str(tmp_path), *host)
+    arts = artifacts.load(str(tmp_path))
+    for kind, s in empty:
+        assert not [k for k in arts[s].programs if k[0] == kind], arts[s].programs.keys()
+    want = jax.tree_util.tree_leaves(jax.jit(step)(*args))
+    with artifacts.SavedPipeline(arts) as run:
+        for _ in range(2):
+            got = run(*host)
+            for a, b in zip(got, want):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -246,6 +246,39 @@ def test_carried_pairs_zoo(zoo_graphs):
     assert all(g.ops[o].shape == g.ops[p].shape for o, p in pairs)
 
 
+def test_carried_pairs_read_attributes_and_string_keys_alike():
+    """An argument flattened by attribute (a namedtuple, a Flax NNX module: ``p.w``) and
+    its update returned as a dict (``nnx.state(...)``: ``['w']``), behind the loss."""
+    import collections
+
+    P = collections.namedtuple("P", "w b")
+
+    def step(x, p):
+        loss = jnp.sum(x @ p.w + p.b)
+        return loss, {"w": p.w - 0.1 * loss, "b": p.b * 0.5}
+
+    g = rhino.ingest(step, jnp.ones((8, 4)), P(jnp.ones((4, 2)), jnp.ones((2,))))
+    paired = {g.output_info[g.outputs.index(o)].path: g.ops[p].arg.path
+              for o, p in carried_pairs(g)}
+    assert paired == {"out[1]['w']": "p.w", "out[1]['b']": "p.b"}, paired
+
+
+def test_carried_pairs_count_arguments_without_leaves():
+    """``step(params, opt_state, ema, x)`` with SGD's empty optimizer state: ``out[2]`` is
+    the third argument's update (``ema``), though only three arguments have leaves."""
+    import optax
+
+    def step(params, opt_state, ema, x):
+        g = jax.grad(lambda p: jnp.sum(x @ p["w"]))(params)
+        return {"w": params["w"] - 0.1 * g["w"]}, opt_state, 0.9 * ema + x.mean(0), 0.0
+
+    g = rhino.ingest(step, {"w": jnp.ones((4, 2))}, optax.sgd(0.1).init(None),
+                     jnp.zeros((4,)), jnp.ones((8, 4)))
+    paired = {g.output_info[g.outputs.index(o)].path: g.ops[p].arg.path
+              for o, p in carried_pairs(g)}
+    assert paired == {"out[0]['w']": "params['w']", "out[2]": "ema"}, paired
+
+
 # ------------------------------------------------------------------ shared pending sums
 def _three_readers():
     def f(x, w):

@@ -32,7 +32,7 @@ def _host(tree):
 def _compare(step, state, batch, steps=STEPS, **options):
     """Run ``step(*state, *batch) -> (*state, metrics)`` pipelined and with jax.jit."""
     ref = jax.jit(step)
-    piped = rhino.auto_parallel(step, **PIPE, **options)
+    piped = rhino.auto_parallel(step, **{**PIPE, **options})
     s1, s2 = tuple(state), tuple(_host(state))
     try:
         for _ in range(steps):
@@ -191,6 +191,67 @@ def test_flax_nnx_scan_over_layers_is_planned(monkeypatch):
     _compare(step, state, batch, steps=3)
 
 
+def test_nnx_metrics_of_two_stages_compute_on_the_pipelined_state():
+    """``nnx.MultiMetric`` (an ``Average`` of the loss and an ``Accuracy``) in the state of
+    a pipelined step: each metric's total is summed where the loss and logits are (the
+    last stage), its count is a constant added once per step (stage 0). ``compute()`` on
+    the state the step returns divides one stage's value by the other's, as on jax.jit's
+    (before: "incompatible devices": each 0-d result committed to its stage's devices).
+    Fed back, a stage reads the values it made as they are: nothing is moved. (A value one
+    stage makes and another reads, Adam's step count, moves as before.)"""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(16, 64, rngs=rngs)] +
+                                   [nnx.Linear(64, 64, rngs=rngs) for _ in range(2)] +
+                                   [nnx.Linear(64, 10, rngs=rngs)])
+
+        def __call__(self, x):
+            for layer in self.layers[:-1]:
+                x = jax.nn.relu(layer(x))
+            return self.layers[-1](x)
+
+    graphdef, params = nnx.split(MLP(nnx.Rngs(0)))
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"),
+                              accuracy=nnx.metrics.Accuracy())
+    mdef, mstate = nnx.split(metrics)
+    tx = optax.adam(1e-2)
+
+    def step(params, opt_state, mstate, x, y):
+        def loss_fn(p):
+            logits = nnx.merge(graphdef, p)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        metrics = nnx.merge(mdef, mstate)
+        metrics.update(loss=loss, logits=logits, labels=y)
+        return optax.apply_updates(params, updates), opt_state, nnx.state(metrics), loss
+
+    x, y = _xy()
+    ref = jax.jit(step)
+    s1 = (params, tx.init(params), mstate)
+    s2 = _host(s1)
+    with rhino.auto_parallel(step, **PIPE) as piped:
+        for _ in range(3):
+            *s1, l1 = ref(*s1, x, y)
+            *s2, l2 = piped(*s2, x, y)
+            got = nnx.merge(mdef, s2[2]).compute()
+            want = nnx.merge(mdef, s1[2]).compute()
+            for k in ("loss", "accuracy"):
+                np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=RTOL)
+            np.testing.assert_allclose(float(l2 / got["loss"]), float(l1 / want["loss"]),
+                                       rtol=RTOL)
+        run = piped._entry((*s2, x, y)).run
+        held = {w.stage: {d.id for x_ in jax.tree.leaves(s2[2]) for d in x_.devices()
+                          if d in set(w.mesh.devices.flat)} for w in run.executor.workers}
+        assert all(held.values()), held          # the metrics' values of both stages
+        for w in run.executor.workers:   # what a stage made comes back to it as it was
+            own = [r for r, a in w._state_src.items() if np.ndim(a) == 0 and
+                   getattr(a.sharding, "mesh", None) == w.mesh]
+            assert own and all(w._state[r] is w._state_src[r] for r in own), w.stage
+
+
 def test_flax_linen_with_dropout_key_argument():
     import flax.linen as nn
 
@@ -218,7 +279,9 @@ def test_flax_linen_with_dropout_key_argument():
     _compare(step, (params, tx.init(params)), (x, y, jax.random.key(3)))
 
 
-def test_equinox_with_per_example_dropout_keys():
+def _equinox_mlp(key):
+    """An Equinox MLP with ``eqx.nn.Dropout`` (``inference=False``) after each hidden
+    layer, split into its arrays and the rest."""
     import equinox as eqx
 
     class Net(eqx.Module):
@@ -229,14 +292,20 @@ def test_equinox_with_per_example_dropout_keys():
             dims = [16, 64, 64, 64, 10]
             self.layers = [eqx.nn.Linear(a, b, key=k) for a, b, k in
                            zip(dims, dims[1:], jax.random.split(key, 4))]
-            self.drop = eqx.nn.Dropout(0.2)
+            self.drop = eqx.nn.Dropout(0.2, inference=False)
 
         def __call__(self, x, key):
             for layer in self.layers[:-1]:
                 x = self.drop(jax.nn.relu(layer(x)), key=key)
             return self.layers[-1](x)
 
-    params, static = eqx.partition(Net(jax.random.key(4)), eqx.is_array)
+    return eqx.partition(Net(key), eqx.is_array)
+
+
+def test_equinox_with_per_example_dropout_keys():
+    import equinox as eqx
+
+    params, static = _equinox_mlp(jax.random.key(4))
     tx = optax.adam(1e-3)
 
     def step(params, opt_state, x, y, key):
@@ -249,6 +318,92 @@ def test_equinox_with_per_example_dropout_keys():
         return eqx.apply_updates(params, upd), opt_state, {"loss": loss}
 
     _compare(step, (params, tx.init(params)), (*_xy(), jax.random.key(5)))
+
+
+@pytest.mark.parametrize("key", ["raw", pytest.param("typed", marks=pytest.mark.slow)])
+def test_equinox_filter_jit_step_with_a_key_beside_the_data(key):
+    """An Equinox step as its users write it: decorated with ``eqx.filter_jit`` (so every
+    use of the key is inside a nested jit), the key (``jax.random.PRNGKey``'s raw
+    ``uint32[2]``, or a typed ``jax.random.key``) beside the data, folded with a step
+    counter and split into per-example keys for the dropout. The key is no batch: it was
+    refused as one ('batch argument key: expected a leading dimension divisible by
+    num_microbatches=4, found shape (2,)'), and the filter_jit wrapper's own ``fn``
+    attribute had replaced the step's (TypeError: the first argument must be callable)."""
+    import equinox as eqx
+
+    params, static = _equinox_mlp(jax.random.PRNGKey(4))
+    tx = optax.adamw(1e-3)
+
+    @eqx.filter_value_and_grad
+    def loss_fn(params, x, y, keys):
+        model = eqx.combine(params, static)
+        logits = jax.vmap(model)(x, keys)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    @eqx.filter_jit
+    def step(params, opt_state, count, x, y, key):
+        keys = jax.random.split(jax.random.fold_in(key, count), x.shape[0])
+        loss, grads = loss_fn(params, x, y, keys)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return eqx.apply_updates(params, updates), opt_state, count + 1, loss
+
+    k = jax.random.PRNGKey(5) if key == "raw" else jax.random.key(5)
+    _compare(step, (params, tx.init(params), jnp.uint32(0)), (*_xy(), k), steps=3)
+
+
+def test_a_key_carried_as_state_and_a_raw_key_in_the_batch():
+    """The step splits its key (state: the new key is returned) and applies input dropout
+    with raw key data from the batch dict, used only inside a jitted helper."""
+    step, params, opt = _mlp_step()
+
+    @jax.jit
+    def input_dropout(key, x):
+        return jnp.where(jax.random.bernoulli(key, 0.9, x.shape), x / 0.9, 0.0)
+
+    def keyed(params, opt_state, key, batch):
+        key, sub = jax.random.split(key)
+        x = input_dropout(batch["rng"], batch["x"])
+        params, opt_state, loss = step(params, opt_state, dict(batch, x=x, rng=sub))
+        return params, opt_state, key, loss
+
+    x, y = _xy()
+    batch = {"x": x, "y": y, "rng": jax.random.PRNGKey(9)}
+    _compare(keyed, (params, opt, jax.random.PRNGKey(1)), (batch,), steps=3)
+
+
+def test_uint32_data_of_two_is_split_where_a_raw_key_of_two_is_not():
+    """Two uint32[2] arguments told apart by use: token ids (a batch of two, split into 2
+    microbatches) and raw key data (never split)."""
+    from rhino.hlo_passes.annotate import ScopedFunction
+    from rhino.hlo_passes.lower import key_args
+
+    emb = jax.random.normal(jax.random.PRNGKey(0), (10, 16)) * 0.3
+    params = {"emb": emb, "w": jax.random.normal(jax.random.PRNGKey(1), (16, 16)) * 0.3,
+              "out": jax.random.normal(jax.random.PRNGKey(2), (16, 10)) * 0.3}
+    tx = optax.sgd(0.1)
+
+    def step(params, opt_state, tokens, key):
+        def loss_fn(p):
+            h = jax.nn.relu(p["emb"][tokens] @ p["w"])
+            h = jnp.where(jax.random.bernoulli(key, 0.8, h.shape), h / 0.8, 0.0)
+            return optax.softmax_cross_entropy_with_integer_labels(
+                h @ p["out"], (tokens + 1) % 10).mean()
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    tokens = jnp.array([3, 7], jnp.uint32)
+    key = jax.random.PRNGKey(3)
+    assert tokens.shape == key.shape and tokens.dtype == key.dtype
+    n = len(jax.tree.leaves((params, tx.init(params))))       # flat index of tokens
+    traced = ScopedFunction(step, params, tx.init(params), tokens, key)
+    assert key_args(traced) == {n + 1}
+    _compare(step, (params, tx.init(params)), (tokens, key), steps=2, num_microbatches=2)
+    piped = rhino.auto_parallel(step, **dict(PIPE, num_microbatches=2))
+    try:
+        assert piped.split_for(params, tx.init(params), tokens, key).batch_refs == (n,)
+    finally:
+        piped.close()
 
 
 def test_haiku_with_dropout_and_grad_norm():
@@ -480,9 +635,30 @@ def test_a_split_that_cannot_be_made_says_why():
         return jax.tree.map(lambda w, d: w - 0.1 * d, params, g), opt_state, loss
 
     params = {"w": jnp.zeros((16, 10))}
-    step = rhino.auto_parallel(tiny, cluster="1x8", stages=8, num_microbatches=4)
-    with pytest.raises(rhino.PlanningError, match="stage assignment: expected"):
+    step = rhino.auto_parallel(tiny, cluster="1x8", stages=16, num_microbatches=4)
+    with pytest.raises(rhino.RhinoError, match="expected some split of cluster 1x8 .* "
+                                               "exactly 16 stages, found none"):
         step(params, jnp.zeros(()), *_xy())
+
+
+def test_a_tiny_model_still_gets_the_stages_asked_for():
+    """One matmul in 8 stages: no split gives every stage a tenth of the mean work at any ε;
+    the least unbalanced split leaving no stage empty runs, equal to jax.jit."""
+    def tiny(params, x, y):
+        def loss_fn(p):
+            return optax.softmax_cross_entropy_with_integer_labels(x @ p["w"], y).mean()
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda w, d: w - 0.1 * d, params, g), loss
+
+    params = {"w": jax.random.normal(jax.random.key(3), (16, 10)) * 0.1}
+    step = rhino.auto_parallel(tiny, cluster="1x8", stages=8, num_microbatches=4)
+    try:
+        (w, loss), (w_ref, loss_ref) = step(params, *_xy()), jax.jit(tiny)(params, *_xy())
+        assert step.plan_for(params, *_xy()).num_stages == 8
+    finally:
+        step.close()
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(w["w"]), np.asarray(w_ref["w"]), atol=1e-6)
 
 
 def test_a_saved_plan_for_another_model_is_refused_by_name():
@@ -523,3 +699,33 @@ def test_stage_plans_split_only_what_a_microbatch_divides():
             if p.path.startswith("batch"):
                 d0 = p.spec.dims[0]
                 assert not d0.axes or 2 % st.spmd.mesh.group_size(d0.axes) == 0, p
+
+
+def test_nnx_objects_in_containers_shared_and_beside_arrays():
+    """NNX objects anywhere in the arguments, as ``nnx.jit`` takes them: a tuple of
+    model and optimizer, the same model again in a dict beside an array, a Python-float
+    learning-rate scale; the model is updated once (it is one object), as nnx.jit does."""
+    from flax import nnx
+
+    def make():
+        model = nnx.Linear(16, 10, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step(pair, extra, x, y, scale):
+        model, optimizer = pair
+        def loss_fn(m):
+            return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(extra["model"])
+        optimizer.update(model, jax.tree.map(lambda g: g * scale, grads))
+        return loss + 0.0 * extra["bias"].sum()
+
+    x, y = _xy()
+    (m1, o1), (m2, o2) = make(), make()
+    ref, par = nnx.jit(step), rhino.auto_parallel(step, mesh_shape=(2,))
+    for _ in range(3):
+        want = ref((m1, o1), {"model": m1, "bias": jnp.ones(3)}, x, y, 0.5)
+        got = par((m2, o2), {"model": m2, "bias": jnp.ones(3)}, x, y, 0.5)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert par.plans_built == 1
+    for a, b in zip(jax.tree.leaves(nnx.state((m1, o1))), jax.tree.leaves(nnx.state((m2, o2)))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)

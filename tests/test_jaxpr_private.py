@@ -270,6 +270,48 @@ def test_with_weak_type_changes_only_the_weak_type():
         jnp.bfloat16
 
 
+def test_uncommitted_view_shares_a_shard_and_combines_with_other_meshes():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devs = jax.devices()
+    a_mesh, b_mesh = Mesh(np.array(devs[:2]), ("x",)), Mesh(np.array(devs[2:4]), ("x",))
+    a = jax.device_put(jnp.float32(6), NamedSharding(a_mesh, PartitionSpec()))
+    b = jax.device_put(jnp.asarray(2.0), NamedSharding(b_mesh, PartitionSpec()))   # weak
+    va, vb = jp.uncommitted_view(a), jp.uncommitted_view(b)
+    assert not va.committed and va.devices() == {devs[0]} and vb.devices() == {devs[2]}
+    assert vb.weak_type and vb.dtype == b.dtype
+    assert va.addressable_data(0).unsafe_buffer_pointer() == \
+        a.addressable_shards[0].data.unsafe_buffer_pointer()         # no copy
+    assert float(va / vb) == 3.0                     # committed, they would be refused
+    with pytest.raises(ValueError, match="incompatible devices"):
+        a / b
+    w = jax.device_put(jnp.ones(4), NamedSharding(b_mesh, PartitionSpec("x")))
+    assert (w * va).sharding == w.sharding           # follows the committed array
+
+
 def test_distributed_kv_client_is_none_outside_a_job():
     # Inside a job it is the coordination client (tests/test_jax_transfer.py uses it).
     assert jp.distributed_kv_client() is None
+
+
+def test_effects_ordered_or_not_and_the_callbacks_they_hold():
+    """``is_ordered_effect`` (JAX's ordered-effect set) through ``primitives.is_effect`` /
+    ``is_ordered``, and ``callback_sites`` finding a print inside a ``cond``'s branch;
+    ``pure_callback`` has no effect."""
+    from jax.experimental import io_callback
+
+    def f(x):
+        jax.debug.print("{}", x[0], ordered=True)
+        io_callback(lambda v: None, None, x)
+        jax.debug.callback(lambda v: None, x)
+        y = jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return jax.lax.cond(x[0] > 0, lambda v: (jax.debug.print("{}", v[0]), v)[1],
+                            lambda v: -v, y)
+
+    eqns = [e for e in jax.make_jaxpr(f)(jnp.ones(3)).jaxpr.eqns
+            if prims.is_effect(e) or prims.callback_sites(e)]
+    assert [(prims.name(e), prims.is_effect(e), prims.is_ordered(e)) for e in eqns] == [
+        ("debug_print", True, True), ("io_callback", True, False),
+        ("debug_callback", True, False), ("pure_callback", False, False),
+        ("cond", True, False)]
+    assert [prims.name(s) for s in prims.callback_sites(eqns[-1])] == ["debug_print"]

@@ -2,7 +2,7 @@
 simulated CPU devices, ``rhino.distributed_init`` and ``auto_parallel`` across processes.
 
 Each job runs as a subprocess of the test (a process that joined a job cannot leave it);
-the coordinator's and transfer sockets' ports are free ones the launcher picks. About 55 s
+the coordinator's and transfer sockets' ports are free ones the launcher picks. About 62 s
 in the default suite; four more jobs (the GPT example as one SPMD program, whose path the
 pipeline and the process-local rows jobs take too; an exception's prompt exit, a cluster's
 SPMD-only search, the script's arguments and path) under ``-m slow``.
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from rhino import launch
@@ -126,6 +127,46 @@ def test_a_pipeline_runs_one_stage_per_process():
         assert f"[p{p}] process {p}: plan hybrid on 2 stages on meshes [(4,), (4,)]" \
             in out.stdout, _show(out)
         assert f"[p{p}] process {p}: OK: 3 steps match jax.jit" in out.stdout, _show(out)
+
+
+def test_stages_without_trained_weights_and_results_of_several_stages_per_process():
+    """Issue 43: 4 stages on 2 processes × 4 devices, the first two holding only frozen
+    layers (their backward and apply tasks empty: no instruction runs them). Each process
+    divides the loss (stage 3) by a count made on stage 0; on process 1 the count arrives
+    on stage 2's devices, the loss is on stage 3's (before: "incompatible devices"; now
+    both are uncommitted, as jax.jit's results). 3 steps equal jax.jit."""
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(JOB), "--frozen",
+                  "--stages", "4")
+    assert out.returncode == 0, _show(out)
+    for p in (0, 1):
+        assert f"[p{p}] process {p}: empty tasks ['A0', 'A1', 'B0', 'B1']" in out.stdout, \
+            _show(out)
+        assert f"[p{p}] process {p}: step 2 ran" in out.stdout, _show(out)
+        assert f"[p{p}] process {p}: OK" in out.stdout, _show(out)
+    assert "MISMATCH" not in out.stdout
+
+
+@pytest.mark.slow
+def test_host_callbacks_of_a_pipeline_job_run_once_per_step(tmp_path):
+    """A 2-stage pipeline, one stage per process, whose step holds a ``jax.debug.callback``
+    (on a per-example value's sum) and an ordered ``io_callback`` (on the loss): each runs
+    once per step, not once per process, in process 0 (stage 0's; ``jax.jit`` of one
+    program over the job's devices runs a callback in the process holding its first
+    device), with the values of one-device ``jax.jit`` (which every process runs)."""
+    path = tmp_path / "calls.txt"
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(JOB), "--stages", "2",
+                  "--cluster", "2x4", "--effects", str(path), "--steps", "2")
+    assert out.returncode == 0, _show(out)
+    rows = [line.split() for line in path.read_text().splitlines()]
+    mine = [r for r in rows if not r[0].startswith("ref-")]
+    ref = [r for r in rows if r[0].startswith("ref-") and r[1] == "p0"]
+    assert sorted(r[0] for r in mine) == ["loss"] * 2 + ["sum"] * 2, rows
+    assert {r[1] for r in mine} == {"p0"}, rows
+    assert len([r for r in rows if r[0].startswith("ref-")]) == 8, rows
+    for tag in ("sum", "loss"):
+        got = [float(r[2]) for r in mine if r[0] == tag]
+        want = [float(r[2]) for r in ref if r[0] == "ref-" + tag]
+        np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 @pytest.mark.slow

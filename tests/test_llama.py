@@ -79,3 +79,64 @@ def test_rope_is_the_rotate_half_form():
     x1, x2 = jnp.split(x, 2, -1)
     want = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
     np.testing.assert_allclose(np.asarray(rope(x, 1e4)), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def _accumulated_step(model, m):
+    """Gradient accumulation (issue 43's reference): each of ``m`` microbatches' loss and
+    gradients under ``jax.jit``, averaged in float32, cast to the parameters' dtypes, then
+    the model's own update."""
+    import optax
+
+    tx = model.optimizer()
+
+    def step(params, opt_state, batch):
+        n = jax.tree.leaves(batch)[0].shape[0] // m
+        parts = [jax.value_and_grad(model.loss)(
+            params, jax.tree.map(lambda a: a[j * n:(j + 1) * n], batch)) for j in range(m)]
+        loss = sum(l for l, _ in parts) / m
+        grads = jax.tree.map(lambda *g: sum(x.astype(jnp.float32) for x in g) / m,
+                             *[g for _, g in parts])
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return jax.jit(step)
+
+
+def _worst(a, b):
+    return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("attention", [
+    "fused", pytest.param("xla", marks=pytest.mark.slow)])
+def test_bf16_llama_pipelined_for_20_adamw_steps_tracks_gradient_accumulation(attention):
+    """Issue 43, acceptance 4: the zoo Llama with its defaults (bfloat16 weights, float32
+    AdamW moments) pipelined on 2x4 (2 stages, 4 microbatches) for 20 steps against
+    gradient accumulation under ``jax.jit``.
+
+    The tolerance is the one two correct bfloat16 computations of the same step already
+    show: ``jax.jit`` on the whole batch against gradient accumulation (each rounds its
+    sums and its updates differently, and AdamW turns a rounding of a near-zero gradient
+    into a step of up to the learning rate). The pipeline, which sums the microbatches'
+    gradients in float32 as the reference does, may be off the reference by 4 times that
+    (worst over the steps so far) plus one bfloat16 unit of the largest weight; a wrong
+    gradient or a wrong microbatch shows at once in the loss (checked to 5e-4 relative,
+    against whole-batch jit's 2e-4 here)."""
+    model = get_model("llama", layers=2, hidden=64, ffn=128, heads=4, kv_heads=2,
+                      vocab=256, seq=16, batch=8, attention=attention)
+    params, opt = model.init(jax.random.key(0))
+    reference, whole = _accumulated_step(model, 4), jax.jit(model.step)
+    pipelined = rhino.auto_parallel(model.step, cluster="2x4", stages=2, num_microbatches=4)
+    ulp = float(jnp.finfo(jnp.bfloat16).eps) * max(float(jnp.max(jnp.abs(x.astype(
+        jnp.float32)))) for x in jax.tree.leaves(params))
+    s_ref = s_whole = s_pipe = (params, opt)
+    noise = 0.0
+    for k in range(20):
+        batch = model.make_batch(jax.random.key(100 + k))
+        *s_ref, l_ref = reference(*s_ref, batch)
+        *s_whole, l_whole = whole(*s_whole, batch)
+        *s_pipe, l_pipe = pipelined(*s_pipe, batch)
+        assert abs(float(l_pipe) - float(l_ref)) <= 5e-4 * abs(float(l_ref)), k
+        noise = max(noise, _worst(s_whole[0], s_ref[0]))
+        assert _worst(s_pipe[0], s_ref[0]) <= 4 * noise + ulp, (k, noise)
+    assert float(l_ref) < 6.2

@@ -131,6 +131,17 @@ def test_relaxes_epsilon_and_reports_it():
         solve_stage_problem(dataclasses.replace(p, num_stages=3))
 
 
+def test_one_unit_holding_nearly_all_the_work_still_gets_the_stages_asked_for():
+    """A factorization in a tiny model: no split gives each stage a tenth of the mean load
+    at any ε; the least unbalanced split that leaves no stage empty is returned (with its
+    imbalance as the ε used) rather than an error."""
+    p = StageProblem(("a", "b", "c"), (0.01, 100.0, 0.01), ((0, 1), (1, 2)),
+                     (CutTensor(0, (1,), 4), CutTensor(1, (2,), 4)), 2)
+    sol = solve_stage_problem(p)
+    assert len(set(sol.stage_of)) == 2 and sol.stage_of[0] <= sol.stage_of[1] <= sol.stage_of[2]
+    assert sol.epsilon == pytest.approx(p.imbalance(sol.stage_of)) and sol.rounds > 1
+
+
 def _gpt(layers, **kw):
     m = get_model("gpt", layers=layers, hidden=64, heads=2, seq=16, vocab=32, batch=4, **kw)
     g = rhino.ingest(m.step, *m.example_args())

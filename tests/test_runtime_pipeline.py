@@ -27,6 +27,7 @@ from rhino.runtime.instructions import acknowledged_recvs, held_sends
 from rhino.runtime.schedules import SCHEDULE_NAMES, make_schedule
 from rhino.hlo_passes.stage_programs import (StageSplitError, assignment_from_ops, flatten,
                                              split_step, task_function)
+from handmade import frozen_front_step, loss_only_last_step
 from stage_runner import run_sequentially
 
 RTOL, ATOL = 1e-4, 5e-5
@@ -562,3 +563,57 @@ def test_checkpointed_layers_are_recomputed_in_the_backward_programs():
     for s, (plain, checked) in enumerate(zip(mem[False], mem[True])):
         assert checked["handed"] < 0.3 * plain["handed"], (s, plain, checked)
         assert checked["peak"] <= 0.8 * plain["peak"], (s, plain, checked)
+
+
+def _host(tree):
+    return jax.tree_util.tree_map(np.array, tree)
+
+
+def test_a_stage_without_trained_weights_has_no_backward_or_apply_task():
+    """Issue 43: stage 0 holds only frozen layers, so its backward and apply tasks compute
+    nothing (``TaskSpec.empty``): no program is made for them (``signatures``, what the
+    artifacts export) and no instruction list runs them. 3 steps equal jax.jit, and the
+    loss (stage 1) divided by the number of positive features of a frozen layer (stage 0)
+    divides as jax.jit's results do (before: "incompatible devices", each result committed to
+    its own stage's devices)."""
+    step, (params, frozen, x, y), opts = frozen_front_step()
+    ref = jax.jit(step)
+    with rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=4, timeout=120,
+                             **opts) as piped:
+        p1, p2 = _host(params), params
+        for _ in range(3):
+            p1, l1, a1 = piped(p1, frozen, x, y)
+            p2, l2, a2 = ref(p2, frozen, x, y)
+            np.testing.assert_allclose(float(l1 / a1), float(l2 / a2), rtol=1e-5)
+            assert int(a1) == int(a2) and a1.dtype == a2.dtype
+        _close(p1, p2)
+        split = piped.split_for(p1, frozen, x, y)
+        assert sorted(k for k, t in split.tasks.items() if t.empty) == [("A", 0), ("B", 0)]
+        assert {(k, s) for k, s, _ in signatures(split)} == {("F", 0), ("F", 1), ("B", 1),
+                                                              ("A", 1)}
+        workers = piped._entry((p1, frozen, x, y)).run.executor.workers
+        assert {i.kind for i in workers[0].instrs if i.op == "run"} == {"F"}
+        assert {i.kind for i in workers[1].instrs if i.op == "run"} == {"F", "B", "A"}
+        # Each 0-d result is uncommitted, on a device of the stage that made it.
+        assert not l1.committed and not a1.committed
+        assert {d.id for d in l1.devices()} <= set(range(4, 8))
+        assert {d.id for d in a1.devices()} <= set(range(4))
+
+
+def test_a_stage_that_is_only_the_loss_has_no_apply_task():
+    """Stage 1 is the loss alone (no weights): its apply task is empty, the instruction
+    list ends with its last backward task; 2 steps equal jax.jit."""
+    step, (params, x, y), _ = loss_only_last_step()
+    ref = jax.jit(step)
+    with rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=4,
+                             timeout=120) as piped:
+        p1, p2 = _host(params), params
+        for _ in range(2):
+            p1, l1 = piped(p1, x, y)
+            p2, l2 = ref(p2, x, y)
+            assert float(l1) == pytest.approx(float(l2), rel=1e-5)
+        _close(p1, p2)
+        split = piped.split_for(p1, x, y)
+        assert [k for k, t in split.tasks.items() if t.empty] == [("A", 1)]
+        last = piped._entry((p1, x, y)).run.executor.workers[1].instrs
+        assert [i.kind for i in last if i.op == "run"][-1] == "B"

@@ -317,6 +317,100 @@ def test_prng_keys_in_the_state_and_between_stages_on_ray(ray_cluster):
         piped.close()
 
 
+@pytest.mark.slow
+def test_host_callbacks_run_once_per_step_in_an_actor(ray_cluster, tmp_path):
+    """``jax.debug.callback`` on per-example values and an ordered ``io_callback`` on a
+    gradient in a 2-stage pipeline on Ray: the programs binding them cannot be exported,
+    so each actor rebuilds them from the step (pickled with its closure: the callbacks
+    append to a file) and calls each once per step, in an actor's process (stage 0's, the
+    one ``jax.jit`` would call it in: its program's first device), with jax.jit's values;
+    the actors' warm-up on zeros calls none. (``jax.debug.print`` there goes to the actor's
+    stdout: Ray's worker log, shown by the driver under ``log_to_driver``.)"""
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+
+    path = str(tmp_path / "calls.txt")
+
+    def write(tag):
+        def f(v):
+            with open(path, "a") as out:
+                out.write(f"{tag} {os.getpid()} "
+                          + " ".join(f"{a:.6f}" for a in np.asarray(v).ravel()) + "\n")
+        return f
+
+    def step(p, x, y):
+        def loss_fn(p):
+            h = x
+            for i in range(4):
+                h = jnp.tanh(h @ p[f"w{i}"])
+            jax.debug.callback(write("rows"), h)
+            return jnp.mean((h - y) ** 2)
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        io_callback(write("grad"), None, g["w3"], ordered=True)
+        return jax.tree.map(lambda w, d: w - 0.1 * d, p, g), loss
+
+    def lines():
+        with open(path) as f:
+            return [line.split(" ", 2) for line in f.read().splitlines()]
+
+    k = jax.random.split(jax.random.key(0), 6)
+    p = {f"w{i}": np.asarray(jax.random.normal(k[i], (16, 16))) * 0.3 for i in range(4)}
+    x = np.asarray(jax.random.normal(k[4], (16, 16)))
+    y = np.asarray(jax.random.normal(k[5], (16, 16)))
+    piped = rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=4,
+                                executor="ray", timeout=120.0)
+    try:
+        s = p
+        for _ in range(2):
+            s, loss = piped(s, x, y)
+    finally:
+        piped.close()
+    got = lines()
+    open(path, "w").close()
+    s = p
+    for _ in range(2):
+        s, want_loss = jax.jit(step)(s, x, y)
+    jax.effects_barrier()
+    want = lines()
+    assert sorted(g[0] for g in got) == sorted(w[0] for w in want) == ["grad"] * 2 + \
+        ["rows"] * 2
+    assert len({g[1] for g in got}) == 1 and got[0][1] != str(os.getpid())
+    for tag in ("rows", "grad"):
+        for g, w in zip([g for g in got if g[0] == tag], [w for w in want if w[0] == tag]):
+            np.testing.assert_allclose(np.array(g[2].split(), float), np.array(
+                w[2].split(), float), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+
+
+def test_a_stage_without_trained_weights_runs_on_ray(ray_cluster):
+    """Issue 43: stage 0 holds only frozen layers (its backward and apply tasks are empty,
+    so its artifacts have no program for them): the actors run no such task and 3 steps
+    equal jax.jit (before: "stage 0: warming up the stage failed: no program B among its
+    artifacts"). The loss (stage 1) and a count made on stage 0 come back as 0-d arrays on
+    this process that combine as jax.jit's do; the weights stay on the actors."""
+    from handmade import frozen_front_step
+
+    step, (params, frozen, x, y), opts = frozen_front_step()
+    piped = rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=4,
+                                executor="ray", timeout=120.0, **opts)
+    try:
+        p1, p2 = jax.tree.map(np.asarray, params), params
+        for _ in range(3):
+            p1, l1, a1 = piped(p1, frozen, x, y)
+            p2, l2, a2 = jax.jit(step)(p2, frozen, x, y)
+            np.testing.assert_allclose(float(l1 / a1), float(l2 / a2), rtol=1e-5)
+            assert int(a1) == int(a2)
+        for a, b in zip(jax.tree.leaves(rhino.fetch(p1)), jax.tree.leaves(p2)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        split = piped.split_for(p1, frozen, x, y)
+        assert sorted(k for k, t in split.tasks.items() if t.empty) == [("A", 0), ("B", 0)]
+        labels = {r.label[0] for r in piped.last_records if r.stage == 0 and
+                  r.kind in ("forward", "backward", "apply")}
+        assert labels == {"F"}, labels
+    finally:
+        piped.close()
+
+
 def test_an_equinox_class_of_the_scripts_main_runs_on_ray():
     """``examples/equinox_ray.py``: an Equinox model class defined in the training script
     (``__main__.Net``, closed over by the step) and per-example dropout keys made on one

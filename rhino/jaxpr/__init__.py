@@ -13,5 +13,8 @@ name; ``tests/test_jaxpr_private.py`` has a canary per internal)::
                     stage programs and their analyses share
     factors.py      sharding rules of primitives with the microbatches as a time axis
     microbatch.py   microbatches as a sharding of the batch over time: per value, whether
-                    it is computed per step or per microbatch, and how
+                    it is computed per step or per microbatch, and how (its data in
+                    layouts.py, its per-equation rules in mb_rules.py, control flow and
+                    custom calls in bodies.py, evaluation per microbatch in mb_eval.py)
+    keys.py         which arguments are PRNG keys (typed, or raw key data by its use)
 """

@@ -48,8 +48,12 @@ def _elementwise(ins: list[tuple], outs: list[tuple]) -> list[Factor]:
     return out
 
 
-def factors(eqn: Any, ins: list[tuple], outs: list[tuple]) -> list[Factor] | None:
-    """The factors of ``eqn`` (None: no rule, it cannot be cut)."""
+def factors(eqn: Any, ins: list[tuple], outs: list[tuple],
+            positions: Mapping[int, int] | None = None) -> list[Factor] | None:
+    """The factors of ``eqn`` (None: no rule, it cannot be cut). ``positions``: for a
+    gather or scatter, the coordinates of its index operand that are the index along one
+    of that operand's dimensions (``x[arange(n), labels]``): the operand's dimension they
+    address is then cut with that one (``addressed_by_position``)."""
     name = prims.name(eqn)
     p = eqn.params
     if name in prims.ELEMENTWISE or name in prims.IDENTITY_LIKE or \
@@ -78,6 +82,41 @@ def factors(eqn: Any, ins: list[tuple], outs: list[tuple]) -> list[Factor] | Non
         op = prims.REDUCTIONS[name]
         out += [(((0, d),), op if op in ("sum", "max", "min") else "whole") for d in axes]
         return out
+    if name == prims.REDUCE:             # lax.reduce with a computation of its own
+        axes = set(int(a) for a in p["dimensions"])
+        k = len(outs)
+        rank = len(ins[0])
+        kept = [d for d in range(rank) if d not in axes]
+        out = [(tuple([(i, d) for i in range(len(ins) - k)] +
+                      [(-1 - r, c) for r in range(k)]), None) for c, d in enumerate(kept)]
+        return out + [(tuple((i, d) for i in range(len(ins) - k)), "whole") for d in axes]
+    if name in prims.LINALG_CORE:
+        core = prims.LINALG_CORE[name]
+        if core is None:                 # fft: its transformed dimensions are the last
+            core = len(p["fft_lengths"])
+        batch = len(ins[0]) - core
+        out = []
+        for d in range(batch):
+            size = ins[0][d]
+            members = [(i, d) for i, s in enumerate(ins) if len(s) > d and s[d] == size]
+            members += [(-1 - k, d) for k, s in enumerate(outs) if len(s) > d and s[d] == size]
+            out.append((tuple(members), None))
+        return out
+    if name in prims.CUDNN_ATTENTION:
+        batch = ins[0][0]
+        members = [(i, 0) for i, s in enumerate(ins) if s and s[0] == batch]
+        members += [(-1 - k, 0) for k, s in enumerate(outs) if s and s[0] == batch]
+        return [(tuple(members), None)]
+    if name == prims.STACK:
+        axis = int(p["axis"])
+        return [(tuple([(i, d) for i in range(len(ins))] + [(-1, d + (d >= axis))]), None)
+                for d in range(len(ins[0]))]
+    if name == prims.UNSTACK:
+        axis = int(p["axis"])
+        return [(tuple([(0, d)] + [(-1 - k, d - (d > axis)) for k in range(len(outs))]), None)
+                for d in range(len(ins[0])) if d != axis]
+    if name == prims.TILE:
+        return [(((0, d), (-1, d)), None) for d, r in enumerate(p["reps"]) if r == 1]
     if name in prims.ARG_REDUCTIONS:
         axes = set(prims.reduction_axes(eqn))
         kept = [d for d in range(len(ins[0])) if d not in axes]
@@ -125,9 +164,10 @@ def factors(eqn: Any, ins: list[tuple], outs: list[tuple]) -> list[Factor] | Non
     if name == prims.SELECT_N or name == "clamp":
         return _elementwise(ins, outs)
     if name == prims.GATHER:
-        return _gather_factors(p, ins, outs)
+        return _gather_factors(p, ins, outs, addressed_by_position(eqn, ins, positions))
     if name in prims.SCATTER_ADD or name in prims.SCATTERS:
-        return _scatter_factors(name, p, ins, outs)
+        return _scatter_factors(name, p, ins, outs,
+                                addressed_by_position(eqn, ins, positions))
     if name in prims.RNG_SHAPED or name == prims.RANDOM_UNWRAP:
         return [(((0, d), (-1, d)), None) for d in range(len(ins[0]))]
     if name == prims.RANDOM_WRAP:
@@ -158,6 +198,8 @@ def _along_axes(name: str, p: Mapping, ins: list[tuple]) -> set[int] | None:
         return {int(d) for d in p["dimensions"]}
     if name == prims.TOP_K:
         return {len(ins[0]) - 1}
+    if name == prims.APPROX_TOP_K:
+        return {int(p["reduction_dimension"]) % len(ins[0])}
     if name == prims.SPLIT:
         return {int(p["axis"])}
     return None
@@ -181,7 +223,35 @@ def _reshape_factors(old: tuple, new: tuple) -> list[Factor]:
     return out
 
 
-def _gather_factors(p: Mapping, ins: list[tuple], outs: list[tuple]) -> list[Factor]:
+def addressed_by_position(eqn: Any, ins: list[tuple], positions: Mapping[int, int] | None
+                          ) -> dict[int, tuple[int, int]]:
+    """A gather's or scatter's operand dimensions addressed, one element each, by an index
+    coordinate that is the position along an index dimension of the same size:
+    operand dimension -> (index dimension, coordinate). Each index then reads its own
+    element of that dimension, as a batching dimension would."""
+    if not positions:
+        return {}
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    operand, indices = ins[0], ins[1]
+    if prims.name(eqn) == prims.GATHER:
+        where, single = dn.start_index_map, dn.collapsed_slice_dims
+        sizes = p["slice_sizes"]
+    else:
+        where, single = dn.scatter_dims_to_operand_dims, dn.inserted_window_dims
+        sizes = [1 if d in single else operand[d] for d in range(len(operand))]
+    out = {}
+    for k, j in positions.items():
+        if k >= len(where) or j >= len(indices) - 1:
+            continue
+        od = where[k]
+        if od in single and sizes[od] == 1 and operand[od] == indices[j]:
+            out[od] = (j, k)
+    return out
+
+
+def _gather_factors(p: Mapping, ins: list[tuple], outs: list[tuple],
+                    by_position: Mapping[int, tuple[int, int]] = {}) -> list[Factor]:
     dn = p["dimension_numbers"]
     operand, indices, out = ins[0], ins[1], outs[0]
     offset = list(dn.offset_dims)
@@ -194,6 +264,7 @@ def _gather_factors(p: Mapping, ins: list[tuple], outs: list[tuple]) -> list[Fac
         members = [(1, j), (-1, batch_pos[k])]
         if j in ibd:
             members.append((0, obd[ibd.index(j)]))
+        members += [(0, od) for od, (jj, _) in by_position.items() if jj == j]
         factors.append((tuple(members), None))
     window = [d for d in range(len(operand))
               if d not in dn.collapsed_slice_dims and d not in obd]
@@ -203,8 +274,8 @@ def _gather_factors(p: Mapping, ins: list[tuple], outs: list[tuple]) -> list[Fac
     return factors
 
 
-def _scatter_factors(name: str, p: Mapping, ins: list[tuple], outs: list[tuple]
-                     ) -> list[Factor] | None:
+def _scatter_factors(name: str, p: Mapping, ins: list[tuple], outs: list[tuple],
+                     by_position: Mapping[int, tuple[int, int]] = {}) -> list[Factor] | None:
     dn = p["dimension_numbers"]
     operand, indices, updates = ins[0], ins[1], ins[2]
     uwd = list(dn.update_window_dims)
@@ -215,8 +286,10 @@ def _scatter_factors(name: str, p: Mapping, ins: list[tuple], outs: list[tuple]
     factors: list[Factor] = []
     for k, j in enumerate(range(len(indices) - 1)):
         members = [(1, j), (2, scatter_pos[k])]
-        if j in sbd:
-            members += [(0, obd[sbd.index(j)]), (-1, obd[sbd.index(j)])]
+        mine = [od for od, (jj, _) in by_position.items() if jj == j]
+        if j in sbd or mine:
+            ods = ([obd[sbd.index(j)]] if j in sbd else []) + mine
+            members += [(0, od) for od in ods] + [(-1, od) for od in ods]
             factors.append((tuple(members), None))
         elif add:
             factors.append((tuple(members), "sum"))   # examples add into the same places
@@ -237,8 +310,7 @@ def linear_groups(eqn: Any, ins: list) -> list[frozenset[int]]:
             name == prims.CONCATENATE:
         return [everything]
     if name == prims.CONVERT:
-        return [frozenset({0})] if eqn.params.get("new_dtype") is not None and \
-            np.issubdtype(np.dtype(eqn.params["new_dtype"]), np.inexact) else []
+        return [frozenset({0})] if widening(eqn) else []
     if name in (prims.MUL, prims.DOT, prims.CONV):
         return [frozenset({0}), frozenset({1})]
     if name == prims.DIV:
@@ -256,6 +328,37 @@ def linear_groups(eqn: Any, ins: list) -> list[frozenset[int]]:
     if name in prims.SCATTER_ADD:
         return [frozenset({0, 2})]
     return []
+
+
+def widening(eqn: Any) -> bool:
+    """A ``convert_element_type`` to a floating type at least as wide as its operand's (a
+    sum of converted terms is the converted sum, to rounding no coarser than the
+    operand's own). A narrowing conversion rounds: a partial sum converted per term would
+    round each microbatch's term, where the step rounds the total once."""
+    import jax.numpy as jnp
+
+    new = eqn.params.get("new_dtype")
+    old = eqn.invars[0].aval.dtype
+    if new is None or not jnp.issubdtype(new, jnp.inexact) or \
+            not jnp.issubdtype(old, jnp.inexact):
+        return False
+    return jnp.finfo(new).bits >= jnp.finfo(old).bits and \
+        jnp.finfo(new).nmant >= jnp.finfo(old).nmant and \
+        jnp.issubdtype(new, jnp.complexfloating) == jnp.issubdtype(old, jnp.complexfloating)
+
+
+def keeps_precision(eqn: Any) -> bool:
+    """A ``reduce_precision`` to at least its operand's own precision: the identity (what
+    ``rhino.grad`` marks gradients with)."""
+    import jax.numpy as jnp
+
+    if prims.name(eqn) != "reduce_precision":
+        return False
+    dt = eqn.invars[0].aval.dtype
+    if not jnp.issubdtype(dt, jnp.floating):
+        return False
+    fi = jnp.finfo(dt)
+    return eqn.params["exponent_bits"] >= fi.nexp and eqn.params["mantissa_bits"] >= fi.nmant
 
 
 ORDER_PRESERVING = frozenset({prims.BROADCAST, prims.RESHAPE, prims.TRANSPOSE,

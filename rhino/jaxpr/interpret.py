@@ -293,7 +293,7 @@ class Interpreter:
                           a select (its values then get planned like the rest)
     ``leaf``              how a leaf equation is bound
     ``call``              how a body is evaluated (default: inline)
-    ``unrolls``/``scan``  which scans are written out, and how
+    ``unrolls``/``scan``  which scans (and counted ``while`` loops) are written out, and how
     """
 
     scoped = False
@@ -333,7 +333,7 @@ class Interpreter:
                 if prims.is_remat(eqn):
                     return self.remat(eqn, path, body, invals)
                 return self.call(eqn, path, body, invals)
-        if eqn.primitive.name == prims.SCAN and self.unrolls(eqn):
+        if eqn.primitive.name in (prims.SCAN, prims.WHILE) and self.unrolls(eqn):
             with private.eqn_context(eqn):
                 return self.scan(eqn, path, invals)
         return self.leaf(eqn, path, invals)
@@ -371,7 +371,8 @@ class Interpreter:
         return self.run(body[0], body[1], args, path)
 
     def unrolls(self, eqn: Any) -> bool:
-        """Whether a ``scan`` equation is evaluated by ``scan`` (default: none)."""
+        """Whether a ``scan`` (or ``while``) equation is evaluated by ``scan`` (default:
+        none)."""
         return False
 
     def scan(self, eqn: Any, path: tuple[int, ...], invals: list) -> list[Any]:

@@ -73,177 +73,42 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
 from rhino.jaxpr import primitives as prims
-from rhino.jaxpr.factors import ORDER_PRESERVING, factors, linear_groups, operand_shape
+from rhino.jaxpr.factors import operand_shape
 from rhino.jaxpr.interpret import FlatProgram, Lit
-from rhino.jaxpr.pairs import PAIR_OPS, PairFacts
-from rhino.jaxpr.private import name_stack_text
+from rhino.jaxpr.layouts import (LOCAL, TOTAL, WHOLE, Coupling, Layout, MicrobatchError,
+                                 MicrobatchLayout, Place, Use, partial, split)
+from rhino.jaxpr.mb_rules import Facts, Outcome, makes_zero, micro_rule, total_rule
+from rhino.jaxpr.pairs import PairFacts
+from rhino.jaxpr.private import eqn_source, name_stack_text
 
-
-# ------------------------------------------------------------------------------ data
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How a value is computed over the microbatches (see the module docstring)."""
-
-    kind: str                  # whole | split | partial | total | local
-    axis: int | None = None    # split: the dimension cut into microbatches
-    op: str | None = None      # partial: sum | max | min
-    pair: int | None = None    # split: a second dimension cut by the same microbatch index
-
-    def __str__(self) -> str:
-        cut = f"{self.axis}" if self.pair is None else f"{self.axis},{self.pair}"
-        return {"split": f"split({cut})", "partial": f"partial({self.op})"}.get(
-            self.kind, self.kind)
-
-    @property
-    def per_microbatch(self) -> bool:
-        return self.kind in ("split", "partial", "local")
-
-    @property
-    def dims(self) -> tuple[int, ...]:
-        """The dimensions a microbatch cuts (split only)."""
-        if self.kind != "split":
-            return ()
-        return (self.axis,) if self.pair is None else (self.axis, self.pair)
-
-
-WHOLE, TOTAL, LOCAL = Layout("whole"), Layout("total"), Layout("local")
-
-
-def split(axis: int, pair: int | None = None) -> Layout:
-    if pair is None:
-        return Layout("split", axis=int(axis))
-    a, b = sorted((int(axis), int(pair)))
-    return Layout("split", axis=a, pair=b)
-
-
-def partial(op: str = "sum") -> Layout:
-    return Layout("partial", op=op)
-
-
-@dataclasses.dataclass(frozen=True)
-class Use:
-    """How an equation reads an operand when that is not as it was made.
-
-    ``slice``: a whole value's chunk of the current microbatch along ``axis`` (and along
-    ``pair`` too: its diagonal block; a split value's chunk along another dimension it is
-    constant along, ``pair`` None); ``whole``: a
-    value computed from the batch alone, computed whole by the prologue; ``total``: the sum
-    over microbatches of a partial value; ``concat``: a split value's chunks put together
-    along ``axis``; ``local``: a partial value as the microbatch's own estimate of the
-    total (``m`` times its term; ``per_microbatch_statistics`` only)."""
-
-    kind: str
-    axis: int | None = None
-    pair: int | None = None
-
-
-class Place(str, enum.Enum):
-    FREE = "free"            # no batch in it: computed wherever it is read
-    PROLOGUE = "prologue"    # from the batch, whole: once per step by each stage needing it
-    MICRO = "micro"          # once per microbatch
-    POST = "post"            # once per step, after every microbatch
-
-
-@dataclasses.dataclass(frozen=True)
-class Coupling:
-    """An equation the gradients depend on that needs the whole batch at once.
-
-    Attributes:
-        what: why; primitive / source / path: the equation (user file:line, flat path);
-        statistic: ``(primitive, source)`` of the reduction over the batch it reads, if any.
-        estimable: each microbatch could use its own estimate instead (it reads sums or
-            maxima over the batch: ``per_microbatch_statistics``); not where it pairs the
-            examples of the batch with each other (a whole-batch softmax's ``z @ z.T``).
-        pairable: it pairs the examples (two factors of the batch) in a way the pairs of
-            ``per_microbatch_statistics`` could compute (found without that option).
-    """
-
-    what: str
-    primitive: str
-    source: str | None
-    path: tuple[int, ...]
-    statistic: tuple[str, str | None] | None = None
-    estimable: bool = True
-    pairable: bool = False
-
-    def describe(self) -> str:
-        at = f"{self.primitive} at {self.source or 'an unknown line'}"
-        made = (f" (the statistic is a {self.statistic[0]} over the batch at "
-                f"{self.statistic[1] or 'an unknown line'})" if self.statistic else "")
-        return f"{self.what}: {at}{made}"
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class MicrobatchLayout:
-    """The result of ``analyze`` (plain data over the flat program's refs and equations).
-
-    Attributes:
-        num_microbatches: ``m``.
-        layout: ref -> its ``Layout`` (arguments and equation results).
-        place: per flat equation, its ``Place``.
-        uses: ``(equation index, operand index) -> Use`` where an operand is not read as
-            it was made.
-        params: equation index -> bind parameters of a per-microbatch equation whose
-            result shapes they name (rewritten to microbatch shapes).
-        mb_shapes: ref -> the microbatch shape of a split value.
-        data: refs computed from the batch alone (no training state).
-        wholes: data refs some equation reads whole (the prologue computes them).
-        batch_dependent: refs that depend on a batch argument.
-        couplings: equations the gradients depend on that need the whole batch.
-        local: equations reading a partial value as a per-microbatch estimate.
-    """
-
-    num_microbatches: int
-    layout: Mapping[int, Layout]
-    place: tuple[Place, ...]
-    uses: Mapping[tuple[int, int], Use]
-    params: Mapping[int, dict]
-    mb_shapes: Mapping[int, tuple[int, ...]]
-    data: frozenset[int]
-    wholes: frozenset[int]
-    batch_dependent: frozenset[int]
-    couplings: tuple[Coupling, ...] = ()
-    local: frozenset[int] = frozenset()
-
-    def use(self, eqn: int, operand: int) -> Use | None:
-        return self.uses.get((eqn, operand))
-
-    def split_dims(self) -> dict[int, int]:
-        """ref -> the dimension of a split value (what a microbatch divides)."""
-        return {r: lay.axis for r, lay in self.layout.items() if lay.kind == "split"}
-
-    def cut_dims(self) -> dict[int, tuple[int, ...]]:
-        """ref -> every dimension a microbatch divides of a split value (two for a value
-        over pairs of the batch)."""
-        return {r: lay.dims for r, lay in self.layout.items() if lay.kind == "split"}
+__all__ = ["Layout", "Use", "Place", "Coupling", "MicrobatchLayout", "MicrobatchError",
+           "WHOLE", "TOTAL", "LOCAL", "split", "partial", "analyze", "ancestors",
+           "prologue_equations"]
 
 
 # ------------------------------------------------------------------------------ analysis
-@dataclasses.dataclass
-class _Outcome:
-    outs: list[Layout]
-    uses: dict[int, Use]
-    params: dict | None = None
-    needs_total: tuple[int, ...] = ()      # operands whose total it needs
-    reason: str = ""
-    block_sum: bool = False                # sums over a dimension of pairs (in its block)
-    pairable: bool = False                 # pairs the examples (two factors of the batch)
-
-
 def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int, *,
             state_refs: Collection[int] | None = None, post: Collection[int] = (),
             feeds_gradient: Collection[int] | None = None,
             per_microbatch_statistics: bool = False,
             per_microbatch: Collection[int] | None = None,
-            batch_free_scope: str | None = None) -> MicrobatchLayout:
+            batch_free_scope: str | None = None,
+            arg_layouts: Mapping[int, Layout] | None = None,
+            arg_zeros: Collection[int] = ()) -> MicrobatchLayout:
     """How every value of ``flat`` is computed over ``num_microbatches`` microbatches.
+
+    A statistic of the batch that an equation uses non-linearly (a sum cast to a narrower
+    type, a norm of a summed gradient) is first *deferred*: computed once per step after the
+    microbatches on the sums, which is what the step computes. Only where such a value meets
+    a per-example value that the gradients need is the step coupled (``Coupling``); under
+    ``per_microbatch_statistics`` the analysis then runs again with each such statistic
+    estimated per microbatch where it was first used non-linearly (``Use.local``), and
+    repeats until no deferred statistic meets a per-example value.
 
     Args:
         flat: the step flattened at the whole batch (``interpret.flatten``).
@@ -263,33 +128,263 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
             on any part of the batch (an unrolled scan's iteration index, computed from the
             carry only to order its reads): they read partial values as their microbatch's
             own, and are no coupling.
+        arg_layouts: the layouts of arguments other than the batch's ``split(0)`` and the
+            rest's ``whole`` (a nested body's operands: ``rhino.jaxpr.bodies``); default:
+            the batch arguments a loop takes in chunks split in groups
+            (``batch_groups``).
+        arg_zeros: arguments known to be zeros (a loop's carry on its first iteration).
     """
+    if arg_layouts is None:
+        arg_layouts = batch_groups(flat, batch_refs, num_microbatches)
+    eager: set[int] = set()
+    while True:
+        lay, roots = _analyze(flat, batch_refs, num_microbatches, state_refs, post,
+                              feeds_gradient, per_microbatch_statistics, per_microbatch,
+                              batch_free_scope, arg_layouts or {}, set(arg_zeros), eager)
+        if not per_microbatch_statistics or not roots - eager:
+            return lay
+        eager |= roots
+
+
+def batch_groups(flat: FlatProgram, batch_refs: Sequence[int], m: int) -> dict[int, Layout]:
+    """Batch arguments the step takes in ``k`` chunks (gradient accumulation written in the
+    step: the batch reshaped to ``(k, n / k, ...)`` and indexed chunk by chunk, or sliced
+    ``n / k`` examples at a time by a loop): split in ``k`` groups, so that each microbatch
+    holds its part of every chunk and each chunk's computation runs per microbatch. One
+    chunk size per argument, dividing into ``m`` parts; otherwise the argument keeps the
+    contiguous ``split(0)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from rhino.jaxpr.interpret import flatten
+        >>> def acc(w, x):      # two chunks of the batch, one after the other
+        ...     xs = x.reshape(2, 4, 3)
+        ...     return jnp.sum(jnp.tanh(xs[0] @ w)) + jnp.sum(jnp.tanh(xs[1] @ w))
+        >>> flat = flatten(jax.make_jaxpr(acc)(jnp.ones((3, 3)), jnp.ones((8, 3))))
+        >>> {r: str(x) for r, x in batch_groups(flat, [1], 4).items()}
+        {1: 'split(0 in 2 groups)'}
+    """
+    out: dict[int, Layout] = {}
+    for r in batch_refs:
+        shape = tuple(flat.avals[r].shape)
+        if not shape:
+            continue
+        ks = _chunk_counts(flat, r, shape[0])
+        if len(ks) == 1:
+            k = ks.pop()
+            if 1 < k < shape[0] and shape[0] % k == 0 and (shape[0] // k) % m == 0:
+                out[r] = split(0, group=k)
+    return out
+
+
+def _chunk_counts(flat: FlatProgram, ref: int, n: int) -> set[int]:
+    """How many chunks of its dimension 0 (of size ``n``) the program takes ``ref`` in,
+    looking through conversions, into reshapes indexed along their new first dimension,
+    and into the bodies of control flow it enters."""
+    from rhino.jaxpr.interpret import flatten
+
+    readers: dict[int, list[tuple[int, int]]] = {}
+    for i, fe in enumerate(flat.eqns):
+        for j, x in enumerate(fe.ins):
+            if isinstance(x, int):
+                readers.setdefault(x, []).append((i, j))
+    ks: set[int] = set()
+
+    def indexed(x: int) -> bool:
+        """Whether ``x`` is read one index of its dimension 0 at a time."""
+        for i, j in readers.get(x, ()):
+            fe = flat.eqns[i]
+            name = prims.name(fe.eqn)
+            shape = flat.avals[x].shape
+            if name == prims.SLICE and j == 0:
+                p = fe.eqn.params
+                if p["limit_indices"][0] - p["start_indices"][0] < shape[0]:
+                    return True
+            if name in (prims.DYNAMIC_SLICE, prims.GATHER) and j == 0:
+                return True
+        return False
+
+    def walk(x: int) -> None:
+        for i, j in readers.get(x, ()):
+            fe = flat.eqns[i]
+            name = prims.name(fe.eqn)
+            p = fe.eqn.params
+            out = fe.outs[0] if fe.outs else None
+            if name == prims.CONVERT and out is not None:
+                walk(out)
+            elif name == prims.RESHAPE and out is not None and j == 0:
+                new = tuple(flat.avals[out].shape)
+                old = tuple(flat.avals[x].shape)
+                if len(new) == len(old) + 1 and new[0] * new[1] == n and \
+                        new[2:] == old[1:] and indexed(out):
+                    ks.add(new[0])
+            elif name == prims.DYNAMIC_SLICE and j == 0:
+                c = p["slice_sizes"][0]
+                if c < n and n % c == 0:
+                    ks.add(n // c)
+            elif name == prims.SLICE and j == 0:
+                lo, hi = p["start_indices"][0], p["limit_indices"][0]
+                c = hi - lo
+                if 0 < c < n and n % c == 0 and lo % c == 0:
+                    ks.add(n // c)
+            else:
+                for closed, k in _body_args(fe.eqn, j):
+                    body = flatten(closed)
+                    ks.update(_chunk_counts(body, k, n))
+
+    walk(ref)
+    return ks
+
+
+def _body_args(eqn: Any, j: int) -> list[tuple[Any, int]]:
+    """The bodies of a control-flow equation that operand ``j`` enters, each with the
+    argument it becomes there."""
+    name = prims.name(eqn)
+    p = eqn.params
+    if name == prims.COND:
+        return [(b, j - 1) for b in p["branches"]] if j > 0 else []
+    if name == prims.WHILE:
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        out = []
+        if j < nc:
+            out.append((p["cond_jaxpr"], j))
+        elif j < nc + nb:
+            out.append((p["body_jaxpr"], j - nc))
+        else:
+            out += [(p["cond_jaxpr"], j - nb), (p["body_jaxpr"], j - nc)]
+        return out
+    if name == prims.SCAN:
+        nc, nk, _ = prims.scan_info(eqn)[:3]
+        return [(p["jaxpr"], j)] if j < nc + nk else []
+    return []
+
+
+class IndexFacts:
+    """Index arrays computed from ``iota`` alone whose values are positions along one of
+    their dimensions (``arange(n)``, broadcast, converted, with ``jnp``'s wrapping of
+    negative indices), and index arrays whose last dimension lists coordinates some of
+    which are such positions (``x[arange(n), labels]``'s ``concatenate``)."""
+
+    def __init__(self, flat: FlatProgram):
+        self.flat = flat
+        self.pos: dict[int, int] = {}                 # ref -> the dimension it counts
+        self.comps: dict[int, dict[int, int]] = {}    # ref -> {coordinate: dimension}
+        self.producer: dict[int, Any] = {}
+
+    def components(self, x: Any) -> Mapping[int, int]:
+        return self.comps.get(x, {}) if isinstance(x, int) else {}
+
+    def update(self, fe: Any) -> None:
+        name = prims.name(fe.eqn)
+        out = fe.outs[0] if len(fe.outs) == 1 else None
+        if out is None:
+            return
+        self.producer[out] = fe
+        ins = fe.ins
+        first = ins[0] if ins else None
+        p = fe.eqn.params
+        pos = self.pos.get(first) if isinstance(first, int) else None
+        if name == prims.IOTA:
+            self.pos[out] = int(p["dimension"])
+        elif name == prims.CONVERT and pos is not None:
+            self.pos[out] = pos
+        elif name == prims.BROADCAST and pos is not None:
+            self.pos[out] = int(p["broadcast_dimensions"][pos])
+        elif name == prims.RESHAPE and pos is not None and p.get("dimensions") is None:
+            old = self.flat.avals[first].shape
+            new = self.flat.avals[out].shape
+            kept = [d for d, n in enumerate(new) if n != 1]
+            if [n for n in old if n != 1] == [new[d] for d in kept] and old[pos] != 1:
+                self.pos[out] = kept[[d for d, n in enumerate(old) if n != 1].index(pos)]
+        elif name == prims.SELECT_N and len(ins) == 3 and isinstance(ins[1], int) and \
+                ins[1] in self.pos and self._wraps(ins[0], ins[1], ins[2]):
+            self.pos[out] = self.pos[ins[1]]
+        elif name == prims.CONCATENATE:
+            rank = len(self.flat.avals[out].shape)
+            if int(p["dimension"]) != rank - 1:
+                return
+            comps, k = {}, 0
+            for x in ins:
+                if isinstance(x, int) and x in self.pos and self.pos[x] != rank - 1:
+                    comps[k] = self.pos[x]
+                k += self.flat.avals[x].shape[-1] if isinstance(x, int) else 1
+            if comps:
+                self.comps[out] = comps
+        if out in self.pos and self.flat.avals[out].shape and \
+                self.flat.avals[out].shape[-1] == 1 and self.pos[out] != \
+                len(self.flat.avals[out].shape) - 1:
+            self.comps[out] = {0: self.pos[out]}
+
+    def _wraps(self, pred: Any, x: int, wrapped: Any) -> bool:
+        """``select_n(x < 0, x, x + n)``: ``x`` itself for positions (never negative)."""
+        a = self.producer.get(pred) if isinstance(pred, int) else None
+        b = self.producer.get(wrapped) if isinstance(wrapped, int) else None
+        return a is not None and b is not None and prims.name(a.eqn) == "lt" and \
+            a.ins[0] == x and prims.name(b.eqn) == "add" and b.ins[0] == x
+
+
+def _analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
+             state_refs: Collection[int] | None, post: Collection[int],
+             feeds_gradient: Collection[int] | None, per_microbatch_statistics: bool,
+             per_microbatch: Collection[int] | None, batch_free_scope: str | None,
+             arg_layouts: Mapping[int, Layout], arg_zeros: set[int], eager: Collection[int]
+             ) -> tuple[MicrobatchLayout, set[int]]:
+    """One pass of ``analyze``: ``eager`` are the equations that, needing the total of
+    partial values, are estimated per microbatch (``per_microbatch_statistics``) or named
+    as couplings rather than deferred. Returns the layout and the deferred equations
+    whose totals meet per-example values the gradients need."""
     m = int(num_microbatches)
     avals = flat.avals
     batch = set(batch_refs)
     state = set(range(flat.num_args)) - batch if state_refs is None else set(state_refs)
     layout: dict[int, Layout] = {}
     for r in range(flat.num_args):
-        layout[r] = split(0) if r in batch else WHOLE
+        layout[r] = arg_layouts.get(r) or (split(0) if r in batch else WHOLE)
     for r in flat.consts:
         layout[r] = WHOLE
-    dep_batch: set[int] = set(batch)
+    dep_batch: set[int] = set(batch) | {r for r, x in layout.items() if x.per_microbatch}
     dep_state: set[int] = set(state)
-    zero: set[int] = set()
+    zero: set[int] = set(arg_zeros)
     producer: dict[int, int] = {}
     place: list[Place] = []
     uses: dict[tuple[int, int], Use] = {}
     params: dict[int, dict] = {}
-    mb_shapes: dict[int, tuple[int, ...]] = {r: (avals[r].shape[0] // m,) +
-                                             tuple(avals[r].shape[1:]) for r in batch}
+    nested: dict[int, Any] = {}
+    mb_shapes: dict[int, tuple[int, ...]] = {
+        r: tuple(n // m if d in layout[r].dims else n for d, n in enumerate(avals[r].shape))
+        for r in range(flat.num_args) if layout[r].kind == "split"}
     wholes: set[int] = set()
     couplings: list[Coupling] = []
     local_eqns: set[int] = set()
     post = set(post)
     feeds = set(feeds_gradient or ())
     own = None if per_microbatch is None else set(per_microbatch)
+    eager = set(eager)
+    # Deferred statistics: ref -> the deferred equations its total comes from; per such
+    # equation, the reduction over the batch it reads (for the coupling's message).
+    roots_of: dict[int, frozenset[int]] = {}
+    root_stat: dict[int, tuple[str, str | None] | None] = {}
+    met: set[int] = set()
     facts = PairFacts(avals)
     steady = facts.steady
+
+    def divisible(x: Any, k: int, depth: int = 0) -> bool:
+        """Whether index operand ``x`` is a multiple of ``k``: a literal; a product with
+        one (an offset ``i * chunk``); sums, conversions and selects of such (``jnp``'s
+        wrapping of negative indices)."""
+        if isinstance(x, Lit):
+            return int(np.asarray(x.value)) % k == 0
+        fe = flat.eqns[producer[x]] if x in producer else None
+        if fe is None or depth > 8:
+            return False
+        name = prims.name(fe.eqn)
+        if name == prims.MUL:
+            return any(divisible(y, k, depth + 1) for y in fe.ins)
+        if name in (prims.CONVERT, "add", "sub"):
+            return all(divisible(y, k, depth + 1) for y in fe.ins)
+        if name == prims.SELECT_N:
+            return all(divisible(y, k, depth + 1) for y in fe.ins[1:])
+        return False
 
     def is_data(x: Any) -> bool:
         return isinstance(x, int) and x not in dep_state
@@ -297,6 +392,8 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
     def lay(x: Any) -> Layout:
         return WHOLE if isinstance(x, Lit) else layout[x]
 
+    index = IndexFacts(flat)
+    known = Facts(zero, is_data, steady, facts.spread_of, divisible, index.components, analyze)
     for i, fe in enumerate(flat.eqns):
         refs = [x for x in fe.ins if isinstance(x, int)]
         bdep = any(r in dep_batch for r in refs)
@@ -307,23 +404,36 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
         kinds = {x.kind for x in ins}
         pairs = per_microbatch_statistics and (own is None or i in own)
         why = ""
+        roots = frozenset().union(*(roots_of.get(x, ()) for x in fe.ins
+                                    if isinstance(x, int)))
         if i in post or "total" in kinds:
-            got = _total(fe, ins)
+            got = total_rule(fe, ins)
+            if i in feeds and roots and any(x.kind == "split" for x in ins):
+                # A deferred statistic of the whole batch meets per-example values the
+                # gradients need: no microbatch has it before the last one.
+                couplings.append(Coupling(
+                    "a statistic over the batch combined with per-example values",
+                    prims.name(fe.eqn), flat.source(fe), fe.path,
+                    next((root_stat[r] for r in sorted(roots) if root_stat[r]), None),
+                    all(root_stat.get(r) is not None for r in roots)))
+                met |= roots
+        elif prims.is_effect(fe.eqn) and any(x.per_microbatch for x in ins):
+            got = _effect(flat, fe, ins, i in feeds, couplings)
         elif kinds <= {"whole"}:
-            got = _Outcome([WHOLE] * len(fe.outs), {})
+            got = Outcome([WHOLE] * len(fe.outs), {})
             if bdep and sdep and prims.name(fe.eqn) in (prims.DOT, prims.CONV):
                 # Training state applied to the whole batch in one piece (its batch
                 # dimension was lost, e.g. to a concatenation along the batch): not made
                 # per step in a prologue.
-                got = _Outcome([], {}, needs_total=(), reason=(
+                got = Outcome([], {}, needs_total=(), reason=(
                     "a weight applied to the whole batch at once (a value whose batch "
                     "dimension the microbatches do not follow)"))
                 if i in feeds:
                     couplings.append(Coupling(got.reason, prims.name(fe.eqn),
                                               flat.source(fe), fe.path, None, False))
-                got = _total(fe, ins)
+                got = total_rule(fe, ins)
         else:
-            got = _micro(fe, ins, ins_shapes, outs_shapes, m, zero, is_data, pairs, steady)
+            got = micro_rule(fe, ins, ins_shapes, outs_shapes, m, known, pairs)
             if got.needs_total:
                 data_ops = [j for j in got.needs_total if is_data(fe.ins[j])]
                 if data_ops:
@@ -331,10 +441,9 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                     ins2 = list(ins)
                     for j in data_ops:
                         ins2[j] = WHOLE
-                    got2 = (_Outcome([WHOLE] * len(fe.outs), {}) if all(
+                    got2 = (Outcome([WHOLE] * len(fe.outs), {}) if all(
                         x.kind == "whole" for x in ins2) else
-                        _micro(fe, ins2, ins_shapes, outs_shapes, m, zero, is_data, pairs,
-                               steady))
+                        micro_rule(fe, ins2, ins_shapes, outs_shapes, m, known, pairs))
                     if not got2.needs_total and not (pairs and any(
                             j in got2.uses for j in data_ops)):
                         # (a value of the batch alone read whole cannot also be read as
@@ -345,6 +454,14 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                         got = got2
                 scoped = batch_free_scope is not None and \
                     batch_free_scope in name_stack_text(fe.eqn)
+                if got.needs_total and not scoped and i not in eager and \
+                        not any(x.kind in ("split", "local") for x in ins) and \
+                        all(ins[j].kind == "partial" for j in got.needs_total):
+                    # Deferred: computed once per step on the sums (what the step
+                    # computes); a coupling only where it meets per-example values.
+                    root_stat[i] = _statistic(flat, fe, got, ins, producer)
+                    roots = roots | {i}
+                    got = total_rule(fe, ins)
                 localized = scoped or (per_microbatch_statistics and
                                        (own is None or i in own))
                 if got.needs_total and (i in feeds or localized):
@@ -359,8 +476,7 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                         ins3 = list(ins)
                         for j in got.needs_total:
                             ins3[j] = LOCAL
-                        got3 = _micro(fe, ins3, ins_shapes, outs_shapes, m, zero, is_data,
-                                      pairs, steady)
+                        got3 = micro_rule(fe, ins3, ins_shapes, outs_shapes, m, known, pairs)
                         if not got3.needs_total:
                             for j in got.needs_total:
                                 u = got3.uses.get(j)
@@ -376,7 +492,7 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                             got.pairable))
                 if got.needs_total:
                     why = got.reason
-                    got = _total(fe, ins)
+                    got = total_rule(fe, ins)
         paired = [x for x in fe.ins if isinstance(x, int) and layout[x].pair is not None]
         if paired and any(x.kind == "total" for x in got.outs) and not (
                 couplings and couplings[-1].path == fe.path):
@@ -391,10 +507,13 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                 "pairs counts the whole batch's; each microbatch holds only its own)",
                 name, flat.source(fe), fe.path, None, False))
         facts.update(fe, ins_shapes, outs_shapes, got.block_sum, not bdep and not sdep)
+        index.update(fe)
         for j, u in got.uses.items():
             uses[(i, j)] = u
         if got.params is not None:
             params[i] = got.params
+        if got.nested is not None:
+            nested[i] = got.nested
         kinds_out = {x.kind for x in got.outs}
         if kinds_out <= {"whole"}:
             whole_reads = any(u.kind == "whole" for u in got.uses.values())
@@ -408,6 +527,8 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                 continue
             layout[r] = got.outs[k]
             producer[r] = i
+            if roots and got.outs[k].kind == "total":
+                roots_of[r] = roots
             if bdep:
                 dep_batch.add(r)
             if sdep:
@@ -417,7 +538,7 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
                 for d in got.outs[k].dims:
                     shape[d] //= m
                 mb_shapes[r] = tuple(shape)
-        if _makes_zero(fe, zero):
+        if makes_zero(fe, zero):
             zero.update(r for r in fe.outs if r is not None)
     for x in flat.outs:
         if isinstance(x, int) and layout[x].pair is not None and x in producer:
@@ -430,35 +551,31 @@ def analyze(flat: FlatProgram, batch_refs: Sequence[int], num_microbatches: int,
     return MicrobatchLayout(m, layout, tuple(place), uses, params, mb_shapes,
                             frozenset(r for r in layout if r not in dep_state),
                             frozenset(wholes), frozenset(dep_batch), tuple(couplings),
-                            frozenset(local_eqns))
+                            frozenset(local_eqns), nested), met
 
 
-def _makes_zero(fe: Any, zero: set[int]) -> bool:
-    """Results that are zeros: a broadcast or conversion of a literal 0 or of zeros."""
-    name = prims.name(fe.eqn)
-    if name not in (prims.BROADCAST, prims.CONVERT, "copy") or len(fe.ins) != 1:
-        return False
-    x = fe.ins[0]
-    if isinstance(x, Lit):
-        return bool(np.all(np.asarray(x.value) == 0))
-    return x in zero
+def _effect(flat: FlatProgram, fe: Any, ins: list[Layout], feeds_gradient: bool,
+            couplings: list[Coupling]) -> Outcome:
+    """A host effect (a debug or io callback) reading per-microbatch values: run once per
+    step, as under ``jax.jit``, on their totals and concatenations (``_total``). One whose
+    results the gradients need (it would have to run per microbatch), or that reads values
+    over pairs of the batch (no microbatch holds them all), is a coupling."""
+    pairs = any(x.pair is not None for x in ins)
+    if feeds_gradient or pairs:
+        inner = [s for s in prims.callback_sites(fe.eqn) if s is not fe.eqn][:1]
+        held = "".join(f" (it holds {prims.name(s)} at {eqn_source(s) or 'an unknown line'})"
+                       for s in inner)
+        couplings.append(Coupling(
+            f"a host effect{held} reads " + (
+                "values over pairs of the batch's examples (each microbatch holds only its "
+                "own pairs)" if pairs else "per-example values and the gradients need its "
+                "results (jax.jit runs it once per step on the whole batch; a pipeline "
+                "would run it once per microbatch)"),
+            prims.name(fe.eqn), flat.source(fe), fe.path, None, False))
+    return total_rule(fe, ins)
 
 
-def _total(fe: Any, ins: list[Layout]) -> _Outcome:
-    """Computed once per step after the microbatches: partial operands summed, split ones
-    put together."""
-    uses = {}
-    for j, x in enumerate(ins):
-        if x.kind == "partial":
-            uses[j] = Use("total")
-        elif x.kind == "split":
-            uses[j] = Use("concat", x.axis)
-        elif x.kind == "local":
-            uses[j] = Use("mean")             # each microbatch's own: their average
-    return _Outcome([TOTAL] * len(fe.outs), uses)
-
-
-def _statistic(flat: FlatProgram, fe: Any, got: _Outcome, ins: list[Layout],
+def _statistic(flat: FlatProgram, fe: Any, got: Outcome, ins: list[Layout],
                producer: Mapping[int, int]) -> tuple[str, str | None] | None:
     """Where the partial value an equation needs the total of was reduced over the batch:
     the first reduction found walking back through partial values."""
@@ -478,226 +595,6 @@ def _statistic(flat: FlatProgram, fe: Any, got: _Outcome, ins: list[Layout],
     return None
 
 
-def _micro(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
-           m: int, zero: set[int], is_data: Callable[[Any], bool], pairs: bool = False,
-           spread: Callable[[Any], Collection[int]] = lambda x: ()) -> _Outcome:
-    """An equation with a per-microbatch operand: its results' layouts and how it reads
-    its operands, or the operands whose totals it needs. ``pairs``: an equation pairing
-    the examples of the batch is computed per microbatch on its own pairs (``_pairs``);
-    ``spread(x)``: the dimensions operand ``x`` is constant along (a broadcast's)."""
-    n_out = len(fe.outs)
-    partials = [j for j, x in enumerate(ins) if x.kind == "partial"]
-    splits = [j for j, x in enumerate(ins) if x.kind == "split"]
-    name = prims.name(fe.eqn)
-    if name in prims.IDENTITY_LIKE and len(fe.ins) == n_out:    # values passed on as they are
-        return _Outcome(list(ins), {})
-    if partials:
-        if splits:
-            return _Outcome([], {}, needs_total=tuple(partials),
-                            reason="a statistic over the batch combined with per-example "
-                                   "values")
-        ops = {ins[j].op for j in partials}
-        if ops != {"sum"}:
-            if len(ops) == 1 and name in ORDER_PRESERVING and len(fe.ins) == 1:
-                return _Outcome([ins[0]] * n_out, {})
-            return _Outcome([], {}, needs_total=tuple(partials),
-                            reason="a maximum or minimum over the batch used further")
-        pset = set(partials)
-        for g in linear_groups(fe.eqn, fe.ins):
-            if pset <= g and all(j in pset or _is_zero(fe.ins[j], zero) for j in g) and \
-                    not any(ins[j].kind == "local" for j in g):
-                return _Outcome([partial("sum")] * n_out, {})
-        return _Outcome([], {}, needs_total=tuple(partials),
-                        reason="a sum over the batch used non-linearly")
-    rules = factors(fe.eqn, ins_shapes, outs_shapes)
-    if not splits:                                   # local (and whole) operands only
-        return _Outcome([LOCAL] * n_out, {})
-    if rules is None:
-        return _unsupported(fe, ins, splits, f"a per-example value enters {name}, which "
-                                             f"cannot be cut into microbatches")
-    hit: list | None = []
-    for j in splits:
-        for d in ins[j].dims:
-            fa = next((fa for fa in rules if (j, d) in fa[0]), None)
-            if fa is None:
-                hit = None
-                break
-            if fa not in hit:
-                hit.append(fa)
-        if hit is None:
-            break
-    over_pairs = any(ins[j].pair is not None for j in splits)
-    if pairs and (over_pairs or (hit is not None and len(hit) == 2)):
-        return _pairs(fe, ins, ins_shapes, outs_shapes, m, hit or [], spread)
-    if any(ins[j].pair is not None for j in splits):
-        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
-                                             f"(over pairs of them)")
-    first = splits[0]
-    f = next((fa for fa in rules if (first, ins[first].axis) in fa[0]), None)
-    if f is None or not all((j, ins[j].axis) in f[0] for j in splits):
-        got = _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
-                                            f"(along the dimension split into microbatches)")
-        got.pairable = hit is not None and len(hit) == 2 and name in PAIR_OPS
-        return got
-    members, reduce = f
-    size = ins_shapes[first][ins[first].axis]
-    uses: dict[int, Use] = {}
-    for slot, d in members:
-        if slot < 0 or ins[slot].kind == "split":
-            continue
-        if ins_shapes[slot][d] != size:
-            return _unsupported(fe, ins, splits, f"{name} reads a value along the batch "
-                                                 f"at another size")
-        uses[slot] = Use("slice", d)          # a local value: its own chunk too
-    res = {-1 - slot: d for slot, d in members if slot < 0}
-    if reduce in ("sum", "max", "min") and not res:
-        if reduce == "sum" and prims.name(fe.eqn) in prims.SCATTER_ADD and \
-                not _is_zero(fe.ins[0], zero) and ins[0].kind != "partial":
-            return _unsupported(fe, ins, splits, "examples scattered into a value that is "
-                                                 "not zeros")
-        return _Outcome([partial(reduce)] * n_out, uses)
-    if reduce == "whole" or not res:
-        return _unsupported(fe, ins, splits, f"{name} reduces over the batch")
-    if len(res) != n_out:
-        return _unsupported(fe, ins, splits, f"{name} gives results not cut with the batch")
-    outs: list[Layout] = []
-    for k in range(n_out):
-        if outs_shapes[k][res[k]] % m:
-            return _unsupported(fe, ins, splits, f"{name}'s result dimension "
-                                                 f"{outs_shapes[k][res[k]]} is not divisible "
-                                                 f"by {m} microbatches")
-        outs.append(split(res[k]))
-    return _Outcome(outs, uses, _rewrite(fe.eqn, ins, ins_shapes, outs_shapes, res, m))
-
-
-def _pairs(fe: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
-           m: int, hit: list, spread: Callable[[Any], Collection[int]]) -> _Outcome:
-    """An equation whose per-example operands meet along two factors (``per_microbatch_
-    statistics``): ``z @ z.T`` pairs every example with every example. Each microbatch
-    computes the diagonal block (its examples against its own examples), what the step
-    computes on that microbatch alone: a result keeping both factors is split along both
-    dimensions by the same microbatch index; one reduced by a sum, maximum or minimum
-    within the block is split along the other (no partial value: no other microbatch
-    holds a term of it); both reduced, a partial value. A whole operand is read as its
-    diagonal block (iota comparisons are the same on every block), a per-example operand
-    along its other dimension only where it is constant along it (a broadcast). Anything
-    else is unsupported (named): index values (global positions of the batch), a reshape
-    merging a dimension of pairs, a contraction of pairs with a value of the whole batch's
-    positions, an operand of another size."""
-    name = prims.name(fe.eqn)
-    splits = [j for j, x in enumerate(ins) if x.kind == "split"]
-    if name in prims.INDEXING:
-        return _unsupported(fe, ins, splits, f"{name} addresses values over pairs of the "
-                                             f"batch's examples by index values (positions "
-                                             f"of the whole batch, outside a microbatch's "
-                                             f"own pairs)")
-    if name not in PAIR_OPS:
-        return _unsupported(fe, ins, splits, f"{name} on values over pairs of the batch's "
-                                             f"examples (it addresses positions of the "
-                                             f"whole batch)")
-    if len(hit) != 2:
-        return _unsupported(fe, ins, splits, f"{name} mixes the examples of the batch "
-                                             f"(over pairs of them)")
-    cut: dict[int, list[int]] = {}
-    kept: list[dict[int, int]] = []
-    reduced: list[str | None] = []
-    for members, reduce in hit:
-        slots = [(s, d) for s, d in members if s >= 0]
-        size = next(ins_shapes[s][d] for s, d in slots
-                    if ins[s].kind == "split" and d in ins[s].dims)
-        for s, d in slots:
-            x = ins[s]
-            if ins_shapes[s][d] != size:
-                return _unsupported(fe, ins, splits, f"{name} reads a value along the batch "
-                                                     f"at another size")
-            if x.kind == "split" and d in x.dims:
-                continue
-            if reduce is not None and x.kind == "whole":
-                return _unsupported(fe, ins, splits, f"{name} contracts pairs of the batch's "
-                                                     f"examples with a value over the whole "
-                                                     f"batch's positions")
-            if x.kind == "whole" or (x.kind == "split" and d in spread(fe.ins[s])):
-                cut.setdefault(s, []).append(d)
-                continue
-            return _unsupported(fe, ins, splits, f"{name} reads a per-example value along "
-                                                 f"the positions of the batch against pairs "
-                                                 f"of its examples (a microbatch holds only "
-                                                 f"its own pairs)")
-        res = {-1 - s: d for s, d in members if s < 0}
-        if res:
-            kept.append(res)
-        else:
-            reduced.append(reduce)
-    uses = {s: Use("slice", d[0], d[1] if len(d) > 1 else None) for s, d in cut.items()}
-    n_out = len(fe.outs)
-    if any(len(r) != n_out for r in kept):
-        return _unsupported(fe, ins, splits, f"{name} gives results not cut with the batch")
-    if any(op not in ("sum", "max", "min") for op in reduced) or len(set(reduced)) > 1:
-        return _unsupported(fe, ins, splits, f"{name} reduces over pairs of the batch")
-    block_sum = name in prims.REDUCTIONS and reduced == ["sum"]
-    if not kept:
-        return _Outcome([partial(reduced[0])] * n_out, uses, block_sum=block_sum)
-    dims = [tuple(r[k] for r in kept) for k in range(n_out)]
-    for k, ds in enumerate(dims):
-        if any(outs_shapes[k][d] % m for d in ds):
-            return _unsupported(fe, ins, splits, f"{name}'s result {outs_shapes[k]} is not "
-                                                 f"divisible by {m} microbatches")
-    params = None
-    key = _SHAPE_PARAMS.get(name)
-    if key is not None:
-        from rhino.jaxpr.private import bind_params
-
-        params = bind_params(fe.eqn)
-        sizes = list(params[key])
-        for d in dims[0]:
-            sizes[d] //= m
-        params[key] = tuple(sizes)
-    return _Outcome([split(*ds) for ds in dims], uses, params, block_sum=block_sum)
-
-
-def _unsupported(fe: Any, ins: list[Layout], splits: list[int], reason: str) -> _Outcome:
-    return _Outcome([], {}, needs_total=tuple(splits), reason=reason)
-
-
-def _is_zero(x: Any, zero: set[int]) -> bool:
-    if isinstance(x, Lit):
-        return bool(np.all(np.asarray(x.value) == 0))
-    return x in zero
-
-
-# Primitives whose named parameter lists their result's sizes (a dynamic slice's and a
-# slice's along dimensions kept whole: the split one runs to its end).
-_SHAPE_PARAMS = {prims.BROADCAST: "shape", prims.RESHAPE: "new_sizes",
-                 prims.DYNAMIC_SLICE: "slice_sizes", prims.SLICE: "limit_indices"}
-
-
-def _rewrite(eqn: Any, ins: list[Layout], ins_shapes: list[tuple], outs_shapes: list[tuple],
-             res: Mapping[int, int], m: int) -> dict | None:
-    """Bind parameters of ``eqn`` at microbatch shapes, where they name a result shape
-    (None: its own parameters fit)."""
-    from rhino.jaxpr.private import bind_params
-
-    name = prims.name(eqn)
-    params = bind_params(eqn)
-    key = _SHAPE_PARAMS.get(name)
-    if key is not None:          # the parameter lists the result's sizes: cut the split one
-        sizes = list(params[key])
-        sizes[res[0]] //= m
-        params[key] = tuple(sizes)
-        return params
-    split_in = next((j, x.axis) for j, x in enumerate(ins) if x.kind == "split")
-    if name == prims.GATHER:
-        j, d = split_in
-        if j == 0 and d not in (getattr(params["dimension_numbers"], "operand_batching_dims",
-                                        ()) or ()):
-            sizes = list(params["slice_sizes"])
-            sizes[d] //= m
-            params["slice_sizes"] = tuple(sizes)
-            return params
-        return None
-    return None
-
-
 def _close_wholes(flat: FlatProgram, wholes: set[int], producer: Mapping[int, int],
                   dep_state: set[int]) -> set[int]:
     """The data values read whole (every one is computed by the prologue)."""
@@ -709,10 +606,6 @@ def prologue_equations(flat: FlatProgram, layout: MicrobatchLayout, refs: Collec
     """Equation indices (in program order) that compute ``refs`` whole, from the whole
     batch arguments: every equation they depend on, bound at its own shapes."""
     return sorted(ancestors(flat, refs))
-
-
-class MicrobatchError(ValueError):
-    """A step this pass cannot make per-microbatch programs of."""
 
 
 def ancestors(flat: FlatProgram, refs: Collection[int]) -> set[int]:

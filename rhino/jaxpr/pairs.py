@@ -128,6 +128,19 @@ class PairFacts:
             self.spread[outs[0]] = self.spread_of(first)
             if isinstance(first, int) and first in self.scalars:
                 self.scalars.update(outs)
+        elif (name in prims.ELEMENTWISE or name == prims.SELECT_N) and len(outs) == 1 and \
+                len(fe.ins) > 1:
+            # Constant along a dimension where every operand is (or has size 1, or is a
+            # scalar): a mask of a broadcast comparison, a select between broadcasts.
+            shape = outs_shapes[0]
+            along = set(range(len(shape)))
+            for x, xs in zip(fe.ins, ins_shapes):
+                if len(xs) == 0:
+                    continue
+                along &= set(self.spread_of(x)) | {d for d, n in enumerate(xs)
+                                                   if n == 1 and shape[d] != 1}
+            if along:
+                self.spread[outs[0]] = frozenset(along)
         self.scalars.update(r for r in outs if not self.avals[r].shape)
         if constant:
             self._even(fe, outs[0])

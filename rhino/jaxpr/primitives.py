@@ -28,7 +28,10 @@ from rhino.jaxpr import private
 CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
          "core_call": "call_jaxpr"}
 CUSTOM = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-          "custom_vjp_call_jaxpr": "fun_jaxpr"}
+          "custom_vjp_call_jaxpr": "fun_jaxpr",
+          # a function with a custom batching rule, a named decomposition: their bodies
+          # (composite's is "jaxpr" in jax 0.10, "call_jaxpr" from 0.12)
+          "custom_vmap_call": "call", "composite": ("jaxpr", "call_jaxpr")}
 REMAT = {"remat": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
 HI = "call_hi_primitive"
 SCAN, COND, WHILE = "scan", "cond", "while"
@@ -36,13 +39,25 @@ PLATFORM_INDEX = "platform_index"
 CONTROL_FLOW = frozenset({SCAN, COND, WHILE})
 OPTIMIZATION_BARRIER = "optimization_barrier"
 
+# cuDNN's fused attention as jax.nn.dot_product_attention(implementation="cudnn") binds it
+# (GPU only): one problem per index of the batch, its leading dimension in every operand and
+# result that has it (query, key, value, a per-example bias or sequence lengths; empty
+# operands stand for what is absent).
+CUDNN_ATTENTION = frozenset({"dot_product_attention_fwd_wrapper",
+                             "dot_product_attention_bwd_wrapper",
+                             "dot_product_attention_fp8_fwd_wrapper",
+                             "dot_product_attention_fp8_bwd_wrapper"})
 # Names only some supported JAX releases have (the canary does not require them).
 VERSION_DEPENDENT = frozenset({"pjit", "remat", "checkpoint", "core_call", "closed_call",
                                "custom_vjp_call_jaxpr", "one_minus_square", "copy_p",
                                "reciprocal", "square", "split", "erf_inv", "sharding_constraint",
                                "mesh_cast", "reshard", "pvary", "cumlogsumexp",
                                "expand_dims", "custom_call", "scatter_add", "scatter_mul",
-                               "scatter_min", "scatter_max", "scatter_sub"})
+                               "scatter_min", "scatter_max", "scatter_sub", "eq_to",
+                               "le_to", "lt_to", "stage", "stack", "unstack", "tile",
+                               "random_gamma_grad", "geqp3", "cholesky_update",
+                               "symmetric_product", "composite", "custom_vmap_call",
+                               "debug_print"}) | CUDNN_ATTENTION
 
 # One result per element from the elements at the same position of every operand (rank-0
 # operands broadcast): slicing the operands slices the result.
@@ -57,11 +72,24 @@ ELEMENTWISE = frozenset({
     "is_finite", "atan2", "clamp", "nextafter", "reciprocal", "real", "imag", "conj",
     "complex", "shift_left", "shift_right_arithmetic", "shift_right_logical",
     "population_count", "clz", "reduce_precision", "stop_gradient", "one_minus_square",
-    "mulhi"})
+    "mulhi", "eq_to", "le_to", "lt_to", "regularized_incomplete_beta",
+    "random_gamma_grad"})
 # Elementwise too, but not arithmetic: values passed on unchanged (a sharding, a name, a
 # barrier), and the counter-based random functions over key data.
 IDENTITY_LIKE = frozenset({"device_put", "sharding_constraint", "mesh_cast", "reshard",
-                           "pvary", "name", OPTIMIZATION_BARRIER})
+                           "pvary", "name", OPTIMIZATION_BARRIER, "stage"})
+# Batched linear algebra: every dimension before the last ``core`` ones of the first
+# operand is a batch dimension of every operand and result (one problem per index).
+LINALG_CORE = {"cholesky": 2, "cholesky_update": 2, "eig": 2, "eigh": 2, "svd": 2,
+               "qr": 2, "geqrf": 2, "geqp3": 2, "householder_product": 2, "ormqr": 2,
+               "lu": 2, "lu_pivots_to_permutation": 1, "triangular_solve": 2, "schur": 2,
+               "hessenberg": 2, "tridiagonal": 2, "tridiagonal_solve": 1,
+               "symmetric_product": 2, "fft": None}
+STACK, UNSTACK, TILE, REDUCE, APPROX_TOP_K = "stack", "unstack", "tile", "reduce", \
+    "approx_top_k"
+# Calls with a body that the flat program keeps (their bodies run per microbatch:
+# ``rhino.jaxpr.bodies``).
+CUSTOM_PARTITIONING, LINEAR_SOLVE = "custom_partitioning", "custom_linear_solve"
 RNG_ELEMENTWISE = frozenset({"threefry2x32", "random_fold_in"})
 # Elementwise and linear in their floating operands (a sum of per-part results is the
 # result of the sum): what a partial sum may pass through unreduced.
@@ -77,6 +105,10 @@ CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 # Random primitives whose ``shape`` parameter sets how many values they draw per key.
 RNG_SHAPED = frozenset({"random_bits", "random_split"})
 RANDOM_WRAP, RANDOM_UNWRAP = "random_wrap", "random_unwrap"
+# Random functions whose results are no key made from their operands: a key from a seed,
+# and random bits (their counter-based hash, ``threefry2x32(k1, k2, x1, x2)``).
+RANDOM_SEED, RANDOM_BITS, THREEFRY = "random_seed", "random_bits", "threefry2x32"
+RANDOM_FOLD_IN = "random_fold_in"       # a key from a key (operand 0) and a message
 # Heavy or effectful: a ``cond`` holding one is not evaluated as a select.
 HEAVY = frozenset({"dot_general", "conv_general_dilated", WHILE, SCAN, COND, "fft", "sort",
                    "custom_call", "pure_callback", "io_callback", "debug_callback", "cumsum",
@@ -123,9 +155,10 @@ def call_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     if n == HI:
         return private.hi_body(eqn)
     key = CALLS.get(n) or CUSTOM.get(n) or REMAT.get(n)
-    if key is None or key not in eqn.params:
+    present = [k for k in ((key,) if isinstance(key, str) else key or ()) if k in eqn.params]
+    if not present:
         return None
-    return private.open_body(eqn.params[key])
+    return private.open_body(eqn.params[present[0]])
 
 
 def is_remat(eqn: Any) -> bool:
@@ -207,6 +240,67 @@ def while_parts(eqn: Any) -> tuple[int, int, Any] | None:
     return p["cond_nconsts"], p["body_nconsts"], private.open_body(p["cond_jaxpr"])[0]
 
 
+def while_trips(eqn: Any) -> int | None:
+    """The number of iterations of a ``while`` equation that counts: a carry started from
+    a literal, stepped by a literal in the body and compared with a literal bound by
+    ``lt`` / ``le`` / ``gt`` / ``ge`` / ``ne`` in the condition (``fori_loop`` with a
+    bound known when traced but written as a loop); None for any other equation or loop.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: jax.lax.while_loop(
+        ...     lambda c: c[0] < 5, lambda c: (c[0] + 2, c[1] * 2), (0, x)))(1.0).eqns[0]
+        >>> while_trips(eqn)
+        3
+    """
+    parts = while_parts(eqn)
+    if parts is None:
+        return None
+    nc, nb, cond = parts
+    body = private.open_body(eqn.params["body_jaxpr"])[0]
+    if len(cond.eqns) != 1 or len(cond.outvars) != 1:
+        return None
+    test = cond.eqns[0]
+    ops = {"lt": lambda i, n: i < n, "le": lambda i, n: i <= n, "gt": lambda i, n: i > n,
+           "ge": lambda i, n: i >= n, "ne": lambda i, n: i != n}
+    if test.primitive.name not in ops or test.outvars[0] is not cond.outvars[0]:
+        return None
+    a, b = test.invars
+    carry_in = cond.invars[nc:]
+    if private.is_literal(a) or a not in carry_in or not private.is_literal(b):
+        return None
+    k = carry_in.index(a)
+    start = eqn.invars[nc + nb + k]
+    if not private.is_literal(start):
+        return None
+    out = body.outvars[k]
+    step_eqn = next((e for e in body.eqns if out in e.outvars), None)
+    if step_eqn is None or step_eqn.primitive.name not in ("add", "sub"):
+        return None
+    x, y = step_eqn.invars
+    if x is not body.invars[nb + k] or not private.is_literal(y):
+        return None
+    i, n = int(start.val), int(b.val)
+    step = int(y.val) if step_eqn.primitive.name == "add" else -int(y.val)
+    if step == 0:
+        return None
+    trips, test_of = 0, ops[test.primitive.name]
+    while test_of(i, n):
+        trips += 1
+        i += step
+        if trips > 1 << 20:
+            return None
+    return trips
+
+
+def while_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+    """``(jaxpr, consts)`` of a ``while`` equation's body (it reads the body's constants,
+    then the carry); None for other equations."""
+    if eqn.primitive.name != WHILE:
+        return None
+    return private.open_body(eqn.params["body_jaxpr"])
+
+
 def reduction_axes(eqn: Any) -> tuple[int, ...]:
     """The axes a reduction (``REDUCTIONS``, ``ARG_REDUCTIONS``) reduces over."""
     p = eqn.params
@@ -234,11 +328,51 @@ def light_cond(eqn: Any) -> bool:
     return all(light(b[0]) for b in branches)
 
 
+# Host callbacks: Python run by the program (``jax.debug.callback`` is ``debug_callback``,
+# ``jax.debug.print`` ``debug_print``; ``io_callback``; ``pure_callback``, which has no
+# effect).
+CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "debug_print"})
+
+
+def is_effect(eqn: Any) -> bool:
+    """An equation with an effect (a debug or io callback, or control flow holding one):
+    under ``jax.jit`` it runs once per step even where nothing reads its results."""
+    return bool(getattr(eqn, "effects", None))
+
+
+def is_ordered(eqn: Any) -> bool:
+    """An equation with an ordered effect (``ordered=True``): ``jax.jit`` runs those in
+    program order, and only on one device."""
+    return any(private.is_ordered_effect(e) for e in getattr(eqn, "effects", None) or ())
+
+
+def callback_sites(eqn: Any) -> list[Any]:
+    """The host-callback equations ``eqn`` is or holds (in its bodies, branches, loops),
+    innermost, in program order: where a message names the user's callback. (An
+    effect of another primitive, holding no body, counts as one.)"""
+    if eqn.primitive.name in CALLBACKS:
+        return [eqn]
+    out: list[Any] = []
+    bodies = False
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            body = private.open_body(v)
+            if body is not None:
+                bodies = True
+                for e in body[0].eqns:
+                    out.extend(callback_sites(e))
+    return [eqn] if not bodies and is_effect(eqn) else out
+
+
 def all_names() -> frozenset[str]:
     """Every primitive name this table spells (for the canary test)."""
     names = set(CALLS) | set(CUSTOM) | set(REMAT) | {HI, SCAN, COND, WHILE}
     names |= ELEMENTWISE | IDENTITY_LIKE | RNG_ELEMENTWISE | LINEAR_ELEMENTWISE | set(REDUCTIONS) | ARG_REDUCTIONS | CUMULATIVE
     names |= RNG_SHAPED | LINEAR_UNARY | SUMS | {RANDOM_WRAP, RANDOM_UNWRAP} | HEAVY | SCATTERS | REDUCE_WINDOWS
+    names |= set(LINALG_CORE) | {STACK, UNSTACK, TILE, REDUCE, APPROX_TOP_K,
+                                 CUSTOM_PARTITIONING, LINEAR_SOLVE} | CUDNN_ATTENTION
+    names |= {RANDOM_WRAP, RANDOM_UNWRAP, RANDOM_SEED, RANDOM_BITS, THREEFRY,
+              RANDOM_FOLD_IN} | CALLBACKS
     names |= {DOT, CONV, BROADCAST, RESHAPE, TRANSPOSE, SQUEEZE, CONVERT, IOTA, SLICE,
               DYNAMIC_SLICE, DYNAMIC_UPDATE_SLICE, CONCATENATE, PAD, REV, SPLIT, GATHER, SORT,
               TOP_K, SELECT_N, MUL, DIV, INTEGER_POW, SUB, OPTIMIZATION_BARRIER,

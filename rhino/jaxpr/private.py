@@ -73,6 +73,14 @@ def bind_params(eqn: Any) -> dict:
     return dict(eqn.primitive.get_bind_params(eqn.params))
 
 
+def is_ordered_effect(effect: Any) -> bool:
+    """An ordered effect (``jax.debug.print(..., ordered=True)``, ``io_callback(...,
+    ordered=True)``): JAX threads a runtime token through the programs holding one."""
+    from jax._src import effects
+
+    return effects.ordered_effects.contains(effect)
+
+
 # ------------------------------------------------------------------------------ sources
 def eqn_context(eqn: Any):
     """The context ``jax.core.eval_jaxpr`` binds an equation in: its source traceback and
@@ -297,6 +305,20 @@ def with_weak_type(x: Any, weak: bool) -> Any:
     from jax._src.lax import lax as lax_internal
 
     return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
+
+
+# ------------------------------------------------------------------------------ placement
+def uncommitted_view(x: Any) -> Any:
+    """The replicated jax array ``x`` (e.g. 0-d) as an *uncommitted* array on the first
+    device holding it, sharing that device's buffer (no copy). An uncommitted array is what
+    ``jax.jit`` returns for host inputs: a later computation moves it to the devices of the
+    committed arrays it meets (or to the default device) instead of refusing them as
+    "incompatible devices". JAX makes uncommitted arrays of host values only
+    (``jax.device_put`` of a device array commits it)."""
+    from jax._src import array
+
+    shard = x.addressable_shards[0].data
+    return array.ArrayImpl(shard.aval, shard.sharding, [shard], committed=False)
 
 
 # ------------------------------------------------------------------------ jax.distributed

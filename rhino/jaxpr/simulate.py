@@ -12,19 +12,24 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.interpret import FlatProgram, Lit
+from rhino.jaxpr.mb_eval import bind_micro, chunk, place_chunk, read_operand
 from rhino.jaxpr.microbatch import MicrobatchError, MicrobatchLayout, Place
-from rhino.jaxpr.private import eqn_source
 
 
 def _combine(op: str, parts: list) -> Any:
+    """The parts of a partial value combined as the stage programs accumulate them (sums
+    of lower-precision floats in float32, returned to their own type)."""
     import jax.numpy as jnp
 
+    if op == "sum":
+        dt = jnp.result_type(parts[0])
+        wide = jnp.issubdtype(dt, jnp.floating) and jnp.finfo(dt).bits < 32
+        out = sum(x.astype(jnp.float32) if wide else x for x in parts)
+        return out.astype(dt)
     out = parts[0]
     for x in parts[1:]:
-        out = out + x if op == "sum" else jnp.maximum(out, x) if op == "max" \
-            else jnp.minimum(out, x)
+        out = jnp.maximum(out, x) if op == "max" else jnp.minimum(out, x)
     return out
 
 
@@ -38,7 +43,6 @@ def simulate(flat: FlatProgram, layout: MicrobatchLayout, args: Sequence[Any]) -
     Raises:
         MicrobatchError: a per-microbatch result of another shape than ``mb_shapes``.
     """
-    import jax
     import jax.numpy as jnp
 
     from rhino.jaxpr.private import bind
@@ -69,20 +73,19 @@ def simulate(flat: FlatProgram, layout: MicrobatchLayout, args: Sequence[Any]) -
             if lay.pair is not None:
                 raise MicrobatchError(f"value #{x} over pairs of the batch ({lay}) read "
                                       f"whole: only its diagonal blocks are computed")
-            return jnp.concatenate([parts[k][x] for k in range(m)], axis=lay.axis)
+            out = jnp.zeros(flat.avals[x].shape, parts[0][x].dtype)
+            for k in range(m):
+                out = place_chunk(out, parts[k][x], lay.axis, k, m, lay.group)
+            return out
         if lay.kind == "local":
             return sum(parts[k][x] for k in range(m)) / m
         return read_whole(x)
-
-    def chunk(x: Any, axis: int, k: int) -> Any:
-        size = x.shape[axis] // m
-        return jax.lax.slice_in_dim(x, k * size, (k + 1) * size, axis=axis)
 
     for r in range(flat.num_args):
         lay = layout.layout[r]
         if lay.kind == "split":
             for k in range(m):
-                parts[k][r] = chunk(jnp.asarray(args[r]), lay.axis, k)
+                parts[k][r] = chunk(jnp.asarray(args[r]), lay.axis, k, m, lay.group)
     for i, fe in enumerate(flat.eqns):
         where = layout.place[i]
         if where in (Place.FREE, Place.PROLOGUE):
@@ -97,35 +100,15 @@ def simulate(flat: FlatProgram, layout: MicrobatchLayout, args: Sequence[Any]) -
             outs = bind(fe.eqn, vals)
             whole.update((r, v) for r, v in zip(fe.outs, outs) if r is not None)
             continue
-        params = layout.params.get(i)
         for k in range(m):
-            vals = []
-            for j, x in enumerate(fe.ins):
+            own = parts[k]
+            for j, x in enumerate(fe.ins):    # values read whole (computed on demand)
                 use = layout.use(i, j)
-                if isinstance(x, Lit):
-                    vals.append(x.value)
-                elif use is None:
-                    vals.append(parts[k][x] if layout.layout[x].per_microbatch
-                                else read_whole(x))
-                elif use.kind == "slice":
-                    base = parts[k][x] if layout.layout[x].per_microbatch else read_whole(x)
-                    v = chunk(base, use.axis, k)
-                    vals.append(v if use.pair is None else chunk(v, use.pair, k))
-                elif use.kind == "whole":
-                    vals.append(read_whole(x))
-                elif use.kind == "local":
-                    v = parts[k][x] * m if layout.layout[x].op == "sum" else parts[k][x]
-                    vals.append(v if use.axis is None else chunk(v, use.axis, k))
-                else:
-                    raise MicrobatchError(f"equation {fe.path}: use {use} per microbatch")
-            outs = bind(fe.eqn, vals, params)
-            for r, v in zip(fe.outs, outs):
-                if r is None:
-                    continue
-                want = layout.mb_shapes.get(r)
-                if want is not None and tuple(v.shape) != want:
-                    raise MicrobatchError(f"{prims.name(fe.eqn)} at {eqn_source(fe.eqn)}: "
-                                          f"expected a microbatch result of shape {want}, "
-                                          f"found {tuple(v.shape)}")
-                parts[k][r] = v
+                if isinstance(x, int) and (not layout.layout[x].per_microbatch or (
+                        use is not None and use.kind == "whole")):
+                    read_whole(x)
+            vals = [read_operand(layout, i, j, x, own, whole, k) for j, x in enumerate(fe.ins)]
+            for r, v in zip(fe.outs, bind_micro(flat, layout, i, vals, k)):
+                if r is not None:
+                    parts[k][r] = v
     return [x.value if isinstance(x, Lit) else finished(x) for x in flat.outs]

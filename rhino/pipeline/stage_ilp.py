@@ -487,6 +487,15 @@ def _prefix_split(problem: StageProblem, lb: Sequence[int], ub: Sequence[int]
     return tuple(out)
 
 
+def _least_load(problem: StageProblem) -> float:
+    """Half the smallest positive unit's share of the mean stage load: a stage holding
+    any unit with work holds at least that (what every stage must hold when no split
+    reaches ``min_stage_load``)."""
+    total = sum(problem.compute)
+    work = [c for c in problem.compute if c > 0]
+    return 0.5 * min(work) * problem.num_stages / total if work and total > 0 else 0.0
+
+
 def solve_stage_problem(problem: StageProblem, options: StageOptions = StageOptions()
                         ) -> StageSolution:
     """Solve the stage ILP with highspy (relaxing ε on infeasibility if allowed).
@@ -507,6 +516,17 @@ def solve_stage_problem(problem: StageProblem, options: StageOptions = StageOpti
         total_s += secs
         if stage_of is not None:
             break
+        least = _least_load(problem)
+        if options.relax and eps >= options.max_epsilon and options.min_stage_load > least:
+            # One unit holds nearly all the work (a factorization in a tiny model): no
+            # split gives every stage a tenth of the mean; the least unbalanced split that
+            # leaves no stage without work is still the pipeline asked for.
+            last = dataclasses.replace(options, min_stage_load=least)
+            stage_of, status, ncol, choices, secs = _solve_once(problem, last, float(d))
+            total_s += secs
+            if stage_of is not None:
+                eps = problem.imbalance(stage_of)
+                break
         if not options.relax or eps >= options.max_epsilon:
             relaxed = (f" (relaxed from the ε={options.epsilon:g} asked, doubling up to "
                        f"{options.max_epsilon:g})" if eps > options.epsilon else "")

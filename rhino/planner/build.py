@@ -267,6 +267,15 @@ class BuiltProblem:
 # ------------------------------------------------------------------------------ carry pairs
 _HEAD = re.compile(r"^([A-Za-z_]\w*)(.*)$")
 _INDEX = re.compile(r"^\[(\d+)\](.*)$")
+_NAME_KEY = re.compile(r"\['([A-Za-z_]\w*)'\]")
+
+
+def _canonical(rest: str) -> str:
+    """A pytree path with its string dict keys written as attributes: ``['w'].value`` as
+    ``.w.value``. An object flattened by attribute (``model.blocks[0].kernel``, a Flax NNX
+    module) and its state as a nested dict (``nnx.state(model)``: ``['blocks'][0]['kernel']``)
+    then read the same."""
+    return _NAME_KEY.sub(r".\1", rest)
 
 
 def local_bytes(shape: Any, spec: Any, mesh: AbstractMesh) -> int:
@@ -305,18 +314,21 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
     by_rest: dict[str, list[int]] = {}
     by_pos: dict[tuple[int, str], list[int]] = {}
     by_arg: dict[str, dict[str, int]] = {}
-    positions: dict[str, int] = {}
+    # The k-th argument by the function's own order (an argument without leaves, such as
+    # SGD's empty state, still counts), else by the order the parameters name them.
+    positions: dict[str, int] = {n: k for k, n in enumerate(graph.arg_names)}
     for p in graph.params:
         arg = graph.ops[p].arg
         m = _HEAD.match(arg.path) if arg is not None else None
         if m is None:
             continue
         name, rest = m.groups()
+        rest = _canonical(rest)
         pos = positions.setdefault(name, len(positions))
         by_rest.setdefault(rest, []).append(p)
         by_pos.setdefault((pos, rest), []).append(p)
         by_arg.setdefault(name, {})[rest] = p
-    outs = [(o, info.path[3:]) for o, info in zip(graph.outputs, graph.output_info)
+    outs = [(o, _canonical(info.path[3:])) for o, info in zip(graph.outputs, graph.output_info)
             if info.path.startswith("out")]
 
     def positional(rest: str) -> list[int]:
