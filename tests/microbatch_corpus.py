@@ -97,6 +97,16 @@ for _name, _f in {
 }.items():
     case(_name, _name, lambda h, p, b, f=_f: f(h))
 
+# Primitives only newer JAX releases have (0.12: jnp.log2 and erf's Horner evaluation bind
+# them; tanh's derivative binds one_minus_square).
+if hasattr(jax.lax, "log2"):
+    case("log2", "log2", lambda h, p, b: jax.lax.log2(_pos(h)))
+if hasattr(jax.lax, "polynomial"):
+    case("polynomial", "polynomial", lambda h, p, b: jax.lax.polynomial(h, (1.0, 0.5, 0.25)))
+if hasattr(jax.lax, "one_minus_square"):
+    case("one_minus_square", "one_minus_square",
+         lambda h, p, b: jax.lax.one_minus_square(jnp.tanh(h)))
+
 case("floor", "floor mul", lambda h, p, b: h * jnp.floor(3 * h))
 case("ceil", "ceil mul", lambda h, p, b: h * jnp.ceil(3 * h))
 case("round", "round mul", lambda h, p, b: h * jnp.round(3 * h))

@@ -57,12 +57,14 @@ VERSION_DEPENDENT = frozenset({"pjit", "remat", "checkpoint", "core_call", "clos
                                "le_to", "lt_to", "stage", "stack", "unstack", "tile",
                                "random_gamma_grad", "geqp3", "cholesky_update",
                                "symmetric_product", "composite", "custom_vmap_call",
-                               "debug_print"}) | CUDNN_ATTENTION
+                               "debug_print", "log2", "polynomial"}) | CUDNN_ATTENTION
 
 # One result per element from the elements at the same position of every operand (rank-0
 # operands broadcast): slicing the operands slices the result.
 ELEMENTWISE = frozenset({
     "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "exp", "exp2", "log",
+    # jax 0.12: log2, and polynomial (Horner's rule in x; its coefficients are operands too)
+    "log2", "polynomial",
     "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin", "acos", "atan",
     "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt", "pow",
     "integer_pow", "abs", "sign", "select_n", "convert_element_type", "square", "erf",
