@@ -52,7 +52,7 @@ from typing import Any, Mapping, Sequence
 from rhino.errors import OptionsError
 from rhino.hlo_passes.fusion import kernel_dtype as compute_dtype  # noqa: F401 (re-export)
 from rhino.planner.mesh import AbstractMesh
-from rhino.planner.roofline import Roofline
+from rhino.planner.roofline import Roofline, keyed_table
 
 # Simulated CPU devices (one host, shared-memory "network").
 CPU_ALPHA = 1e-5            # s per collective
@@ -153,16 +153,9 @@ class CostModel:
             raise OptionsError(f"cost model: expected α and β for the same axes, found "
                                f"{len(self.alpha)} α and {len(self.beta)} β")
         put(self, "flops_per_s", _rate(self.flops_per_s, "flops_per_s"))
-        rates = self.dtype_flops_per_s
-        pairs = rates.items() if isinstance(rates, Mapping) else rates
-        try:
-            table = {str(k): _rate(v, f"dtype_flops_per_s[{k!r}]") for k, v in pairs}
-        except (TypeError, ValueError) as e:
-            if isinstance(e, OptionsError):
-                raise
-            raise OptionsError(f"cost model dtype_flops_per_s: expected a mapping dtype -> "
-                               f"FLOP/s, found {rates!r}") from None
-        put(self, "dtype_flops_per_s", tuple(sorted(table.items())))
+        put(self, "dtype_flops_per_s", keyed_table(
+            self.dtype_flops_per_s, _rate, "dtype_flops_per_s",
+            "cost model dtype_flops_per_s: expected a mapping dtype -> FLOP/s"))
         put(self, "memory_bytes", _memory(self.memory_bytes))
         put(self, "native_reduce_scatter", bool(self.native_reduce_scatter))
         put(self, "strided_moves_all_to_all", bool(self.strided_moves_all_to_all))

@@ -81,6 +81,21 @@ def _positive(value: Any, where: str, zero_ok: bool = False) -> float:
     return x
 
 
+def keyed_table(value: Any, convert: Any, where: str, expected: str
+                ) -> tuple[tuple[str, Any], ...]:
+    """``((key, convert(v, f"{where}[key]")), ...)`` sorted by key, from a mapping or from
+    ``(key, value)`` pairs; malformed input raises ``OptionsError`` saying ``expected`` and
+    what was found (an ``OptionsError`` of ``convert`` passes through)."""
+    pairs = value.items() if isinstance(value, Mapping) else value
+    try:
+        table = {str(k): convert(v, f"{where}[{k!r}]") for k, v in pairs}
+    except (TypeError, ValueError) as e:
+        if isinstance(e, OptionsError):
+            raise
+        raise OptionsError(f"{expected}, found {value!r}") from None
+    return tuple(sorted(table.items()))
+
+
 def _curve(points: Any, where: str) -> tuple[tuple[float, float], ...]:
     try:
         pts = [(float(f), float(e)) for f, e in points]
@@ -139,16 +154,10 @@ class Roofline:
         put(self, "memory_bandwidth", _positive(self.memory_bandwidth, "memory_bandwidth"))
         put(self, "vector_flops_per_s", _positive(self.vector_flops_per_s,
                                                   "vector_flops_per_s"))
-        table = self.matmul_efficiency
-        pairs = table.items() if isinstance(table, Mapping) else table
-        try:
-            curves = {str(k): _curve(v, f"matmul_efficiency[{k!r}]") for k, v in pairs}
-        except (TypeError, ValueError) as e:
-            if isinstance(e, OptionsError):
-                raise
-            raise OptionsError(f"roofline matmul_efficiency: expected a mapping dtype -> "
-                               f"(FLOPs, efficiency) pairs, found {table!r}") from None
-        put(self, "matmul_efficiency", tuple(sorted(curves.items())))
+        put(self, "matmul_efficiency", keyed_table(
+            self.matmul_efficiency, _curve, "matmul_efficiency",
+            "roofline matmul_efficiency: expected a mapping dtype -> (FLOPs, efficiency) "
+            "pairs"))
         eff = _positive(self.attention_efficiency, "attention_efficiency")
         if eff > 1.5:
             raise OptionsError(f"roofline attention_efficiency: expected a fraction of the "
