@@ -157,8 +157,10 @@ def this_platform() -> str:
 
 def strip(split: StepSplit) -> StepSplit:
     """``split`` without the user's program: no equations, constants or inlined calls (they
-    hold the user's functions), the microbatch layout without bind parameters. What a
-    ``StageWorker`` reads of a split is left: tasks, outputs, refs, abstract values, shapes."""
+    hold the user's functions), the microbatch layout without bind parameters or the
+    per-microbatch bodies of control flow (jaxprs, read only while the programs are traced).
+    What a ``StageWorker`` reads of a split is left: tasks, outputs, refs, abstract values,
+    shapes."""
     import jax
 
     flat = split.flat
@@ -167,7 +169,7 @@ def strip(split: StepSplit) -> StepSplit:
              for r, a in flat.avals.items()}
     bare = dataclasses.replace(flat, eqns=(), consts={}, outs=(), avals=avals, remats={},
                                calls={})
-    layout = dataclasses.replace(split.layout, params={})
+    layout = dataclasses.replace(split.layout, params={}, bodies={})
     return dataclasses.replace(split, flat=bare, layout=layout)
 
 

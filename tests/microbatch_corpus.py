@@ -607,7 +607,8 @@ def pipelined_verdict(c: Case, dtype: str, **options) -> Verdict:
     step, _ = make_step(c, dtype)
     run = rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=M, **options)
     try:
-        got = jax.tree.leaves(run(*args))
+        # read while the executor is open (a Ray executor's results are handles on it)
+        got = [np.asarray(x) for x in jax.tree.leaves(run(*args))]
     except BatchCouplingError:
         got = None
     finally:
