@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import threading
@@ -70,6 +71,12 @@ from rhino.runtime import threads
 from rhino.runtime.transport import ExecutorError, Failure
 
 _PREFIX = "rhino/xfer"
+# Each transport of a process names its keys in the job's key-value store under its own
+# number: the n-th transport of every process is the same executor's (every process of a
+# job runs the same script, so makes its executors in the same order). Before, every
+# transport of a job shared one set of names, and a job that ran a second pipelined step
+# read the first one's layouts and aborts (its values never arrived).
+_TRANSPORTS = itertools.count()
 _SLICE_MS = 100          # the longest a wait goes without looking at abort / deadline
 # Polling interval for pulled arrays becoming ready: the time from a value's arrival to the
 # receiving task's dispatch (medians of the backward hand-offs of the 2-stage GPT benchmark
@@ -149,6 +156,7 @@ class JaxTransferTransport:
         self._kv = distributed_kv_client()
         if self._kv is None:
             raise ExecutorError("JaxTransferTransport: call jax.distributed.initialize first")
+        self._prefix = f"{_PREFIX}/{next(_TRANSPORTS)}"
         self.process = jax.process_index()
         self.stage_process = dict(stage_process)
         self.target = target
@@ -157,7 +165,7 @@ class JaxTransferTransport:
         host = address.rsplit(":", 1)[0]
         self.server = transfer.start_transfer_server(self._local_devices[0].client, address,
                                                      [f"{host}:0"])
-        self._kv.key_value_set(f"{_PREFIX}/addr/{self.process}", self.server.address(),
+        self._kv.key_value_set(f"{self._prefix}/addr/{self.process}", self.server.address(),
                                allow_overwrite=True)
         self._connect_timeout = connect_timeout
         self._conns: dict[int, Any] = {}
@@ -211,13 +219,13 @@ class JaxTransferTransport:
             self._lock.notify_all()
         if first:
             self._published.add(step)
-            self._kv.key_value_set(f"{_PREFIX}/abort/{step}", f"process {self.process}: "
+            self._kv.key_value_set(f"{self._prefix}/abort/{step}", f"process {self.process}: "
                                    f"{why}", allow_overwrite=True)
 
     def _remote_abort(self, step: int) -> None:
         """Take an abort of ``step`` published by another process, if there is one."""
         try:
-            why = self._kv.key_value_try_get(f"{_PREFIX}/abort/{step}")
+            why = self._kv.key_value_try_get(f"{self._prefix}/abort/{step}")
         except Exception:   # NOT_FOUND
             return
         with self._lock:
@@ -242,7 +250,7 @@ class JaxTransferTransport:
             old = [s for s in self._published if s < step]
             self._published.difference_update(old)
         for s in old:
-            self._kv.key_value_delete(f"{_PREFIX}/abort/{s}")
+            self._kv.key_value_delete(f"{self._prefix}/abort/{s}")
 
     def reset(self) -> None:
         """Forget every value, offer and abort (and the aborts this process published)."""
@@ -255,7 +263,7 @@ class JaxTransferTransport:
             self._got_from.clear()
             old, self._published = self._published, set()
         for s in old:
-            self._kv.key_value_delete(f"{_PREFIX}/abort/{s}")
+            self._kv.key_value_delete(f"{self._prefix}/abort/{s}")
 
     def _check(self, dst: int, src: int, key: tuple) -> None:
         st = self._steps.get(key[0])
@@ -273,7 +281,7 @@ class JaxTransferTransport:
         is a microbatch value, a kept result (``arg``) or a step's result (``out``); the
         same for every microbatch and step."""
         kind = key[1] if len(key) == 4 else "v"
-        return f"{_PREFIX}/layout/{src}/{dst}/{kind}/{_ref(key)}"
+        return f"{self._prefix}/layout/{src}/{dst}/{kind}/{_ref(key)}"
 
     def send(self, src: int, dst: int, key: tuple, value: Any) -> None:
         key = tuple(key)
@@ -457,9 +465,8 @@ class JaxTransferTransport:
                 self.held += 1
         self.waited["taken"] += time.monotonic() - t0
 
-    @staticmethod
-    def _taken_key(src: int, dst: int, key: tuple, sender: int, receiver: int) -> str:
-        return f"{_PREFIX}/taken/{transfer_uuid(src, dst, key, sender, receiver)}"
+    def _taken_key(self, src: int, dst: int, key: tuple, sender: int, receiver: int) -> str:
+        return f"{self._prefix}/taken/{transfer_uuid(src, dst, key, sender, receiver)}"
 
     def _kv_wait(self, name: str, src: int, dst: int, key: tuple,
                  deadline: float) -> str | None:
@@ -547,7 +554,7 @@ class JaxTransferTransport:
         with self._lock:
             conn = self._conns.get(process)
         if conn is None:
-            addr = self._kv.blocking_key_value_get(f"{_PREFIX}/addr/{process}",
+            addr = self._kv.blocking_key_value_get(f"{self._prefix}/addr/{process}",
                                                    int(self._connect_timeout * 1000))
             conn = self.server.connect(addr)
             with self._lock:

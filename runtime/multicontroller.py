@@ -129,8 +129,11 @@ class ProcessStages:
         for s in sorted(self.stage_process):
             for r in self.split.stage_args(s):
                 x = args.get(r)
-                if not isinstance(x, jax.Array):
-                    continue                  # host values: every process has them
+                if not isinstance(x, jax.Array) or not x.committed:
+                    # host values, and arrays in jax's default placement (uncommitted:
+                    # each process made its own, on its own first device): every
+                    # process has them
+                    continue
                 owners = self._owners.get(x.sharding)
                 if owners is None:
                     owners = self._owners[x.sharding] = frozenset(

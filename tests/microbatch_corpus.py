@@ -532,13 +532,23 @@ TOLERANCE = {"float32": 2e-4, "bfloat16": 2e-2, "float16": 4e-3}
 
 def differs(a, b) -> float:
     """The largest difference of two result lists, relative to each leaf's scale (the
-    loss, a scalar near 1, against 1)."""
+    loss, a scalar near 1, against 1); infinite where a result is not finite (NaN would
+    otherwise compare as no difference). A leaf of ``a`` may be a masked array (a
+    process's own shards of a result under ``rhino.launch``): only what it holds is
+    compared."""
     worst = 0.0
     for x, y in zip(a, b):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        held = ~np.ma.getmaskarray(x)
+        x = np.asarray(np.ma.getdata(x), np.float64)
+        y = np.asarray(y, np.float64)
         floor = 1.0 if y.ndim == 0 else 1e-3
         scale = max(floor, float(np.max(np.abs(y))) if y.size else 0.0)
-        worst = max(worst, float(np.max(np.abs(x - y))) / scale if x.size else 0.0)
+        if not held.any():
+            continue
+        d = float(np.max(np.abs(x - y)[held])) / scale
+        if not np.isfinite(d):
+            return float("inf")
+        worst = max(worst, d)
     return worst
 
 
