@@ -47,14 +47,20 @@ FORMAT_VERSION = 3
 
 @dataclasses.dataclass(frozen=True)
 class StageMemory:
-    """Per-device bytes of one stage under 1F1B.
+    """Per-device bytes of one stage under its schedule.
 
     Attributes:
         state: weights and optimizer state (local shards).
-        gradients: the gradient accumulation buffer.
-        per_microbatch: activations and inputs of one microbatch.
-        in_flight: microbatches whose activations are held at once (``min(m, p - s)``).
-        total: ``state + gradients + in_flight · per_microbatch``.
+        gradients: the gradient accumulation buffer (float32 where the weights are
+            narrower: accumulated in float32, cast once).
+        per_microbatch: one microbatch's working set: its activations and inputs, and its
+            weight gradients before they are added to the buffer.
+        in_flight: microbatches whose forward values are held at once (``min(m, p - s)``
+            under 1F1B).
+        total: ``state + gradients + (in_flight - 1) · handed + per_microbatch``.
+        handed: what a microbatch's forward keeps for its backward (per microbatch): the
+            forward values a backward op reads. With ``jax.checkpoint`` only a
+            checkpointed region's inputs (its backward recomputes the rest).
     """
 
     state: int
@@ -62,6 +68,7 @@ class StageMemory:
     per_microbatch: int
     in_flight: int
     total: int
+    handed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,7 +557,8 @@ class Plan:
                 f"{ms * e.communication_s:.3f} ms, send {ms * e.send_s:.3f} ms; per step: "
                 f"apply+sync {ms * e.apply_s:.3f} ms; memory {format_bytes(m.total)} "
                 f"(state {format_bytes(m.state)}, grads {format_bytes(m.gradients)}, "
-                f"{m.in_flight} × {format_bytes(m.per_microbatch)} in flight)")
+                f"working set {format_bytes(m.per_microbatch)}, {m.in_flight} × "
+                f"{format_bytes(m.handed)} held for the backward)")
             if s.spmd is not None:
                 summary = s.spmd.collective_summary()
                 lines.append("      SPMD: " + (", ".join(

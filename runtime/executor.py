@@ -212,35 +212,48 @@ class StageWorker:
 
     def memory(self) -> dict[str, int]:
         """This stage's memory per device, in bytes, from its compiled programs (those it
-        has run: call after a step): ``state`` (the arguments it holds), ``handed`` (what
-        a forward task leaves for its microbatch's backward task, per microbatch),
-        ``in_flight`` (the most microbatches the schedule keeps handed values for), ``temp``
-        (the largest program's temporaries, XLA's ``memory_analysis``) and ``peak`` = state
-        + in_flight × handed + temp. Recomputation (``jax.checkpoint``) shows in ``handed``:
-        a checkpointed region hands its inputs only, its backward recomputes the rest."""
+        has run: call after a step), each value counted at its shard's size in the layout
+        it has here: ``state`` (the arguments it holds), ``accumulators`` (the gradient
+        accumulators its backward programs carry from one microbatch to the next),
+        ``handed`` (what a forward task leaves for its microbatch's backward task, per
+        microbatch), ``in_flight`` (the most microbatches the schedule keeps handed values
+        for), ``temp`` (the largest program's temporaries, XLA's ``memory_analysis``) and
+        ``peak`` = state + accumulators + in_flight × handed + temp. Recomputation
+        (``jax.checkpoint``) shows in ``handed``: a checkpointed region hands its inputs
+        only, its backward recomputes the rest."""
         from rhino.runtime.schedules import in_flight_bound
-
-        n = int(np.prod(self.mesh.devices.shape))
-
-        def per_device(shape, dtype) -> int:
-            return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // n
 
         sp = self.split
         avals = sp.flat.avals
-        state = sum(per_device(avals[r].shape, avals[r].dtype)
+
+        def local(shape, dtype, sharding) -> int:
+            shard = sharding.shard_shape(tuple(shape)) if sharding is not None else shape
+            return int(np.prod(shard, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+        state = sum(local(avals[r].shape, avals[r].dtype, self.sharding(r))
                     for r in sp.stage_args(self.stage) if r not in sp.batch_refs)
-        handed = sum(per_device(sp.microbatch_shape(i.ref), avals[i.ref].dtype)
-                     for i in sp.task("B", self.stage).inputs
-                     if i.source == "task" and i.producer == ("F", self.stage))
-        temp = 0
+        handed = accumulators = temp = 0
+        b_task = sp.task("B", self.stage)
+        for (kind, with_acc), seen in self._seen.items():
+            if kind == "P":
+                continue
+            inputs, acc_in, _ = seen
+            if kind == "B" and not handed:
+                handed = sum(local(x.shape, x.dtype, x.sharding)
+                             for i, x in zip(b_task.inputs, inputs)
+                             if i.source == "task" and i.producer == ("F", self.stage))
+            if with_acc:
+                accumulators = max(accumulators, sum(local(x.shape, x.dtype, x.sharding)
+                                                     for x in acc_in))
         for (kind, with_acc), args in self._seen.items():
             prog = self.prologue_program() if kind == "P" else self.program(kind, with_acc)
             mem = prog.lower(*args).compile().memory_analysis()
             temp = max(temp, int(getattr(mem, "temp_size_in_bytes", 0) or 0))
         flight = in_flight_bound(self.schedule.name, sp.num_stages, sp.num_microbatches,
                                  self.stage)
-        return {"state": state, "handed": handed, "in_flight": flight, "temp": temp,
-                "peak": state + flight * handed + temp}
+        return {"state": state, "accumulators": accumulators, "handed": handed,
+                "in_flight": flight, "temp": temp,
+                "peak": state + accumulators + flight * handed + temp}
 
     def collectives(self) -> dict[str, dict[str, tuple[int, int]]]:
         """Per program this stage ran (``F``, ``B+acc``, ...), the collectives of its compiled

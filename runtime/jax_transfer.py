@@ -318,6 +318,8 @@ class JaxTransferTransport:
                 self._sent_layout[name] = sharding
         elif x.sharding != sharding:
             x = jax.device_put(x, sharding)
+        if not x.size:   # nothing to move: the receiver makes it from the announced layout
+            return
         tgt = self._target(dst, key)
         short = relayout(x.sharding, tgt, tuple(x.shape))
         if short is not None:
@@ -371,6 +373,11 @@ class JaxTransferTransport:
             early = self._expected.pop((src, dst, key), None)
         if early is None:
             meta = self._layout(src, dst, key, deadline, timeout)
+            if 0 in meta["shape"]:
+                # An empty value (e.g. a slice of an associative scan's carry) is never
+                # offered: a transfer of no bytes never arrives.
+                return jax.device_put(np.zeros(meta["shape"], meta["np_dtype"]),
+                                      self._target(dst, key))
             plan, tgt, pulled = self._pull(src, dst, key, meta)
         else:
             meta, plan, tgt, pulled = early
@@ -496,7 +503,7 @@ class JaxTransferTransport:
             return
         with self._lock:
             meta = self._layouts.get(self._layout_key(src, dst, key))
-            if meta is None or (src, dst, key) in self._expected:
+            if meta is None or (src, dst, key) in self._expected or 0 in meta["shape"]:
                 return
         plan, tgt, pulled = self._pull(src, dst, key, meta)
         with self._lock:

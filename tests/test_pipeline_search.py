@@ -127,19 +127,21 @@ def test_a_candidate_already_slower_without_a_memory_limit_is_not_fitted(executo
     unconstrained step is no faster than the best feasible one is left unfitted (its note
     says why); without pruning it is fitted, and the winner is the same. Parallel workers
     queue the fits at once, a serial search one at a time."""
-    m = get_model("gpt", layers=2, hidden=256, heads=4, seq=16, vocab=2048, batch=8)
+    # Activations weigh enough here that 2 stages (each holding at most half the batch's
+    # forward values under 1F1B) need less memory per device than SPMD over 4.
+    m = get_model("gpt", layers=2, hidden=256, heads=4, seq=64, vocab=2048, batch=16)
     g = rhino.ingest(m.step, *m.example_args())
-    kw = dict(cluster="1x4", memory_bytes=12 * 2**20)
+    kw = dict(cluster="1x4", memory_bytes=30 * 2**20)
     opts = dataclasses.replace(FAST, executor=executor)
     said: list[str] = []
     p = rhino.plan_pipeline(g, options=opts, progress=said.append, **kw)
     q = rhino.plan_pipeline(g, options=dataclasses.replace(opts, prune=False), **kw)
     assert p.winner.label == q.winner.label and p.step_s == pytest.approx(q.step_s)
-    assert p.winner.feasible and p.winner.memory <= 12 * 2**20
+    assert p.winner.feasible and p.winner.memory <= 30 * 2**20
     skipped = [c for c in p.candidates if "not fitted" in c.note]
     assert [c.num_stages for c in skipped] == [4]
     c = skipped[0]
-    assert not c.feasible and c.memory > 12 * 2**20
+    assert not c.feasible and c.memory > 30 * 2**20
     shown = float(re.search(r"its plan takes ([\d.]+) ms >= best ([\d.]+) ms", c.note)[1])
     assert shown >= 1e3 * p.step_s
     # The unpruned search fitted it (and it still did not fit).

@@ -535,9 +535,9 @@ def test_hand_given_split_errors():
 def test_checkpointed_layers_are_recomputed_in_the_backward_programs():
     """GPT with ``jax.checkpoint`` per layer, pipelined: a forward task hands its backward
     task only the inputs of each checkpointed layer (the backward program recomputes the
-    rest), so each stage's peak (state + in-flight handed values + its largest program's
-    temporaries) is at most 0.8 of the same pipeline's without remat (issue 31); losses
-    equal jax.jit's. (0.7 before the backward programs stopped returning each microbatch's
+    rest), so what each stage holds besides its state and gradient accumulators (in-flight
+    handed values + its largest program's temporaries) is at most 0.8 of the same
+    pipeline's without remat (issue 31); losses equal jax.jit's. (0.7 before the backward programs stopped returning each microbatch's
     gradients besides accumulating them: those buffers were outputs, outside this estimate;
     now the stage's reduced gradients are temporaries of both pipelines' backward, which
     puts stage 1 at 0.727 with jax 0.10.2 and 0.750 with jax 0.12 (which hands 2.73 MB
@@ -562,7 +562,9 @@ def test_checkpointed_layers_are_recomputed_in_the_backward_programs():
             step.close()
     for s, (plain, checked) in enumerate(zip(mem[False], mem[True])):
         assert checked["handed"] < 0.3 * plain["handed"], (s, plain, checked)
-        assert checked["peak"] <= 0.8 * plain["peak"], (s, plain, checked)
+        held = {k: x["peak"] - x["state"] - x["accumulators"]
+                for k, x in (("plain", plain), ("checked", checked))}
+        assert held["checked"] <= 0.8 * held["plain"], (s, plain, checked)
 
 
 def _host(tree):

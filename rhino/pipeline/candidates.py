@@ -21,7 +21,7 @@ from rhino.hlo_passes.graph import HloGraph, shape_str
 from rhino.hlo_passes.subgraph import CUT_PREFIX, Subgraph, extract_subgraph
 from rhino.cluster import Cluster, MeshSplit
 from rhino.pipeline.cost import (StageProfile, gather_seconds, in_flight, pipeline_step,
-                                 profile_stage, transfer_seconds)
+                                 profile_stage, stage_memory, transfer_seconds)
 from rhino.pipeline.gradient import GradientBoundary
 from rhino.parallel_plan import Candidate, CrossTensor, StageEstimate, StageMemory
 from rhino.pipeline.stages import StageAssignment
@@ -40,6 +40,8 @@ class StageWork:
     carried: tuple[tuple[int, int], ...]
     apply_ops: set[str]
     gradient_ops: set[str]
+    forward_ops: set[str]
+    backward_ops: set[str]
     batch_dependent: set[str]
     counts: dict[str, int]
     weights: tuple[str, ...]
@@ -74,6 +76,8 @@ def stage_works(graph: HloGraph, boundary: GradientBoundary, a: StageAssignment,
         out.append(StageWork(
             s, sub, pairs, {graph.ops[i].name for i in ops if role[i] == Role.APPLY},
             {graph.ops[i].name for i in ops if i in grads},
+            {graph.ops[i].name for i in ops if role[i] == Role.FORWARD},
+            {graph.ops[i].name for i in ops if role[i] == Role.BACKWARD},
             {op.name for op in sub.graph.ops if dep[sub.origin[op.id]]},
             counts, weights))
     return out
@@ -101,7 +105,8 @@ def cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: StageA
     p = split.num_stages
     mesh, cost = split.stage_mesh(cluster), split.stage_cost(cluster)
     n = split.devices_per_stage
-    profiles = [profile_stage(w.sub.graph, pl, w.apply_ops, w.gradient_ops, state_args)
+    profiles = [profile_stage(w.sub.graph, pl, w.apply_ops, w.gradient_ops, state_args,
+                              w.forward_ops, w.backward_ops)
                 for w, pl in zip(works, plans)]
     # Per-microbatch collectives: batch-independent tensors (weights gathered) keep their size.
     micro = []
@@ -149,10 +154,8 @@ def cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: StageA
                             send[s], pr.apply_compute_s + cost.program_seconds()
                             + pr.step_comm_s + step_send[s])
         k = in_flight(s, p, m)
-        per_mb = (pr.activation_bytes + pr.input_bytes) // m
-        total = pr.state_bytes + pr.gradient_bytes + k * per_mb
+        memories.append(stage_memory(pr, k, m))
         estimates.append(est)
-        memories.append(StageMemory(pr.state_bytes, pr.gradient_bytes, per_mb, k, total))
     parts = pipeline_step([e.microbatch_s for e in estimates], m, [e.apply_s for e in estimates])
     b = max(range(p), key=lambda s: estimates[s].microbatch_s)
     peak = max(x.total for x in memories)

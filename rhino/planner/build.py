@@ -259,7 +259,7 @@ class BuiltProblem:
         """Sizes: nodes, choices (total and max per node), edges and edge-matrix entries."""
         p = self.problem
         counts = [p.num_choices(i) for i in range(p.num_nodes)]
-        return {"nodes": p.num_nodes, "choices": sum(counts), "max_choices": max(counts),
+        return {"nodes": p.num_nodes, "choices": sum(counts), "max_choices": max(counts, default=0),
                 "edges": len(p.edges), "edge_entries": sum(e.cost.size for e in p.edges),
                 "unknown_ops": len(self.unknown_ops), "seconds": self.seconds}
 
