@@ -10,6 +10,7 @@ SPMD-only search, the script's arguments and path) under ``-m slow``.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -327,3 +328,28 @@ def test_free_ports_are_below_the_range_of_outgoing_connections(tmp_path):
     (tmp_path / "range").write_text("40000\t60999\n")
     assert distributed._ephemeral_low(str(tmp_path / "range")) == 40000
     assert distributed._ephemeral_low(str(tmp_path / "missing")) == 32768
+
+
+def test_corpus_steps_one_after_another_in_one_job(tmp_path):
+    """Issue 43, acceptance 5: corpus steps pipelined one after another in one job (2
+    processes x 4 devices, one stage per process), each judged on every process's own
+    shards against the float32 step (``tests/corpus_job.py``). Three faults this found:
+    the second executor of a job read the first's layouts and aborts from the job's
+    key-value store and hung; arguments jax placed by default (each process's own, on its
+    first device) were sent as another process's array and crashed; and ``cumprod``'s
+    backward hands an empty value between the stages, whose transfer never arrived."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import corpus_job
+
+    job = str(REPO / "tests" / "corpus_job.py")
+    out = _launch("--hosts", "2", "--devices-per-host", "4", job, "--out", str(tmp_path),
+                  "--cases", "cumprod", "--dtypes", "float32,bfloat16", "--timeout", "60",
+                  timeout=400)
+    assert out.returncode == 0, _show(out)
+    parts = [json.loads((tmp_path / f"p{p}.json").read_text()) for p in (0, 1)]
+    for runs in parts:
+        assert [(r["case"], r["dtype"], r["outcome"]) for r in runs] == [
+            ("cumprod", "float32", "exact"), ("cumprod", "bfloat16", "exact")], runs
+    assert corpus_job.covered(parts) == []
+    # The processes held different parts: each judged something of its own.
+    assert all(any(h for h in r["held"]) for runs in parts for r in runs)
