@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 import os
 import sys
@@ -495,8 +496,33 @@ class _Builder:
                           f"plan (sha256 {digest[:16]})")
         return entry
 
+    def _check_devices(self, what: str, need: int) -> None:
+        """Refuse, before any planning, a mesh or cluster of more devices than the local
+        executor has (``what``: the option as the user wrote it), with advice for the
+        platform."""
+        have = len(self.devices)
+        if self.o.executor is not ExecutorKind.LOCAL or need <= have:
+            return
+        platform = self.devices[0].platform if self.devices else "no"
+        if platform == "cpu":
+            advice = (f"to simulate {need} devices on CPU, set XLA_FLAGS="
+                      f"--xla_force_host_platform_device_count={need} before importing jax")
+        else:
+            advice = (f"plan for at most {have} devices, or run on more: several processes "
+                      f"under rhino.launch (each with its own devices), or executor='ray' on "
+                      f"a Ray cluster")
+        raise OptionsError(f"{what}: needs {need} devices, found {have} {platform} "
+                           f"device{'s' if have != 1 else ''} here; {advice}")
+
     def _build(self) -> _Entry:
         o = self.o
+        if o.plan is None and o.cluster is not None:
+            self._check_devices(f"cluster={o.cluster!r}" if isinstance(o.cluster, str)
+                                else f"cluster {o.cluster}", self._cluster().num_devices)
+        elif o.plan is None and (o.mesh is not None or o.mesh_shape is not None):
+            shape = tuple(o.mesh.shape) if o.mesh is not None else tuple(o.mesh_shape)
+            what = f"mesh={o.mesh!r}" if o.mesh is not None else f"mesh_shape={shape}"
+            self._check_devices(what, math.prod(shape))
         if o.plan is not None:
             plan = o.plan
             # Run options given explicitly replace the saved plan's.

@@ -11,6 +11,8 @@ the op and its source line, and run exactly as a per-microbatch reference under
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +22,17 @@ import pytest
 import rhino
 
 B, STEPS, RTOL = 32, 5, 1e-4
-PIPE = dict(cluster="2x4", stages=2, num_microbatches=4, timeout=300)
+# RHINO_TEST_EXECUTOR=ray runs every pipelined step of this module on Ray actors (a local
+# Ray instance of 4 CPUs for the module) instead of the local executor (issue 43,
+# acceptance 5; benchmarks/RESULTS.md has the run).
+EXECUTOR = os.environ.get("RHINO_TEST_EXECUTOR", "local")
+PIPE = dict(cluster="2x4", stages=2, num_microbatches=4, timeout=300, executor=EXECUTOR)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _executor(request):
+    if EXECUTOR == "ray":
+        request.getfixturevalue("ray_cluster")
 
 
 def _host(tree):

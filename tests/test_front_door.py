@@ -238,3 +238,42 @@ def test_optax_is_a_dependency_of_the_package():
     cfg.read(REPO / "setup.cfg")
     needs = cfg["options"]["install_requires"].split()
     assert any(n.startswith("optax") for n in needs), needs
+
+
+def _sgd(w, x):
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+    return w - 0.1 * g, loss
+
+
+@pytest.mark.parametrize("options,written,need", [
+    (dict(mesh_shape=(3, 4)), "mesh_shape=(3, 4)", 12),
+    (dict(cluster="2x8"), "cluster='2x8'", 16),
+    (dict(cluster="3x4", stages=2), "cluster='3x4'", 12),
+])
+def test_sizes_are_checked_against_the_devices_before_planning(options, written, need,
+                                                                monkeypatch):
+    """Issue 48, item 5: a mesh or cluster larger than the devices is refused before any
+    planning (before: after planning, as 'plan for 1x12' for a (3, 4) mesh), naming the
+    option as written; on CPU the advice is the simulated-device flag, elsewhere it is not."""
+    import rhino.parallel_step as parallel_step
+
+    planned = []
+    for name in ("plan_on_cluster", "plan_on_mesh"):
+        monkeypatch.setattr(parallel_step, name, lambda *a, **k: planned.append(a))
+    w, x = jnp.ones((16, 16)), jnp.ones((32, 16))
+    with pytest.raises(OptionsError) as e:
+        rhino.auto_parallel(_sgd, **options)(w, x)
+    have = len(jax.devices())
+    assert str(e.value).startswith(f"{written}: needs {need} devices, found {have} cpu "
+                                   f"devices here; to simulate {need} devices on CPU, set "
+                                   f"XLA_FLAGS=--xla_force_host_platform_device_count={need}")
+    assert not planned
+
+    class Gpu:
+        platform, id, process_index = "gpu", 0, 0
+
+    step = rhino.auto_parallel(_sgd, devices=[Gpu()] * 8, cost="h100", **options)
+    with pytest.raises(OptionsError, match="plan for at most 8 devices, or run on more: "
+                                           "several processes under rhino.launch"):
+        step(w, x)
+    assert not planned
