@@ -67,7 +67,7 @@ from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planning import argument_lower_bound, fit_compiled_memory
 from rhino.step_arguments import signature
-from rhino.progress import Progress
+from rhino.progress import Progress, get_logger
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
 from rhino.runtime.worker_spec import WorkerSpec
@@ -439,6 +439,8 @@ class ParallelStep:
         self._last, self._direct = None, None
 
     # ----------------------------------------------------------------- build
+    _last_types: dict[str, str] = {}   # the last planned signature's leaves (_leaf_types)
+
     def _entry_of(self, args: tuple) -> _Entry:
         """The entry of the arguments as the user passes them (NNX objects or not)."""
         objects = NnxObjects.of(args)
@@ -450,6 +452,14 @@ class ParallelStep:
             key = (key, objects.static)
         entry = self._cache.get(key)
         if entry is None:
+            shapes = _leaf_types(args)
+            if self._cache:
+                name = getattr(self.fn, "__name__", "step")
+                get_logger().warning(
+                    f"auto_parallel({name}): arguments of new shapes or dtypes, planned and "
+                    f"compiled again (a plan per signature: {len(self._cache) + 1} now): "
+                    + _changes(self._last_types, shapes))
+            self._last_types = shapes
             entry = self._build(args, self.fn if objects is None else objects.pure(self.fn))
             self._cache[key] = entry
             self.plans_built += 1
@@ -467,6 +477,25 @@ class ParallelStep:
         if report_wanted(o.report):
             print(entry.report(), file=sys.stderr)
         return entry
+
+
+def _leaf_types(args: tuple) -> dict[str, str]:
+    """``path -> dtype[shape]`` of every array leaf of the step's arguments."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            out[f"args{jax.tree_util.keystr(path)}"] = f"{x.dtype}{list(np.shape(x))}"
+    return out
+
+
+def _changes(old: dict[str, str], new: dict[str, str], most: int = 3) -> str:
+    """The leaves whose type changed from ``old`` to ``new`` (the first ``most``)."""
+    diff = [f"{k} {old.get(k, 'absent')} -> {new.get(k, 'absent')}"
+            for k in list(old) + [k for k in new if k not in old] if old.get(k) != new.get(k)]
+    if not diff:
+        return "the same array leaves (another structure or static value)"
+    return "; ".join(diff[:most]) + (f"; and {len(diff) - most} more" if len(diff) > most
+                                     else "")
 
 
 class _Builder:

@@ -5,8 +5,10 @@ Where the lines go follows the application's logging set-up:
 * nothing configured (no handler on the root logger) and stderr a terminal: rhino shows
   its INFO lines there, as ``rhino: ...`` (the ``rhino`` logger's level is set to INFO on
   first use unless it was set before);
-* nothing configured and stderr not a terminal (a pipe, a CI log): only warnings, as
-  Python's default is;
+* nothing configured and stderr not a terminal (a pipe, a CI log, nohup, SLURM, ``ray job
+  submit``): warnings, as Python's default is, and the phase lines of long work
+  (``Progress``, once it has run longer than its threshold): those are exactly what a user
+  waiting on a log file needs, and quick work still says nothing;
 * logging configured (``logging.basicConfig(...)``, pytest): the records go to its
   handlers like any library's.
 
@@ -107,7 +109,15 @@ class Progress:
                 self._say()
 
     def _say(self) -> None:
-        info(f"{self.title}: {self.phase} [{self.elapsed:.1f} s]")
+        message = f"{self.title}: {self.phase} [{self.elapsed:.1f} s]"
+        log = get_logger()
+        if log.isEnabledFor(logging.INFO):
+            log.info(message)
+        elif log.level == logging.NOTSET and not logging.getLogger().handlers:
+            # Nobody chose a level or set up logging and stderr is not a terminal (a log
+            # file): long work's phase lines still go there (module docstring).
+            log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, message, (),
+                                      None))
 
     def __call__(self, phase: str) -> None:
         with self._lock:

@@ -277,3 +277,54 @@ def test_sizes_are_checked_against_the_devices_before_planning(options, written,
                                            "several processes under rhino.launch"):
         step(w, x)
     assert not planned
+
+
+def test_long_work_says_its_phases_in_a_log_file(rhino_logger, monkeypatch, capsys):
+    """Issue 48, item 3: stderr not a terminal (nohup, SLURM, ray job submit) and no
+    logging set up: quick work says nothing, but the phase lines of work that has run past
+    its threshold reach the log (before: nothing, 18-40 s of silence before step 0); a level
+    the user set on the rhino logger still silences them."""
+    import time
+
+    from rhino.progress import Progress
+
+    rhino_logger.handlers[:] = []
+    rhino_logger.setLevel(logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    quick = Progress("auto_parallel(step)", after=5.0)
+    quick("tracing")
+    quick.close()
+    assert capsys.readouterr().err == ""
+    slow = Progress("auto_parallel(step)", after=0.05)
+    slow("planning over the cluster")
+    time.sleep(0.3)
+    slow("compiling")
+    slow.close()
+    err = capsys.readouterr().err
+    assert "rhino: auto_parallel(step): planning over the cluster [" in err
+    assert "rhino: auto_parallel(step): compiling [" in err
+    assert "rhino: auto_parallel(step): done [" in err
+    get_logger().info("an ordinary info line")     # not a phase of long work: not shown
+    assert capsys.readouterr().err == ""
+    rhino_logger.setLevel(logging.WARNING)
+    silenced = Progress("auto_parallel(step)", after=0.0)
+    silenced("planning")
+    silenced.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_replan_for_new_shapes_is_a_warning_naming_them(caplog):
+    """Issue 48, item 3: a last partial batch plans and compiles again; that is said at
+    WARNING with the leaves whose shapes changed (before: nothing)."""
+    step = rhino.auto_parallel(_sgd, mesh_shape=(2,))
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        w, _ = step(jnp.ones((16, 16)), jnp.ones((32, 16)))
+        w, _ = step(w, jnp.ones((32, 16)))
+        assert not caplog.records
+        step(w, jnp.ones((8, 16)))
+    (record,) = [r for r in caplog.records if r.name == LOGGER_NAME]
+    assert record.levelno == logging.WARNING
+    assert "auto_parallel(_sgd): arguments of new shapes or dtypes, planned and compiled " \
+           "again (a plan per signature: 2 now): args[1] float32[32, 16] -> float32[8, 16]" \
+        in record.getMessage()
