@@ -336,20 +336,24 @@ def test_corpus_steps_one_after_another_in_one_job(tmp_path):
     shards against the float32 step (``tests/corpus_job.py``). Three faults this found:
     the second executor of a job read the first's layouts and aborts from the job's
     key-value store and hung; arguments jax placed by default (each process's own, on its
-    first device) were sent as another process's array and crashed; and ``cumprod``'s
-    backward hands an empty value between the stages, whose transfer never arrived."""
+    first device) were sent as another process's array and crashed; ``cumprod``'s
+    backward hands an empty value between the stages, whose transfer never arrived; and a
+    value received in its sender's layout reached XLA's partitioner unconstrained, which
+    failed on tridiagonal_solve and ended the process on select_and_gather_add."""
     sys.path.insert(0, str(REPO / "tests"))
     import corpus_job
 
     job = str(REPO / "tests" / "corpus_job.py")
     out = _launch("--hosts", "2", "--devices-per-host", "4", job, "--out", str(tmp_path),
-                  "--cases", "cumprod", "--dtypes", "float32,bfloat16", "--timeout", "60",
-                  timeout=400)
+                  "--cases", "cumprod,select_and_gather_add,tridiagonal_solve", "--dtypes",
+                  "float32,bfloat16", "--timeout", "60", timeout=400)
     assert out.returncode == 0, _show(out)
     parts = [json.loads((tmp_path / f"p{p}.json").read_text()) for p in (0, 1)]
     for runs in parts:
         assert [(r["case"], r["dtype"], r["outcome"]) for r in runs] == [
-            ("cumprod", "float32", "exact"), ("cumprod", "bfloat16", "exact")], runs
+            ("cumprod", "float32", "exact"), ("cumprod", "bfloat16", "exact"),
+            ("tridiagonal_solve", "float32", "exact"),
+            ("select_and_gather_add", "float32", "exact")], runs
     assert corpus_job.covered(parts) == []
     # The processes held different parts: each judged something of its own.
     assert all(any(h for h in r["held"]) for runs in parts for r in runs)
