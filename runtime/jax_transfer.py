@@ -278,9 +278,14 @@ class JaxTransferTransport:
 
     def _layout_key(self, src: int, dst: int, key: tuple) -> str:
         """What a value's layout is announced under: its stages and ref, and whether it
-        is a microbatch value, a kept result (``arg``) or a step's result (``out``); the
-        same for every microbatch and step."""
-        kind = key[1] if len(key) == 4 else "v"
+        is a microbatch's value, its accumulated sum (``acc``: the whole batch's shape), a
+        value of the whole batch, a kept result (``arg``) or a step's result (``out``); the
+        same for every microbatch and step. (A value sent per microbatch and as its sum
+        shared one name, so the sum was pulled in the microbatch's layout and failed.)"""
+        if len(key) == 4:
+            kind = key[1]
+        else:   # a microbatch's value, its accumulated sum, or a value of the whole batch
+            kind = "acc" if key[2] == "acc" else ("whole" if key[2] is None else "v")
         return f"{self._prefix}/layout/{src}/{dst}/{kind}/{_ref(key)}"
 
     def send(self, src: int, dst: int, key: tuple, value: Any) -> None:

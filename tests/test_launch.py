@@ -339,13 +339,16 @@ def test_corpus_steps_one_after_another_in_one_job(tmp_path):
     first device) were sent as another process's array and crashed; ``cumprod``'s
     backward hands an empty value between the stages, whose transfer never arrived; and a
     value received in its sender's layout reached XLA's partitioner unconstrained, which
-    failed on tridiagonal_solve and ended the process on select_and_gather_add."""
+    failed on tridiagonal_solve and ended the process on select_and_gather_add; and a value
+    sent both per microbatch and as its sum (class_sums_added in float32) had one layout
+    name for both, so the sum was pulled in the microbatch's layout."""
     sys.path.insert(0, str(REPO / "tests"))
     import corpus_job
 
     job = str(REPO / "tests" / "corpus_job.py")
     out = _launch("--hosts", "2", "--devices-per-host", "4", job, "--out", str(tmp_path),
-                  "--cases", "cumprod,select_and_gather_add,tridiagonal_solve", "--dtypes",
+                  "--cases", "cumprod,select_and_gather_add,tridiagonal_solve,class_sums_added",
+                  "--dtypes",
                   "float32,bfloat16", "--timeout", "60", timeout=400)
     assert out.returncode == 0, _show(out)
     parts = [json.loads((tmp_path / f"p{p}.json").read_text()) for p in (0, 1)]
@@ -353,7 +356,9 @@ def test_corpus_steps_one_after_another_in_one_job(tmp_path):
         assert [(r["case"], r["dtype"], r["outcome"]) for r in runs] == [
             ("cumprod", "float32", "exact"), ("cumprod", "bfloat16", "exact"),
             ("tridiagonal_solve", "float32", "exact"),
-            ("select_and_gather_add", "float32", "exact")], runs
+            ("select_and_gather_add", "float32", "exact"),
+            ("class_sums_added", "float32", "exact"), ("class_sums_added", "bfloat16", "exact")
+        ], runs
     assert corpus_job.covered(parts) == []
     # The processes held different parts: each judged something of its own.
     assert all(any(h for h in r["held"]) for runs in parts for r in runs)
