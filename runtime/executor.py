@@ -83,7 +83,9 @@ def place(x: Any, sharding: Any) -> Any:
     if sharding.is_fully_addressable or isinstance(x, jax.Array):
         return jax.device_put(x, sharding)
     host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    # dtype: a process holding no shard of the mesh has nothing to read it from
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index],
+                                        dtype=host.dtype)
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any) -> Any:

@@ -254,6 +254,8 @@ def test_nnx_metrics_of_two_stages_compute_on_the_pipelined_state():
                 np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=RTOL)
             np.testing.assert_allclose(float(l2 / got["loss"]), float(l1 / want["loss"]),
                                        rtol=RTOL)
+        if EXECUTOR != "local":      # what follows looks inside the local executor
+            return
         run = piped._entry((*s2, x, y)).run
         held = {w.stage: {d.id for x_ in jax.tree.leaves(s2[2]) for d in x_.devices()
                           if d in set(w.mesh.devices.flat)} for w in run.executor.workers}
@@ -617,7 +619,8 @@ def test_low_precision_gradients_accumulate_in_float32():
     batch = {"x": x.astype(jnp.bfloat16), "y": y, "rng": jax.random.key(9)}
     piped = rhino.auto_parallel(step, **PIPE)
     try:
-        got = piped(*_host((params, opt)), batch)
+        # read as host values while the executor is open (a Ray run's are handles on it)
+        got = jax.tree.map(np.asarray, piped(*_host((params, opt)), batch))
         split = piped.split_for(params, opt, batch)
         task = next(t for t in split.tasks.values() if t.kind == "B" and t.accumulate)
         fn = task_function(split, task, with_acc=False)
@@ -634,7 +637,7 @@ def test_low_precision_gradients_accumulate_in_float32():
         piped.close()
     want = jax.jit(step)(params, opt, batch)
     for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
-        assert a.dtype == b.dtype == jnp.bfloat16
+        assert a.dtype == b.dtype == jnp.bfloat16, (a.dtype, b.dtype)
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2e-2, atol=2e-2)
 
