@@ -793,13 +793,18 @@ class LocalExecutor:
                             f"(stuck in a program or a wait)")
 
     def close(self) -> None:
-        """Abort a step in flight, wait at most ``CLOSE_GRACE_S`` for its stage threads
-        (daemon threads: one stuck in a program is left behind, it holds nothing up) and
-        stop the workers' timer threads. Idempotent."""
+        """Abort a step still running here, wait at most ``CLOSE_GRACE_S`` for its stage
+        threads (daemon threads: one stuck in a program is left behind, it holds nothing
+        up) and stop the workers' timer threads. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self.transport.abort(self._step, "the executor was closed")
+        if any(not f.done() for f in self._running):
+            # Only a step still running here is aborted: the abort of a step that ended
+            # reaches the other processes of a job, where that step may not have ended yet
+            # (it ended one test of a job with "aborted: process 1: the executor was
+            # closed" while process 0 finished the same step).
+            self.transport.abort(self._step, "the executor was closed")
         self._settle(CLOSE_GRACE_S)
         for w in self.workers:
             w.close()
