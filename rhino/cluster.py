@@ -247,3 +247,27 @@ def enumerate_splits(cluster: Cluster, max_stages: int | None = None,
         for shape in shapes:
             out.append(MeshSplit(p, shape, size, hosts_per_stage))
     return out
+
+
+def check_device_count(what: str, need: int, devices: Any) -> None:
+    """Refuse ``what`` (an option as the user wrote it: a mesh or cluster) when it needs
+    more than the ``devices`` there are, with advice for their platform: the simulated-device
+    flag on CPU only; elsewhere a smaller plan, or more devices through ``rhino.launch`` or
+    Ray.
+
+    Raises:
+        OptionsError: ``need`` > ``len(devices)``.
+    """
+    have = len(devices)
+    if need <= have:
+        return
+    platform = devices[0].platform if have else "no"
+    if platform == "cpu":
+        advice = (f"to simulate {need} devices on CPU, set XLA_FLAGS="
+                  f"--xla_force_host_platform_device_count={need} before importing jax")
+    else:
+        advice = (f"plan for at most {have} devices, or run on more: several processes "
+                  f"under rhino.launch (each with its own devices), or executor='ray' on a "
+                  f"Ray cluster")
+    raise OptionsError(f"{what}: needs {need} devices, found {have} {platform} "
+                       f"device{'s' if have != 1 else ''} here; {advice}")

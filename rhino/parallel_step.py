@@ -48,7 +48,7 @@ import numpy as np
 
 from rhino.backends import (backend_figures, cost_model_for_devices, devices_per_host,
                             figures_for_devices)
-from rhino.cluster import Cluster
+from rhino.cluster import Cluster, check_device_count
 from rhino.distributed import (DistributedError, agree_on_plan, check_cross_process_program,
                                job_devices, spans_processes)
 from rhino.errors import OptionsError, RhinoError
@@ -66,7 +66,7 @@ from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planning import argument_lower_bound, fit_compiled_memory
-from rhino.step_arguments import signature
+from rhino.step_arguments import leaf_types, signature, type_changes
 from rhino.progress import Progress, get_logger
 from rhino.runtime import spmd
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
@@ -439,7 +439,7 @@ class ParallelStep:
         self._last, self._direct = None, None
 
     # ----------------------------------------------------------------- build
-    _last_types: dict[str, str] = {}   # the last planned signature's leaves (_leaf_types)
+    _last_types: dict[str, str] = {}   # the last planned signature's leaves (leaf_types)
 
     def _entry_of(self, args: tuple) -> _Entry:
         """The entry of the arguments as the user passes them (NNX objects or not)."""
@@ -452,13 +452,13 @@ class ParallelStep:
             key = (key, objects.static)
         entry = self._cache.get(key)
         if entry is None:
-            shapes = _leaf_types(args)
+            shapes = leaf_types(args)
             if self._cache:
                 name = getattr(self.fn, "__name__", "step")
                 get_logger().warning(
                     f"auto_parallel({name}): arguments of new shapes or dtypes, planned and "
                     f"compiled again (a plan per signature: {len(self._cache) + 1} now): "
-                    + _changes(self._last_types, shapes))
+                    + type_changes(self._last_types, shapes))
             self._last_types = shapes
             entry = self._build(args, self.fn if objects is None else objects.pure(self.fn))
             self._cache[key] = entry
@@ -477,25 +477,6 @@ class ParallelStep:
         if report_wanted(o.report):
             print(entry.report(), file=sys.stderr)
         return entry
-
-
-def _leaf_types(args: tuple) -> dict[str, str]:
-    """``path -> dtype[shape]`` of every array leaf of the step's arguments."""
-    out = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
-        if hasattr(x, "shape") and hasattr(x, "dtype"):
-            out[f"args{jax.tree_util.keystr(path)}"] = f"{x.dtype}{list(np.shape(x))}"
-    return out
-
-
-def _changes(old: dict[str, str], new: dict[str, str], most: int = 3) -> str:
-    """The leaves whose type changed from ``old`` to ``new`` (the first ``most``)."""
-    diff = [f"{k} {old.get(k, 'absent')} -> {new.get(k, 'absent')}"
-            for k in list(old) + [k for k in new if k not in old] if old.get(k) != new.get(k)]
-    if not diff:
-        return "the same array leaves (another structure or static value)"
-    return "; ".join(diff[:most]) + (f"; and {len(diff) - most} more" if len(diff) > most
-                                     else "")
 
 
 class _Builder:
@@ -527,21 +508,9 @@ class _Builder:
 
     def _check_devices(self, what: str, need: int) -> None:
         """Refuse, before any planning, a mesh or cluster of more devices than the local
-        executor has (``what``: the option as the user wrote it), with advice for the
-        platform."""
-        have = len(self.devices)
-        if self.o.executor is not ExecutorKind.LOCAL or need <= have:
-            return
-        platform = self.devices[0].platform if self.devices else "no"
-        if platform == "cpu":
-            advice = (f"to simulate {need} devices on CPU, set XLA_FLAGS="
-                      f"--xla_force_host_platform_device_count={need} before importing jax")
-        else:
-            advice = (f"plan for at most {have} devices, or run on more: several processes "
-                      f"under rhino.launch (each with its own devices), or executor='ray' on "
-                      f"a Ray cluster")
-        raise OptionsError(f"{what}: needs {need} devices, found {have} {platform} "
-                           f"device{'s' if have != 1 else ''} here; {advice}")
+        executor has (``what``: the option as the user wrote it)."""
+        if self.o.executor is ExecutorKind.LOCAL:
+            check_device_count(what, need, self.devices)
 
     def _build(self) -> _Entry:
         o = self.o

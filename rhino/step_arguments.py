@@ -12,6 +12,7 @@ import inspect
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from rhino.errors import ArgumentError
 from rhino.hlo_passes.ingest import arg_names
@@ -89,3 +90,22 @@ def _argument_error(fn: Callable, args: tuple) -> ArgumentError:
                     f"{text}")
     return ArgumentError(f"{_signature_text(fn)}: expected arrays or Python numbers in "
                          f"every leaf of the arguments")
+
+
+def leaf_types(args: tuple) -> dict[str, str]:
+    """``path -> dtype[shape]`` of every array leaf of the step's arguments."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            out[f"args{jax.tree_util.keystr(path)}"] = f"{x.dtype}{list(np.shape(x))}"
+    return out
+
+
+def type_changes(old: dict[str, str], new: dict[str, str], most: int = 3) -> str:
+    """The leaves whose type changed from ``old`` to ``new`` (the first ``most``)."""
+    diff = [f"{k} {old.get(k, 'absent')} -> {new.get(k, 'absent')}"
+            for k in list(old) + [k for k in new if k not in old] if old.get(k) != new.get(k)]
+    if not diff:
+        return "the same array leaves (another structure or static value)"
+    return "; ".join(diff[:most]) + (f"; and {len(diff) - most} more" if len(diff) > most
+                                     else "")

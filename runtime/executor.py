@@ -43,7 +43,7 @@ import concurrent.futures as cf
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -56,7 +56,7 @@ from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, constrai
 from rhino.runtime import threads
 from rhino.runtime.host_effects import EffectsRunner
 from rhino.runtime.instructions import (Instr, acknowledged_recvs, first_apply, held_sends,
-                                        instructions)
+                                        inputs_in_plan, instructions)
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
                                      Transport, root_cause)
 from rhino.runtime.task_timing import Pending, all_ready, done_now, measured, ready_at
@@ -187,32 +187,11 @@ class StageWorker:
             raise ExecutorError(f"stage {self.stage}: no program {kind}"
                                 f"{'+acc' if with_acc else ''} among its artifacts "
                                 f"{sorted(self._programs)}", stage=self.stage)
-        fn = jax.jit(self._inputs_in_plan(task, task_function(
+        fn = jax.jit(inputs_in_plan(task, self.stage, self.sharding, task_function(
             self.split, task, with_acc, self._constrain, self._finish, quiet)),
             donate_argnums=(1,) if with_acc else ())
         self._programs[key] = fn
         return fn
-
-    def _inputs_in_plan(self, task: Any, fn: Callable) -> Callable:
-        """``fn`` with each value from another stage constrained to its planned layout as
-        the program starts. A value may arrive in its sender's layout (``JaxTransferTransport``
-        with ``defer_relayout``: the reading program changes it); unconstrained, XLA's
-        partitioner carried that layout into the ops reading it, and failed on some (a
-        RET_CHECK on tridiagonal_solve, a CHECK that ended the process on a reduce-window's
-        gradient: ``select_and_gather_add``). Constrained, the change is one reshard at the
-        start and the ops see the plan's layout, as under the local executor."""
-        cross = [k for k, i in enumerate(task.inputs)
-                 if i.source == "task" and i.producer is not None
-                 and i.producer[1] != self.stage]
-        if not cross:
-            return fn
-        where = {k: self.sharding(task.inputs[k].ref) for k in cross}
-
-        def constrained(inputs, acc_in, mb):
-            inputs = [jax.lax.with_sharding_constraint(x, where[k]) if k in where else x
-                      for k, x in enumerate(inputs)]
-            return fn(inputs, acc_in, mb)
-        return constrained
 
     def prologue_program(self, quiet: bool = False) -> Any:
         """The stage's prologue, jitted (None when it computes nothing; ``quiet``: as

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 from rhino.hlo_passes.stage_programs import StepSplit, is_apply
 from rhino.runtime.schedules import Schedule
@@ -140,3 +141,27 @@ def acknowledged_recvs(split: StepSplit, schedule: Schedule, stage: int) -> set[
     for (``held_sends`` of the other stages): the receiver says when it has each."""
     return {(peer, i.key) for peer in range(split.num_stages) if peer != stage
             for i in held_sends(split, schedule, peer) if i.peer == stage}
+
+
+def inputs_in_plan(task: Any, stage: int, sharding: Callable[[int], Any],
+                   fn: Callable) -> Callable:
+    """Task program ``fn`` of stage ``stage`` with each value from another stage
+    constrained to its planned layout (``sharding(ref)``) as the program starts. A value
+    may arrive in its sender's layout (``JaxTransferTransport`` with ``defer_relayout``:
+    the reading program changes it); unconstrained, XLA's partitioner carried that layout
+    into the ops reading it, and failed on some (a RET_CHECK on tridiagonal_solve, a CHECK
+    that ended the process on a reduce-window's gradient: ``select_and_gather_add``).
+    Constrained, the change is one reshard at the start and the ops see the plan's layout,
+    as under the local executor."""
+    import jax
+
+    where = {k: sharding(i.ref) for k, i in enumerate(task.inputs)
+             if i.source == "task" and i.producer is not None and i.producer[1] != stage}
+    if not where:
+        return fn
+
+    def constrained(inputs, acc_in, mb):
+        inputs = [jax.lax.with_sharding_constraint(x, where[k]) if k in where else x
+                  for k, x in enumerate(inputs)]
+        return fn(inputs, acc_in, mb)
+    return constrained

@@ -135,7 +135,8 @@ def test_stage_artifacts_of_steps_with_control_flow_pickle(name):
 def test_a_sample_pipelined_on_ray_equals_jit(c, dtype, ray_cluster):
     """The sample through ``auto_parallel(..., executor="ray")`` on 2x4: each stage's
     programs on Ray actors, judged as the local executor's runs (issue 43, acceptance 5;
-    the whole corpus on Ray and under ``rhino.launch`` is not run yet)."""
+    the whole corpus: ``benchmarks/microbatch_coverage.py --executor ray|launch``, the
+    launch job in ``tests/corpus_job.py``; benchmarks/RESULTS.md has the runs)."""
     v = C.pipelined_verdict(c, dtype, executor="ray", timeout=120.0)
     assert v.ok and v.outcome == "exact", f"{c.name} {dtype}: {v}"
 
