@@ -36,206 +36,29 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import functools
-import os
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from rhino.backends import (backend_figures, cost_model_for_devices, devices_per_host,
-                            figures_for_devices)
-from rhino.cluster import Cluster, check_device_count
-from rhino.distributed import (DistributedError, agree_on_plan, check_cross_process_program,
-                               job_devices, spans_processes)
-from rhino.errors import OptionsError, RhinoError
-from rhino.front_door import (PlanRequest, TracedStep, plan_on_cluster, plan_on_mesh,
-                              positive, runnable_cost, spmd_plan, trace_step)
-from rhino.hlo_passes import HloGraph
-from rhino.hlo_passes.lower import compile_spmd, key_args, lower_spmd, lower_stages
-from rhino.pipeline.api import make_cluster
-from rhino.pipeline.coarsen import classify_ops
-from rhino.pipeline.gradient import BoundaryOptions, check_batch_leaves, find_gradient_boundary
+from rhino.cluster import Cluster
+from rhino.errors import RhinoError
+from rhino.front_door import trace_step
 from rhino.nnx_objects import NnxObjects
 from rhino.parallel_plan import Plan
-from rhino.planner.api import PlanOptions
 from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
-from rhino.planner.spmd_plan import SpmdPlan
-from rhino.planning import argument_lower_bound, fit_compiled_memory
-from rhino.step_arguments import leaf_types, signature, type_changes
 from rhino.progress import Progress, get_logger
-from rhino.runtime import spmd
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
-from rhino.runtime.worker_spec import WorkerSpec
+from rhino.runtime.executor import DEFAULT_TIMEOUT_S
 from rhino.runtime.host_data import has_host_data, materialize
 from rhino.runtime.runs import DirectRun, StagedRun
-from rhino.vocabulary import (REMOVED_TRANSPORTS, ExecutorKind, ScheduleKind, TransportKind,
-                              removed_transport)
-
-REPORT_ENV = "RHINO_REPORT"
-
-
-def report_wanted(flag: bool | None) -> bool:
-    """Print the plan report? ``flag`` if given, else whether ``$RHINO_REPORT`` is set
-    (to anything but ``0``)."""
-    return flag if flag is not None else os.environ.get(REPORT_ENV, "") not in ("", "0")
+from rhino.step_arguments import leaf_types, signature, type_changes
+from rhino.step_builder import StepBuilder, StepEntry
+from rhino.step_options import StepOptions, report_wanted
 
 
-@dataclasses.dataclass(frozen=True)
-class StepOptions:
-    """Options of ``auto_parallel`` (see its docstring), checked when built.
-
-    Raises:
-        OptionsError: a value out of range or of the wrong kind, or options that exclude
-            each other (a mesh and a cluster; a plan and a stage count).
-    """
-
-    devices: tuple | None = None
-    mesh_shape: tuple[int, ...] | None = None
-    mesh: AbstractMesh | None = None
-    cost: CostModel | str | None = None
-    cluster: Cluster | str | None = None
-    opt_level: str = "O2"
-    memory_budget: int | None = None
-    annotations: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    plan: Plan | None = None
-    report: bool | None = None
-    donate: bool = True
-    time_limit: float = 600.0
-    num_microbatches: int | None = None
-    schedule: ScheduleKind | None = None
-    executor: ExecutorKind = ExecutorKind.LOCAL
-    stages: int | Mapping[str, int] | None = None
-    accumulate: Any = None
-    batch_args: tuple[str, ...] | None = None
-    timeout: float = DEFAULT_TIMEOUT_S
-    transport: TransportKind | None = None
-    ray_address: str | None = None
-    ray_actor_options: Mapping[str, Any] | None = None
-    ray_pin_cpus: bool | None = None
-    per_microbatch_statistics: bool = False
-    min_split_flops: float | None = None
-    progress_after_s: float = 2.0
-
-    def __post_init__(self):
-        put = functools.partial(object.__setattr__, self)
-        # What decides the plan is checked (and normalized) by the request both front
-        # doors plan with; the rest here.
-        req = self.request
-        for name in ("time_limit", "memory_budget", "min_split_flops", "num_microbatches",
-                     "schedule", "stages", "annotations", "batch_args"):
-            put(name, getattr(req, name))
-        put("timeout", positive("timeout (seconds)", self.timeout))
-        put("executor", ExecutorKind.parse(self.executor, "executor"))
-        if self.accumulate is not None:
-            raise OptionsError(
-                f"accumulate: expected no value, found {self.accumulate!r}: a pipelined step "
-                f"computes what the step computes on the whole batch (a sum over the batch "
-                f"is summed, a mean is the mean, each value by its own rule), so there is "
-                f"nothing to choose; remove the option")
-        if self.transport is None:
-            put("transport", TransportKind.JAX if self.executor is ExecutorKind.RAY
-                else TransportKind.DEVICE_PUT)
-        if self.transport in REMOVED_TRANSPORTS:
-            fits = [str(t) for t in TransportKind if t.executor is self.executor]
-            raise OptionsError(f"transport: expected one of {fits} with executor "
-                               f"'{self.executor}', found {self.transport!r}"
-                               f"{removed_transport(self.transport)}")
-        put("transport", TransportKind.parse(self.transport, "transport"))
-        for name, value, kind, expected in (
-                ("ray_actor_options", self.ray_actor_options, Mapping,
-                 "a mapping of Ray actor options"),
-                ("ray_pin_cpus", self.ray_pin_cpus, bool, "True, False or None")):
-            if value is None:
-                continue
-            if not isinstance(value, kind):
-                found = type(value).__name__ if kind is Mapping else repr(value)
-                raise OptionsError(f"{name}: expected {expected}, found {found}")
-            if self.executor is not ExecutorKind.RAY:
-                raise OptionsError(f"{name}: only for executor='ray', found executor "
-                                   f"{self.executor}")
-        if self.mesh_shape is not None:
-            put("mesh_shape", tuple(positive("mesh_shape entries", s, int)
-                                    for s in self.mesh_shape))
-        if self.devices is not None:
-            put("devices", tuple(self.devices))
-            if not self.devices:
-                raise OptionsError("devices: expected at least one jax device, found an empty "
-                                   "sequence; leave devices out (None) to use every local "
-                                   "device, or pass e.g. jax.devices()[:4]")
-        if isinstance(self.cluster, str):
-            make_cluster(self.cluster)      # checked now; its figures come with the devices
-        elif self.cluster is not None:
-            put("cluster", make_cluster(self.cluster))
-        self._check_cost()
-        if isinstance(self.plan, SpmdPlan):
-            put("plan", Plan.from_spmd(self.plan, 0.0))
-        elif self.plan is not None and not isinstance(self.plan, Plan):
-            raise OptionsError(f"plan: expected a rhino.Plan (e.g. Plan.from_json(...)), "
-                               f"found {type(self.plan).__name__}")
-        self._check_exclusive()
-
-    @property
-    def request(self) -> PlanRequest:
-        """What decides the plan, as ``rhino.plan`` takes it too (``rhino.front_door``)."""
-        return PlanRequest(opt_level=self.opt_level, time_limit=self.time_limit,
-                           min_split_flops=self.min_split_flops,
-                           memory_budget=self.memory_budget, annotations=self.annotations,
-                           num_microbatches=self.num_microbatches, schedule=self.schedule,
-                           stages=self.stages, batch_args=self.batch_args,
-                           per_microbatch_statistics=self.per_microbatch_statistics)
-
-    def _check_cost(self) -> None:
-        c = self.cost
-        if isinstance(c, str):
-            backend_figures(c)
-        elif isinstance(c, CostModel):
-            if self.cluster is not None:
-                raise OptionsError("auto_parallel: a cost model prices one mesh; a cluster's "
-                                   "stage meshes take the cluster's figures (cost='h100' "
-                                   "names built-in ones, or pass a rhino.Cluster)")
-            if isinstance(self.mesh, AbstractMesh):
-                c.check(self.mesh, "auto_parallel")
-            elif self.mesh_shape is not None and c.ndim != len(self.mesh_shape):
-                raise OptionsError(f"auto_parallel: expected a cost model for the "
-                                   f"{len(self.mesh_shape)} axes of mesh_shape "
-                                   f"{self.mesh_shape}, found one for {c.ndim} axes")
-        elif c is not None:
-            raise OptionsError(f"cost: expected a rhino.CostModel or a backend name such as "
-                               f"'h100', found {type(c).__name__}")
-        if isinstance(self.cluster, Cluster) and isinstance(c, str):
-            raise OptionsError("auto_parallel: a rhino.Cluster carries its figures; found "
-                               f"cost={c!r} too")
-
-    def _check_exclusive(self) -> None:
-        if self.cluster is not None and (self.mesh is not None or self.mesh_shape is not None):
-            raise OptionsError("auto_parallel: expected a mesh (mesh_shape=/mesh=) or a "
-                               "cluster, found both; a cluster's stage meshes are searched")
-        if self.plan is not None and self.stages is not None:
-            raise OptionsError("auto_parallel: a plan fixes its stages; pass plan= or "
-                               "stages=, not both")
-        if self.transport.executor is not self.executor:
-            fits = [str(t) for t in TransportKind if t.executor is self.executor]
-            raise OptionsError(f"transport: expected one of {fits} with executor "
-                               f"'{self.executor}', found '{self.transport}' (a transport "
-                               f"of the {self.transport.executor} executor)")
-
-
-@dataclasses.dataclass
-class _Entry:
-    """A compiled signature: its plan, graph and run."""
-
-    plan: Plan
-    graph: HloGraph
-    out_tree: Any
-    run: DirectRun | StagedRun
-
-    def report(self) -> str:
-        return "\n".join([self.plan.report(), *self.run.report_lines()])
 
 
 # ------------------------------------------------------------------------------ the step
@@ -259,9 +82,9 @@ class ParallelStep:
     def __init__(self, fn: Callable, options: StepOptions):
         self.fn = fn
         self.options = options
-        self._cache: dict[Any, _Entry] = {}
+        self._cache: dict[Any, StepEntry] = {}
         self.plans_built = 0
-        self._last: _Entry | None = None
+        self._last: StepEntry | None = None
         self._direct: Any = None      # the last signature's executable, when it is direct
         # Name, docstring and __wrapped__ only: the wrapped object's own attributes (an
         # eqx.filter_jit wrapper has `fn`) must not replace this step's.
@@ -441,12 +264,12 @@ class ParallelStep:
     # ----------------------------------------------------------------- build
     _last_types: dict[str, str] = {}   # the last planned signature's leaves (leaf_types)
 
-    def _entry_of(self, args: tuple) -> _Entry:
+    def _entry_of(self, args: tuple) -> StepEntry:
         """The entry of the arguments as the user passes them (NNX objects or not)."""
         objects = NnxObjects.of(args)
         return self._entry(args) if objects is None else self._entry(objects.args, objects)
 
-    def _entry(self, args: tuple, objects: NnxObjects | None = None) -> _Entry:
+    def _entry(self, args: tuple, objects: NnxObjects | None = None) -> StepEntry:
         key = signature(self.fn, args)
         if objects is not None:
             key = (key, objects.static)
@@ -465,224 +288,18 @@ class ParallelStep:
             self.plans_built += 1
         return entry
 
-    def _build(self, args: tuple, fn: Callable) -> _Entry:
+    def _build(self, args: tuple, fn: Callable) -> StepEntry:
         o = self.options
         name = getattr(self.fn, "__name__", "step")
         progress = Progress(f"auto_parallel({name})", o.progress_after_s)
         try:
             step = trace_step(fn, args, progress)
-            entry = _Builder(step, o, progress).build()
+            entry = StepBuilder(step, o, progress).build()
         finally:
             progress.close()
         if report_wanted(o.report):
             print(entry.report(), file=sys.stderr)
         return entry
-
-
-class _Builder:
-    """Plans (unless a plan is given), lowers and starts the run of one signature."""
-
-    def __init__(self, step: TracedStep, options: StepOptions, progress: Progress):
-        self.step, self.o, self.progress = step, options, progress
-        self.fn, self.traced, self.graph, self.abstract = (step.fn, step.traced, step.graph,
-                                                           step.abstract)
-        if options.devices is not None:
-            self.devices = list(options.devices)
-        else:     # a multi-controller job: every device of the job, host-major
-            self.devices = job_devices() if jax.process_count() > 1 else jax.devices()
-        self.multi = spans_processes(self.devices)
-
-    def build(self) -> _Entry:
-        """The entry; in a multi-controller job, once every process has made the same plan
-        (``rhino.distributed.agree_on_plan``, before anything runs)."""
-        entry = self._build()
-        if self.multi:
-            name = getattr(self.fn, "__name__", "step")
-            if entry.plan.num_stages == 1:
-                check_cross_process_program(f"auto_parallel({name})'s SPMD plan")
-            digest = agree_on_plan(entry.plan.to_json(search_times=False),
-                                   f"auto_parallel({name})", self.o.timeout)
-            self.progress(f"the {jax.process_count()} processes of the job made the same "
-                          f"plan (sha256 {digest[:16]})")
-        return entry
-
-    def _check_devices(self, what: str, need: int) -> None:
-        """Refuse, before any planning, a mesh or cluster of more devices than the local
-        executor has (``what``: the option as the user wrote it)."""
-        if self.o.executor is ExecutorKind.LOCAL:
-            check_device_count(what, need, self.devices)
-
-    def _build(self) -> _Entry:
-        o = self.o
-        if o.plan is None and o.cluster is not None:
-            self._check_devices(f"cluster={o.cluster!r}" if isinstance(o.cluster, str)
-                                else f"cluster {o.cluster}", self._cluster().num_devices)
-        elif o.plan is None and (o.mesh is not None or o.mesh_shape is not None):
-            shape = tuple(o.mesh.shape) if o.mesh is not None else tuple(o.mesh_shape)
-            what = f"mesh={o.mesh!r}" if o.mesh is not None else f"mesh_shape={shape}"
-            self._check_devices(what, math.prod(shape))
-        if o.plan is not None:
-            plan = o.plan
-            # Run options given explicitly replace the saved plan's.
-            if o.num_microbatches is not None and plan.num_stages > 1:
-                plan = dataclasses.replace(plan, num_microbatches=o.num_microbatches)
-            if o.schedule is not None:
-                plan = dataclasses.replace(plan, schedule=o.schedule)
-        elif o.cluster is None:
-            return self._spmd_on_mesh()
-        else:
-            request = o.request
-            if self.multi and request.stage_count is None:
-                # Unless stages are asked for: SPMD candidates only (a pipelined plan's
-                # stages must each be on one process's devices, which the search does not
-                # weigh yet).
-                request = dataclasses.replace(request, stages=1)
-            self.progress("planning over the cluster")
-            plan = plan_on_cluster(self.step, request, self._cluster(), self.progress)
-            self.progress.always(plan.choice_line())
-        if plan.num_stages == 1 and o.executor is ExecutorKind.LOCAL:
-            return self._entry(plan, self._direct(plan))
-        return self._entry(plan, self._staged(plan))
-
-    def _entry(self, plan: Plan, run: DirectRun | StagedRun) -> _Entry:
-        return _Entry(plan, self.graph, self.traced.out_tree, run)
-
-    # -------------------------------------------------------------- planning
-    def _cost_for(self, mesh: AbstractMesh) -> CostModel:
-        """The cost model of ``mesh``: ``cost=``'s, or the figures of the devices the mesh
-        runs on (its first ``N`` devices), as the lowering runs it (``runnable_cost``)."""
-        o = self.o
-        on = self.devices[:mesh.num_devices]
-        if isinstance(o.cost, CostModel):
-            cost = o.cost
-        elif isinstance(o.cost, str):
-            cost = backend_figures(o.cost).cost_model(mesh, devices_per_host(on))
-        else:
-            cost = cost_model_for_devices(on, mesh)
-        cost.check(mesh, "auto_parallel")
-        return runnable_cost(cost)
-
-    def _cluster(self) -> Cluster:
-        """The cluster: as given, or parsed with ``cost=``'s figures or the devices'."""
-        o = self.o
-        if isinstance(o.cluster, Cluster):
-            return o.cluster
-        figures = (backend_figures(o.cost) if isinstance(o.cost, str)
-                   else figures_for_devices(self.devices))
-        return make_cluster(o.cluster, figures)
-
-    def _spmd_on_mesh(self) -> _Entry:
-        o, graph = self.o, self.graph
-        given = o.mesh if o.mesh is not None else (
-            AbstractMesh(o.mesh_shape) if o.mesh_shape is not None else None)
-        hosts = len({d.process_index for d in self.devices}) if self.multi else None
-        mesh, cost, options, why = plan_on_mesh(graph, o.request, given, len(self.devices),
-                                                self._cost_for, self.progress, hosts)
-
-        def make_plan(opts: PlanOptions) -> Plan:
-            return spmd_plan(graph, mesh, cost, opts, why, self.progress)
-
-        if o.executor is not ExecutorKind.LOCAL:
-            if o.memory_budget is not None:
-                raise OptionsError("memory_budget: checked on the compiled SPMD program, "
-                                   "which the local executor runs; found executor "
-                                   f"{o.executor}")
-            plan = make_plan(options)
-            return self._entry(plan, self._staged(plan))
-        if o.memory_budget is None:
-            plan = make_plan(options)
-            return self._entry(plan, self._direct(plan))
-        fit = fit_compiled_memory(lambda opts: make_plan(opts).spmd,
-                                  lambda sp: (sp, self._direct(Plan.from_spmd(
-                                      sp, graph.total_flops))),
-                                  lambda got: got[1].memory, options, o.memory_budget,
-                                  self.progress, argument_lower_bound(graph, mesh))
-        spmd_plan_, run = fit.compiled
-        run.budget, run.pressure = fit.budget, fit.pressure
-        plan = Plan.from_spmd(spmd_plan_, graph.total_flops)
-        return self._entry(dataclasses.replace(plan, decision=why) if why else plan, run)
-
-    # -------------------------------------------------------------- runs
-    def _direct(self, plan: Plan) -> DirectRun:
-        self.progress("compiling the SPMD program")
-        st = plan.stages[0]
-        devices = self._stage_devices(plan, st.devices)
-        lowered = lower_spmd(self.traced, self.graph, plan.spmd, devices, self.abstract,
-                             self.o.donate)
-        compiled = compile_spmd(lowered, self.graph, self.abstract)
-        return DirectRun(lowered, compiled, spmd.compiled_memory(compiled),
-                         multi_process=self.multi)
-
-    def _stage_devices(self, plan: Plan, ids: Sequence[int]) -> list:
-        need = max(ids) + 1
-        if len(self.devices) < need:
-            raise RhinoError(f"plan for {plan.cluster} ({plan.cluster.num_devices} devices): "
-                             f"expected {need} local devices, found {len(self.devices)}; on "
-                             f"CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
-                             f"{need} before importing jax")
-        return [self.devices[d] for d in ids]
-
-    def _refuse_staged(self, what: str) -> None:
-        raise DistributedError(
-            f"auto_parallel in a multi-controller job ({jax.process_count()} processes): "
-            f"expected executor='local' (each process runs its own stages, or its shards "
-            f"of one SPMD program), found {what}")
-
-    def _staged(self, plan: Plan) -> StagedRun:
-        o, graph = self.o, self.graph
-        if self.multi and (plan.num_stages == 1 or o.executor is not ExecutorKind.LOCAL):
-            self._refuse_staged(f"executor='{o.executor}'")
-        self.progress("splitting the step into stage programs")
-        boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
-        check_batch_leaves(graph, boundary, plan.num_microbatches, key_args(self.traced))
-        roles = classify_ops(graph, boundary).role
-        lowering = lower_stages(self.traced, graph, plan, self.abstract, roles,
-                                boundary.batch_params, o.per_microbatch_statistics)
-        specs = [WorkerSpec(self.fn, lowering.abstract, lowering.assignment,
-                            lowering.batch_refs, plan.num_stages, plan.num_microbatches,
-                            plan.schedule.value, st.index, tuple(st.mesh.shape),
-                            tuple(st.mesh.axis_names), lowering.shardings[st.index],
-                            key_refs=lowering.key_refs,
-                            per_microbatch_statistics=o.per_microbatch_statistics)
-                 for st in plan.stages]
-        if o.executor is ExecutorKind.RAY:
-            from rhino.runtime.artifacts import export_stages
-            from rhino.runtime.ray_executor import RayExecutor, actor_platform
-
-            platform = actor_platform(o.ray_actor_options)
-            self.progress(f"exporting the stage programs for the actors ({platform})")
-            specs_out = export_stages(specs, lowering.split, platform, with_code=True)
-            self.progress(f"starting {plan.num_stages} stage(s) on Ray actors, which compile "
-                          f"their stage programs with one step on zeros")
-            executor = RayExecutor(specs_out, plan.cluster, timeout=o.timeout,
-                                   address=o.ray_address, actor_options=o.ray_actor_options,
-                                   host_ids=[st.hosts for st in plan.stages],
-                                   transport=o.transport.value, pin_cpus=o.ray_pin_cpus)
-        elif self.multi:   # this process's stages; JAX's transfers to the others
-            from rhino.runtime.multicontroller import ProcessStages
-
-            executor = ProcessStages(specs, lowering.split,
-                                     [self._stage_devices(plan, st.devices)
-                                      for st in plan.stages], o.timeout)
-        else:
-            workers = [spec.build(self._stage_devices(plan, st.devices), lowering.split)
-                       for spec, st in zip(specs, plan.stages)]
-            transport = None
-            if o.transport is not TransportKind.DEVICE_PUT:
-                from rhino.runtime.cross_mesh import CrossMeshTransport
-
-                transport = CrossMeshTransport(lambda dst, ref: workers[dst].sharding(ref),
-                                               len(workers), plan.cluster.devices_per_host,
-                                               strategy=o.transport.value)
-            executor = LocalExecutor(workers, o.timeout, transport)
-        run = StagedRun(lowering, specs, executor, plan.schedule,
-                        out_avals=self.traced.closed.out_avals)
-        try:
-            run.warm_up(self.progress.always)
-        except BaseException:
-            run.close()
-            raise
-        return run
 
 
 def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None,

@@ -215,7 +215,7 @@ def pipeline(steps=3):
     from rhino.hlo_passes.lower import key_args, lower_stages
     from rhino.models import get_model
     from rhino.parallel_plan import Plan
-    from rhino.parallel_step import _Builder
+    from rhino.step_builder import StepBuilder
     from rhino.pipeline.coarsen import classify_ops
     from rhino.pipeline.gradient import BoundaryOptions, check_batch_leaves, \
         find_gradient_boundary
@@ -232,7 +232,7 @@ def pipeline(steps=3):
     o = ps.options
     progress = Progress("test", 1e9)
     traced = trace_step(ps.fn, (params, opt, batches[0]), progress)
-    b = _Builder(traced, o, progress)
+    b = StepBuilder(traced, o, progress)
     if PID == 0:   # one plan for both processes
         plan = plan_on_cluster(traced, o.request, b._cluster(), progress)
         kv.key_value_set("rhino-test/plan", plan.to_json())

@@ -255,7 +255,7 @@ def test_sizes_are_checked_against_the_devices_before_planning(options, written,
     """Issue 48, item 5: a mesh or cluster larger than the devices is refused before any
     planning (before: after planning, as 'plan for 1x12' for a (3, 4) mesh), naming the
     option as written; on CPU the advice is the simulated-device flag, elsewhere it is not."""
-    import rhino.parallel_step as parallel_step
+    import rhino.step_builder as parallel_step
 
     planned = []
     for name in ("plan_on_cluster", "plan_on_mesh"):

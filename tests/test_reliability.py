@@ -410,7 +410,7 @@ def test_a_budget_below_the_lower_bound_is_refused_before_any_round(monkeypatch)
         rhino.plan(m.step, *m.example_args(), mesh_shape=(2,), memory_budget=1024)
     assert len(solves) == 1   # the time-optimal plan only: no forcing rounds
 
-    from rhino import parallel_step
+    from rhino import step_builder as parallel_step
     compiled = []
     monkeypatch.setattr(parallel_step, "compile_spmd", lambda *a: compiled.append(1))
     step = rhino.auto_parallel(m.step, mesh_shape=(2,), memory_budget=1024)
