@@ -37,10 +37,8 @@ def measure(remat: bool, a) -> list[dict]:
                                timeout=300)
     try:
         step(*args)
-        plan = step.plan_for(*args)
-        workers = step._entry(args).run.executor.workers
-        return [dict(remat=remat, stage=st.index, estimate=dataclasses.asdict(st.memory),
-                     compiled=w.memory()) for st, w in zip(plan.stages, workers)]
+        return [dict(s, remat=remat, estimate=dataclasses.asdict(s["estimate"]))
+                for s in step.stage_memory_for(*args)]
     finally:
         step.close()
 

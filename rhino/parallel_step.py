@@ -57,6 +57,7 @@ from rhino.runtime.runs import DirectRun, StagedRun
 from rhino.step_arguments import leaf_types, signature, type_changes
 from rhino.step_builder import StepBuilder, StepEntry
 from rhino.step_options import StepOptions, report_wanted
+from rhino.vocabulary import ExecutorKind
 
 
 
@@ -140,6 +141,24 @@ class ParallelStep:
         stage programs."""
         run = self._entry_of(args).run
         return run.memory if isinstance(run, DirectRun) else None
+
+    def stage_memory_for(self, *args: Any) -> list[dict] | None:
+        """Per stage of a pipelined step, the planner's memory estimate beside what the
+        stage's compiled programs hold: ``[{"stage": i, "estimate": StageMemory,
+        "compiled": dict | None}]`` (bytes per device; ``compiled`` is
+        ``StageWorker.memory()``: state, accumulators, handed, in_flight, temp, peak).
+        Compiled figures are read from the programs a step has run, on the local
+        executor, whose stage workers are in this process (None elsewhere: call the step
+        once first). None for a step run as one SPMD program."""
+        entry = self._entry_of(args)
+        if entry.plan.num_stages == 1:
+            return None
+        workers = getattr(entry.run.executor, "workers", None) \
+            if self.options.executor is ExecutorKind.LOCAL and jax.process_count() == 1 \
+            else None
+        return [dict(stage=st.index, estimate=st.memory,
+                     compiled=workers[i].memory() if workers is not None else None)
+                for i, st in enumerate(entry.plan.stages)]
 
     def compiled_text(self, *args: Any) -> str:
         """The compiled, partitioned HLO of a directly run SPMD program."""

@@ -28,9 +28,7 @@ def _stages(remat: bool):
                                timeout=300)
     try:
         step(*args)
-        plan = step.plan_for(*args)
-        workers = step._entry(args).run.executor.workers
-        return [(st.memory, w.memory()) for st, w in zip(plan.stages, workers)]
+        return [(s["estimate"], s["compiled"]) for s in step.stage_memory_for(*args)]
     finally:
         step.close()
 
@@ -64,3 +62,14 @@ def test_recomputation_lowers_the_estimate_where_microbatches_are_in_flight(stag
     assert checked.total < plain.total
     assert (plain.total - checked.total) == pytest.approx(
         plain_got["peak"] - checked_got["peak"], rel=0.5, abs=MiB)
+
+
+def test_a_step_run_as_one_spmd_program_has_no_stage_memory():
+    import jax.numpy as jnp
+
+    step = rhino.auto_parallel(lambda w, x: (w - 0.1 * x.T @ (x @ w), jnp.sum(x @ w)),
+                               mesh_shape=(2,))
+    w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
+    step(w, x)
+    assert step.stage_memory_for(w, x) is None
+    assert step.memory_for(w, x) is not None
