@@ -159,6 +159,10 @@ class HloGraph:
         origin: what was ingested: ``"jax"``, ``"hlo"`` or ``"mlir"``, plus a path for files.
         arg_names: the function's top-level argument names in order, those without any
             array leaf too (an empty optimizer state); empty for files.
+        aliases: (output position, parameter position) pairs of a dump whose results reuse
+            donated arguments' buffers (its ``input_output_alias``): the updates of the
+            state arguments, where a file has no pytree paths to pair them by; empty for
+            functions, whose paths pair them (``rhino.planner.build.carried_pairs``).
     """
 
     name: str
@@ -169,6 +173,7 @@ class HloGraph:
     opaque: list[int]
     origin: str
     arg_names: tuple[str, ...] = ()
+    aliases: tuple[tuple[int, int], ...] = ()
     _users: list[list[int]] | None = dataclasses.field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -255,3 +260,6 @@ class HloGraph:
             require(0 <= o < n, f"opaque #{o} out of range")
         require(len(self.output_info) == len(self.outputs),
                 f"{len(self.output_info)} output infos for {len(self.outputs)} outputs")
+        for k, p in self.aliases:
+            require(0 <= k < len(self.outputs) and 0 <= p < len(self.params),
+                    f"alias (output {k}, parameter {p}) out of range")

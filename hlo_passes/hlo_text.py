@@ -144,6 +144,9 @@ class RawModule:
     entry_layout: tuple[list[Shape], Shape] | None = None
     header_line: int = 1
     frame_parents: dict[int, int] = dataclasses.field(default_factory=dict)  # id -> caller
+    # The header's input_output_alias: result index -> the parameter number whose buffer it
+    # reuses (top-level results aliasing whole parameters: a donated argument's update).
+    aliases: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def entry(self) -> RawComputation:
@@ -552,6 +555,7 @@ class _Reader:
         self.path = path
         self.module_name: str | None = None
         self.entry_layout: tuple[list[Shape], Shape] | None = None
+        self.aliases: dict[int, int] = {}
         self.header_line = 1
         self.comps: dict[str, RawComputation] = {}
         self.entry_name: str | None = None
@@ -640,6 +644,8 @@ class _Reader:
                     raise HloParseError(self.path, lineno, "entry_computation_layout={(...)->...}",
                                         v)
                 self.entry_layout = _parse_signature(v[1:-1], self.path, lineno, False)
+            elif k.strip() == "input_output_alias":
+                self.aliases = _parse_aliases(v, self.path, lineno)
 
     def _section_line(self, s: str, lineno: int) -> None:
         num, _, rest = s.partition(" ")
@@ -677,7 +683,36 @@ class _Reader:
             raise HloParseError(path, None, "an 'ENTRY' computation", "none")
         return RawModule(self.module_name, self.comps, self.entry_name, path, self.file_names,
                          self.file_locs, self.frames, self.entry_layout, self.header_line,
-                         frame_parents(self.parents))
+                         frame_parents(self.parents), self.aliases)
+
+
+_ALIAS_RE = re.compile(r"\{\s*([\d,\s]*)\}\s*:\s*\(\s*(\d+)\s*,\s*\{\s*([\d,\s]*)\}"
+                       r"\s*(?:,\s*[\w-]+\s*)?\)")
+
+
+def _parse_aliases(text: str, path: str, lineno: int) -> dict[int, int]:
+    """``input_output_alias={ {0}: (0, {}, may-alias), {1}: (2, {}, must-alias) }`` as
+    {result index: parameter number}, for results and parameters aliased whole (a tuple
+    element inside a result or a parameter is not a step's argument or result: skipped).
+
+    >>> _parse_aliases("{ {0}: (0, {}, may-alias), {2}: (1, {}, may-alias), {1, 0}: (3, {}) }",
+    ...                "<s>", 1)
+    {0: 0, 2: 1}
+    """
+    body = text.strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        raise HloParseError(path, lineno, "input_output_alias={ {i}: (p, {}, kind), ... }",
+                            text)
+    entries = _ALIAS_RE.findall(body[1:-1])
+    if body[1:-1].strip() and not entries:
+        raise HloParseError(path, lineno, "input_output_alias entries '{i}: (p, {}, kind)'",
+                            text)
+    out: dict[int, int] = {}
+    for result, param, inner in entries:
+        result_index = [x for x in result.replace(" ", "").split(",") if x]
+        if len(result_index) == 1 and not inner.strip():
+            out[int(result_index[0])] = int(param)
+    return out
 
 
 def parse_hlo_text(text: str, path: str = "<string>") -> RawModule:

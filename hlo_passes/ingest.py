@@ -237,7 +237,8 @@ def _trip_count(cond: RawComputation | None, attrs: dict[str, Any]) -> int | Non
 
 
 def _finish(builder: _Builder, root: int, name: str, origin: str,
-            arg_infos: list[ArgInfo] | None, out_paths: list[str] | None) -> HloGraph:
+            arg_infos: list[ArgInfo] | None, out_paths: list[str] | None,
+            aliases: dict[int, int] | None = None) -> HloGraph:
     ops = builder.ops
     root_op = ops[root]
     outputs = list(root_op.operands) if root_op.opcode == "tuple" else [root]
@@ -269,20 +270,28 @@ def _finish(builder: _Builder, root: int, name: str, origin: str,
         p.opcode = "after-all"
         p.attrs.pop("parameter_number", None)
     params = [p for p in params if p.opcode == "parameter"]
+    # A dump's input_output_alias, renumbered as the token argument and result go.
+    param_at = {p.attrs["parameter_number"]: k for k, p in enumerate(params)}
+    result_at = {j: k for k, j in enumerate(
+        j for j, o in enumerate(outputs) if not _is_token(kept[remap[o]].shape))}
+    aliases = tuple((result_at[r], param_at[p]) for r, p in sorted((aliases or {}).items())
+                    if r in result_at and p in param_at)
     outputs = [o for o in outputs if not _is_token(kept[remap[o]].shape)]
     for k, p in enumerate(params):
         p.attrs["parameter_number"] = k
+    donated = {p for _, p in aliases}
     for k, p in enumerate(params):
         if arg_infos is not None and k < len(arg_infos):
             p.arg = arg_infos[k]
-        else:
-            p.arg = ArgInfo(k, p.op_name or p.name, False)
+        else:   # a dump: the argument's path as JAX wrote it in op_name, quotes unescaped
+            p.arg = ArgInfo(k, (p.op_name or p.name).replace("\\'", "'"), k in donated)
     outputs = [remap[o] for o in outputs]
     if out_paths is None or len(out_paths) != len(outputs):
         out_paths = [f"out[{k}]" for k in range(len(outputs))]
     g = HloGraph(name=name, ops=kept, params=[p.id for p in params], outputs=outputs,
                  output_info=[ArgInfo(k, pth) for k, pth in enumerate(out_paths)],
-                 opaque=[op.id for op in kept if op.opcode in _OPAQUE], origin=origin)
+                 opaque=[op.id for op in kept if op.opcode in _OPAQUE], origin=origin,
+                 aliases=aliases)
     return g
 
 
@@ -302,7 +311,8 @@ def graph_from_hlo_text(text: str, path: str = "<string>", origin: str = "hlo",
     validate_module(module)
     b = _Builder(module)
     root = b.emit(module.entry, None)
-    g = _finish(b, root, module.name, origin, arg_infos, out_paths)
+    g = _finish(b, root, module.name, origin, arg_infos, out_paths,
+                module.aliases if arg_infos is None else None)
     g.check()
     return g
 

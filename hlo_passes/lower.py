@@ -463,7 +463,8 @@ def refuse_couplings(layout: MicrobatchLayout, m: int,
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     first = found[0]
     if first.estimable:
-        fix = ("Pass per_microbatch_statistics=True to let each microbatch use its own "
+        fix = ("Pass per_microbatch_statistics=True (rhino plan: "
+               "--per-microbatch-statistics) to let each microbatch use its own "
                "statistics (as gradient accumulation does), or run the step as one SPMD "
                "stage (mesh_shape=..., or stages=1)")
     elif first.on_callback:

@@ -25,10 +25,13 @@ DEFAULT_MICROBATCHES = 4   # rhino.front_door.DEFAULT_MICROBATCHES (not imported
 DESCRIPTION = """\
 rhino: plan and run a one-device JAX training step over many devices.
 
-PATH_OR_MODEL is an .hlo (XLA's HLO text) or .mlir (StableHLO) file, or a zoo model
+PATH_OR_MODEL is an .hlo (XLA's HLO text) or .mlir (StableHLO) file, a zoo model
 written NAME or NAME:key=value,... (e.g. gpt:layers=4,hidden=256 or
-gpt:preset=GPT-Medium,layers=4); `rhino inspect --models` lists the models, their
-options and presets."""
+gpt:preset=GPT-Medium,layers=4; `rhino inspect --models` lists the models, their
+options and presets), or your own step as SCRIPT.py:FUNCTION, its example arguments
+from the script's example_args() (SCRIPT.py:FUNCTION:OTHER names another function).
+A plan saved as JSON (--output, Plan.to_json()) is printed by `rhino plan PLAN.json`
+and `rhino inspect PLAN.json`."""
 
 DEMO_MODEL = "gpt:layers=4,hidden=256,heads=8,seq=64"
 
@@ -37,7 +40,9 @@ examples:
   rhino inspect gpt:layers=4,hidden=256
   rhino plan gpt:layers=4,hidden=256 --mesh 2,4
   rhino plan gpt:layers=4,hidden=256 --mesh 2,8 --backend h100
-  rhino plan gpt:layers=4,hidden=256 --cluster 2x4 --json > plan.json
+  rhino plan gpt:layers=4,hidden=256 --cluster 2x4 --output plan.json
+  rhino plan plan.json --all
+  rhino plan train.py:train_step --cluster 2x4
   rhino demo
   rhino demo --cluster 2x4 --stages 2
 
@@ -87,8 +92,82 @@ def accelerator_batch(spec: str, backend: str | None) -> tuple[str, str | None]:
                  f"ms; give batch= to choose)")
 
 
+_SCRIPT = re.compile(r"^(?P<path>.+\.py):(?P<fn>[A-Za-z_]\w*)(?::(?P<args>[A-Za-z_]\w*))?$")
+EXAMPLE_ARGS = "example_args"
+
+
+def load_script_step(spec: str) -> tuple[Any, tuple] | None:
+    """``SCRIPT.py:FUNCTION[:ARGS]`` -> (the step function, its example arguments), the
+    arguments from the script's ``ARGS`` (default ``example_args``): a function returning
+    them as a tuple, or the tuple itself. The script is imported as a module (its ``if
+    __name__ == "__main__"`` part does not run), its folder first on ``sys.path`` while it
+    loads. None for a spec of another form.
+
+    Raises:
+        RhinoError: no such script, or it lacks the function or the arguments.
+    """
+    m = _SCRIPT.match(spec)
+    if m is None:
+        return None
+    import importlib.util
+
+    path = os.path.abspath(m["path"])
+    if not os.path.isfile(path):
+        raise RhinoError(f"{spec!r}: expected SCRIPT.py:FUNCTION with an existing script, "
+                         f"found no file {m['path']!r}")
+    name = "rhino_script_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    loader = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        loader.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.dirname(path))
+    found = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+             and getattr(v, "__module__", None) == name]
+    step = getattr(module, m["fn"], None)
+    if not callable(step):
+        raise RhinoError(f"{spec!r}: expected a function {m['fn']!r} in {m['path']}, found "
+                         f"{'not a function' if step is not None else 'none'} (its "
+                         f"functions: {', '.join(found) or 'none'})")
+    what = m["args"] or EXAMPLE_ARGS
+    given = getattr(module, what, None)
+    if given is None:
+        raise RhinoError(f"{spec!r}: expected {m['path']} to define {what}() returning "
+                         f"{m['fn']}'s example arguments as a tuple (or name another "
+                         f"function: {m['path']}:{m['fn']}:OTHER), found none")
+    args = given() if callable(given) else given
+    if not isinstance(args, (tuple, list)):
+        raise RhinoError(f"{spec!r}: expected {what} to give a tuple of {m['fn']}'s "
+                         f"arguments, found {type(args).__name__}")
+    return step, tuple(args)
+
+
+def saved_plan(spec: str):
+    """The ``Plan`` saved in a ``.json`` file (``--output``, ``Plan.to_json()``); None for
+    another source.
+
+    Raises:
+        RhinoError: a ``.json`` file that is not a saved plan.
+    """
+    if not (spec.endswith(".json") and os.path.isfile(spec)):
+        return None
+    from rhino.parallel_plan import Plan
+
+    try:
+        with open(spec, encoding="utf-8") as f:
+            return Plan.from_json(f.read())
+    except (RhinoError, ValueError, KeyError, TypeError) as e:
+        raise RhinoError(f"{spec}: expected a plan saved as JSON (rhino plan --output, "
+                         f"Plan.to_json()), found {type(e).__name__}: {e}") from None
+
+
 def resolve_source(spec: str) -> tuple[Any, tuple]:
-    """A file path -> (path, ()); a zoo spec -> (step function, example args)."""
+    """A file path -> (path, ()); a zoo spec or ``SCRIPT.py:FUNCTION`` -> (step function,
+    example args)."""
+    script = load_script_step(spec)
+    if script is not None:
+        return script
     if os.path.exists(spec):
         return spec, ()
     from rhino.models import MODEL_NAMES, parse_model_spec
@@ -113,6 +192,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     if not args.source:
         raise RhinoError("inspect needs PATH_OR_MODEL (a .hlo/.mlir file or NAME:key=value,...)")
+    saved = saved_plan(args.source)
+    if saved is not None:
+        print(saved.to_json(indent=1) if args.json else saved.report(full=True))
+        return 0
     source, example = resolve_source(args.source)
     rep = inspect_source(source, *example, top=args.top)
     if args.dot:
@@ -217,7 +300,8 @@ _SPMD_ONLY = {"plan": (("--mesh", (8,)), ("--alpha", None), ("--beta", None),
 _CLUSTER_ONLY = {"plan": (("--microbatches", DEFAULT_MICROBATCHES), ("--epsilon", 0.1),
                           ("--max-stages", None),
                           ("--alpha-intra", None), ("--beta-intra", None),
-                          ("--alpha-inter", None), ("--beta-inter", None)),
+                          ("--alpha-inter", None), ("--beta-inter", None),
+                          ("--per-microbatch-statistics", False)),
                  "demo": (("--stages", None), ("--microbatches", DEFAULT_MICROBATCHES),
                           ("--schedule", "1f1b"))}
 
@@ -265,9 +349,24 @@ def _progress(args: argparse.Namespace):
     return info
 
 
+# What plans a step: refused beside a saved plan, which is printed as it was saved.
+_PLANNING = ("mesh", "alpha", "beta", "flops", "backend", "opt_level", "memory_budget",
+             "time_limit", "min_split_flops", "cluster", "microbatches", "epsilon",
+             "max_stages", "alpha_intra", "beta_intra", "alpha_inter", "beta_inter",
+             "per_microbatch_statistics")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     import rhino
 
+    saved = saved_plan(args.source)
+    if saved is not None:
+        given = ["--" + k.replace("_", "-") for k in _PLANNING if getattr(args, k) is not None]
+        if given:
+            raise RhinoError(f"{', '.join(given)}: options for planning a step; found a saved "
+                             f"plan, {args.source}, which is printed as saved (plan the step "
+                             f"again to change them)")
+        return _emit_plan(saved, args)
     _mode_options(args, "plan")
     source, example = _source_for(args)
     progress = _progress(args)
@@ -281,7 +380,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             p = rhino.plan(source, *example, cluster=cluster,
                            num_microbatches=args.microbatches, epsilon=args.epsilon,
                            max_stages=args.max_stages, memory_budget=args.memory_budget,
-                           progress=progress)
+                           progress=progress,
+                           per_microbatch_statistics=args.per_microbatch_statistics)
             progress(p.choice_line())
         else:
             p = rhino.plan(source, *example, mesh_shape=args.mesh, opt_level=args.opt_level,
@@ -414,7 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     pi = command("inspect", help="ingest and analyse a program; print its structure")
-    pi.add_argument("source", nargs="?", help="a .hlo/.mlir file or a zoo model NAME:k=v,...")
+    pi.add_argument("source", nargs="?", help="a .hlo/.mlir file, a zoo model NAME:k=v,..., "
+                    "your step as SCRIPT.py:FUNCTION, or a saved plan PLAN.json")
     pi.add_argument("--json", action="store_true", help="print one JSON object")
     pi.add_argument("--dot", metavar="FILE", type=output_file,
                     help="write the coarsened graph for Graphviz")
@@ -424,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     pi.set_defaults(func=_cmd_inspect)
     pp = command("plan", help="find a plan (SPMD for --mesh; SPMD, pipeline or "
                  "hybrid for --cluster) and print its report")
-    pp.add_argument("source", help="a .hlo/.mlir file or a zoo model NAME:k=v,...")
+    pp.add_argument("source", help="a .hlo/.mlir file, a zoo model NAME:k=v,..., your step "
+                    "as SCRIPT.py:FUNCTION, or a saved plan PLAN.json (printed)")
     pp.add_argument("--mesh", type=mesh_shape,
                     help="mesh shape, e.g. 8 or 2,4 (default: 8)")
     pp.add_argument("--alpha", help="latency per mesh axis in seconds, e.g. 1e-5,1e-5")
@@ -455,6 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--epsilon", type=float,
                     help="stage imbalance tolerance (with --cluster, default: 0.1)")
     pp.add_argument("--max-stages", type=positive_int, help="the most pipeline stages")
+    pp.add_argument("--per-microbatch-statistics", action="store_const", const=True,
+                    help="with --cluster: let each microbatch use its own statistics of the "
+                    "batch (batch norm), as auto_parallel(per_microbatch_statistics=True); "
+                    "by default a step whose gradients need the whole batch is not pipelined")
     for where in ("intra", "inter"):
         pp.add_argument(f"--alpha-{where}", type=float,
                         help=f"link latency {where}-host in seconds (with --cluster)")
@@ -523,7 +629,9 @@ def one_line(message: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status: 0 done, 1 the demo's results differ
     or rhino failed unexpectedly, 2 a mistake in the command or its input (one line on
-    stderr; ``--debug`` prints the traceback instead), 130 interrupted."""
+    stderr; ``--debug`` prints the traceback instead), 130 interrupted, 141 the reader of
+    its output stopped reading (``rhino plan ... | head``: nothing more is printed, as a
+    Unix tool ended by SIGPIPE)."""
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     try:
         args = build_parser().parse_args(argv)
@@ -536,6 +644,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print("rhino: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Python would complain again flushing stdout at exit: point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
     except Exception as e:  # noqa: BLE001 - every failure ends as one line (or --debug)
         if args.debug:
             traceback.print_exc()

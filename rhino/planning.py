@@ -65,7 +65,8 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
          stages: int | Mapping[str, int] | None = None, schedule: str | None = None,
          batch_args: Sequence[str] | None = None,
          annotations: Mapping[str, Any] | None = None,
-         min_split_flops: float | None = None, microbatches: int | None = None) -> Plan:
+         min_split_flops: float | None = None, microbatches: int | None = None,
+         per_microbatch_statistics: bool = False) -> Plan:
     """Plan how to run ``source`` over a device mesh with SPMD sharding, or — given a
     ``cluster`` — over hosts × devices, weighing SPMD, pipeline and hybrid plans.
 
@@ -112,6 +113,8 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
         annotations: ``{pytree path or named_scope name: spec}`` (``"S[x]·R"`` or a
             ``jax.sharding.PartitionSpec``) pinned in the plan.
         min_split_flops: ops of at least this many FLOPs may not run replicated.
+        per_microbatch_statistics: a pipeline may let each microbatch use its own
+            statistics of the batch, as ``auto_parallel``'s option (cluster).
 
     Returns:
         The ``Plan`` (``.report()``, ``.to_json()``): one stage for a mesh; with
@@ -130,7 +133,8 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
                            min_split_flops=min_split_flops, memory_budget=memory_budget,
                            annotations=annotations, num_microbatches=num_microbatches,
                            schedule=schedule, stages=stages, batch_args=batch_args,
-                           epsilon=epsilon, max_stages=max_stages, build=build, parallel=True)
+                           epsilon=epsilon, max_stages=max_stages, build=build, parallel=True,
+                           per_microbatch_statistics=per_microbatch_statistics)
     name = getattr(source, "__name__", None) or (
         os.path.basename(str(source)) if isinstance(source, (str, os.PathLike)) else "step")
     shown = Progress(f"plan({name})", PROGRESS_AFTER_S) if progress is None else None

@@ -89,3 +89,18 @@ def test_demo_memory_budget(capsys):
                  "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "stage 0 needs" in err and "budget 1.00 MiB" in err, err
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    """``rhino plan ... | head``: a closed pipe ends rhino with 141 (as SIGPIPE ends a Unix
+    tool), not with 'internal error: BrokenPipeError'."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from rhino.cli import main; "
+                             "sys.exit(main(['inspect', '--models']))"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                 # the reader is gone before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "internal error" not in err and "Traceback" not in err, err

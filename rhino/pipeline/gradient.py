@@ -399,11 +399,16 @@ def find_gradient_boundary(graph: HloGraph, options: BoundaryOptions = BoundaryO
     shared = tuple(o for o in crossing if not dep[o])
     ag_outs = [o for o in graph.outputs if not in_cg[o]]
     if not any(o in carried_outs for o in ag_outs):
+        hint = "Is this a training step? Its updated parameters must be outputs."
+        if graph.origin.startswith(("hlo:", "mlir:")) and not graph.aliases:
+            hint = ("A dump pairs its outputs with the arguments they update through "
+                    "input_output_alias, and this one has none: dump the step with its state "
+                    "donated, e.g. jax.jit(step, donate_argnums=(0, 1)).lower(*args)"
+                    ".as_text(dialect='hlo', debug_info=True).")
         raise GradientBoundaryError(
             "an apply-gradients part that returns updated state (an output paired with a "
             "state argument)", f"{len(apply)} apply-gradients ops returning "
-            f"{[graph.output_info[graph.outputs.index(o)].path for o in ag_outs][:3]}",
-            "Is this a training step? Its updated parameters must be outputs.")
+            f"{[graph.output_info[graph.outputs.index(o)].path for o in ag_outs][:3]}", hint)
     if not gradients:
         raise GradientBoundaryError("a batch-dependent value entering apply-gradients",
                                     "none: the update does not depend on the batch")

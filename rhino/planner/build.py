@@ -298,7 +298,8 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
     updated weights: ``out<rest>`` matches ``<any argument><rest>``); or a result *subtree*
     of two or more leaves has exactly the leaves (paths and types) of one argument,
     wherever it sits in the output (``return loss, state``; ``return {"state": new_state,
-    "loss": loss}``). A pair needs equal array types and a unique match.
+    "loss": loss}``). A pair needs equal array types and a unique match. A dump (a file)
+    has no pytree paths: its ``input_output_alias`` pairs them (``HloGraph.aliases``).
 
     Example:
         >>> import jax.numpy as jnp, rhino
@@ -311,6 +312,10 @@ def carried_pairs(graph: HloGraph) -> tuple[tuple[int, int], ...]:
         >>> sorted((g.ops[o].opcode, g.ops[p].arg.path) for o, p in carried_pairs(g))
         [('add', "p['b']"), ('multiply', "p['w']")]
     """
+    if graph.aliases:   # a dump: its results that reuse donated arguments' buffers
+        return tuple((graph.outputs[k], graph.params[p]) for k, p in graph.aliases
+                     if graph.ops[graph.outputs[k]].shape == graph.ops[graph.params[p]].shape
+                     and graph.outputs[k] != graph.params[p])
     by_rest: dict[str, list[int]] = {}
     by_pos: dict[tuple[int, str], list[int]] = {}
     by_arg: dict[str, dict[str, int]] = {}
