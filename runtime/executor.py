@@ -133,6 +133,12 @@ class StageWorker:
         # Compiled from artifacts (``runtime.artifacts``), or jitted from the split on use.
         self._from_artifacts = programs is not None and complete
         self._programs: dict[tuple[str, bool], Any] = dict(programs or {})
+        # Deserialized exports (``jax.jit(exported.call)``) take their inputs' layouts as
+        # given and change them inside the inlined module, which XLA's partitioner does not
+        # always manage: a value one column-sharded into a replicated LAPACK custom call
+        # failed its HLO verifier, on a Ray actor whose transfers keep the sender's layout.
+        # Their inputs are laid out as the plan says before they run.
+        self._exported = programs is not None
         # Programs binding host callbacks: the warm-up runs their quiet variants, and
         # effects programs run after apply tasks on the mesh's first device.
         self._quiet = stage_effects.quiet_kinds(split, stage, self._programs)
@@ -487,10 +493,12 @@ class StageWorker:
 
     def _place_received(self, ins: Instr, x: Any) -> Any:
         """A received value on this stage's mesh (one there already, in any layout, is
-        taken as it is: the programs reading it change the layout, ``defer_relayout``). If
-        that fails because the value itself is the result of a failed program (it ran
+        taken as it is: the programs reading it change the layout, ``defer_relayout``;
+        except for exported programs, which get it in the plan's layout: ``_exported``).
+        If that fails because the value itself is the result of a failed program (it ran
         asynchronously on the sending stage), the sender is blamed, not this stage."""
-        if getattr(getattr(x, "sharding", None), "mesh", None) == self.mesh:
+        if getattr(getattr(x, "sharding", None), "mesh", None) == self.mesh and (
+                not self._exported or x.sharding == self.sharding(ins.ref)):
             return x
         try:
             return place(x, self.sharding(ins.ref))

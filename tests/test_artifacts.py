@@ -199,3 +199,25 @@ def test_stages_with_an_empty_task_run_from_their_artifacts(make, empty, tmp_pat
             got = run(*host)
             for a, b in zip(got, want):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_exported_programs_get_a_received_value_in_the_plans_layout(tmp_path):
+    """A value taken in its sender's layout reached a stage's exported program, which
+    changes layouts inside the inlined module: with a LAPACK custom call (tridiagonal_solve)
+    XLA's partitioner failed its HLO verifier ('ElementsIn(reshape)'), on Ray (whose
+    transfers keep the sender's layout) and here when both stages share devices. Exported
+    programs now get received values in the plan's layout; the step equals the traced one."""
+    import microbatch_corpus as C
+
+    case = next(c for c in C.CASES if c.name == "tridiagonal_solve")
+    args = C.args_of("float32")
+    step, _ = C.make_step(case, "float32")
+    with rhino.auto_parallel(step, cluster="2x4", stages=2, num_microbatches=C.M) as piped:
+        want = [np.asarray(x) for x in jax.tree_util.tree_leaves(piped(*args))]
+        piped.save_stages(str(tmp_path), *args)
+    mesh = jax.devices()[:4]
+    with artifacts.SavedPipeline(str(tmp_path), devices=[mesh, mesh]) as run:
+        got = run(*args)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
