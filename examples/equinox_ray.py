@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 DEVICES = 4
 _FLAG = "--xla_force_host_platform_device_count"
@@ -82,12 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     state = (params, tx.init(params))
     crossing = _keys_between_stages(pipelined.split_for(*state, *batches[0]))
     print(f"key-typed values between the stages: {crossing}")
-    ref, mine, ok = state, state, True
+    ref, mine, ok, times = state, state, True, []
     with pipelined:
         for i, b in enumerate(batches):
             *ref, ref_loss = jax.jit(step)(*ref, *b)
+            t0 = time.perf_counter()
             *mine, loss = pipelined(*mine, *b)
-            good = np.allclose(float(loss), float(ref_loss), rtol=1e-4, atol=0)
+            loss = float(loss)                          # ready
+            times.append(time.perf_counter() - t0)
+            good = np.allclose(loss, float(ref_loss), rtol=1e-4, atol=0)
             ok &= good
             print(f"step {i}: pipelined loss {float(loss):.6f}  single-device loss "
                   f"{float(ref_loss):.6f}" + ("" if good else "  MISMATCH"))
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("trained parameters differ from jax.jit's")
                 ok = False
                 break
+        plan = pipelined.plan_for(*state, *batches[0])
+    print("measured: " + rhino.throughput_line(plan, times, examples=len(batches[0][0])))
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

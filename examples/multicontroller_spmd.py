@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import jax
 import numpy as np
@@ -78,9 +79,12 @@ def main(argv=None) -> int:
 
     p, o = params, opt_state
     rp, ro = params, opt_state
-    ok = True
+    ok, times = True, []
     for k in range(a.steps):
+        t0 = time.perf_counter()
         p, o, loss = step(p, o, batch)         # global arrays, fed back as they are
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
         rp, ro, ref_loss = ref_step(rp, ro, batch)
         same = np.allclose(float(loss), float(ref_loss), rtol=RTOL, atol=ATOL)
         print(f"process {me} step {k}: loss {float(loss):.6f} (jax.jit {float(ref_loss):.6f})"
@@ -91,6 +95,9 @@ def main(argv=None) -> int:
              f"{plan.num_stages} stages on meshes "
              f"{[tuple(st.mesh.shape) for st in plan.stages]}")
     print(f"process {me}: plan {plan.kind} on {where}", flush=True)
+    examples, tokens = rhino.batch_sizes(batch)
+    print(f"process {me}: measured " + rhino.throughput_line(plan, times, examples, tokens),
+          flush=True)
 
     # Each process checks the shards it holds against the same slices of jax.jit's result.
     checked = 0

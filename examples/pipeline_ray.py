@@ -103,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                 params_ok = False
     finally:
         step.close()
-    steady = times[1:] or times
+    examples, tokens = rhino.batch_sizes(batch)
     print(f"{a.executor}: {a.cluster}, {a.stages} stages, {a.microbatches} microbatches, "
           f"{a.schedule}; first step {times[0]:.2f} s (compiles), then "
-          f"{1e3 * sum(steady) / len(steady):.1f} ms/step", flush=True)
+          + rhino.throughput_line(plan, times, examples, tokens), flush=True)
     if worst > 1e-4 or not params_ok:
         print(f"MISMATCH: worst relative loss difference {worst:.2e}, parameters "
               f"{'match' if params_ok else 'differ'}", file=sys.stderr, flush=True)

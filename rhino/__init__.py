@@ -47,6 +47,7 @@ from rhino.planning import plan
 from rhino.runtime.host_data import HostRequest, host_data
 from rhino.runtime.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
 from rhino.runtime.ray_executor import RemoteArray, fetch, init
+from rhino.throughput import batch_sizes, throughput_line
 
 __all__ = ["__version__", "HostRequest", "host_data", "CheckpointError", "RemoteArray", "fetch", "restore_checkpoint",
            "save_checkpoint", "ArgumentError", "BatchCouplingError", "HloParseError", "InfeasiblePlanError", "IngestError",
@@ -54,4 +55,5 @@ __all__ = ["__version__", "HostRequest", "host_data", "CheckpointError", "Remote
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
            "AbstractMesh", "CostModel", "auto_parallel", "ParallelStep", "Plan", "SpmdPlan", "PlanOptions",
            "ShardingSpec", "plan", "Cluster", "grad", "plan_pipeline", "init",
-           "distributed_init", "global_batch", "DistributedError", "PlanDivergenceError"]
+           "distributed_init", "global_batch", "DistributedError", "PlanDivergenceError",
+           "throughput_line", "batch_sizes"]

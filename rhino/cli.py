@@ -14,6 +14,7 @@ import math
 import re
 import os
 import sys
+import time
 import traceback
 from typing import Any, Sequence
 
@@ -456,16 +457,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     rp, ro = params, opt
     ap, ao = jax.tree.map(np.array, params), jax.tree.map(np.array, opt)
     print(f"\n  {'step':>4}  {'single device':>14}  {'rhino':>14}  {'|diff|':>9}")
-    worst = 0.0
+    worst, times = 0.0, []
     for i in range(args.steps):
         rp, ro, rl = ref(rp, ro, batch)
+        t0 = time.perf_counter()
         ap, ao, al = step(ap, ao, batch)
-        d = abs(float(rl) - float(al))
+        al = float(al)                    # the step's result, ready
+        times.append(time.perf_counter() - t0)
+        d = abs(float(rl) - al)
         worst = max(worst, d / max(abs(float(rl)), 1e-30))
         print(f"  {i + 1:>4}  {float(rl):>14.6f}  {float(al):>14.6f}  {d:>9.2e}")
     ok = worst <= 1e-4
     print(f"\n  largest relative loss difference {worst:.2e}: "
           f"{'matches' if ok else 'DOES NOT MATCH'} single-device training (rtol 1e-4)")
+    examples, tokens = rhino.batch_sizes(batch)
+    print("  measured: " + rhino.throughput_line(step.plan_for(params, opt, batch), times,
+                                                 examples, tokens))
     if args.cluster:
         print("\n  the last step as run (measured):\n" + step.timeline().render_text(96))
         step.close()

@@ -189,9 +189,12 @@ class ParallelStep:
         run = None if self._last is None else self._last.run
         return run.executor.last_step_s if isinstance(run, StagedRun) else 0.0
 
-    def timeline(self, path: str | None = None, title: str | None = None):
+    def timeline(self, path: str | None = None, title: str | None = None,
+                 trace: str | None = None):
         """The last step's measured schedule as an ``ExecutedTimeline``; with ``path``,
-        also drawn there as a per-stage Gantt chart (PNG)."""
+        also drawn there as a per-stage Gantt chart (PNG; a path ending ``.json`` gets the
+        trace events instead); with ``trace``, written there as Chrome / Perfetto trace
+        events (JSON: open it in ui.perfetto.dev or chrome://tracing)."""
         from rhino.runtime.timeline import ExecutedTimeline
 
         run = None if self._last is None else self._last.run
@@ -202,8 +205,12 @@ class ParallelStep:
         sp = run.lowering.split
         tl = ExecutedTimeline(tuple(run.executor.last_records), str(run.schedule),
                               sp.num_stages, sp.num_microbatches)
-        if path is not None:
+        if path is not None and str(path).endswith(".json"):
+            tl.write_trace(path)
+        elif path is not None:
             tl.draw(path, title=title)
+        if trace is not None:
+            tl.write_trace(trace)
         return tl
 
     def save_stages(self, directory: str, *args: Any, platform: str | None = None) -> str:

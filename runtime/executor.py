@@ -59,7 +59,8 @@ from rhino.runtime.instructions import (Instr, acknowledged_recvs, first_apply, 
                                         inputs_in_plan, instructions)
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
                                      Transport, root_cause)
-from rhino.runtime.task_timing import Pending, all_ready, done_now, measured, ready_at
+from rhino.runtime.task_timing import (Pending, all_ready, annotate, done_now, measured,
+                                      ready_at)
 from rhino.runtime.timeline import TaskRecord
 
 __all__ = ["ExecutorError", "Failure", "LocalTransport", "StepTransport", "Transport",
@@ -133,11 +134,8 @@ class StageWorker:
         # Compiled from artifacts (``runtime.artifacts``), or jitted from the split on use.
         self._from_artifacts = programs is not None and complete
         self._programs: dict[tuple[str, bool], Any] = dict(programs or {})
-        # Deserialized exports (``jax.jit(exported.call)``) take their inputs' layouts as
-        # given and change them inside the inlined module, which XLA's partitioner does not
-        # always manage: a value one column-sharded into a replicated LAPACK custom call
-        # failed its HLO verifier, on a Ray actor whose transfers keep the sender's layout.
-        # Their inputs are laid out as the plan says before they run.
+        # Deserialized exports (``jax.jit(exported.call)``) get inputs in the plan's layout:
+        # relaid out inside the inlined module, a LAPACK custom call's failed XLA's verifier.
         self._exported = programs is not None
         # Programs binding host callbacks: the warm-up runs their quiet variants, and
         # effects programs run after apply tasks on the mesh's first device.
@@ -387,7 +385,8 @@ class StageWorker:
             try:
                 if ins.op == "recv":
                     t0 = time.perf_counter()
-                    x = transport.recv(self.stage, ins.peer, ins.key, timeout)
+                    with annotate(self.stage, ins.label()):
+                        x = transport.recv(self.stage, ins.peer, ins.key, timeout)
                     if (ins.peer, ins.key) in self._acked and acknowledge is not None:
                         taken.append((ins.peer, ins.key))   # said after the next dispatch
                     x = self._place_received(ins, x)
@@ -467,7 +466,8 @@ class StageWorker:
 
     def _send(self, transport: Transport, ins: Instr, x: Any) -> TaskRecord:
         t0 = time.perf_counter()
-        transport.send(self.stage, ins.peer, ins.key, x)
+        with annotate(self.stage, ins.label()):
+            transport.send(self.stage, ins.peer, ins.key, x)
         return TaskRecord(self.stage, ins.label(), t0, time.perf_counter(), ins.microbatch,
                           "send")
 
@@ -542,7 +542,8 @@ class StageWorker:
         if (ins.kind, with_acc) not in self._seen:
             self._seen[(ins.kind, with_acc)] = jax.tree_util.tree_map(
                 _abstract, (inputs, acc_in, mb_arg))
-        outs, new = self.program(ins.kind, with_acc, quiet)(inputs, acc_in, mb_arg)
+        with annotate(self.stage, ins.label()):
+            outs, new = self.program(ins.kind, with_acc, quiet)(inputs, acc_in, mb_arg)
         if task.effects and not quiet and effects is not None:
             handed = outs[len(outs) - len(task.effect_inputs):] if task.effect_inputs else []
             effects.append((ins, self._effects.run(ins.kind, handed)))

@@ -36,6 +36,16 @@ class Pending:
     peer: int | None = None
 
 
+ANNOTATION_PREFIX = "rhino"
+
+
+def annotate(stage: int, label: str) -> Any:
+    """A ``jax.profiler.TraceAnnotation`` naming a task, ``rhino stage1 B3``: with
+    ``jax.profiler`` tracing, each task's dispatch (a program call, a send, a receive)
+    appears under this name in the trace; otherwise it costs a context manager."""
+    return jax.profiler.TraceAnnotation(f"{ANNOTATION_PREFIX} stage{stage} {label}")
+
+
 def done_now() -> cf.Future:
     """A future already holding the present time."""
     f: cf.Future = cf.Future()

@@ -211,6 +211,51 @@ class ExecutedTimeline:
             raise TimelineError(f"timeline JSON: expected valid JSON, found {e}") from e
         return cls.from_dict(d)
 
+    # ------------------------------------------------------------------------ trace events
+    def to_trace_events(self) -> dict[str, Any]:
+        """The step as Chrome / Perfetto trace events (the JSON ``chrome://tracing`` and
+        ui.perfetto.dev open): one process per stage, its compute tasks on one thread and
+        its transfers on another, each task a complete event (``"ph": "X"``) in
+        microseconds from the step's first start, with its kind and microbatch as
+        arguments.
+
+        Example:
+            >>> tl = ExecutedTimeline((TaskRecord(0, "F0", 1.0, 1.002, 0, "forward"),
+            ...                        TaskRecord(0, "send→1", 1.002, 1.003, 0, "send")),
+            ...                       "1f1b", 1, 1)
+            >>> [(e["name"], e["tid"], e["ts"], e["dur"]) for e in
+            ...  tl.to_trace_events()["traceEvents"] if e["ph"] == "X"]
+            [('F0', 0, 0.0, 2000.0), ('send→1', 1, 2000.0, 1000.0)]
+        """
+        t0 = self.t0
+        events: list[dict[str, Any]] = []
+        for stage in range(self.num_stages):
+            events.append({"ph": "M", "name": "process_name", "pid": stage, "tid": 0,
+                           "args": {"name": f"stage {stage}"}})
+            events.append({"ph": "M", "name": "process_sort_index", "pid": stage, "tid": 0,
+                           "args": {"sort_index": stage}})
+            for tid, lane in ((0, "compute"), (1, "transfers")):
+                events.append({"ph": "M", "name": "thread_name", "pid": stage, "tid": tid,
+                               "args": {"name": lane}})
+        for r in sorted(self.records, key=lambda r: (r.stage, r.start, r.end)):
+            args: dict[str, Any] = {"kind": r.kind}
+            if r.microbatch is not None:
+                args["microbatch"] = r.microbatch
+            events.append({"ph": "X", "name": r.label, "cat": r.kind, "pid": r.stage,
+                           "tid": 1 if r.kind in COMM_KINDS else 0,
+                           "ts": round((r.start - t0) * 1e6, 3),
+                           "dur": round((r.end - r.start) * 1e6, 3), "args": args})
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"schedule": self.schedule, "num_stages": self.num_stages,
+                              "num_microbatches": self.num_microbatches,
+                              "step_ms": round(self.step_s * 1e3, 6)}}
+
+    def write_trace(self, path: str | os.PathLike) -> str | os.PathLike:
+        """Write `to_trace_events` as JSON to ``path``; returns ``path``."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_trace_events(), f, ensure_ascii=False)
+        return path
+
     # ------------------------------------------------------------------------------ drawing
 
     def summary(self) -> str:

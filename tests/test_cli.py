@@ -1,6 +1,7 @@
 """The rhino command line: inspect on zoo models and files, JSON and Graphviz output, errors."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -67,11 +68,15 @@ def test_demo_spmd_and_pipelined(capsys):
     assert main(["demo", "--model", "mlp:batch=32,hidden=32", "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "rhino plan" in out and "matches single-device training" in out
+    # Issue 48, item 8: what the step achieved, measured (an MLP: examples, no tokens).
+    assert re.search(r"measured: step [\d.]+ ms \(median of 1 after the first\): [\d,]+ "
+                     r"examples/s; measured MFU [\d.]+ % \([\d.e+]+ model FLOP", out), out
     assert main(["demo", "--model", "gpt:layers=2,hidden=32,heads=2,seq=8,vocab=64,batch=16",
                  "--cluster", "2x4", "--stages", "2", "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "matches single-device training" in out
     assert "stage 0 |" in out and "stage 1 |" in out  # the measured timeline
+    assert re.search(r"examples/s, [\d,]+ tokens/s; measured MFU", out), out
 
 
 def test_demo_memory_budget(capsys):

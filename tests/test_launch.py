@@ -54,6 +54,9 @@ def test_the_example_matches_jax_jit_on_two_processes():
         assert re.search(rf"^\[p{p}\] process {p}: OK: 3 steps match jax.jit", out.stdout,
                          re.M), _show(out)
         assert f"[p{p}] process {p}: plan spmd on mesh (8,)" in out.stdout
+        assert re.search(rf"^\[p{p}\] process {p}: measured step [\d.]+ ms .*examples/s, "
+                         rf"[\d,]+ tokens/s; measured MFU [\d.]+ %", out.stdout, re.M), \
+            out.stdout
     assert "MISMATCH" not in out.stdout
     assert "[Gloo]" not in out.stdout        # gloo's per-connection lines are left out
 
@@ -128,6 +131,8 @@ def test_a_pipeline_runs_one_stage_per_process():
         assert f"[p{p}] process {p}: plan hybrid on 2 stages on meshes [(4,), (4,)]" \
             in out.stdout, _show(out)
         assert f"[p{p}] process {p}: OK: 3 steps match jax.jit" in out.stdout, _show(out)
+        assert re.search(rf"^\[p{p}\] process {p}: measured step [\d.]+ ms .*tokens/s; "
+                         rf"measured MFU [\d.]+ %", out.stdout, re.M), _show(out)
 
 
 def test_stages_without_trained_weights_and_results_of_several_stages_per_process():

@@ -338,6 +338,53 @@ def test_timeline_of_measured_tasks(gpt_run, tmp_path):
     assert tl.step_s > 0 and step.last_step_s > 0
 
 
+def test_the_timeline_as_chrome_trace_events(gpt_run, tmp_path):
+    """Issue 48, item 8: ``timeline(trace=)`` (or a ``.json`` path) writes the step as
+    Chrome / Perfetto trace events: a process per stage, a complete event per task with its
+    kind and microbatch, in microseconds from the step's start."""
+    import json
+
+    step = gpt_run["step"]
+    tl = step.timeline(tmp_path / "t.png", trace=tmp_path / "t.json")
+    assert (tmp_path / "t.png").exists()
+    trace = json.loads((tmp_path / "t.json").read_text())
+    tasks = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(tasks) == len(tl.records)
+    names = {(e["pid"], e["name"]) for e in tasks}
+    assert {(s, f"B{k}") for s in range(2) for k in range(4)} <= names
+    assert {e["args"]["name"] for e in trace["traceEvents"]
+            if e["ph"] == "M" and e["name"] == "process_name"} == {"stage 0", "stage 1"}
+    assert min(e["ts"] for e in tasks) == 0.0
+    assert max(e["ts"] + e["dur"] for e in tasks) == pytest.approx(tl.step_s * 1e6, rel=1e-3)
+    assert all(e["args"]["microbatch"] in range(4) for e in tasks if e["cat"] == "forward")
+    assert trace["otherData"]["schedule"] == "1f1b"
+    step.timeline(tmp_path / "only.json")
+    assert json.loads((tmp_path / "only.json").read_text())["traceEvents"]
+
+
+def test_tasks_are_named_in_a_jax_profiler_trace(gpt_run, tmp_path):
+    """Issue 48, item 8: with ``jax.profiler`` tracing, each task's dispatch appears as a
+    trace annotation ``rhino stageS LABEL`` (in the trace the profiler writes)."""
+    import gzip
+    import json
+
+    step = gpt_run["step"]
+    args = jax.tree.map(np.array, gpt_run["params"])    # host copies: nothing donated
+    jax.profiler.start_trace(str(tmp_path))
+    try:
+        jax.block_until_ready(step(*args))
+    finally:
+        jax.profiler.stop_trace()
+    found = list(tmp_path.rglob("*.trace.json.gz"))
+    assert found, sorted(str(p) for p in tmp_path.rglob("*"))
+    events = json.loads(gzip.decompress(found[0].read_bytes()))["traceEvents"]
+    names = {e.get("name") for e in events}
+    for s in range(2):
+        for label in ("F0", "B3", "A"):
+            assert f"rhino stage{s} {label}" in names, sorted(n for n in names
+                                                             if n and "rhino" in n)
+
+
 def test_memory_budget_with_a_cluster_bounds_each_stage_estimate():
     m, params, opt, batch = _gpt(layers=2, batch=8)
     tight = rhino.auto_parallel(m.step, cluster="2x4", stages=2, memory_budget=1024)

@@ -428,6 +428,9 @@ def test_an_equinox_class_of_the_scripts_main_runs_on_ray():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "key-typed values between the stages: 1" in done.stdout
     assert done.stdout.count("pipelined loss") == 3 and "OK" in done.stdout
+    # Issue 48, item 8: the example logs what the step achieved.
+    assert re.search(r"^measured: step [\d.]+ ms \(median of 2 after the first\): [\d,]+ "
+                     r"examples/s; measured MFU [\d.]+ %", done.stdout, re.M), done.stdout
 
 
 @pytest.mark.slow

@@ -40,6 +40,7 @@ class Utilization:
         step_s: the step time (estimated).
         ceiling: the best fraction of the peak a bare matmul of ``dtype`` reaches under the
             cost model's roofline, or None (no roofline: no measured ceiling).
+        measured: ``step_s`` was measured (a step that ran), not estimated.
     """
 
     model_flops: float
@@ -48,6 +49,7 @@ class Utilization:
     dtype: str
     step_s: float
     ceiling: float | None = None
+    measured: bool = False
 
     @property
     def mfu(self) -> float:
@@ -58,14 +60,16 @@ class Utilization:
     @property
     def optimistic(self) -> bool:
         """Whether the estimated MFU is above what a bare matmul reaches."""
-        return self.ceiling is not None and self.mfu > self.ceiling
+        return not self.measured and self.ceiling is not None and self.mfu > self.ceiling
 
     def line(self) -> str:
         """One report line: the MFU, how it is made and, where it is above the ceiling,
         a warning."""
-        text = (f"estimated MFU {100 * self.mfu:.1f} % ({self.model_flops:.3g} model FLOP ÷ "
-                f"({self.devices} devices × {self.peak_flops_per_s:.3g} FLOP/s {self.dtype} "
-                f"× {1e3 * self.step_s:.3f} ms))")
+        text = (f"{'measured' if self.measured else 'estimated'} MFU {100 * self.mfu:.1f} % "
+                f"({self.model_flops:.3g} model FLOP ÷ ({self.devices} devices × "
+                f"{self.peak_flops_per_s:.3g} FLOP/s {self.dtype} × {1e3 * self.step_s:.3f} ms))")
+        if self.measured:
+            return text
         if self.optimistic:
             text += (f"; WARNING: above the {100 * self.ceiling:.1f} % a bare {self.dtype} "
                      f"matmul reaches (the cost model's roofline, from calibration or the "
