@@ -106,6 +106,10 @@ def dumps(tmp_path_factory):
     for name, donate in (("donated", (0, 1)), ("plain", ())):
         lowered = jax.jit(m.step, donate_argnums=donate).lower(*args)
         (d / f"{name}.hlo").write_text(lowered.as_text(dialect="hlo", debug_info=True))
+        (d / f"{name}.mlir").write_text(lowered.as_text(debug_info=True))
+    # As the user dumped it: StableHLO without debug information (no op names).
+    (d / "bare.mlir").write_text(jax.jit(m.step, donate_argnums=(0, 1)).lower(*args)
+                                 .as_text())
     return d
 
 
@@ -123,6 +127,18 @@ def test_a_dump_with_its_state_donated_plans_on_a_cluster(dumps, capsys):
                  "--all"]) == 0
     out = capsys.readouterr().out
     assert "candidates" in out and "pp=2" in out and "params['wte']" in out
+
+
+def test_a_stablehlo_dump_with_debug_information_and_donation_plans_on_a_cluster(dumps,
+                                                                                capsys):
+    assert main(["plan", str(dumps / "donated.mlir"), "--cluster", "1x2", "--quiet"]) == 0
+    assert "pp=2" in capsys.readouterr().out
+    # Without debug information JAX's op names are gone: the error says how to dump.
+    assert main(["plan", str(dumps / "bare.mlir"), "--cluster", "1x2", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "op_name metadata absent" in err and "as_text(debug_info=True)" in err
+    assert main(["plan", str(dumps / "plain.mlir"), "--cluster", "1x2", "--quiet"]) == 2
+    assert "donate_argnums=(0, 1)" in capsys.readouterr().err
 
 
 def test_a_dump_without_donation_says_how_to_make_one_that_plans(dumps, capsys):

@@ -207,6 +207,17 @@ def arg_name(graph: HloGraph, param: int) -> str:
     return m.group(1) if m else path
 
 
+DUMP_HOWTO = ("jax.jit(step, donate_argnums=(0, 1)).lower(*args).as_text(debug_info=True) "
+              "(StableHLO; dialect='hlo', debug_info=True for HLO text), the state arguments "
+              "donated")
+"""How to dump a step that plans on a cluster: with JAX's op names (debug information) and
+its updated state paired with its arguments (donation: ``input_output_alias``)."""
+
+
+def _is_dump(graph: HloGraph) -> bool:
+    return graph.origin.startswith(("hlo:", "mlir:"))
+
+
 def _carried(graph: HloGraph) -> tuple[tuple[int, int], ...]:
     from rhino.planner.build import carried_pairs
     return carried_pairs(graph)
@@ -380,10 +391,13 @@ def find_gradient_boundary(graph: HloGraph, options: BoundaryOptions = BoundaryO
                                         "Wrap the gradients with rhino.grad(...).")
         method, seeds = "autodiff", autodiff
     else:
+        named = any(op.op_name for op in graph.ops)
         raise GradientBoundaryError(
             f"ops of jax.grad (op_name jvp(...)/transpose(...)) or ops marked {MARKER!r}",
             f"neither in {len(graph.ops)} ops (op_name metadata "
-            f"{'present' if any(op.op_name for op in graph.ops) else 'absent'})",
+            f"{'present' if named else 'absent'})",
+            "A dump keeps JAX's op names only with its debug information: dump the step as "
+            + DUMP_HOWTO if _is_dump(graph) and not named else
             "Wrap the gradients with rhino.grad(...) before the optimizer update.")
     # A metric computed from the gradients (a logged gradient norm, say) belongs after
     # accumulation: it is apply-gradients, computed once per step from the summed
@@ -400,11 +414,10 @@ def find_gradient_boundary(graph: HloGraph, options: BoundaryOptions = BoundaryO
     ag_outs = [o for o in graph.outputs if not in_cg[o]]
     if not any(o in carried_outs for o in ag_outs):
         hint = "Is this a training step? Its updated parameters must be outputs."
-        if graph.origin.startswith(("hlo:", "mlir:")) and not graph.aliases:
+        if _is_dump(graph) and not graph.aliases:
             hint = ("A dump pairs its outputs with the arguments they update through "
                     "input_output_alias, and this one has none: dump the step with its state "
-                    "donated, e.g. jax.jit(step, donate_argnums=(0, 1)).lower(*args)"
-                    ".as_text(dialect='hlo', debug_info=True).")
+                    "donated, as " + DUMP_HOWTO)
         raise GradientBoundaryError(
             "an apply-gradients part that returns updated state (an output paired with a "
             "state argument)", f"{len(apply)} apply-gradients ops returning "
