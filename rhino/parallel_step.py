@@ -49,13 +49,13 @@ from rhino.front_door import trace_step
 from rhino.nnx_objects import NnxObjects
 from rhino.parallel_plan import Plan
 from rhino.planner.cost_model import CostModel
-from rhino.planner.mesh import AbstractMesh
 from rhino.progress import Progress, get_logger
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S
 from rhino.runtime.host_data import has_host_data, materialize
 from rhino.runtime.runs import DirectRun, StagedRun
 from rhino.step_arguments import leaf_types, signature, type_changes
 from rhino.step_builder import StepBuilder, StepEntry
+from rhino.step_call import BoundCall, CallBinder
 from rhino.step_options import StepOptions, report_wanted
 from rhino.vocabulary import ExecutorKind
 
@@ -87,28 +87,34 @@ class ParallelStep:
         self.plans_built = 0
         self._last: StepEntry | None = None
         self._direct: Any = None      # the last signature's executable, when it is direct
+        self._binder = CallBinder(fn, options.static_argnums, options.static_argnames)
         # Name, docstring and __wrapped__ only: the wrapped object's own attributes (an
         # eqx.filter_jit wrapper has `fn`) must not replace this step's.
         functools.update_wrapper(self, fn, updated=())
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = None
+        if kwargs or self._binder.needed:    # keywords, static arguments: rhino.step_call
+            call = self._binder.bind(args, kwargs)
+            args = call.args
         # Fastest path: the last signature's executable called as it is. It checks the
         # arguments itself before running (nothing is donated when it refuses): another
         # pytree or shape raises TypeError, a committed array laid out otherwise
         # ValueError; host and uncommitted arrays it places with the planned shardings.
         direct = self._direct
-        if direct is not None:
+        if direct is not None and call is None:
             try:
                 return direct(*args)
             except (TypeError, ValueError):
                 pass
         objects = NnxObjects.of(args)
         if objects is not None:      # Flax NNX objects: updated in place, as nnx.jit does
-            return objects.finish(self._run(objects.args, objects))
-        return self._run(args)
+            return objects.finish(self._run(objects.args, objects, call))
+        return self._run(args, None, call)
 
-    def _run(self, args: tuple, objects: NnxObjects | None = None) -> Any:
-        entry = self._entry(args, objects)
+    def _run(self, args: tuple, objects: NnxObjects | None = None,
+             call: BoundCall | None = None) -> Any:
+        entry = self._entry(args, objects, call)
         self._last = entry
         if not getattr(getattr(entry.run, "executor", None), "takes_host_data", False):
             # host_data batches: made here, for every row, where no host makes its own.
@@ -118,31 +124,31 @@ class ParallelStep:
         if isinstance(entry.run, DirectRun):
             # Across processes every call places host values itself (each process writes
             # only its own devices' shards), so the executable is not called bare.
-            bare = not entry.run.multi_process and objects is None
+            bare = not entry.run.multi_process and objects is None and call is None
             self._direct = entry.run.compiled if bare else None
             return entry.run(args)
         self._direct = None
         return jax.tree_util.tree_unflatten(entry.out_tree, entry.run(args))
 
     # ----------------------------------------------------------------- public helpers
-    def plan_for(self, *args: Any) -> Plan:
+    def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan used for these arguments (planning and compiling if needed)."""
-        return self._entry_of(args).plan
+        return self._entry_of(args, kwargs).plan
 
-    def report_for(self, *args: Any) -> str:
+    def report_for(self, *args: Any, **kwargs: Any) -> str:
         """The plan report for these arguments (with the compiled program's memory for an
         SPMD program run directly)."""
-        return self._entry_of(args).report()
+        return self._entry_of(args, kwargs).report()
 
-    def memory_for(self, *args: Any) -> dict | None:
+    def memory_for(self, *args: Any, **kwargs: Any) -> dict | None:
         """The compiled SPMD program's memory per device for these arguments (bytes:
         ``argument``, ``output``, ``temp``, ``alias``, ``peak``) from XLA's
         ``memory_analysis()``; None where the backend gives none or the step runs as
         stage programs."""
-        run = self._entry_of(args).run
+        run = self._entry_of(args, kwargs).run
         return run.memory if isinstance(run, DirectRun) else None
 
-    def stage_memory_for(self, *args: Any) -> list[dict] | None:
+    def stage_memory_for(self, *args: Any, **kwargs: Any) -> list[dict] | None:
         """Per stage of a pipelined step, the planner's memory estimate beside what the
         stage's compiled programs hold: ``[{"stage": i, "estimate": StageMemory,
         "compiled": dict | None}]`` (bytes per device; ``compiled`` is
@@ -150,7 +156,7 @@ class ParallelStep:
         Compiled figures are read from the programs a step has run, on the local
         executor, whose stage workers are in this process (None elsewhere: call the step
         once first). None for a step run as one SPMD program."""
-        entry = self._entry_of(args)
+        entry = self._entry_of(args, kwargs)
         if entry.plan.num_stages == 1:
             return None
         workers = getattr(entry.run.executor, "workers", None) \
@@ -160,18 +166,45 @@ class ParallelStep:
                      compiled=workers[i].memory() if workers is not None else None)
                 for i, st in enumerate(entry.plan.stages)]
 
-    def compiled_text(self, *args: Any) -> str:
+    def shardings_for(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """The plan's ``NamedSharding``s of the step's arguments and of its results, as
+        pytrees shaped like them (a tuple with one entry per argument, and the results'
+        structure): ``jax.jit(step, in_shardings=ins, out_shardings=outs)`` lays out the
+        step's inputs and outputs as the plan does, but places the values inside by
+        XLA's propagation, which may choose other collectives; ``jit_for`` pins them too.
+        For a step run as one SPMD program; with keywords or static arguments, the
+        arguments rhino traces (the dynamic ones, in parameter order)."""
+        low = self._lowering(args, kwargs, "shardings_for")
+        return (jax.tree_util.tree_unflatten(low.in_tree, low.in_shardings),
+                jax.tree_util.tree_unflatten(low.out_tree, low.out_shardings))
+
+    def jit_for(self, *args: Any, **kwargs: Any) -> Any:
+        """The plan as a plain ``jax.jit``: the step with the plan's sharding constraints
+        written in, its ``in_shardings``/``out_shardings`` (``shardings_for``) and the
+        donated state. It compiles to the program rhino runs (the same collectives) and
+        runs without rhino's runtime: lower it, inspect it, call it in your own loop."""
+        return self._lowering(args, kwargs, "jit_for").jit()
+
+    def _lowering(self, args: tuple, kwargs: dict, what: str) -> Any:
+        run = self._entry_of(args, kwargs).run
+        if not isinstance(run, DirectRun):
+            raise RhinoError(f"{what}: expected a step run as one SPMD program, found stage "
+                             f"programs (plan_for(...).stages[i].spmd holds each stage's "
+                             f"plan)")
+        return run.lowering
+
+    def compiled_text(self, *args: Any, **kwargs: Any) -> str:
         """The compiled, partitioned HLO of a directly run SPMD program."""
-        run = self._entry_of(args).run
+        run = self._entry_of(args, kwargs).run
         if not isinstance(run, DirectRun):
             raise RhinoError("compiled_text: expected a one-stage plan run directly, found "
-                             f"{self._entry_of(args).plan.num_stages} stage(s) run as stage "
+                             f"{self._entry_of(args, kwargs).plan.num_stages} stage(s) run as stage "
                              f"programs")
         return run.compiled_text()
 
-    def split_for(self, *args: Any):
+    def split_for(self, *args: Any, **kwargs: Any):
         """The stage programs' split (``StepSplit``) for these arguments."""
-        run = self._entry_of(args).run
+        run = self._entry_of(args, kwargs).run
         if not isinstance(run, StagedRun):
             raise RhinoError("split_for: expected a step run as stage programs, found a "
                              "one-stage SPMD program run directly")
@@ -290,13 +323,23 @@ class ParallelStep:
     # ----------------------------------------------------------------- build
     _last_types: dict[str, str] = {}   # the last planned signature's leaves (leaf_types)
 
-    def _entry_of(self, args: tuple) -> StepEntry:
-        """The entry of the arguments as the user passes them (NNX objects or not)."""
+    def _entry_of(self, args: tuple, kwargs: dict | None = None) -> StepEntry:
+        """The entry of the arguments as the user passes them (NNX objects or not;
+        keywords and static arguments bound: ``rhino.step_call``)."""
+        call = self._binder.bind(args, kwargs or {}) \
+            if kwargs or self._binder.needed else None
+        if call is not None:
+            args = call.args
         objects = NnxObjects.of(args)
-        return self._entry(args) if objects is None else self._entry(objects.args, objects)
+        return self._entry(args, None, call) if objects is None else \
+            self._entry(objects.args, objects, call)
 
-    def _entry(self, args: tuple, objects: NnxObjects | None = None) -> StepEntry:
+    def _entry(self, args: tuple, objects: NnxObjects | None = None,
+               call: BoundCall | None = None) -> StepEntry:
+        fn = self.fn if call is None else call.fn
         key = signature(self.fn, args)
+        if call is not None:
+            key = (key, call.key)
         if objects is not None:
             key = (key, objects.static)
         entry = self._cache.get(key)
@@ -309,7 +352,7 @@ class ParallelStep:
                     f"compiled again (a plan per signature: {len(self._cache) + 1} now): "
                     + type_changes(self._last_types, shapes))
             self._last_types = shapes
-            entry = self._build(args, self.fn if objects is None else objects.pure(self.fn))
+            entry = self._build(args, fn if objects is None else objects.pure(fn))
             self._cache[key] = entry
             self.plans_built += 1
         return entry
@@ -329,7 +372,7 @@ class ParallelStep:
 
 
 def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None,
-                  mesh_shape: Sequence[int] | None = None, mesh: AbstractMesh | None = None,
+                  mesh_shape: Sequence[int] | None = None, mesh: Any = None,
                   cost: CostModel | str | None = None,
                   cluster: str | Cluster | None = None, opt_level: str = "O2",
                   memory_budget: int | None = None,
@@ -343,7 +386,9 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   ray_actor_options: Mapping[str, Any] | None = None,
                   ray_pin_cpus: bool | None = None,
                   per_microbatch_statistics: bool = False,
-                  min_split_flops: float | None = None):
+                  min_split_flops: float | None = None,
+                  static_argnums: int | Sequence[int] = (),
+                  static_argnames: str | Sequence[str] = ()):
     """Run a one-device training step over many devices, automatically.
 
     Usable bare (``@rhino.auto_parallel``) or with options; the options are checked here,
@@ -356,8 +401,10 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         devices: the devices to use (default: all local devices).
         mesh_shape: an SPMD mesh over the devices, e.g. ``(8,)`` or ``(2, 4)`` (default:
             one axis over all devices).
-        mesh: an explicit ``AbstractMesh`` (axis names and sizes); overrides
-            ``mesh_shape``.
+        mesh: an explicit mesh, overriding ``mesh_shape``: a ``jax.sharding.Mesh``
+            (``jax.make_mesh``: its axis names, and its devices in its order), a
+            ``jax.sharding.AbstractMesh`` or a ``rhino.AbstractMesh`` (axis names and
+            sizes).
         cost: what the mesh's collectives and compute cost: a ``CostModel`` (e.g.
             ``rhino.calibrate.calibrate_cost_model``) or the name of built-in figures
             (``"h100"``, ``"tpu-v5e"``, ... ``rhino.backends``). Default: the figures of
@@ -430,6 +477,10 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             device (their replicated choices are removed): for cost models where compute
             is nearly free next to communication, under which replicating heavy work
             looks cheapest.
+        static_argnums, static_argnames: arguments that are configuration, not arrays
+            (a ``training`` flag, a config object), as ``jax.jit`` takes them: hashable
+            values, each distinct value planned and compiled on its own; the step's
+            other arguments may be passed by keyword too.
 
     Returns:
         A ``ParallelStep`` (``.plan_for(*args)``, ``.report_for(*args)``, ``.timeline()``).
@@ -446,7 +497,11 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         executor=executor, stages=stages, accumulate=accumulate, batch_args=batch_args,
         timeout=timeout, transport=transport, ray_address=ray_address,
         ray_actor_options=ray_actor_options, ray_pin_cpus=ray_pin_cpus,
-        per_microbatch_statistics=per_microbatch_statistics, min_split_flops=min_split_flops)
+        per_microbatch_statistics=per_microbatch_statistics, min_split_flops=min_split_flops,
+        static_argnums=(static_argnums,) if isinstance(static_argnums, int)
+        else tuple(static_argnums),
+        static_argnames=(static_argnames,) if isinstance(static_argnames, str)
+        else tuple(static_argnames))
     if fn is None:
         return lambda f: ParallelStep(f, options)
     return ParallelStep(fn, options)

@@ -50,11 +50,11 @@ from rhino.parallel_plan import Plan
 from rhino.planner.api import PlanOptions
 from rhino.planner.build import BuildOptions
 from rhino.planner.cost_model import CostModel
-from rhino.planner.mesh import AbstractMesh
+from rhino.planner.mesh import AbstractMesh, from_jax_mesh
 
 
 def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = None,
-         mesh: AbstractMesh | None = None, cost: CostModel | None = None,
+         mesh: Any = None, cost: CostModel | None = None,
          backend: str | None = None, opt_level: str = "O2",
          memory_budget: int | None = None, alpha: Sequence[float] | float | None = None,
          beta: Sequence[float] | float | None = None, flops_per_s: float | None = None,
@@ -84,7 +84,8 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
         mesh_shape: the mesh, e.g. ``(8,)`` or ``(2, 4)``; default: all local devices in one
             axis (for a count that is not a power of two, also its 2-D factorizations, the
             fastest by estimate, as ``auto_parallel`` does). Ignored when ``mesh`` is given.
-        mesh: an explicit ``AbstractMesh`` (axis names and sizes).
+        mesh: an explicit ``AbstractMesh`` (axis names and sizes), or a JAX mesh
+            (``jax.make_mesh``, ``jax.sharding.AbstractMesh``) whose axis names it keeps.
         cost: the ``CostModel`` to plan with (e.g. from
             ``rhino.calibrate.calibrate_cost_model``), for the mesh's axes.
         backend: built-in figures to plan with instead (``rhino.backends``: ``cpu``,
@@ -124,6 +125,11 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
         OptionsError: both a mesh and a cluster, both a cost model and a backend, a cost
             model for another number of axes, or malformed figures or options.
     """
+    if mesh is not None and not isinstance(mesh, AbstractMesh):   # a JAX mesh
+        try:
+            mesh, _ = from_jax_mesh(mesh)
+        except TypeError as e:
+            raise OptionsError(str(e)) from None
     if microbatches is not None:
         if num_microbatches not in (None, microbatches):
             raise OptionsError(f"plan: num_microbatches={num_microbatches} and microbatches="

@@ -15,7 +15,7 @@ from rhino.front_door import PlanRequest, positive
 from rhino.parallel_plan import Plan
 from rhino.pipeline.api import make_cluster
 from rhino.planner.cost_model import CostModel
-from rhino.planner.mesh import AbstractMesh
+from rhino.planner.mesh import AbstractMesh, from_jax_mesh
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.runtime.executor import DEFAULT_TIMEOUT_S
 from rhino.vocabulary import (REMOVED_TRANSPORTS, ExecutorKind, ScheduleKind, TransportKind,
@@ -41,7 +41,7 @@ class StepOptions:
 
     devices: tuple | None = None
     mesh_shape: tuple[int, ...] | None = None
-    mesh: AbstractMesh | None = None
+    mesh: Any = None      # AbstractMesh; a jax Mesh / AbstractMesh is converted
     cost: CostModel | str | None = None
     cluster: Cluster | str | None = None
     opt_level: str = "O2"
@@ -64,6 +64,8 @@ class StepOptions:
     ray_pin_cpus: bool | None = None
     per_microbatch_statistics: bool = False
     min_split_flops: float | None = None
+    static_argnums: tuple = ()
+    static_argnames: tuple = ()
     progress_after_s: float = 2.0
 
     def __post_init__(self):
@@ -106,6 +108,22 @@ class StepOptions:
         if self.mesh_shape is not None:
             put("mesh_shape", tuple(positive("mesh_shape entries", s, int)
                                     for s in self.mesh_shape))
+        for name, values, kind in (("static_argnums", self.static_argnums, int),
+                                   ("static_argnames", self.static_argnames, str)):
+            bad = [v for v in values if not isinstance(v, kind) or isinstance(v, bool)]
+            if bad:
+                raise OptionsError(f"{name}: expected {kind.__name__}s, found {bad}")
+        if self.mesh is not None and not isinstance(self.mesh, AbstractMesh):
+            try:     # a JAX mesh: its axis names, and a concrete one's devices in its order
+                mesh, on = from_jax_mesh(self.mesh)
+            except TypeError as e:
+                raise OptionsError(str(e)) from None
+            if on is not None and self.devices is not None and tuple(self.devices) != on:
+                raise OptionsError("devices: expected the devices of mesh= (a jax Mesh "
+                                   "brings its own) or none, found others")
+            put("mesh", mesh)
+            if on is not None:
+                put("devices", on)
         if self.devices is not None:
             put("devices", tuple(self.devices))
             if not self.devices:

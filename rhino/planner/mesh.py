@@ -111,3 +111,32 @@ class AbstractMesh:
 
     def __str__(self) -> str:
         return "Mesh(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape)) + ")"
+
+
+def from_jax_mesh(mesh: Any) -> tuple[AbstractMesh, tuple | None]:
+    """A JAX mesh as the planner's: (``AbstractMesh`` with its axis names and sizes, its
+    devices in the mesh's row-major order, or None for an abstract one). Takes a
+    ``jax.sharding.Mesh`` (``jax.make_mesh``), a ``jax.sharding.AbstractMesh`` or an
+    ``AbstractMesh`` (returned as it is).
+
+    Raises:
+        TypeError: anything else, naming what was found.
+
+    Example:
+        >>> import jax
+        >>> m, devices = from_jax_mesh(jax.sharding.Mesh(jax.devices()[:1], ("data",)))
+        >>> m, len(devices)
+        (AbstractMesh(shape=(1,), axis_names=('data',)), 1)
+    """
+    if isinstance(mesh, AbstractMesh):
+        return mesh, None
+    import jax
+
+    if isinstance(mesh, jax.sharding.Mesh):
+        return (AbstractMesh(tuple(mesh.devices.shape), tuple(mesh.axis_names)),
+                tuple(mesh.devices.flat))
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names)), None
+    raise TypeError(f"mesh: expected a rhino.AbstractMesh, a jax.sharding.Mesh "
+                    f"(jax.make_mesh) or a jax.sharding.AbstractMesh, found "
+                    f"{type(mesh).__name__}")
