@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any, Sequence
 
 from rhino.cluster import Cluster
@@ -135,6 +136,7 @@ class CrossTensor:
         kind: ``activation``, ``residual``, ``gradient`` (per microbatch),
             ``weight-gradient`` or ``apply`` (per step).
         seconds: estimated transfer time (per microbatch, or per step).
+        source: the user's source line of the producing op (``file:line``), if known.
     """
 
     name: str
@@ -144,6 +146,7 @@ class CrossTensor:
     dsts: tuple[int, ...]
     kind: str
     seconds: float
+    source: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,6 +555,8 @@ class Plan:
                 f"{s.op_counts.get('forward', 0)} bwd {s.op_counts.get('backward', 0)} apply "
                 f"{s.op_counts.get('apply', 0)} copied {s.op_counts.get('copied', 0)}; "
                 f"{sum(s.flops[:2]) / 1e9:.3g} GFLOP/batch")
+            if s.weights:
+                lines.append(f"      weights: {summarize_paths(s.weights)}")
             lines.append(
                 f"      per microbatch: compute {ms * e.compute_s:.3f} ms, comm "
                 f"{ms * e.communication_s:.3f} ms, send {ms * e.send_s:.3f} ms; per step: "
@@ -572,10 +577,13 @@ class Plan:
                          f"1/{m} for activations, residuals and gradients; time per "
                          f"microbatch for those, per step for weight-gradient and apply):")
             big = sorted(self.crossings, key=lambda x: -x.bytes)[:max_crossings]
+            wn = max([28] + [len(x.name) for x in big])
+            ws = max([22] + [len(x.shape) for x in big])
             for x in big:
-                lines.append(f"    {x.kind:<15} {x.name:<28} {x.shape:<22} "
+                lines.append(f"    {x.kind:<15} {x.name:<{wn}} {x.shape:<{ws}} "
                              f"{format_bytes(x.bytes):>12}  stage {x.src} -> "
-                             f"{','.join(map(str, x.dsts))}  {ms * x.seconds:.3f} ms")
+                             f"{','.join(map(str, x.dsts))}  {ms * x.seconds:.3f} ms"
+                             + (f"  [{x.source}]" if x.source else ""))
             if len(self.crossings) > len(big):
                 lines.append(f"    ... {len(self.crossings) - len(big)} more ({MORE_HINT})")
         if self.shared_weights:
@@ -585,6 +593,48 @@ class Plan:
 
 
 MORE_HINT = "report(full=True) or rhino plan --all lists them"
+
+_INDEXED = re.compile(r"^(.*?)\[(\d+)\]")
+_PART = re.compile(r"\[[^\]]*\]|\.[A-Za-z_]\w*|^[A-Za-z_]\w*")
+
+
+def summarize_paths(paths: Sequence[str], most: int = 10) -> str:
+    """The weights a stage holds, as a person reads a model: the paths of the first state
+    argument (the parameters; the optimizer state mirrors them), a run of layers as one
+    entry with its index range, other paths cut to their first two parts.
+
+    >>> summarize_paths(["params['layers'][0]['w']", "params['layers'][1]['w']",
+    ...                  "params['wte']", "opt_state[0].mu['wte']",
+    ...                  "model.blocks[2].attn.kernel", "model.blocks[3].mlp.kernel"])
+    "params['layers'][0..1], params['wte']"
+    >>> summarize_paths(["model.blocks[2].attn.kernel", "model.blocks[3].mlp.kernel",
+    ...                  "model.embed.embedding"])
+    'model.blocks[2..3], model.embed'
+    """
+    if not paths:
+        return "none"
+    first = _PART.match(paths[0])
+    head = first.group(0) if first else ""
+    mine = [p for p in paths if _PART.match(p) and _PART.match(p).group(0) == head] or \
+        list(paths)
+    runs: dict[str, list[int]] = {}
+    for p in mine:
+        m = _INDEXED.match(p)
+        if m is not None and len(_PART.findall(m.group(1))) <= 3:
+            runs.setdefault(m.group(1), []).append(int(m.group(2)))
+        else:
+            runs.setdefault("".join(_PART.findall(p)[:2]), [])
+    out = []
+    for prefix, ks in runs.items():
+        ks = sorted(set(ks))
+        if not ks:
+            out.append(prefix)
+        elif ks == list(range(ks[0], ks[-1] + 1)):
+            out.append(f"{prefix}[{ks[0]}..{ks[-1]}]" if len(ks) > 1 else f"{prefix}[{ks[0]}]")
+        else:
+            out.append(f"{prefix}[{','.join(map(str, ks))}]")
+    more = len(out) - most
+    return ", ".join(out[:most]) + (f", ... {more} more" if more > 0 else "")
 
 LEGEND = [
     "  legend            every time and memory figure above is the planner's estimate (its "

@@ -142,7 +142,7 @@ def cost_pipeline(graph: HloGraph, cluster: Cluster, split: MeshSplit, a: StageA
         else:
             step_send[c.src] += secs
         cross.append(CrossTensor(op.name, shape_str(op.shape), c.bytes, c.src, c.dsts, c.kind,
-                                 secs))
+                                 secs, op.source or ""))
     for pid, stages in a.shared_weights:   # updated on its owner, sent to the others
         nbytes = graph.ops[pid].out_bytes
         for d in stages[1:]:

@@ -355,8 +355,12 @@ class SpmdPlan:
                      "first):")
         ranked = sorted(self.params, key=lambda p: -p.global_bytes)
         counts = Counter(p.spec.to_str(m) for p in self.params)
-        for p in ranked[:max_params]:
-            lines.append(f"    {p.path:<44} {p.shape:<20} {p.spec.to_str(m):<16} "
+        shown = ranked[:max_params]
+        # Columns as wide as the longest path and shape shown (NNX paths run long).
+        wp = max([44] + [len(p.path) for p in shown])
+        ws = max([20] + [len(p.shape) for p in shown])
+        for p in shown:
+            lines.append(f"    {p.path:<{wp}} {p.shape:<{ws}} {p.spec.to_str(m):<16} "
                          f"{_bytes(p.local_bytes):>12}")
         if len(ranked) > max_params:
             lines.append(f"    ... {len(ranked) - max_params} more ({MORE_HINT}); specs "
