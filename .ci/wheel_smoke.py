@@ -7,6 +7,9 @@ it from outside the source tree.
 2. In a new venv (``pip install WHEEL[models] -c constraints.txt``), from a folder outside the
    checkout: every module imports, from site-packages; ``rhino --version`` answers;
    ``rhino plan gpt:layers=4,hidden=256 --cluster 2x4 --json`` prints valid JSON.
+3. Without extras (``[models]`` only): Ray, matplotlib and orbax are not installed; an SPMD
+   step runs and equals ``jax.jit``; ``rhino.init``, a timeline PNG and a checkpoint each
+   raise an error naming the extra to install (``[ray]``, ``[plots]``, ``[checkpoint]``).
 
 Usage: ``python3 .ci/wheel_smoke.py`` (builds the wheel), or ``--wheel FILE`` to check a
 given wheel, or ``--contents-only`` to stop after step 1. Exit 1 with the reason on failure.
@@ -25,6 +28,33 @@ import zipfile
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ROOTS = {"rhino": "rhino", "hlo_passes": "rhino.hlo_passes", "runtime": "rhino.runtime"}
 PLAN = ["plan", "gpt:layers=4,hidden=256", "--cluster", "2x4", "--json"]
+OPTIONAL = """
+import importlib.util, os, tempfile
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+for name in ("ray", "matplotlib", "orbax"):
+    assert importlib.util.find_spec(name) is None, f"{name} installed without its extra"
+import jax, jax.numpy as jnp, numpy as np, rhino
+from rhino.runtime.timeline import ExecutedTimeline, TaskRecord
+step = lambda w, x: (w - 0.1 * x.T @ (x @ w), jnp.sum(x @ w))
+w, x = jnp.ones((16, 16)), jnp.ones((32, 16))
+want = jax.jit(step)(w, x)
+got = rhino.auto_parallel(step, mesh_shape=(2,), donate=False)(w, x)
+np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
+tl = ExecutedTimeline((TaskRecord(0, "F0", 0.0, 0.001, 0, "forward"),), "1f1b", 1, 1)
+d = tempfile.mkdtemp()
+for what, extra, call in (
+        ("rhino.init", "rhino[ray]", lambda: rhino.init()),
+        ("a timeline PNG", "rhino[plots]", lambda: tl.draw(os.path.join(d, "t.png"))),
+        ("a checkpoint", "rhino[checkpoint]",
+         lambda: rhino.save_checkpoint(os.path.join(d, "c"), {"w": w}))):
+    try:
+        call()
+    except rhino.RhinoError as e:
+        assert extra in str(e), (what, str(e))
+    else:
+        raise AssertionError(f"{what} ran without its optional package")
+tl.write_trace(os.path.join(d, "t.json"))     # trace events need nothing
+"""
 
 
 def source_modules() -> list[str]:
@@ -98,8 +128,10 @@ def main() -> int:
         except json.JSONDecodeError as e:
             fail(f"rhino {' '.join(PLAN)} printed no valid JSON ({e}); stdout starts "
                  f"{out.stdout[:300]!r}")
+        run([str(py), "-c", OPTIONAL], outside, "rhino without its optional packages")
         print(f"wheel smoke: OK ({version.stdout.strip()}; all modules import from "
-              f"site-packages; `rhino {' '.join(PLAN)}` -> JSON, {plan['kind']} plan)")
+              f"site-packages; `rhino {' '.join(PLAN)}` -> JSON, {plan['kind']} plan; "
+              f"without extras: SPMD runs, optional features name their extras)")
     return 0
 
 

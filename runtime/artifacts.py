@@ -296,7 +296,12 @@ def _cloudpickle() -> Any:
     try:
         import cloudpickle
     except ImportError:
-        from ray import cloudpickle
+        try:
+            from ray import cloudpickle
+        except ImportError as e:
+            raise ArtifactError("stage programs binding host callbacks are saved with the "
+                                "step's code, pickled by cloudpickle: pip install "
+                                "cloudpickle, or 'rhino[ray]' (Ray brings it)") from e
     return cloudpickle
 
 

@@ -53,9 +53,9 @@ class CheckpointError(RhinoError):
 def _orbax():
     try:
         import orbax.checkpoint as ocp
-    except ImportError as e:  # pragma: no cover - installed with the test extra
-        raise CheckpointError("checkpoints need orbax-checkpoint: pip install "
-                              "'rhino[checkpoint]' (or orbax-checkpoint)") from e
+    except ImportError as e:
+        raise CheckpointError("checkpoints need orbax-checkpoint, an optional dependency: "
+                              "pip install 'rhino[checkpoint]' (or orbax-checkpoint)") from e
     return ocp
 
 

@@ -51,8 +51,9 @@ class RayInfo:
 def import_ray():
     try:
         import ray
-    except ImportError as e:  # pragma: no cover - ray is a dependency
-        raise ExecutorError("the Ray executor needs ray: pip install 'ray>=2.9'") from e
+    except ImportError as e:
+        raise ExecutorError("the Ray executor needs ray, an optional dependency: pip "
+                            "install 'rhino[ray]' (or 'ray[default]>=2.9')") from e
     return ray
 
 

@@ -317,9 +317,15 @@ class ExecutedTimeline:
             >>> open(p, "rb").read(8) == b"\\x89PNG\\r\\n\\x1a\\n"
             True
         """
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional dependency
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+            from matplotlib.patches import Patch
+        except ImportError as e:
+            raise TimelineError("drawing the timeline as a PNG needs matplotlib, an optional "
+                                "dependency: pip install 'rhino[plots]' (or matplotlib); "
+                                "timeline(trace='t.json') writes trace events without it, "
+                                "render_text() draws it as text") from e
 
         p, t0 = self.num_stages, self.t0
         fig = Figure(figsize=(12, 1.2 + 0.75 * p), dpi=100)

@@ -165,3 +165,19 @@ def test_bad_json():
            "records": [{"stage": 0, "label": "F0", "start": 0.0, "end": 1.0, "colour": "red"}]}
     with pytest.raises(TimelineError, match="expected records with fields"):
         ExecutedTimeline.from_dict(bad)
+
+
+def test_drawing_without_matplotlib_names_the_extra(one_f_one_b_timeline, tmp_path,
+                                                    monkeypatch):
+    """matplotlib is optional (``rhino[plots]``): without it, drawing says what to install
+    and what works without it; trace events need nothing."""
+    import sys
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib fails
+    tl = one_f_one_b_timeline[2]
+    with pytest.raises(TimelineError, match=r"pip install 'rhino\[plots\]'"):
+        tl.draw(tmp_path / "t.png")
+    tl.write_trace(tmp_path / "t.json")
+    assert (tmp_path / "t.json").stat().st_size > 0
