@@ -24,7 +24,8 @@ from rhino.distributed import (DistributedError, agree_on_plan, check_cross_proc
 from rhino.errors import OptionsError, RhinoError
 from rhino.front_door import TracedStep, plan_on_cluster, plan_on_mesh, runnable_cost, spmd_plan
 from rhino.hlo_passes import HloGraph
-from rhino.hlo_passes.lower import compile_spmd, key_args, lower_spmd, lower_stages
+from rhino.hlo_passes.lower import (StageLowering, compile_spmd, key_args, lower_spmd,
+                                    lower_stages)
 from rhino.parallel_plan import Plan
 from rhino.pipeline.api import make_cluster
 from rhino.pipeline.coarsen import classify_ops
@@ -53,6 +54,28 @@ class StepEntry:
 
     def report(self) -> str:
         return "\n".join([self.plan.report(), *self.run.report_lines()])
+
+
+def split_stages(step: TracedStep, plan: Plan, batch_args: Sequence[str] | None = None,
+                 per_microbatch_statistics: bool = False
+                 ) -> tuple[StageLowering, list[WorkerSpec]]:
+    """A several-stage ``plan`` written into the traced step: its stage programs
+    (``lower_stages``, after the gradient boundary and the batch leaves are checked) and
+    the ``WorkerSpec`` of each stage."""
+    graph = step.graph
+    boundary = find_gradient_boundary(graph, BoundaryOptions(batch_args))
+    check_batch_leaves(graph, boundary, plan.num_microbatches, key_args(step.traced))
+    roles = classify_ops(graph, boundary).role
+    lowering = lower_stages(step.traced, graph, plan, step.abstract, roles,
+                            boundary.batch_params, per_microbatch_statistics)
+    specs = [WorkerSpec(step.fn, lowering.abstract, lowering.assignment,
+                        lowering.batch_refs, plan.num_stages, plan.num_microbatches,
+                        plan.schedule.value, st.index, tuple(st.mesh.shape),
+                        tuple(st.mesh.axis_names), lowering.shardings[st.index],
+                        key_refs=lowering.key_refs,
+                        per_microbatch_statistics=per_microbatch_statistics)
+             for st in plan.stages]
+    return lowering, specs
 
 
 class StepBuilder:
@@ -205,22 +228,12 @@ class StepBuilder:
             f"of one SPMD program), found {what}")
 
     def _staged(self, plan: Plan) -> StagedRun:
-        o, graph = self.o, self.graph
+        o = self.o
         if self.multi and (plan.num_stages == 1 or o.executor is not ExecutorKind.LOCAL):
             self._refuse_staged(f"executor='{o.executor}'")
         self.progress("splitting the step into stage programs")
-        boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
-        check_batch_leaves(graph, boundary, plan.num_microbatches, key_args(self.traced))
-        roles = classify_ops(graph, boundary).role
-        lowering = lower_stages(self.traced, graph, plan, self.abstract, roles,
-                                boundary.batch_params, o.per_microbatch_statistics)
-        specs = [WorkerSpec(self.fn, lowering.abstract, lowering.assignment,
-                            lowering.batch_refs, plan.num_stages, plan.num_microbatches,
-                            plan.schedule.value, st.index, tuple(st.mesh.shape),
-                            tuple(st.mesh.axis_names), lowering.shardings[st.index],
-                            key_refs=lowering.key_refs,
-                            per_microbatch_statistics=o.per_microbatch_statistics)
-                 for st in plan.stages]
+        lowering, specs = split_stages(self.step, plan, o.batch_args,
+                                       o.per_microbatch_statistics)
         if o.executor is ExecutorKind.RAY:
             from rhino.runtime.artifacts import export_stages
             from rhino.runtime.ray_executor import RayExecutor, actor_platform

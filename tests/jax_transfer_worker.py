@@ -212,15 +212,10 @@ def pipeline(steps=3):
 
     import rhino
     from rhino.front_door import plan_on_cluster, trace_step
-    from rhino.hlo_passes.lower import key_args, lower_stages
     from rhino.models import get_model
     from rhino.parallel_plan import Plan
-    from rhino.step_builder import StepBuilder
-    from rhino.pipeline.coarsen import classify_ops
-    from rhino.pipeline.gradient import BoundaryOptions, check_batch_leaves, \
-        find_gradient_boundary
+    from rhino.step_builder import StepBuilder, split_stages
     from rhino.progress import Progress
-    from rhino.runtime.worker_spec import WorkerSpec
     from rhino.runtime.spmd import device_mesh
     from rhino.runtime.transport import StepTransport
 
@@ -239,17 +234,7 @@ def pipeline(steps=3):
     else:
         plan = Plan.from_json(kv.blocking_key_value_get("rhino-test/plan", 120_000))
     assert plan.num_stages == 2, plan.num_stages
-    graph = traced.graph
-    boundary = find_gradient_boundary(graph, BoundaryOptions(o.batch_args))
-    check_batch_leaves(graph, boundary, plan.num_microbatches, key_args(traced.traced))
-    roles = classify_ops(graph, boundary).role
-    lowering = lower_stages(traced.traced, graph, plan, traced.abstract, roles,
-                            boundary.batch_params, o.per_microbatch_statistics)
-    specs = [WorkerSpec(traced.fn, lowering.abstract, lowering.assignment,
-                        lowering.batch_refs, plan.num_stages, plan.num_microbatches,
-                        plan.schedule.value, st.index, tuple(st.mesh.shape),
-                        tuple(st.mesh.axis_names), lowering.shardings[st.index],
-                        key_refs=lowering.key_refs) for st in plan.stages]
+    lowering, specs = split_stages(traced, plan, o.batch_args)
     meshes = [device_mesh(sp.mesh_shape, sp.axis_names,
                           on(s, int(np.prod(sp.mesh_shape)))) for s, sp in enumerate(specs)]
 
