@@ -9,7 +9,11 @@ right after joining; the others wait), ``--raise-on P`` (process P raises instea
 ``--cluster``, ``--stages``: ``auto_parallel``'s options; ``--effects PATH``: the step holds
 a ``jax.debug.callback`` and an ordered ``io_callback``, which append ``TAG pPROCESS VALUE``
 lines to PATH (the one-device ``jax.jit`` reference's tags start with ``ref-``).
-``--frozen`` runs another step instead (``handmade.frozen_front_step``: frozen first layers, so a stage may have no
+``--arg-kinds numpy,local,global`` runs the step once per kind of argument users have, each
+with a new ``auto_parallel``: numpy arrays, process-local jax arrays (on the process's first
+device, as ``model.init`` returns them) and global ``jax.Array``s (replicated over every
+device of the job), or ``split`` (global arrays whose rows are split over every device of
+the job). ``--frozen`` runs another step instead (``handmade.frozen_front_step``: frozen first layers, so a stage may have no
 backward or apply task; results of several stages combined).
 """
 
@@ -67,6 +71,7 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--effects", default=None)
     ap.add_argument("--frozen", action="store_true")
+    ap.add_argument("--arg-kinds", default=None)
     a = ap.parse_args()
 
     job = rhino.distributed_init()
@@ -84,6 +89,8 @@ def main() -> int:
         raise RuntimeError(f"process {me}: raising on purpose")
     if a.frozen:
         return frozen(me, f"{n}x{jax.local_device_count()}", a.stages)
+    if a.arg_kinds:
+        return arg_kinds(me, a.arg_kinds.split(","), a.cluster, a.stages)
 
     rng = np.random.default_rng(0)
     params = {"w1": rng.normal(size=(64, 256)).astype(np.float32) * 0.05,
@@ -156,6 +163,46 @@ def frozen(me: int, cluster: str, stages: int) -> int:
     print(f"process {me}: empty tasks "
           f"{sorted(f'{k}{s}' for (k, s), t in split.tasks.items() if t.empty)}", flush=True)
     return shards_match(me, p, ref)
+
+
+def arg_kinds(me: int, kinds: list[str], cluster: str | None, stages: int | None) -> int:
+    """The MLP step fed each kind of argument (``--arg-kinds``), 2 steps each beside
+    jax.jit; every process checks the loss and its own shards."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    rng = np.random.default_rng(0)
+    host = ({"w1": rng.normal(size=(64, 256)).astype(np.float32) * 0.05,
+             "w2": rng.normal(size=(256, 16)).astype(np.float32) * 0.05},
+            rng.normal(size=(128, 64)).astype(np.float32),
+            rng.normal(size=(128, 16)).astype(np.float32))
+    mesh = Mesh(np.array(jax.devices()), ("all",))
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    rows = NamedSharding(mesh, PartitionSpec("all"))
+    make = {"numpy": lambda x: x,
+            "local": jnp.asarray,      # this process's default device
+            "global": lambda x: jax.make_array_from_callback(x.shape, everywhere,
+                                                             lambda i: x[i]),
+            # rows split over every device of the job: no process holds the whole value
+            "split": lambda x: jax.make_array_from_callback(x.shape, rows, lambda i: x[i])}
+    for kind in kinds:
+        args = jax.tree.map(make[kind], host)
+        step = rhino.auto_parallel(train_step, cluster=cluster, stages=stages)
+        p, ref = args[0], host[0]
+        for k in range(2):
+            try:
+                p, loss = step(p, *args[1:])
+            except rhino.RhinoError as e:
+                print(f"process {me}: {kind} arguments: refused: {e}", flush=True)
+                return 2
+            ref, ref_loss = jax.jit(train_step)(ref, *host[1:])
+            if not np.allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-6):
+                print(f"process {me}: {kind}: MISMATCH ({float(loss)} vs {float(ref_loss)})",
+                      flush=True)
+                return 1
+        if shards_match(me, p, ref):
+            return 1
+        print(f"process {me}: {kind} arguments: OK", flush=True)
+    return 0
 
 
 def dataclass_again(job):

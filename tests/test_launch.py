@@ -367,3 +367,30 @@ def test_corpus_steps_one_after_another_in_one_job(tmp_path):
     assert corpus_job.covered(parts) == []
     # The processes held different parts: each judged something of its own.
     assert all(any(h for h in r["held"]) for runs in parts for r in runs)
+
+
+def test_spmd_steps_take_every_kind_of_argument_users_have():
+    """Issue 47, item 3: numpy arrays, process-local jax arrays (what ``model.init``
+    returns on each process) and global ``jax.Array``s, replicated or split over the job's
+    devices, each fed to a new SPMD step: equal to jax.jit on both processes."""
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(JOB),
+                  "--arg-kinds", "numpy,local,global,split")
+    assert out.returncode == 0, _show(out)
+    for p in (0, 1):
+        for kind in ("numpy", "local", "global", "split"):
+            assert f"[p{p}] process {p}: {kind} arguments: OK" in out.stdout, _show(out)
+
+
+def test_pipelined_steps_take_every_kind_of_argument_a_stage_can_hold():
+    """The same kinds for a pipeline of one stage per process: a global array replicated
+    over the processes is read from this process's copy (before: 'Cannot reshard an input
+    that is not fully addressable'); one split over both processes, of which no process
+    holds a whole weight, is refused naming what to pass instead."""
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(JOB), "--cluster", "2x4",
+                  "--stages", "2", "--arg-kinds", "numpy,local,global,split")
+    for p in (0, 1):
+        for kind in ("numpy", "local", "global"):
+            assert f"[p{p}] process {p}: {kind} arguments: OK" in out.stdout, _show(out)
+    assert re.search(r"process \d: split arguments: refused: an argument float32\[\d+, \d+\]:"
+                     r" a global jax.Array of which this process holds only some elements",
+                     out.stdout), _show(out)
