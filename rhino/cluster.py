@@ -33,7 +33,7 @@ from typing import Any
 from rhino.backends import BACKENDS, BackendFigures, inter_host_axes
 from rhino.errors import OptionsError
 from rhino.planner.cost_model import (CPU_ALPHA, CPU_BETA, CPU_FLOPS, CPU_MEMORY, CostModel)
-from rhino.planner.mesh import AbstractMesh
+from rhino.planner.mesh import AbstractMesh, check_device_total
 from rhino.planner.roofline import Roofline
 
 _FIGURES = ("flops_per_s", "dtype_flops_per_s", "memory_bytes", "alpha_intra", "beta_intra",
@@ -75,6 +75,8 @@ class Cluster:
         if self.hosts < 1 or self.devices_per_host < 1:
             raise ValueError(f"cluster: expected >= 1 hosts and devices per host, found "
                              f"{self.hosts}x{self.devices_per_host}")
+        check_device_total(f"cluster {self.hosts}x{self.devices_per_host}",
+                           self.hosts * self.devices_per_host)
         for f in ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"cluster {f}: expected >= 0, found {getattr(self, f)!r}")

@@ -328,3 +328,34 @@ def test_a_replan_for_new_shapes_is_a_warning_naming_them(caplog):
     assert "auto_parallel(_sgd): arguments of new shapes or dtypes, planned and compiled " \
            "again (a plan per signature: 2 now): args[1] float32[32, 16] -> float32[8, 16]" \
         in record.getMessage()
+
+
+def test_a_mesh_or_cluster_beyond_what_a_plan_represents_is_refused_at_once():
+    """Issue 46, item 4: a mesh of 10^9 devices (or a cluster of as many) is refused in
+    under a second under a 2 GiB memory limit, naming the size as given (before: a
+    MemoryError, a plan listing every device)."""
+    import resource
+    import subprocess
+    import sys
+
+    script = (
+        "import time, jax.numpy as jnp, rhino\n"
+        "for kw in (dict(mesh_shape=(10**9,)), dict(cluster='1000x1000000')):\n"
+        "    t = time.perf_counter()\n"
+        "    try:\n"
+        "        rhino.plan(lambda w, x: w - x.T @ (x @ w), jnp.ones((8, 8)),\n"
+        "                   jnp.ones((16, 8)), **kw)\n"
+        "    except rhino.OptionsError as e:\n"
+        "        print(f'{time.perf_counter() - t:.3f}', e)\n")
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, preexec_fn=limit)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr[-2000:]
+    assert "mesh shape (1000000000,): expected at most 1048576 devices" in lines[0]
+    assert "cluster 1000x1000000: expected at most 1048576 devices" in lines[1]
+    assert all(float(line.split()[0]) < 1.0 for line in lines), lines

@@ -22,6 +22,25 @@ import math
 from typing import Any, Sequence
 
 _DEFAULT_NAMES = "xyzuvw"
+MAX_DEVICES = 2 ** 20
+"""The most devices a mesh or cluster may have: a plan lists every device of each stage
+(``StagePlan.devices``), so planning for more would allocate in proportion to a count no
+machine has; larger sizes are refused before anything is planned."""
+
+
+def check_device_total(what: str, n: int) -> None:
+    """Refuse ``n`` devices above ``MAX_DEVICES``, naming ``what`` (the option as given).
+
+    >>> check_device_total("mesh shape (1000000000,)", 10 ** 9)
+    Traceback (most recent call last):
+    ...
+    rhino.errors.OptionsError: mesh shape (1000000000,): expected at most 1048576 devices (a plan lists each device), found 1000000000
+    """
+    if n > MAX_DEVICES:
+        from rhino.errors import OptionsError
+
+        raise OptionsError(f"{what}: expected at most {MAX_DEVICES} devices (a plan lists "
+                           f"each device), found {n}")
 _KEYS = ("shape", "axis_names")
 
 
@@ -52,6 +71,7 @@ class AbstractMesh:
             raise ValueError(f"mesh shape: expected a non-empty tuple of positive sizes, "
                              f"found {self.shape!r}")
         object.__setattr__(self, "shape", shape)
+        check_device_total(f"mesh shape {shape}", math.prod(shape))
         names = tuple(self.axis_names) or default_axis_names(len(shape))
         if len(names) != len(shape) or len(set(names)) != len(names):
             raise ValueError(f"mesh axis_names: expected {len(shape)} distinct names, found "
