@@ -93,10 +93,7 @@ class ParallelStep:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = None
-        if kwargs or self._binder.needed:    # keywords, static arguments: rhino.step_call
-            call = self._binder.bind(args, kwargs)
-            args = call.args
+        args, call = self._bind(args, kwargs)
         # Fastest path: the last signature's executable called as it is. It checks the
         # arguments itself before running (nothing is donated when it refuses): another
         # pytree or shape raises TypeError, a committed array laid out otherwise
@@ -111,6 +108,14 @@ class ParallelStep:
         if objects is not None:      # Flax NNX objects: updated in place, as nnx.jit does
             return objects.finish(self._run(objects.args, objects, call))
         return self._run(args, None, call)
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, BoundCall | None]:
+        """(the dynamic arguments, the bound call) of a call with keywords or static
+        arguments (``rhino.step_call``); (``args``, None) for a plain positional call."""
+        if not kwargs and not self._binder.needed:
+            return args, None
+        call = self._binder.bind(args, kwargs)
+        return call.args, call
 
     def _run(self, args: tuple, objects: NnxObjects | None = None,
              call: BoundCall | None = None) -> Any:
@@ -326,10 +331,7 @@ class ParallelStep:
     def _entry_of(self, args: tuple, kwargs: dict | None = None) -> StepEntry:
         """The entry of the arguments as the user passes them (NNX objects or not;
         keywords and static arguments bound: ``rhino.step_call``)."""
-        call = self._binder.bind(args, kwargs or {}) \
-            if kwargs or self._binder.needed else None
-        if call is not None:
-            args = call.args
+        args, call = self._bind(args, kwargs or {})
         objects = NnxObjects.of(args)
         return self._entry(args, None, call) if objects is None else \
             self._entry(objects.args, objects, call)

@@ -59,8 +59,9 @@ from rhino.runtime.instructions import (Instr, acknowledged_recvs, first_apply, 
                                         inputs_in_plan, instructions)
 from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
                                      Transport, root_cause)
+from rhino.runtime.placement import place
 from rhino.runtime.task_timing import (Pending, all_ready, annotate, done_now, measured,
-                                      ready_at, whole_here)
+                                      ready_at)
 from rhino.runtime.timeline import TaskRecord
 
 __all__ = ["ExecutorError", "Failure", "LocalTransport", "StepTransport", "Transport",
@@ -73,23 +74,6 @@ ABORT_GRACE_S = 10.0
 CLOSE_GRACE_S = 2.0
 """How long ``close()`` (and an interrupted step) waits for stage threads to stop."""
 
-
-
-def place(x: Any, sharding: Any) -> Any:
-    """``x`` with ``sharding``. On a mesh spanning processes, a host value is placed by each
-    process from its own copy, reading only the shards its devices hold (other rows may
-    differ between processes: ``jax.device_put`` would refuse that)."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x    # what device_put returns too, without its ~20 µs of dispatch
-    if isinstance(x, jax.Array) and not x.is_fully_addressable and \
-            sharding.is_fully_addressable:
-        x = whole_here(x)     # a global array onto this process's devices
-    if sharding.is_fully_addressable or isinstance(x, jax.Array):
-        return jax.device_put(x, sharding)
-    host = np.asarray(x)
-    # dtype: a process holding no shard of the mesh has nothing to read it from
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index],
-                                        dtype=host.dtype)
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any) -> Any:

@@ -46,28 +46,6 @@ def annotate(stage: int, label: str) -> Any:
     return jax.profiler.TraceAnnotation(f"{ANNOTATION_PREFIX} stage{stage} {label}")
 
 
-def whole_here(x: Any) -> Any:
-    """A global ``jax.Array`` (over several processes' devices) as a numpy value, from the
-    shards this process holds, where they cover it (replicated across the processes, or
-    split only within each); else ``ExecutorError``: its other rows are on other processes.
-    """
-    import numpy as np
-
-    boxes = {tuple((s.start or 0, x.shape[d] if s.stop is None else s.stop)
-                   for d, s in enumerate(sh.index)): sh for sh in x.addressable_shards}
-    held = sum(int(np.prod([b - a for a, b in box], dtype=np.int64)) for box in boxes)
-    if held < int(np.prod(x.shape, dtype=np.int64)):
-        raise ExecutorError(
-            f"an argument {x.dtype}{list(x.shape)}: a global jax.Array of which this process "
-            f"holds only some elements ({x.sharding}), needed whole on this process's "
-            f"stage: pass it replicated over the processes, or as numpy or this process's "
-            f"own arrays", failure=Failure.PROGRAM)
-    out = np.empty(x.shape, x.dtype)
-    for sh in boxes.values():
-        out[sh.index] = np.asarray(sh.data)
-    return out
-
-
 def done_now() -> cf.Future:
     """A future already holding the present time."""
     f: cf.Future = cf.Future()
