@@ -34,7 +34,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 for name in ("ray", "matplotlib", "orbax"):
     assert importlib.util.find_spec(name) is None, f"{name} installed without its extra"
 import jax, jax.numpy as jnp, numpy as np, rhino
-from rhino.runtime.timeline import ExecutedTimeline, TaskRecord
+from rhino.runtime.scheduling.timeline import ExecutedTimeline, TaskRecord
 step = lambda w, x: (w - 0.1 * x.T @ (x @ w), jnp.sum(x @ w))
 w, x = jnp.ones((16, 16)), jnp.ones((32, 16))
 want = jax.jit(step)(w, x)

@@ -2,7 +2,7 @@
 
 Two parts, side by side per case:
 
-* **Simulated** (host-level model, ``rhino.runtime.load_balance``) at the paper's size: a
+* **Simulated** (host-level model, ``rhino.runtime.transfer.load_balance``) at the paper's size: a
   (1024, 1024, 512) float32 tensor (2 GiB), 10 Gbit/s NIC per host, 100 GB/s inside a host
   (004 §5's p3.8xlarge cluster). Cross-host bytes and completion time for send/recv and
   send/recv + local all-gather (the paper's "Alpa" baseline), both with the greedy balancer
@@ -47,8 +47,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from rhino.runtime.load_balance import Topology  # noqa: E402
-from rhino.runtime.resharding import (DeviceMesh, distribute, execute,  # noqa: E402
+from rhino.runtime.transfer.load_balance import Topology  # noqa: E402
+from rhino.runtime.transfer.resharding import (DeviceMesh, distribute, execute,  # noqa: E402
                                       expected_tiles, plan_resharding)
 
 # case: (send spec, recv spec, send mesh, recv mesh) — 004 Table 2 (case 5's "S_0RR" = S^0RR)
@@ -201,7 +201,7 @@ def execute_table(repeats: int) -> None:
 def ray_table(repeats: int, topo: Topology) -> None:
     import ray
 
-    from rhino.runtime.ray_executor import init
+    from rhino.runtime.ray.executor import init
     from ray_resharding import HostActors
 
     mib = 2.0 ** 20

@@ -77,7 +77,7 @@ def run(out: str, steps: int) -> dict:
     import jax
     import numpy as np
 
-    from rhino.runtime.artifacts import SavedPipeline, load
+    from rhino.runtime.executors.artifacts import SavedPipeline, load
 
     arts = load(out)
     dev = jax.local_devices()

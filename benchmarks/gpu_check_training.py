@@ -89,8 +89,8 @@ def param_count(params: Any) -> int:
 
 
 def compiled_memory(compiled: Any) -> dict | None:
-    """Per-device bytes of a compiled program (``rhino.runtime.spmd.compiled_memory``)."""
-    from rhino.runtime.spmd import compiled_memory as cm
+    """Per-device bytes of a compiled program (``rhino.runtime.executors.spmd.compiled_memory``)."""
+    from rhino.runtime.executors.spmd import compiled_memory as cm
 
     return cm(compiled)
 
@@ -108,7 +108,7 @@ def collectives_of(text: Callable[[], str]) -> dict:
     """kind -> [count, bytes] of the collectives in a compiled program's text (``text()``);
     where rhino's HLO parser cannot read it, ``{"error": ...}`` instead (a finding about
     the parser, not a failed comparison)."""
-    from rhino.runtime.spmd import count_collectives, summarize
+    from rhino.runtime.executors.spmd import count_collectives, summarize
 
     try:
         return {k: list(v) for k, v in summarize(count_collectives(text())).items()}

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     options = {}
     if a.executor == "ray":
-        from rhino.runtime.ray_executor import init
+        from rhino.runtime.ray.executor import init
         init(num_cpus=4, log_to_driver=False)
         options = dict(executor="ray", timeout=a.timeout)
     names = set(a.cases.split(",")) if a.cases else None

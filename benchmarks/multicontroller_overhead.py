@@ -1,6 +1,6 @@
 """Pipeline runtime overhead in a multi-controller job (issue 30, acceptance 5): the same
 model, cluster, stages and microbatches as ``pipeline_overhead.py``, one stage per process,
-values between the processes through JAX's transfer servers (``runtime.jax_transfer``).
+values between the processes through JAX's transfer servers (``runtime.transfer.jax_transfer``).
 
     python -m rhino.launch --hosts 2 --devices-per-host 4 \\
         benchmarks/multicontroller_overhead.py --steps 20 [--no-cross-process-collectives]
@@ -47,8 +47,8 @@ def main(argv=None) -> int:
     from pipeline_overhead import critical_path_s
     from rhino.jaxpr.private import kv_get, kv_set
     from rhino.models import get_model
-    from rhino.runtime.schedules import make_schedule
-    from rhino.runtime.timeline import TaskRecord
+    from rhino.runtime.scheduling.schedules import make_schedule
+    from rhino.runtime.scheduling.timeline import TaskRecord
 
     me, n = job.process_id, job.num_processes
     m = get_model("gpt", layers=a.layers, hidden=a.hidden, heads=4, seq=64, vocab=2048,

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     import rhino
     from rhino.models import get_model
-    from rhino.runtime.ray_executor import init
+    from rhino.runtime.ray.executor import init
 
     m = get_model("gpt", layers=args.layers, hidden=args.hidden, heads=4, seq=64, vocab=2048,
                   batch=args.batch)

@@ -55,7 +55,7 @@ def run(workload: str, n: int, out_path: str) -> dict:
 
     import rhino
     from rhino.models import get_model
-    from rhino.runtime.spmd import count_collectives, summarize
+    from rhino.runtime.executors.spmd import count_collectives, summarize
 
     name, cfg, calls = WORKLOADS[workload]
     model = get_model(name, **cfg)

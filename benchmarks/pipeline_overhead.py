@@ -106,7 +106,7 @@ def main(argv=None) -> int:
 
     import rhino
     from rhino.models import get_model
-    from rhino.runtime.schedules import make_schedule
+    from rhino.runtime.scheduling.schedules import make_schedule
 
     if args.model == "gpt":
         m = get_model("gpt", layers=args.layers, hidden=args.hidden, heads=4, seq=64,
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     params, opt = m.init(jax.random.PRNGKey(0))
     batch = m.make_batch(jax.random.PRNGKey(1))
     if args.executor == "ray":
-        from rhino.runtime.ray_executor import init
+        from rhino.runtime.ray.executor import init
         # one CPU per simulated host at least (a 4x2 cluster: 4 actors on a 2-core machine)
         init(num_cpus=max(os.cpu_count() or 1, int(args.cluster.split("x")[0])))
     t0 = time.perf_counter()
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     print(f"outside the executor (the call's wall time - its step) median "
           f"{statistics.median(outside) * 1e3:.3f} ms")
     handover_us, handed = handover_cost(step, (params, opt, batch), (p, o, loss))
-    print(f"of which the handover of results (runtime.runs.Handover: {handed} 0-d results "
+    print(f"of which the handover of results (runtime.executors.runs.Handover: {handed} 0-d results "
           f"handed back uncommitted, the arguments mapped back to the stages' copies) "
           f"{handover_us:.1f} us per step")
     if driver:

@@ -1,6 +1,6 @@
 """Cross-mesh resharding on Ray actors: every *host* of a ``ReshardingPlan`` is one actor.
 
-``runtime.resharding.execute`` moves jax arrays between devices of one process. Here each
+``runtime.transfer.resharding.execute`` moves jax arrays between devices of one process. Here each
 simulated host is a Ray actor holding the tiles of its devices (numpy arrays keyed by logical
 device id), and the plan's jobs move between actors through the Ray object store::
 
@@ -33,7 +33,7 @@ Only ``rhino.runtime`` imports ray, and this module only inside functions.
 
 Example:
     >>> import numpy as np
-    >>> from rhino.runtime.resharding import (DeviceMesh, expected_tiles, plan_resharding)
+    >>> from rhino.runtime.transfer.resharding import (DeviceMesh, expected_tiles, plan_resharding)
     >>> a, b = DeviceMesh.grid((2, 2)), DeviceMesh.grid((2, 2), first_device=4, first_host=2)
     >>> plan = plan_resharding((4, 4), 4, a, "S^01R", b, "S^0R")
     >>> data = np.arange(16, dtype=np.float32).reshape(4, 4)
@@ -55,8 +55,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.runtime.resharding import (Box, ReshardingError, ReshardingPlan, intersect_boxes,
-                                      box_slices, split_box, box_volume)
+from rhino.runtime.transfer.resharding import (Box, ReshardingError, ReshardingPlan,
+                                               intersect_boxes, box_slices, split_box, box_volume)
 
 DEFAULT_TIMEOUT_S = 60.0
 ACTOR_CONCURRENCY = 16
@@ -347,7 +347,7 @@ class HostActors:
             wait, and a plan may have more hosts than the cluster has CPUs),
             ``max_concurrency=ACTOR_CONCURRENCY``.
 
-    Needs a connected Ray (``rhino.runtime.ray_executor.init``).
+    Needs a connected Ray (``rhino.runtime.ray.executor.init``).
     """
 
     def __init__(self, num_hosts: int = 0, *, timeout: float = DEFAULT_TIMEOUT_S,
@@ -355,7 +355,7 @@ class HostActors:
         ray = _ray()
         if not ray.is_initialized():
             raise ReshardingError("HostActors: expected a connected Ray cluster "
-                                  "(rhino.runtime.ray_executor.init), found none")
+                                  "(rhino.runtime.ray.executor.init), found none")
         self.timeout = timeout
         self._options = {"num_cpus": 0, "max_concurrency": ACTOR_CONCURRENCY,
                          "max_restarts": 0, **(actor_options or {})}

@@ -12,7 +12,7 @@ parallel, ZeRO-3/FSDP, 2-D DP×TP on (2, 4), XLA propagation from batch-sharded 
 * compile the training step (peers: ``jax.jit(step, in_shardings, out_shardings,
   donate_argnums=(0, 1))``; rhino: ``auto_parallel``, which donates the same state);
 * bytes per step: the collectives of the compiled, partitioned HLO
-  (``rhino.runtime.spmd.count_collectives``: per-device bytes, all-reduce / reduce-scatter /
+  (``rhino.runtime.executors.spmd.count_collectives``: per-device bytes, all-reduce / reduce-scatter /
   all-to-all / permute the operand, all-gather the result), summed. Also "wire" bytes per
   device under ring algorithms (all-reduce 2(n-1)/n·S, all-gather and reduce-scatter and
   all-to-all (n-1)/n·S, permute S, n the replica-group size read from the HLO);
@@ -107,7 +107,7 @@ def group_sizes(hlo: str, n_devices: int) -> dict[str, int]:
 
 
 def collective_stats(hlo: str, n_devices: int) -> dict:
-    from rhino.runtime.spmd import count_collectives, summarize
+    from rhino.runtime.executors.spmd import count_collectives, summarize
 
     colls = count_collectives(hlo)
     groups = group_sizes(hlo, n_devices)
@@ -125,7 +125,7 @@ def collective_stats(hlo: str, n_devices: int) -> dict:
 
 
 def memory_stats(compiled) -> dict:
-    from rhino.runtime.spmd import compiled_memory
+    from rhino.runtime.executors.spmd import compiled_memory
 
     return compiled_memory(compiled)
 

@@ -5,7 +5,7 @@ fixed global batch, planned and compiled by ``rhino.auto_parallel`` on 1-D meshe
 8 simulated CPU devices (and 1 device as the reference). Per size: the plan's per-parameter
 specs summarized by role (layer index folded; Adam's mu/nu shown apart from the weights),
 what changed from the previous size, the bytes the plan predicts against the bytes counted in
-the compiled HLO (``rhino.runtime.spmd.count_collectives``), memory per device (the plan's
+the compiled HLO (``rhino.runtime.executors.spmd.count_collectives``), memory per device (the plan's
 liveness estimate and ``compiled.memory_analysis()``: argument + output + temp − alias), the
 estimated and the measured step time (median of ``--runs`` after two warm-up steps; simulated
 devices share this machine's cores, so measured times do not scale and are indicative only),
@@ -54,7 +54,7 @@ def run_size(n: int, runs: int, out_path: str, seq: int) -> dict:
 
     import rhino
     from rhino.models import get_model
-    from rhino.runtime.spmd import compiled_memory, count_collectives, summarize
+    from rhino.runtime.executors.spmd import compiled_memory, count_collectives, summarize
 
     config = dict(CONFIG, seq=seq)
     model = get_model("gpt", **config)

@@ -52,7 +52,7 @@ import json
 from typing import Any, Callable, Mapping, Sequence
 
 from rhino.errors import RhinoError
-from rhino.runtime.schedules import Schedule
+from rhino.runtime.scheduling.schedules import Schedule
 
 NODE_KINDS = ("source", "forward", "backward", "accumulate", "apply", "transfer_act",
               "transfer_grad", "sink")

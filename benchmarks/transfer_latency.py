@@ -1,6 +1,6 @@
 """JAX's transfer server between two processes, and the receiving side's assembly (issue 30).
 
-Two figures the ``jax`` transport (``runtime.jax_transfer``) is built on:
+Two figures the ``jax`` transport (``runtime.transfer.jax_transfer``) is built on:
 
 1. **Latency of one value between two processes** of a ``jax.distributed`` job on this
    machine (CPU, gloo, 4 devices each), through ``jax.experimental.transfer``: the sender
@@ -128,8 +128,7 @@ def _assembly(repeats: int) -> dict[str, list[float]]:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from rhino.runtime import process_resharding as pr
-
+    from rhino.runtime.transfer import process_resharding as pr
     devs = jax.devices()
     src = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), P("x"))
     dst = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), P())

@@ -1,7 +1,7 @@
 """An Equinox model whose class lives in this script (``__main__``), trained with dropout
 keys as a 2-stage pipeline on Ray actors, checked against one-device ``jax.jit``.
 
-The actors run the stage programs the driver exported (``rhino.runtime.artifacts``): they
+The actors run the stage programs the driver exported (``rhino.runtime.executors.artifacts``): they
 never unpickle this script's classes or functions, so ``Net`` (defined here, in
 ``__main__``) is never looked for on the actors. The per-example dropout keys are made on
 one stage and read on the other: PRNG-key-typed values cross between the stages.

@@ -12,7 +12,7 @@ On one machine (2 processes x 4 simulated CPU devices)::
     python -m rhino.launch --hosts 2 --devices-per-host 4 examples/multicontroller_spmd.py
 
 A 2-stage pipeline, one stage per process, values between them through JAX's transfer
-servers (``runtime.jax_transfer``)::
+servers (``runtime.transfer.jax_transfer``)::
 
     python -m rhino.launch --hosts 2 --devices-per-host 4 examples/multicontroller_spmd.py \
         --stages 2

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from rhino.models import get_model
 
     if a.executor == "ray":
-        from rhino.runtime.ray_executor import init
+        from rhino.runtime.ray.executor import init
 
         info = init(a.address, num_cpus=a.num_cpus)
         print(f"ray: {info.address}, {info.nodes} node(s), {info.cpus:g} CPUs", flush=True)

@@ -43,7 +43,7 @@ ELEMENT_TYPES = frozenset(DTYPE_BYTES) | frozenset({
 # HLO opcodes as XLA prints them (xla/hlo/ir/hlo_opcode.h), checked against jaxlib 0.10.2
 # (which prints clz as count-leading-zeros and JAX's mulhi as a mulhi instruction).
 # Ingestion rejects others; the parser alone (also used on compiled HLO from other XLA
-# versions, e.g. by runtime.spmd) accepts any opcode-like token.
+# versions, e.g. by runtime.executors.spmd) accepts any opcode-like token.
 OPCODES = frozenset("""
 abs add add-dependency after-all all-gather all-gather-done all-gather-start all-reduce
 all-reduce-done all-reduce-start all-to-all and async-done async-start async-update atan2

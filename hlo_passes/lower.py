@@ -275,7 +275,7 @@ def lower_spmd(traced: ScopedFunction, graph: HloGraph, plan: SpmdPlan, devices:
         PlanMismatchError: the plan is for another program.
         LoweringError: a parameter or result spec no device sharding expresses.
     """
-    from rhino.runtime.spmd import device_mesh
+    from rhino.runtime.executors.spmd import device_mesh
 
     _check_spmd(plan, graph)
     names = plan.mesh.axis_names
@@ -299,7 +299,7 @@ def lower_spmd(traced: ScopedFunction, graph: HloGraph, plan: SpmdPlan, devices:
 def compile_spmd(lowered: SpmdLowering, graph: HloGraph, abstract: tuple) -> Any:
     """Compile with XLA's SPMD partitioner and check the compiled argument and result
     shardings against the plan (``ShardingMismatchError`` before anything runs)."""
-    from rhino.runtime.spmd import check_shardings
+    from rhino.runtime.executors.spmd import check_shardings
 
     compiled = lowered.jit().lower(*abstract).compile()
     got_in = jax.tree_util.tree_leaves(compiled.input_shardings[0])

@@ -149,8 +149,8 @@ class TaskSpec:
         """The task computes nothing: no equations, outputs or accumulators (the backward
         task of a stage holding no trained weights, the apply task of a stage that is only
         the loss), and no host effects. An empty task has no program: none is exported for
-        it (``runtime.artifacts``) and no instruction list runs it
-        (``runtime.instructions``)."""
+        it (``runtime.executors.artifacts``) and no instruction list runs it
+        (``runtime.scheduling.instructions``)."""
         return not (self.eqns or self.outputs or self.accumulate or self.effects)
 
 

@@ -31,9 +31,9 @@ from rhino._version import __version__
 from rhino.cluster import Cluster
 from rhino.distributed import (DistributedError, PlanDivergenceError, distributed_init,
                                global_batch)
-from rhino.errors import (ArgumentError, BatchCouplingError, HloParseError, InfeasiblePlanError, IngestError, LoweringError,
-                          OptionsError, PlanMismatchError, PlanningError, RhinoError,
-                          UnsupportedOpError)
+from rhino.errors import (ArgumentError, BatchCouplingError, HloParseError, InfeasiblePlanError,
+                          IngestError, LoweringError, OptionsError, PlanMismatchError,
+                          PlanningError, RhinoError, UnsupportedOpError)
 from rhino.hlo_passes import GraphAnalysis, HloGraph, analyze, ingest
 from rhino.parallel_step import ParallelStep, auto_parallel
 from rhino.pipeline import grad, plan_pipeline
@@ -44,9 +44,9 @@ from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planning import plan
-from rhino.runtime.host_data import HostRequest, host_data
-from rhino.runtime.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
-from rhino.runtime.ray_executor import RemoteArray, fetch, init
+from rhino.runtime.state.host_data import HostRequest, host_data
+from rhino.runtime.state.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
+from rhino.runtime.ray.executor import RemoteArray, fetch, init
 from rhino.throughput import batch_sizes, throughput_line
 
 __all__ = ["__version__", "HostRequest", "host_data", "CheckpointError", "RemoteArray", "fetch", "restore_checkpoint",

@@ -39,7 +39,7 @@ from typing import IO, Sequence
 from rhino.distributed import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID,
                                ENV_TRANSFER_ADDRESS, EXIT_GRACE_S)
 from rhino.distributed import free_port as distributed_free_port
-from rhino.runtime.transport import ExecutorError
+from rhino.runtime.transfer.transport import ExecutorError
 
 DEFAULT_TIMEOUT_S = 1800.0
 """How long the launcher waits for the processes (seconds) unless ``--timeout`` says."""
@@ -157,12 +157,12 @@ def _status(code: int) -> str:
 def core_shares(hosts: int, pin: bool | None, env: dict) -> list[tuple[int, ...] | None]:
     """Per process, the cores it keeps to (None: every core): equal runs of this
     process's cores where the processes simulate CPU hosts (``JAX_PLATFORMS`` cpu, the
-    launcher's default) and ``pin`` is not False (``runtime.ray_cluster.share_cores``).
+    launcher's default) and ``pin`` is not False (``runtime.ray.cluster.share_cores``).
 
     Raises:
         ExecutorError: ``pin=True`` and fewer cores than processes.
     """
-    from rhino.runtime.ray_cluster import share_cores, usable_cores
+    from rhino.runtime.ray.cluster import share_cores, usable_cores
 
     cores = usable_cores()
     if pin is False or not cores:

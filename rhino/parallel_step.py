@@ -50,9 +50,9 @@ from rhino.nnx_objects import NnxObjects
 from rhino.parallel_plan import Plan
 from rhino.planner.cost_model import CostModel
 from rhino.progress import Progress, get_logger
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S
-from rhino.runtime.host_data import has_host_data, materialize
-from rhino.runtime.runs import DirectRun, StagedRun
+from rhino.runtime.executors.local import DEFAULT_TIMEOUT_S
+from rhino.runtime.state.host_data import has_host_data, materialize
+from rhino.runtime.executors.runs import DirectRun, StagedRun
 from rhino.step_arguments import leaf_types, signature, type_changes
 from rhino.step_builder import StepBuilder, StepEntry
 from rhino.step_call import BoundCall, CallBinder
@@ -233,7 +233,7 @@ class ParallelStep:
         also drawn there as a per-stage Gantt chart (PNG; a path ending ``.json`` gets the
         trace events instead); with ``trace``, written there as Chrome / Perfetto trace
         events (JSON: open it in ui.perfetto.dev or chrome://tracing)."""
-        from rhino.runtime.timeline import ExecutedTimeline
+        from rhino.runtime.scheduling.timeline import ExecutedTimeline
 
         run = None if self._last is None else self._last.run
         if not isinstance(run, StagedRun):
@@ -253,12 +253,11 @@ class ParallelStep:
 
     def save_stages(self, directory: str, *args: Any, platform: str | None = None) -> str:
         """Export the stage programs planned for these arguments to ``directory``: a plan
-        and its programs that ``rhino.runtime.artifacts.SavedPipeline`` runs later, in a
+        and its programs that ``rhino.runtime.executors.artifacts.SavedPipeline`` runs later, in a
         process that never imports the step's code (the same JAX is needed). ``platform``:
         what to lower for (default: this process's backend, e.g. ``cpu``, ``cuda``).
         Returns the file's path."""
-        from rhino.runtime import artifacts
-
+        from rhino.runtime.executors import artifacts
         run = self._entry_of(args).run
         if not isinstance(run, StagedRun):
             raise RhinoError("save_stages: expected a step run as stage programs, found a "
@@ -288,7 +287,7 @@ class ParallelStep:
         With the Ray executor the leaves are made on the actors (each stage the leaves it
         reads, on its devices) and come back as ``RemoteArray`` handles.
         """
-        from rhino.runtime.sharded_init import distributed_init
+        from rhino.runtime.state.sharded_init import distributed_init
 
         entry = self._entry(tuple(example_args))
         shapes = jax.eval_shape(init_fn, *init_args)

@@ -270,7 +270,7 @@ MEMORY_PRESSURE = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0)
 @dataclasses.dataclass(frozen=True)
 class MemoryFit:
     """The outcome of ``fit_compiled_memory``: the compiled result that fits, its memory
-    (``runtime.spmd.compiled_memory``), the budget and the pressure that met it."""
+    (``runtime.executors.spmd.compiled_memory``), the budget and the pressure that met it."""
 
     compiled: Any
     memory: dict

@@ -35,10 +35,10 @@ from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh
 from rhino.planning import argument_lower_bound, fit_compiled_memory
 from rhino.progress import Progress
-from rhino.runtime import spmd
-from rhino.runtime.executor import LocalExecutor
-from rhino.runtime.runs import DirectRun, StagedRun
-from rhino.runtime.worker_spec import WorkerSpec
+from rhino.runtime.executors import spmd
+from rhino.runtime.executors.local import LocalExecutor
+from rhino.runtime.executors.runs import DirectRun, StagedRun
+from rhino.runtime.executors.worker_spec import WorkerSpec
 from rhino.step_options import StepOptions
 from rhino.vocabulary import ExecutorKind, TransportKind
 
@@ -235,8 +235,8 @@ class StepBuilder:
         lowering, specs = split_stages(self.step, plan, o.batch_args,
                                        o.per_microbatch_statistics)
         if o.executor is ExecutorKind.RAY:
-            from rhino.runtime.artifacts import export_stages
-            from rhino.runtime.ray_executor import RayExecutor, actor_platform
+            from rhino.runtime.executors.artifacts import export_stages
+            from rhino.runtime.ray.executor import RayExecutor, actor_platform
 
             platform = actor_platform(o.ray_actor_options)
             self.progress(f"exporting the stage programs for the actors ({platform})")
@@ -248,7 +248,7 @@ class StepBuilder:
                                    host_ids=[st.hosts for st in plan.stages],
                                    transport=o.transport.value, pin_cpus=o.ray_pin_cpus)
         elif self.multi:   # this process's stages; JAX's transfers to the others
-            from rhino.runtime.multicontroller import ProcessStages
+            from rhino.runtime.executors.multicontroller import ProcessStages
 
             executor = ProcessStages(specs, lowering.split,
                                      [self._stage_devices(plan, st.devices)
@@ -258,7 +258,7 @@ class StepBuilder:
                        for spec, st in zip(specs, plan.stages)]
             transport = None
             if o.transport is not TransportKind.DEVICE_PUT:
-                from rhino.runtime.cross_mesh import CrossMeshTransport
+                from rhino.runtime.transfer.cross_mesh import CrossMeshTransport
 
                 transport = CrossMeshTransport(lambda dst, ref: workers[dst].sharding(ref),
                                                len(workers), plan.cluster.devices_per_host,

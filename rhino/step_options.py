@@ -17,7 +17,7 @@ from rhino.pipeline.api import make_cluster
 from rhino.planner.cost_model import CostModel
 from rhino.planner.mesh import AbstractMesh, from_jax_mesh
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S
+from rhino.runtime.executors.local import DEFAULT_TIMEOUT_S
 from rhino.vocabulary import (REMOVED_TRANSPORTS, ExecutorKind, ScheduleKind, TransportKind,
                               removed_transport)
 

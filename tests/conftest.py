@@ -48,7 +48,7 @@ def heuristic_o2(monkeypatch) -> None:
 def ray_cluster():
     """A local Ray instance with 4 CPUs for one test module (skipped without ray)."""
     ray = pytest.importorskip("ray")
-    from rhino.runtime.ray_executor import init
+    from rhino.runtime.ray.executor import init
 
     if ray.is_initialized():
         ray.shutdown()

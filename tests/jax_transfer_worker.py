@@ -21,8 +21,8 @@ jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=2, process_id=PID,
                            initialization_timeout=60)
 
 from rhino.jaxpr.private import distributed_kv_client  # noqa: E402
-from rhino.runtime.jax_transfer import JaxTransferTransport  # noqa: E402
-from rhino.runtime.transport import ExecutorError, Failure  # noqa: E402
+from rhino.runtime.transfer.jax_transfer import JaxTransferTransport  # noqa: E402
+from rhino.runtime.transfer.transport import ExecutorError, Failure  # noqa: E402
 
 
 def report(name, ok, why=""):
@@ -221,8 +221,8 @@ def pipeline(steps=3):
     from rhino.parallel_plan import Plan
     from rhino.step_builder import StepBuilder, split_stages
     from rhino.progress import Progress
-    from rhino.runtime.spmd import device_mesh
-    from rhino.runtime.transport import StepTransport
+    from rhino.runtime.executors.spmd import device_mesh
+    from rhino.runtime.transfer.transport import StepTransport
 
     kv = distributed_kv_client()
     m = get_model("gpt", **GPT)

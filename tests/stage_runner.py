@@ -13,7 +13,7 @@ from rhino.hlo_passes.stage_programs import (assignment_from_ops, finish_acc, fl
                                              prologue_function, split_step, task_function)
 from rhino.pipeline.coarsen import classify_ops
 from rhino.pipeline.gradient import find_gradient_boundary
-from rhino.runtime.schedules import make_schedule
+from rhino.runtime.scheduling.schedules import make_schedule
 
 
 def split_like_auto_parallel(step, args, m=4, per_microbatch_statistics=False):

@@ -68,11 +68,11 @@ def import_graph() -> nx.DiGraph:
 
 def test_the_walk_sees_the_package():
     g = import_graph()
-    assert {"rhino.parallel_step", "rhino.hlo_passes.lower", "rhino.runtime.executor",
+    assert {"rhino.parallel_step", "rhino.hlo_passes.lower", "rhino.runtime.executors.local",
             "rhino.planner.api", "rhino.pipeline.search", "rhino.parallel_plan"} <= set(g)
     assert g.has_edge("rhino.step_builder", "rhino.hlo_passes.lower")
     # an import inside a function counts
-    assert g.has_edge("rhino.step_builder", "rhino.runtime.ray_executor")
+    assert g.has_edge("rhino.step_builder", "rhino.runtime.ray.executor")
 
 
 def test_no_import_cycle():
@@ -84,6 +84,95 @@ def test_no_import_cycle():
             g.remove_edge(a, b)
     cycles = [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
     assert not cycles, f"import cycles: {cycles}"
+
+
+# The runtime's rooms and what each may import of the runtime (besides itself): the base
+# modules import no room; scheduling, transfer and state only the base; executors those
+# three; ray anything. The package docstrings say the same.
+RUNTIME_BASE = {"rhino.runtime.failures", "rhino.runtime.threads"}
+RUNTIME_ROOMS = {
+    "scheduling": set(), "transfer": set(), "state": set(),
+    "executors": {"scheduling", "transfer", "state"},
+    "ray": {"scheduling", "transfer", "state", "executors"},
+}
+
+
+def _room(module: str) -> str | None:
+    """The runtime room (``scheduling``, ...) of ``module``, "base" for the base modules,
+    "package" for ``rhino.runtime`` itself, None outside the runtime."""
+    if module in RUNTIME_BASE:
+        return "base"
+    if module == "rhino.runtime":
+        return "package"
+    if module.startswith("rhino.runtime."):
+        return module.split(".")[2]
+    return None
+
+
+def room_violations(g: nx.DiGraph) -> list[str]:
+    bad = []
+    for a, b in g.edges:
+        ra, rb = _room(a), _room(b)
+        if ra is None or rb is None or ra == rb or rb == "base" or ra == "package":
+            continue
+        if ra == "base" or rb == "package" or rb not in RUNTIME_ROOMS.get(ra, set()):
+            bad.append(f"{a} ({ra}) imports {b} ({rb})")
+    return bad
+
+
+def test_the_runtime_is_in_rooms_and_imports_go_one_way():
+    g = import_graph()
+    runtime = [n for n in g if n.startswith("rhino.runtime.")]
+    homeless = [n for n in runtime if _room(n) not in {"base", *RUNTIME_ROOMS}]
+    assert not homeless, f"runtime modules outside the rooms: {homeless}"
+    assert set(RUNTIME_ROOMS) <= {_room(n) for n in runtime}
+    assert not room_violations(g), room_violations(g)
+
+
+def test_the_room_check_sees_a_wrong_way_import():
+    g = import_graph()
+    g.add_edge("rhino.runtime.scheduling.schedules", "rhino.runtime.transfer.transport")
+    g.add_edge("rhino.runtime.failures", "rhino.runtime.scheduling.schedules")
+    g.add_edge("rhino.runtime.executors.local", "rhino.runtime.ray.cluster")
+    assert len(room_violations(g)) == 3, room_violations(g)
+
+
+def _ray_imports(text: str) -> list[str]:
+    """The imports of ray in ``text``, but Ray's copy of cloudpickle (a fallback where
+    cloudpickle is not installed on its own: nothing of Ray runs)."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "ray"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and \
+                (node.module or "").split(".")[0] == "ray":
+            found += [f"{node.module}.{a.name}" for a in node.names
+                      if f"{node.module}.{a.name}" != "ray.cloudpickle"]
+    return found
+
+
+def test_only_the_ray_room_imports_ray():
+    users = sorted(n for n, p in MODULES.items() if _ray_imports(p.read_text(encoding="utf-8")))
+    assert users and all(n.startswith("rhino.runtime.ray.") for n in users), users
+    assert _ray_imports("def f():\n    import ray\n    from ray.util import x\n") == [
+        "ray", "ray.util.x"]
+
+
+def test_the_flat_names_are_the_moved_modules():
+    import importlib
+
+    import rhino.runtime as rt
+
+    for old, new in rt.MOVED.items():
+        assert (REPO / "runtime" / (new.replace(".", "/") + ".py")).exists(), new
+        assert not (REPO / "runtime" / f"{old}.py").exists(), old
+    from rhino.runtime import executor, ray_executor
+    assert executor is importlib.import_module("rhino.runtime.executors.local")
+    assert ray_executor is importlib.import_module("rhino.runtime.ray.executor")
+    assert executor.__spec__.name == "rhino.runtime.executors.local"
+    from rhino.runtime.transport import ExecutorError
+    from rhino.runtime.failures import ExecutorError as moved
+    assert ExecutorError is moved
 
 
 def test_one_module_builds_highs_models():

@@ -1,4 +1,4 @@
-"""Stage programs as artifacts (``rhino.runtime.artifacts``): exported where the step is
+"""Stage programs as artifacts (``rhino.runtime.executors.artifacts``): exported where the step is
 planned, run where the stage is, without the user's code."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 import rhino
 from rhino.models import get_model
-from rhino.runtime import artifacts
-from rhino.runtime.executor import LocalExecutor
+from rhino.runtime.executors import artifacts
+from rhino.runtime.executors.local import LocalExecutor
 
 from handmade import frozen_front_step, loss_only_last_step
 
@@ -157,7 +157,7 @@ def test_saved_stages_run_later_in_a_process_without_the_steps_code(tmp_path):
         import os, sys
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
         import numpy as np
-        from rhino.runtime.artifacts import SavedPipeline
+        from rhino.runtime.executors.artifacts import SavedPipeline
         d = sys.argv[1]
         got = np.load(os.path.join(d, "args.npz"))
         flat = [got[f"arr_{i}"] for i in range(len(got.files))]

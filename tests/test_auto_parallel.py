@@ -9,7 +9,7 @@ import pytest
 import rhino
 from rhino.errors import RhinoError
 from rhino.models import get_model
-from rhino.runtime.spmd import ShardingMismatchError, count_collectives, summarize
+from rhino.runtime.executors.spmd import ShardingMismatchError, count_collectives, summarize
 
 # Adam divides by sqrt(v): where a gradient is ~0, a last-bit difference from another
 # reduction order moves that element by up to a fraction of one step (lr = 1e-3), so
@@ -217,7 +217,7 @@ def test_fast_path_falls_back_on_other_layouts_and_shapes():
 
 
 def test_mismatched_compiled_sharding_is_refused():
-    from rhino.runtime.spmd import check_shardings
+    from rhino.runtime.executors.spmd import check_shardings
     from jax.sharding import NamedSharding, PartitionSpec as P
     import numpy as onp
     mesh = jax.sharding.Mesh(onp.array(jax.devices()[:2]), ("x",))

@@ -25,7 +25,7 @@ def _modules() -> list[str]:
 def test_every_package_module_is_found():
     names = _modules()
     assert {"rhino.parallel_step", "rhino.hlo_passes.stage_programs",
-            "rhino.runtime.remote_array", "rhino.pipeline.search"} <= set(names), names
+            "rhino.runtime.state.remote_array", "rhino.pipeline.search"} <= set(names), names
     assert len(names) > 60
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import rhino
 from rhino.models import get_model
-from rhino.runtime.ray_actor import GLOO_CHATTER
+from rhino.runtime.ray.actor import GLOO_CHATTER
 
 GPT = dict(layers=2, hidden=32, heads=2, seq=8, vocab=64, batch=8)
 
@@ -79,7 +79,7 @@ def test_gloo_lines_are_dropped_and_other_output_kept(tmp_path):
     script = tmp_path / "chatter.py"
     script.write_text(
         "import os\n"
-        "from rhino.runtime.ray_actor import GLOO_CHATTER, drop_output_lines\n"
+        "from rhino.runtime.ray.actor import GLOO_CHATTER, drop_output_lines\n"
         "drop_output_lines(GLOO_CHATTER)\n"
         "os.write(1, b'[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of "
         "connected peer ranks is : 7\\n')\n"
@@ -95,7 +95,7 @@ def test_gloo_lines_are_dropped_and_other_output_kept(tmp_path):
 
 def test_a_ray_run_raises_no_fork_warning(ray_cluster):
     ray = pytest.importorskip("ray")
-    from rhino.runtime.ray_executor import init
+    from rhino.runtime.ray.executor import init
 
     m = get_model("mlp", batch=8, hidden=16, layers=2)
     params, opt = m.init(jax.random.PRNGKey(0))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import rhino
-from rhino.runtime.host_data import HostRequest, host_data, materialize
+from rhino.runtime.state.host_data import HostRequest, host_data, materialize
 
 D_IN, HIDDEN, D_OUT = 16, 32, 4
 

@@ -1,4 +1,4 @@
-"""``rhino.runtime.jax_transfer``: stage-to-stage values between the processes of one
+"""``rhino.runtime.transfer.jax_transfer``: stage-to-stage values between the processes of one
 ``jax.distributed`` job, moved by JAX's transfer server. Each test runs a small job of two
 local processes (``tests/jax_transfer_worker.py``) and checks what the receiver printed."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from rhino.runtime.jax_transfer import transfer_uuid
+from rhino.runtime.transfer.jax_transfer import transfer_uuid
 
 WORKER = pathlib.Path(__file__).with_name("jax_transfer_worker.py")
 

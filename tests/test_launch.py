@@ -117,7 +117,7 @@ def test_process_local_rows_through_global_batch():
 
 def test_a_pipeline_runs_one_stage_per_process():
     """``--stages 2`` on 2 processes × 4 devices: each process runs the stage on its own
-    devices (``runtime.multicontroller``), values between them through JAX's transfer
+    devices (``runtime.executors.multicontroller``), values between them through JAX's transfer
     servers, the tied embedding passed between the processes each step; 3 GPT steps
     equal jax.jit on both processes (each checks its own stage's state and the loss).
     Joined without gloo (``cross_process_collectives=False``): a stage's collectives stay

@@ -114,7 +114,7 @@ def test_stage_artifacts_of_steps_with_control_flow_pickle(name):
     import pickle
 
     import rhino
-    from rhino.runtime.artifacts import strip
+    from rhino.runtime.executors.artifacts import strip
 
     c = next(c for c in C.CASES if c.name == name)
     args = C.args_of("bfloat16")

@@ -159,8 +159,8 @@ def test_the_removed_ray_transports_are_refused_saying_so(name, executor):
     30): asking for one names what is expected, what was found and that it was removed,
     when the step is built (``auto_parallel``) and from ``RayExecutor`` itself (before it
     reaches any cluster)."""
-    from rhino.runtime.executor import ExecutorError
-    from rhino.runtime.ray_executor import RayExecutor
+    from rhino.runtime.executors.local import ExecutorError
+    from rhino.runtime.ray.executor import RayExecutor
 
     removed = (r": the Ray executor's 'object_store' and 'direct' transports were removed; "
                r"values between stages on Ray move by JAX's transfers \(transport='jax', the "
@@ -256,8 +256,8 @@ def test_results_passed_back_keep_the_signature_the_step_was_planned_for():
     handle): passed back, it has the same signature, so nothing is planned again."""
     import numpy as np
 
-    from rhino.runtime.remote_array import RemoteArray
-    from rhino.runtime.runs import _typed_as
+    from rhino.runtime.state.remote_array import RemoteArray
+    from rhino.runtime.executors.runs import _typed_as
     from rhino.step_arguments import signature
 
     weak = jax.ShapeDtypeStruct((), jnp.int32, weak_type=True)

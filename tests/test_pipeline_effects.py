@@ -22,8 +22,8 @@ from jax.experimental import io_callback
 
 import rhino
 from rhino.errors import RhinoError
-from rhino.runtime import artifacts
-from rhino.runtime.executor import LocalExecutor
+from rhino.runtime.executors import artifacts
+from rhino.runtime.executors.local import LocalExecutor
 
 PIPE = dict(cluster="2x4", stages=2, num_microbatches=4, timeout=300)
 

@@ -1,4 +1,4 @@
-"""Cross-mesh resharding between processes (``runtime.process_resharding``), its plan and
+"""Cross-mesh resharding between processes (``runtime.transfer.process_resharding``), its plan and
 pieces checked in one process with hosts pretended (two devices per host): every layout pair
 of 004's kinds arrives exact, each process sends only what its devices hold and each
 receiving host gets each region once (the broadcast plan)."""
@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from rhino.runtime import process_resharding as pr
-
-
+from rhino.runtime.transfer import process_resharding as pr
 def host_of(d):
     return int(d.id) // 2          # pretend: devices 0-1 host 0, 2-3 host 1, ...
 

@@ -33,7 +33,7 @@ import rhino
 from rhino.cli import main
 from rhino.errors import InfeasiblePlanError, OptionsError
 from rhino.models import get_model
-from rhino.runtime.executor import ExecutorError, LocalExecutor, LocalTransport
+from rhino.runtime.executors.local import ExecutorError, LocalExecutor, LocalTransport
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -197,7 +197,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import jax.numpy as jnp
 import rhino
-from rhino.runtime.executor import ExecutorError
+from rhino.runtime.executors.local import ExecutorError
 
 closed, silent = sys.argv[1], sys.argv[2]
 
@@ -363,7 +363,7 @@ def test_a_failed_ray_executor_gives_its_cpus_back(mlp_pipeline):
     cluster's CPUs come back and a new executor starts (before: the failed executor kept
     them until ``creating the stage actor did not finish within 40 s``)."""
     ray = pytest.importorskip("ray")
-    from rhino.runtime.ray_executor import RayExecutor, init
+    from rhino.runtime.ray.executor import RayExecutor, init
 
     if ray.is_initialized():
         ray.shutdown()

@@ -13,8 +13,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rhino.errors import RhinoError
 from rhino.models import get_model
-import rhino.runtime.sharded_init as init_module
-from rhino.runtime.sharded_init import (DistributedInitError, check_threefry_partitionable,
+import rhino.runtime.state.sharded_init as init_module
+from rhino.runtime.state.sharded_init import (DistributedInitError, check_threefry_partitionable,
                                 distributed_init, init_programs)
 
 

@@ -21,8 +21,8 @@ import jax  # noqa: E402
 
 import rhino  # noqa: E402
 from rhino.models import get_model  # noqa: E402
-from rhino.runtime.executor import ExecutorError, LocalTransport  # noqa: E402
-from rhino.runtime.ray_executor import RayExecutor, RemoteArray, fetch, init  # noqa: E402
+from rhino.runtime.executors.local import ExecutorError, LocalTransport  # noqa: E402
+from rhino.runtime.ray.executor import RayExecutor, RemoteArray, fetch, init  # noqa: E402
 
 GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
 # Trained state against jax.jit: 10% of one Adam step (lr 1e-3). An element whose gradient
@@ -260,7 +260,7 @@ def _alive(actor) -> bool:
 def test_a_cluster_with_too_few_nodes_is_refused_before_any_actor(ray_cluster, monkeypatch):
     import types
 
-    import rhino.runtime.ray_executor as rx
+    import rhino.runtime.ray.executor as rx
     from rhino.cluster import Cluster
 
     monkeypatch.setattr(rx, "init", lambda *a, **k: rx.RayInfo("10.0.0.1:6379", 2, 8.0))
@@ -311,7 +311,7 @@ def test_on_several_nodes_each_plan_host_is_a_node_of_its_own(ray_cluster):
     (Runs last in this module: it replaces the module's Ray instance.)"""
     from ray.cluster_utils import Cluster as RayCluster
 
-    from rhino.runtime.ray_cluster import quiet_fork_warning
+    from rhino.runtime.ray.cluster import quiet_fork_warning
 
     ray.shutdown()
     with quiet_fork_warning():      # Ray starts the nodes' processes from this one (fork+exec)

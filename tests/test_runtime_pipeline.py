@@ -20,11 +20,11 @@ from rhino.pipeline.coarsen import classify_ops
 from rhino.pipeline.gradient import find_gradient_boundary
 from rhino.parallel_plan import Plan
 from rhino.pipeline.stages import assign_stages
-from rhino.runtime.executor import (ExecutorError, LocalExecutor, LocalTransport,
+from rhino.runtime.executors.local import (ExecutorError, LocalExecutor, LocalTransport,
                                     instructions)
-from rhino.runtime.artifacts import signatures
-from rhino.runtime.instructions import acknowledged_recvs, held_sends
-from rhino.runtime.schedules import SCHEDULE_NAMES, make_schedule
+from rhino.runtime.executors.artifacts import signatures
+from rhino.runtime.scheduling.instructions import acknowledged_recvs, held_sends
+from rhino.runtime.scheduling.schedules import SCHEDULE_NAMES, make_schedule
 from rhino.hlo_passes.stage_programs import (StageSplitError, assignment_from_ops, flatten,
                                              split_step, task_function)
 from handmade import frozen_front_step, loss_only_last_step

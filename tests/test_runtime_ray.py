@@ -4,7 +4,7 @@ JAX's transfer servers (every actor one process of one ``jax.distributed`` job).
 Needs ray (skipped otherwise). A local Ray cluster with 4 CPUs is started once for the
 module. ``ray job submit`` of the example is run by the documentation test
 (``tests/test_docs.py``, the block of ``docs/ray.md``), on a head started by
-``rhino.runtime.local_ray`` and stopped by its process group (never ``ray stop``).
+``rhino.runtime.ray.local_head`` and stopped by its process group (never ``ray stop``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import jax  # noqa: E402
 
 import rhino  # noqa: E402
 from rhino.models import get_model  # noqa: E402
-from rhino.runtime.executor import ExecutorError  # noqa: E402
-from rhino.runtime import ray_executor  # noqa: E402
-from rhino.runtime.ray_cluster import check_cpus, share_cores  # noqa: E402
-from rhino.runtime.ray_executor import (RayExecutor, RayInfo, init,  # noqa: E402
+from rhino.runtime.executors.local import ExecutorError  # noqa: E402
+from rhino.runtime.ray import executor as ray_executor  # noqa: E402
+from rhino.runtime.ray.cluster import check_cpus, share_cores  # noqa: E402
+from rhino.runtime.ray.executor import (RayExecutor, RayInfo, init,  # noqa: E402
                                         xla_flags)
-from rhino.runtime.remote_array import PackedKey, pack_key, unpack_key  # noqa: E402
+from rhino.runtime.state.remote_array import PackedKey, pack_key, unpack_key  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
@@ -55,7 +55,7 @@ def gpt_ray(ray_cluster, gpt):
 def test_doctests():
     import doctest
 
-    import rhino.runtime.ray_executor as mod
+    import rhino.runtime.ray.executor as mod
 
     assert doctest.testmod(mod).failed == 0
 
@@ -475,7 +475,7 @@ def _recording_actor():
             super().__init__(*args, **kwargs)
             import ray as ray_here
 
-            from rhino.runtime.remote_array import PackedKey
+            from rhino.runtime.state.remote_array import PackedKey
 
             self.puts: list[tuple[str, tuple]] = []
             put = ray_here.put
@@ -539,7 +539,7 @@ def _ray_jax_transport_run(monkeypatch, model, steps, cluster="2x4", checkpoint=
 
 def test_gpt_between_actors_through_jax_transfers(ray_cluster, monkeypatch):
     """The two stage actors join one ``jax.distributed`` job and every value between them
-    moves device to device through JAX's transfer servers (``runtime.jax_transfer``): 5
+    moves device to device through JAX's transfer servers (``runtime.transfer.jax_transfer``): 5
     GPT steps equal jax.jit; every value one stage sent through them the other received
     through them; and no actor put an array in Ray's object store (every ``ray.put`` of
     their processes recorded). The two stages' meshes are of one size, so every value
@@ -584,7 +584,7 @@ def test_unet_between_actors_through_jax_transfers(ray_cluster, monkeypatch, clu
 def test_stages_spanning_hosts_through_jax_transfers(ray_cluster, monkeypatch, tmp_path):
     """A 4x2 cluster: each stage on 2 actors × 2 devices, the 4 actors one job; a value goes
     from each sending host straight to the receiving hosts that need its pieces
-    (``runtime.process_resharding``'s plan, computed alike on both sides); 5 GPT steps
+    (``runtime.transfer.process_resharding``'s plan, computed alike on both sides); 5 GPT steps
     equal jax.jit, no array put in the object store. A checkpoint of the state: each
     stage's two hosts write their shards with orbax waiting for those two processes only
     (``checkpoint.write_part``), and it restores exactly."""

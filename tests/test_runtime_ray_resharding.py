@@ -16,12 +16,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rhino.runtime.ray_executor import init  # noqa: E402
+from rhino.runtime.ray.executor import init  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 from ray_resharding import (ActorExecution, HostActors, check_tiles,  # noqa: E402
                             execute_on_actors)
-from rhino.runtime.resharding import (DeviceMesh, ReshardingError,  # noqa: E402
+from rhino.runtime.transfer.resharding import (DeviceMesh, ReshardingError,  # noqa: E402
                                       expected_tiles, plan_resharding)
 
 # case: (send spec, recv spec, send mesh, recv mesh), as benchmarks/cross_mesh_resharding.py

@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from rhino.runtime import load_balance as lb
-from rhino.runtime import resharding as rs
-from rhino.runtime.load_balance import (BALANCERS, JOB_KINDS, CommJob, LoadBalanceError,
+from rhino.runtime.transfer import load_balance as lb
+from rhino.runtime.transfer import resharding as rs
+from rhino.runtime.transfer.load_balance import (BALANCERS, JOB_KINDS, CommJob, LoadBalanceError,
                                         Topology, balance, brute_force, dfs, simulate)
-from rhino.runtime.resharding import (STRATEGIES, DeviceMesh, ReshardingError, TileSpec,
+from rhino.runtime.transfer.resharding import (STRATEGIES, DeviceMesh, ReshardingError, TileSpec,
                                       default_device_of, distribute, execute, expected_tiles,
                                       plan_resharding, to_global_array, unit_tasks)
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rhino.runtime import schedules as sched
-from rhino.runtime.schedules import (SCHEDULE_NAMES, Schedule, ScheduleError, Task,
+from rhino.runtime.scheduling import schedules as sched
+from rhino.runtime.scheduling.schedules import (SCHEDULE_NAMES, Schedule, ScheduleError, Task,
                                      from_stage_orders, in_flight_bound, make_schedule,
                                      simulate)
 

@@ -2,7 +2,7 @@
 
 The task graph is the pipeline benchmark's analysis (the critical path of measured tasks),
 kept in ``benchmarks/task_graph.py``; the executors derive their instructions from the
-schedule and the stage programs (``runtime.executor.instructions``)."""
+schedule and the stage programs (``runtime.executors.local.instructions``)."""
 
 import doctest
 import pathlib
@@ -11,7 +11,7 @@ import sys
 import networkx as nx
 import pytest
 
-from rhino.runtime.schedules import SCHEDULE_NAMES, make_schedule, simulate
+from rhino.runtime.scheduling.schedules import SCHEDULE_NAMES, make_schedule, simulate
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import task_graph as tg  # noqa: E402  (benchmarks/task_graph.py: the benchmark's analysis)

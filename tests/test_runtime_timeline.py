@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from rhino.errors import RhinoError
-from rhino.runtime.schedules import gpipe, one_f_one_b, simulate
-import rhino.runtime.timeline as timeline_module
-from rhino.runtime.timeline import COLORS, KINDS, ExecutedTimeline, TaskRecord, TimelineError
+from rhino.runtime.scheduling.schedules import gpipe, one_f_one_b, simulate
+import rhino.runtime.scheduling.timeline as timeline_module
+from rhino.runtime.scheduling.timeline import (COLORS, KINDS, ExecutedTimeline, TaskRecord,
+                                               TimelineError)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -161,8 +161,7 @@ def test_a_part_of_some_processes_is_each_process_shards(tmp_path):
 
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from rhino.runtime import checkpoint as ck
-
+    from rhino.runtime.state import checkpoint as ck
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
     values = {"x": jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4),
                                   NamedSharding(mesh, P("a"))),     # replicated over b

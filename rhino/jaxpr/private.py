@@ -328,6 +328,7 @@ def distributed_kv_client() -> Any:
     """The key-value store client of this process's ``jax.distributed`` job (None when
     ``jax.distributed.initialize`` was not called): ``key_value_set(key, value)``,
     ``blocking_key_value_get(key, timeout_ms)``, ``key_value_delete(key)``. Used by
-    ``rhino.runtime.jax_transfer`` to exchange transfer-server addresses and announce values."""
+    ``rhino.runtime.transfer.jax_transfer`` to exchange transfer-server addresses and announce
+    values."""
     from jax._src import distributed
     return distributed.global_state.client

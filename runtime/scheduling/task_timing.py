@@ -2,11 +2,11 @@
 watcher thread polls its results, ``ready_at``), and the step's records are put together
 at its end (``measured``): a task starts at the latest of its dispatch, the end of the
 stage's previous task and the arrival of the values it received, and ends when its results
-are ready. Used by ``runtime.executor.StageWorker``.
+are ready. Used by ``runtime.executors.local.StageWorker``.
 
 Example:
     >>> import concurrent.futures as cf
-    >>> from rhino.runtime.timeline import TaskRecord
+    >>> from rhino.runtime.scheduling.timeline import TaskRecord
     >>> f = cf.Future(); f.set_result(2.0)
     >>> [r.start for r in measured([Pending(TaskRecord(0, "F0", 1.0, 1.0, 0, "forward"), f)],
     ...                             0, 1.0, lambda r, left: r)]
@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import jax
 
-from rhino.runtime.timeline import TaskRecord
-from rhino.runtime.transport import ExecutorError, Failure
+from rhino.runtime.scheduling.timeline import TaskRecord
+from rhino.runtime.failures import ExecutorError, Failure
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ collectives between the CPU processes of a stage spanning hosts)::
   ``StageArtifact`` only after that, building the ``StageWorker`` and compiling its
   programs, so the first step is not a compile.
 * Values between stages move device to device through JAX's transfer servers
-  (``runtime.jax_transfer``: each sending host offers its pieces, each receiving host
+  (``runtime.transfer.jax_transfer``: each sending host offers its pieces, each receiving host
   pulls those its devices need); nothing of them goes through the host, the object store
   or a socket of rhino's.
 * Results stay in the actors (``kept``, by (step, ref)). What goes back to the driver per
@@ -42,9 +42,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rhino.runtime.transport import ExecutorError, Failure, StepTransport
-from rhino.runtime.ray_cluster import import_ray, usable_cores
-from rhino.runtime.remote_array import PackedKey, dtype_name, unpack_key
+from rhino.runtime.transfer.transport import ExecutorError, Failure, StepTransport
+from rhino.runtime.ray.cluster import import_ray, usable_cores
+from rhino.runtime.state.remote_array import PackedKey, dtype_name, unpack_key
 
 
 GLOO_CHATTER = rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
@@ -210,7 +210,7 @@ class StageActor:
         programs; ``describe()``. ``job``: ``(coordinator, processes, this process, stage ->
         its processes, per stage (mesh shape, axis names, ref -> spec))``: every actor of
         the run is one process of the job (a run of one actor too) and values between
-        stages move through JAX's transfer servers (``runtime.jax_transfer``)."""
+        stages move through JAX's transfer servers (``runtime.transfer.jax_transfer``)."""
         if cpus:
             pin_process(cpus)
         import jax
@@ -240,7 +240,7 @@ class StageActor:
                              and o.producer[1] == self.stage and o.source in ("task", "acc"))
         self.args = split.stage_args(self.stage)
         self.rows = self._batch_rows(split) if self.hosts > 1 else {}
-        from rhino.runtime.jax_transfer import JaxTransferTransport, stage_targets
+        from rhino.runtime.transfer.jax_transfer import JaxTransferTransport, stage_targets
 
         by_process: dict[int, list] = {}
         for d in jax.devices():
@@ -441,7 +441,7 @@ class StageActor:
         call per source, step and rows): each the whole batch's shape, this host's rows
         filled (zeros elsewhere: no device of this host reads them; ``place`` then puts
         only this host's shards on a mesh spanning hosts)."""
-        from rhino.runtime.host_data import HostRequest
+        from rhino.runtime.state.host_data import HostRequest
 
         for token, blob in ship.items():
             self.sources[token] = import_ray().cloudpickle.loads(blob)
@@ -478,7 +478,7 @@ class StageActor:
         (shape, dtype name) (from the first host)."""
         import jax
 
-        from rhino.runtime.artifacts import run_init
+        from rhino.runtime.executors.artifacts import run_init
 
         program, args = pickle.loads(blob)
         args = jax.tree_util.tree_map(lambda x: unpack_key(x), args,
@@ -493,8 +493,8 @@ class StageActor:
 
     def save_part(self, directory: str, names: Mapping[str, tuple[int, int]]) -> int:
         """Write the kept results ``names`` (name -> (step, ref)) as one orbax checkpoint,
-        every host of the stage its own shards (``runtime.checkpoint``). Bytes held here."""
-        from rhino.runtime.checkpoint import write_part
+        every host of the stage its own shards (``runtime.state.checkpoint``). Bytes held here."""
+        from rhino.runtime.state.checkpoint import write_part
 
         missing = [n for n, k in names.items() if tuple(k) not in self.kept]
         if missing:

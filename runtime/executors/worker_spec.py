@@ -3,7 +3,7 @@ abstract arguments, the assignment of equations to stages, the stage's mesh and 
 
 The split is a pure function of the traced step and the assignment, so every process that
 has the step's code (every process of a multi-controller job; a Ray actor rebuilding the
-programs that hold host callbacks, ``runtime.artifacts``) makes the same stage programs.
+programs that hold host callbacks, ``runtime.executors.artifacts``) makes the same stage programs.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import numpy as np
 
 from rhino.hlo_passes.stage_programs import StageShardings, StepSplit, flatten, split_step
 from rhino.hlo_passes.unroll import trace
-from rhino.runtime.executor import StageWorker
-from rhino.runtime.schedules import make_schedule
-from rhino.runtime.transport import ExecutorError
+from rhino.runtime.executors.local import StageWorker
+from rhino.runtime.scheduling.schedules import make_schedule
+from rhino.runtime.failures import ExecutorError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ def build_worker(spec: Any, split: StepSplit, devices: Sequence[Any],
     """The ``StageWorker`` of ``spec`` (a ``WorkerSpec`` or a ``StageArtifact``: its stage,
     mesh, shardings, schedule) on ``devices`` (as many as the mesh has); ``programs``,
     ``complete``: as ``StageWorker`` takes them."""
-    from rhino.runtime.spmd import device_mesh
+    from rhino.runtime.executors.spmd import device_mesh
 
     need = int(np.prod(spec.mesh_shape))
     if len(devices) != need:

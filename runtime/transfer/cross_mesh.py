@@ -3,7 +3,7 @@ load-balanced senders), as a ``Transport`` of the local executor.
 
 A value leaves its stage laid out by the sending mesh's sharding and is wanted on the
 receiving stage's mesh with the receiver's sharding (the stage plans may differ). This
-transport turns the pair into a ``ReshardingPlan`` (``runtime.resharding``: every unique
+transport turns the pair into a ``ReshardingPlan`` (``runtime.transfer.resharding``: every unique
 source tile ∩ destination tile is a unit task; ``broadcast`` sends each unit once per
 destination host and lets that host fan it out; senders are balanced across the source
 host's devices), cached per (shape, dtype, shardings) since a step repeats its transfers,
@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rhino.runtime.executor import LocalTransport
-from rhino.runtime.resharding import (STRATEGIES, DeviceMesh, ReshardingError, TileSpec,
+from rhino.runtime.transfer.transport import LocalTransport
+from rhino.runtime.transfer.resharding import (STRATEGIES, DeviceMesh, ReshardingError, TileSpec,
                                       execute, plan_resharding, to_global_array)
 
 
@@ -59,7 +59,7 @@ class CrossMeshTransport(LocalTransport):
         num_stages: stages (one mailbox each).
         devices_per_host: for the host of each device id.
         strategy: ``broadcast`` (default) or ``send_recv`` (or ``allgather``).
-        balancer: sender load balancer (``runtime.load_balance.BALANCERS``).
+        balancer: sender load balancer (``runtime.transfer.load_balance.BALANCERS``).
     """
 
     def __init__(self, target: Callable[[int, int], Any], num_stages: int,

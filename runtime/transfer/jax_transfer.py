@@ -64,11 +64,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rhino.jaxpr.private import distributed_kv_client
-from rhino.runtime.process_resharding import (Relayout, assemble, offers, process_plan,
+from rhino.runtime.transfer.process_resharding import (Relayout, assemble, offers, process_plan,
                                               relayout, relayout_assemble, relayout_offers,
                                               relayout_wanted, wanted)
 from rhino.runtime import threads
-from rhino.runtime.transport import ExecutorError, Failure
+from rhino.runtime.transfer.transport import ExecutorError, Failure
 
 _PREFIX = "rhino/xfer"
 # Each transport of a process names its keys in the job's key-value store under its own

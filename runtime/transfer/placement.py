@@ -1,6 +1,6 @@
 """Placing a step's arguments and values on a stage's devices (``place``), a global
 ``jax.Array`` of a multi-controller job included (``whole_here``). Used by the executors
-(``runtime.executor``) and the runs (``runtime.runs``)."""
+(``runtime.executors.local``) and the runs (``runtime.executors.runs``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rhino.runtime.transport import ExecutorError, Failure
+from rhino.runtime.failures import ExecutorError, Failure
 
 
 def place(x: Any, sharding: Any) -> Any:

@@ -2,7 +2,7 @@
 value on one stage's mesh (its devices on some processes) wanted on another stage's mesh
 (on other processes), with any layouts on both.
 
-Both sides compute the same ``ReshardingPlan`` (``runtime.resharding``: unit tasks, one
+Both sides compute the same ``ReshardingPlan`` (``runtime.transfer.resharding``: unit tasks, one
 cross-host copy per receiving host, senders balanced across the source hosts; hosts are the
 processes) from the two shardings alone, so no message says what goes where::
 
@@ -14,7 +14,7 @@ processes) from the two shardings alone, so no message says what goes where::
                           that need them (the plan's chain inside a host), and builds its
                           tiles into the global array (``assemble``)
 
-The transfers themselves (``runtime.jax_transfer``) are keyed by (stages, value, p, q).
+The transfers themselves (``runtime.transfer.jax_transfer``) are keyed by (stages, value, p, q).
 
 A shortcut where it applies (``relayout``): when the two meshes have as many devices and
 the target's devices all sit on one process, the source's distinct tiles cross as they
@@ -39,8 +39,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from rhino.runtime.cross_mesh import mesh_and_spec
-from rhino.runtime.resharding import (Box, ReshardingError, ReshardingPlan, box_slices,
+from rhino.runtime.transfer.cross_mesh import mesh_and_spec
+from rhino.runtime.transfer.resharding import (Box, ReshardingError, ReshardingPlan, box_slices,
                                       box_volume, intersect_boxes, plan_resharding,
                                       tile_from_regions)
 

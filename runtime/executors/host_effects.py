@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import jax
 
 from rhino.hlo_passes import stage_effects
-from rhino.runtime.task_timing import ready_at
-from rhino.runtime.transport import ExecutorError
+from rhino.runtime.scheduling.task_timing import ready_at
+from rhino.runtime.failures import ExecutorError
 
 
 class EffectsRunner:

@@ -125,7 +125,7 @@ class StageArtifact:
         """The ``StageWorker`` on ``devices`` (as many as the mesh has), its programs
         compiled from the artifact (those binding host callbacks jitted from the step
         re-traced here: ``rebuild``)."""
-        from rhino.runtime.worker_spec import build_worker
+        from rhino.runtime.executors.worker_spec import build_worker
 
         programs = self.programs_on()
         if self.rebuild is None:
@@ -366,8 +366,8 @@ class SavedPipeline:
                  devices: Sequence[Sequence[Any]] | None = None, timeout: float | None = None):
         import jax
 
-        from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
-        from rhino.runtime.runs import Handover
+        from rhino.runtime.executors.local import DEFAULT_TIMEOUT_S, LocalExecutor
+        from rhino.runtime.executors.runs import Handover
 
         self.stages = load(stages) if isinstance(stages, str) else list(stages)
         sizes = [int(np.prod(a.mesh_shape)) for a in self.stages]
@@ -389,7 +389,7 @@ class SavedPipeline:
     def __call__(self, *args: Any) -> list:
         import jax
 
-        from rhino.runtime.runs import step_results
+        from rhino.runtime.executors.runs import step_results
 
         flat = self.handover.back(jax.tree_util.tree_leaves(args))
         return self.handover.give(step_results(self.stages[0].split, flat,

@@ -22,8 +22,8 @@ import dataclasses
 from typing import Any, Callable
 
 from rhino.hlo_passes.stage_programs import StepSplit, is_apply
-from rhino.runtime.schedules import Schedule
-from rhino.runtime.transport import ExecutorError
+from rhino.runtime.scheduling.schedules import Schedule
+from rhino.runtime.failures import ExecutorError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,9 +5,9 @@ on the machine, and ``ray stop`` stops *every* Ray process of the user. This sta
 that binds its dashboard to 127.0.0.1, takes free ports, keeps its files in its own
 temporary folder, runs in its own process group, and is stopped by that group alone::
 
-    eval "$(python -m rhino.runtime.local_ray start --num-cpus 4)"
+    eval "$(python -m rhino.runtime.ray.local_head start --num-cpus 4)"
     ray job submit --address "$RAY_DASHBOARD" --working-dir . -- python examples/pipeline_ray.py
-    python -m rhino.runtime.local_ray stop
+    python -m rhino.runtime.ray.local_head stop
 
 ``start`` prints ``export`` lines for a shell: ``RAY_ADDRESS`` (the GCS, ``host:port``, which
 ``rhino.init()`` and ``ray.init()`` join), ``RAY_DASHBOARD`` (the Jobs API URL),
@@ -154,7 +154,7 @@ def stop_head(pgid: int, folder: str | None = None, timeout: float = 15.0) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rhino.runtime.local_ray",
+    ap = argparse.ArgumentParser(prog="python -m rhino.runtime.ray.local_head",
                                  description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     st = sub.add_parser("start", help="start a head; print `export` lines for a shell")
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_head(int(pgid), a.dir or os.environ.get("RAY_HEAD_DIR"))
         return 0
     except RhinoError as e:
-        print(f"local_ray: error: {e}", file=sys.stderr)
+        print(f"local_head: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -1,4 +1,4 @@
-"""Handles of step results kept on the Ray actors (``runtime.ray_executor``), and ``fetch``,
+"""Handles of step results kept on the Ray actors (``runtime.ray.executor``), and ``fetch``,
 which brings their values to the driver (exposed as ``rhino.fetch``); how a value travels
 between the driver and the actors (numpy, a typed PRNG key array as a ``PackedKey`` of its
 bits: numpy has no key type). No Ray import here: the executor that made a handle does the

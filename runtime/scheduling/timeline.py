@@ -11,11 +11,11 @@ as a PNG (`ExecutedTimeline.draw`) or as text (`ExecutedTimeline.render_text`)::
 
 Compute tasks (forward, backward, apply, other) run one at a time per stage; transfers
 (send, recv) may overlap them and are drawn in a thin lane under the stage's compute lane.
-`ExecutedTimeline.from_simulation` converts `rhino.runtime.schedules.simulate`'s prediction,
-so a measured and a simulated step can be drawn side by side.
+`ExecutedTimeline.from_simulation` converts `rhino.runtime.scheduling.schedules.simulate`'s
+prediction, so a measured and a simulated step can be drawn side by side.
 
 Example:
-    >>> from rhino.runtime.schedules import one_f_one_b, simulate
+    >>> from rhino.runtime.scheduling.schedules import one_f_one_b, simulate
     >>> sched = one_f_one_b(2, 2)
     >>> tl = ExecutedTimeline.from_simulation(sched, simulate(sched, 1e-3, 2e-3))
     >>> round(tl.step_s * 1e3, 3), round(tl.busy_s(0) * 1e3, 3)
@@ -165,7 +165,7 @@ class ExecutedTimeline:
         """Converts a `schedules.Schedule` and its `schedules.simulate` `Timeline`.
 
         Example:
-            >>> from rhino.runtime.schedules import gpipe, simulate
+            >>> from rhino.runtime.scheduling.schedules import gpipe, simulate
             >>> tl = ExecutedTimeline.from_simulation(gpipe(2, 1), simulate(gpipe(2, 1), 1, 1))
             >>> [r.label for r in tl.stage_records(1)]
             ['F0', 'B0', 'A']

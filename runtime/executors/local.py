@@ -14,8 +14,8 @@ instruction list once per step through a ``Transport``:
 
 * ``LocalTransport``: one process; a value is handed over in memory and put on the
   receiving mesh with the receiver's sharding (``jax.device_put``: a cross-mesh copy).
-* the Ray executor (``ray_executor.py``): device to device through JAX's transfer servers,
-  every actor one process of one ``jax.distributed`` job (``jax_transfer.py``).
+* the Ray executor (``ray/executor.py``): device to device through JAX's transfer servers,
+  every actor one process of one ``jax.distributed`` job (``transfer/jax_transfer.py``).
 
 ``LocalExecutor`` runs one thread per stage (meshes are disjoint sets of local devices; the
 threads only dispatch and wait). Every wait has a timeout; an error on one stage stops the
@@ -33,7 +33,7 @@ then those aborted because of another::
     stage 1, B2: XlaRuntimeError: ... (other stages: stage 0, recv v7@2←1: aborted: ...)
 
 Example:
-    >>> from rhino.runtime.schedules import one_f_one_b
+    >>> from rhino.runtime.scheduling.schedules import one_f_one_b
     >>> # instructions(split, one_f_one_b(2, 4), stage=0)  -> [Instr('run', 'F', 0), ...]
 """
 
@@ -48,21 +48,21 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from rhino.runtime.schedules import Schedule
+from rhino.runtime.scheduling.schedules import Schedule
 from rhino.hlo_passes import stage_effects
 from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, constraints,
                                              finish_acc, is_apply, prologue_function,
                                              task_function)
 from rhino.runtime import threads
-from rhino.runtime.host_effects import EffectsRunner
-from rhino.runtime.instructions import (Instr, acknowledged_recvs, first_apply, held_sends,
-                                        inputs_in_plan, instructions)
-from rhino.runtime.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
+from rhino.runtime.executors.host_effects import EffectsRunner
+from rhino.runtime.scheduling.instructions import (Instr, acknowledged_recvs, first_apply,
+                                                   held_sends, inputs_in_plan, instructions)
+from rhino.runtime.transfer.transport import (ExecutorError, Failure, LocalTransport, StepTransport,
                                      Transport, root_cause)
-from rhino.runtime.placement import place
-from rhino.runtime.task_timing import (Pending, all_ready, annotate, done_now, measured,
+from rhino.runtime.transfer.placement import place
+from rhino.runtime.scheduling.task_timing import (Pending, all_ready, annotate, done_now, measured,
                                       ready_at)
-from rhino.runtime.timeline import TaskRecord
+from rhino.runtime.scheduling.timeline import TaskRecord
 
 __all__ = ["ExecutorError", "Failure", "LocalTransport", "StepTransport", "Transport",
            "root_cause", "Instr", "instructions", "place", "StageWorker",
@@ -98,7 +98,7 @@ class StageWorker:
         measure: time each task (a watcher thread waits for its results, so dispatch of the
             next task is not held up).
         programs: ``(kind, with_acc) -> callable``: the stage's programs compiled from its
-            artifacts (``runtime.artifacts``); without, each is jitted from ``split`` on
+            artifacts (``runtime.executors.artifacts``); without, each is jitted from ``split`` on
             first use.
         complete: ``programs`` are all there is (else those missing, the programs holding
             host callbacks, are jitted from ``split``: ``stage_effects``).
@@ -118,7 +118,8 @@ class StageWorker:
         self._ref_sharding = {r: self._named(p) for r, p in shardings.refs.items()}
         self._constrain, self._finish = constraints(mesh, shardings)
         self._replicated = self._named(None)
-        # Compiled from artifacts (``runtime.artifacts``), or jitted from the split on use.
+        # Compiled from artifacts (``runtime.executors.artifacts``), or jitted from the split on
+        # use.
         self._from_artifacts = programs is not None and complete
         self._programs: dict[tuple[str, bool], Any] = dict(programs or {})
         # Deserialized exports (``jax.jit(exported.call)``) get inputs in the plan's layout:
@@ -215,7 +216,7 @@ class StageWorker:
         ``peak`` = state + accumulators + in_flight × handed + temp. Recomputation
         (``jax.checkpoint``) shows in ``handed``: a checkpointed region hands its inputs
         only, its backward recomputes the rest."""
-        from rhino.runtime.schedules import in_flight_bound
+        from rhino.runtime.scheduling.schedules import in_flight_bound
 
         sp = self.split
         avals = sp.flat.avals
@@ -251,8 +252,8 @@ class StageWorker:
 
     def collectives(self) -> dict[str, dict[str, tuple[int, int]]]:
         """Per program this stage ran (``F``, ``B+acc``, ...), the collectives of its compiled
-        HLO: ``kind -> (count, bytes per device)`` (``runtime.spmd.summarize``)."""
-        from rhino.runtime.spmd import count_collectives, summarize
+        HLO: ``kind -> (count, bytes per device)`` (``runtime.executors.spmd.summarize``)."""
+        from rhino.runtime.executors.spmd import count_collectives, summarize
 
         out = {}
         for (kind, with_acc), args in sorted(self._seen.items()):

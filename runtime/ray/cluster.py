@@ -1,8 +1,8 @@
 """Reaching a Ray cluster (``init``, exposed as ``rhino.init``) and the facts every Ray
 piece of the runtime shares (the simulated device count of an actor, the waits' bounds).
 
-Only the ``ray_*`` modules import ray, and only inside functions, so ``import rhino`` never
-imports ray.
+Only the modules of ``rhino.runtime.ray`` import ray, and only inside functions, so
+``import rhino`` never imports ray.
 
 Example:
     >>> xla_flags(2, "--xla_foo=1")
@@ -23,7 +23,7 @@ import warnings
 from typing import Any, Mapping, Sequence
 
 from rhino.runtime import threads
-from rhino.runtime.transport import ExecutorError
+from rhino.runtime.failures import ExecutorError
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 ACTOR_CONCURRENCY = 8
@@ -191,7 +191,7 @@ def _check_reachable(address: str, where: str, timeout: float) -> None:
                else f"{type(e).__name__}: {e}")
         raise ExecutorError(f"rhino.init: could not reach {where}: nothing accepts "
                             f"connections there ({why}); expected a running Ray head (e.g. "
-                            f"`python -m rhino.runtime.local_ray start`)") from None
+                            f"`python -m rhino.runtime.ray.local_head start`)") from None
 
 
 class _DropMessage(logging.Filter):
@@ -303,6 +303,6 @@ def check_cpus(hosts: Sequence[int], options: Mapping[str, Any], info: RayInfo,
             f"{actors} actors asking {each:g} CPU each ({need:g} CPUs), expected at most "
             f"the {info.cpus:g} CPUs of this single-node Ray cluster: Ray would leave "
             f"{waiting} of them waiting. Start Ray with more CPUs "
-            f"(rhino.runtime.ray_executor.init(num_cpus={math.ceil(need)}) or `ray start "
+            f"(rhino.runtime.ray.executor.init(num_cpus={math.ceil(need)}) or `ray start "
             f"--num-cpus {math.ceil(need)}`), or pass "
             f"ray_actor_options={{'num_cpus': {info.cpus / actors:g}}}")

@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from rhino.errors import RhinoError
-from rhino.runtime.load_balance import Assignment, CommJob, Topology, balance
+from rhino.runtime.transfer.load_balance import Assignment, CommJob, Topology, balance
 
 STRATEGIES = ("send_recv", "allgather", "broadcast")
 Box = tuple[tuple[int, int], ...]   # per dimension [start, stop)
@@ -364,7 +364,7 @@ def plan_resharding(shape: Sequence[int], itemsize: int, src_mesh: DeviceMesh,
         shape, itemsize: the tensor's shape and bytes per element.
         src_mesh, src_spec, dst_mesh, dst_spec: layouts (specs as ``TileSpec`` or text).
         strategy: ``"broadcast"`` (004's), ``"allgather"`` or ``"send_recv"``.
-        balancer: see ``rhino.runtime.load_balance.BALANCERS``.
+        balancer: see ``rhino.runtime.transfer.load_balance.BALANCERS``.
         topology: bandwidths for the simulator; default ``Topology()`` (004 §5's cluster).
         seed: for the randomized greedy balancer.
         time_budget_s: for the DFS balancer.

@@ -1,9 +1,9 @@
 """The Ray executor: one actor per host of every stage's mesh, values between stages device to
 device through JAX's transfer servers (every actor in one ``jax.distributed`` job), the
-training state kept on the actors. ``init`` (``runtime.ray_cluster``)
+training state kept on the actors. ``init`` (``ray/cluster.py``)
 connects to (or starts) a Ray cluster; it is exposed as ``rhino.init``.
 
-Only the ``ray_*`` modules (in ``rhino.runtime``) import ray, and only inside functions and
+Only the modules of ``rhino.runtime.ray`` import ray, and only inside functions and
 the actors, so ``import rhino`` never imports ray.
 
 Layout of one step (2 stages; stage 1's mesh spans two hosts)::
@@ -16,7 +16,7 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
                                         │   one process of the run's jax.distributed job
            ◄── (0-d results as numpy, shapes of the rest, task records) ──┘
 
-* Start (``runtime.ray_actor``): actors are created (``XLA_FLAGS`` with
+* Start (``runtime.ray.actor``): actors are created (``XLA_FLAGS`` with
   ``--xla_force_host_platform_device_count`` = that host's devices reaches each through
   ``runtime_env``; not on GPU actors, ``num_gpus`` in ``actor_options``), actors that
   simulate hosts on one node split its cores (``pin_cpus``), every actor joins the run's
@@ -27,7 +27,7 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
 * A step is one ``run_step`` call per actor. The actors are threaded (``max_concurrency``):
   ``abort`` runs while ``run_step`` waits for a value.
 * Values between stages (``transport="jax"``, the only one) move device to device through
-  JAX's transfer servers (``runtime.jax_transfer``): no host copy, no object store, no
+  JAX's transfer servers (``runtime.transfer.jax_transfer``): no host copy, no object store, no
   socket of rhino's. (The object store with an actor call per value and rhino's own TCP
   channels were removed after measurement: ``benchmarks/RESULTS.md``; the object store
   carries only the driver's arguments, control messages and results.)
@@ -42,7 +42,7 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
   results take the step's result types (``StagedRun``: dtype, weak type, typed PRNG
   keys), so passed back they hit the plan made for the first call.
 * Batches made on the hosts (``rhino.host_data(fn, like, step=i)`` in place of the batch;
-  ``runtime.host_data``): ``run_step``'s control message names per batch leaf the source,
+  ``runtime.state.host_data``): ``run_step``'s control message names per batch leaf the source,
   the step and the rows this actor needs (all on a stage of one host, its devices' rows
   on a stage spanning hosts: ``describe()["rows"]``); the actor calls ``fn(HostRequest)``
   and places the rows. ``fn`` (user code) is pickled by value with ``ray.cloudpickle``
@@ -77,19 +77,19 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rhino.runtime import threads
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S, ExecutorError, Failure, root_cause
-from rhino.runtime.ray_actor import StageActor
-from rhino.runtime.ray_cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
+from rhino.runtime.executors.local import DEFAULT_TIMEOUT_S, ExecutorError, Failure, root_cause
+from rhino.runtime.ray.actor import StageActor
+from rhino.runtime.ray.cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
                                        RayInfo, check_plan, import_ray, init, share_cores,
                                        xla_flags)
-from rhino.runtime.ray_errors import is_dead, stage_error, unlabelled, why_failed
-from rhino.runtime.remote_array import PackedKey, RemoteArray, fetch, pack_key, unpack_key
-from rhino.runtime.timeline import TaskRecord
+from rhino.runtime.ray.errors import is_dead, stage_error, unlabelled, why_failed
+from rhino.runtime.state.remote_array import PackedKey, RemoteArray, fetch, pack_key, unpack_key
+from rhino.runtime.scheduling.timeline import TaskRecord
 from rhino.vocabulary import removed_transport
 
 RAY_TRANSPORTS = ("jax",)
 """How values cross stages on Ray: device to device by JAX's transfer servers, every actor
-in one ``jax.distributed`` job (``runtime.jax_transfer``)."""
+in one ``jax.distributed`` job (``runtime.transfer.jax_transfer``)."""
 
 SMALL_ARG_BYTES = 256
 """Host values up to this size (scalars: a step counter, a learning rate) go inside the
@@ -109,7 +109,7 @@ def _artifacts(specs: Sequence[Any], actor_options: Mapping[str, Any]) -> list:
     """``specs`` as ``StageArtifact``s: a ``WorkerSpec`` is split here (the driver has the
     user's code) and its programs exported for the actors' platform (``cuda`` where the
     actors are given GPUs, else ``cpu``)."""
-    from rhino.runtime.artifacts import StageArtifact, export_stages
+    from rhino.runtime.executors.artifacts import StageArtifact, export_stages
 
     todo = [s for s in specs if not isinstance(s, StageArtifact)]
     if not todo:
@@ -407,7 +407,7 @@ class RayExecutor:
         reusable entries. A ``RemoteArray`` is fetched first."""
         import jax
 
-        from rhino.runtime.ray_actor import take_rows
+        from rhino.runtime.ray.actor import take_rows
 
         key = (id(x), rows)
         hit = keep.get(key) or self._puts.get(key)
@@ -637,7 +637,7 @@ class RayExecutor:
         driver but leaves no stage reads): ``RemoteArray`` handles in leaf order."""
         import jax
 
-        from rhino.runtime.artifacts import export_init
+        from rhino.runtime.executors.artifacts import export_init
 
         with self._lock:
             self._usable()
@@ -668,7 +668,7 @@ class RayExecutor:
     def save_part(self, directory: str, stage: int,
                   names: Mapping[str, tuple[int, int]]) -> None:
         """``stage``'s actors write the results ``names`` (name -> (step, ref)) as one
-        orbax checkpoint at ``directory`` (``runtime.checkpoint``)."""
+        orbax checkpoint at ``directory`` (``runtime.state.checkpoint``)."""
         with self._lock:
             self._usable()
             group = self.groups[stage]

@@ -26,8 +26,8 @@ import numpy as np
 from rhino.errors import RhinoError, format_bytes
 from rhino.jaxpr.private import with_weak_type
 from rhino.hlo_passes.lower import SpmdLowering, StageLowering
-from rhino.runtime.placement import place
-from rhino.runtime.worker_spec import WorkerSpec
+from rhino.runtime.transfer.placement import place
+from rhino.runtime.executors.worker_spec import WorkerSpec
 from rhino.vocabulary import ScheduleKind
 
 

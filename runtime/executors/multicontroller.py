@@ -1,7 +1,7 @@
 """Pipelined plans in a multi-controller job: every process runs the stages whose devices it
 holds, values between stages on different processes move through JAX's transfer servers
-(``runtime.jax_transfer``), and every process ends a step with every result: its own stages'
-arrays, the other processes' 0-d results (losses, metrics) received, and for their arrays a
+(``runtime.transfer.jax_transfer``), and every process ends a step with every result: its own
+stages' arrays, the other processes' 0-d results (losses, metrics) received, and for their arrays a
 global ``jax.Array`` with no shards here (what multi-controller JAX gives a process for an
 array on other processes' devices). Passed back as the next step's state, they move nothing:
 an argument a stage reads from another process (a tied weight) is sent by the process that
@@ -24,9 +24,9 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
-from rhino.runtime.executor import DEFAULT_TIMEOUT_S, LocalExecutor
-from rhino.runtime.worker_spec import WorkerSpec
-from rhino.runtime.transport import ExecutorError
+from rhino.runtime.executors.local import DEFAULT_TIMEOUT_S, LocalExecutor
+from rhino.runtime.executors.worker_spec import WorkerSpec
+from rhino.runtime.failures import ExecutorError
 
 
 def stage_processes(stage_devices: Sequence[Sequence[Any]]) -> dict[int, int]:
@@ -55,8 +55,8 @@ class ProcessStages:
 
     def __init__(self, specs: Sequence[WorkerSpec], split: Any,
                  stage_devices: Sequence[Sequence[Any]], timeout: float = DEFAULT_TIMEOUT_S):
-        from rhino.runtime.jax_transfer import JaxTransferTransport, stage_targets
-        from rhino.runtime.spmd import device_mesh
+        from rhino.runtime.transfer.jax_transfer import JaxTransferTransport, stage_targets
+        from rhino.runtime.executors.spmd import device_mesh
 
         self.split, self.timeout = split, timeout
         self.stage_process = stage_processes(stage_devices)

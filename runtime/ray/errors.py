@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from rhino.runtime.transport import ExecutorError, Failure
+from rhino.runtime.failures import ExecutorError, Failure
 
 
 def unlabelled(text: str, label: str) -> str:

@@ -1,0 +1,14 @@
+"""Running a step on a Ray cluster. The only part of rhino that imports ray, and only inside
+functions, so ``import rhino`` never needs it.
+
+    cluster.py     ``rhino.init``: reaching a Ray cluster; import_ray; cores per actor.
+    actor.py       StageActor: one host of one stage mesh, one process of a jax.distributed
+                   job; results kept on the actor.
+    executor.py    the Ray executor (the driver): actors per host, values between stages by
+                   JAX's transfers, state on the actors as RemoteArray handles.
+    errors.py      Ray's failures named as a stage's failure.
+    local_head.py  a local Ray head on free ports, stopped by its own process group.
+
+May import every other part of the runtime; no other part of the runtime imports it (rhino's
+front door and ``rhino.launch`` do).
+"""

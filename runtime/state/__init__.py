@@ -1,0 +1,11 @@
+"""What keeps the user's training state and data: checkpoints, host data, initialization on
+the stage devices, and handles to state held by other processes.
+
+    checkpoint.py    orbax checkpoints written where the state lives, restored anywhere.
+    host_data.py     data made on the host that holds it (HostRequest, host_data).
+    sharded_init.py  state created on its stage's devices, equal to a one-device init.
+    remote_array.py  RemoteArray handles to values held by Ray actors, fetch, PackedKey.
+
+May import: the base modules (``rhino.runtime.failures``, ``rhino.runtime.threads``) and
+``rhino.errors``; nothing of the other runtime subpackages.
+"""
