@@ -105,7 +105,7 @@ def test_validate_rejects_duplicate_missing_and_wrong_column():
     with pytest.raises(ScheduleError, match="expected once"):
         dataclasses.replace(s, table=tuple(map(tuple, table))).validate()
     table = [list(r) for r in s.table] + [[None, Task("F", 0, 7)]]
-    with pytest.raises(ScheduleError, match="expected stage 1"):
+    with pytest.raises(ScheduleError, match="expected a stage of column 1"):
         dataclasses.replace(s, table=tuple(map(tuple, table))).validate()
 
 

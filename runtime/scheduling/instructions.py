@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any, Callable
 
 from rhino.hlo_passes.stage_programs import StepSplit, is_apply
-from rhino.runtime.scheduling.schedules import Schedule
+from rhino.runtime.scheduling.schedules import SCHEDULE_NAMES, Schedule
 from rhino.runtime.failures import ExecutorError
 
 
@@ -58,6 +58,11 @@ class Instr:
 
 def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr]:
     """The instruction list of ``stage`` for one step (pure; see the module docstring)."""
+    if schedule.name not in SCHEDULE_NAMES:
+        raise ExecutorError(f"schedule {schedule.name!r}: the executors run {SCHEDULE_NAMES}; "
+                            f"{schedule.name!r} is a table to price and compare until stage "
+                            f"programs split their backward and device groups run several "
+                            f"stages")
     if schedule.num_stages != split.num_stages or \
             schedule.num_microbatches != split.num_microbatches:
         raise ExecutorError(f"schedule: expected {split.num_stages} stages × "
