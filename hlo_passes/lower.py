@@ -35,6 +35,7 @@ import numpy as np
 
 from rhino.errors import BatchCouplingError, LoweringError, PlanMismatchError
 from rhino.hlo_passes.annotate import EqnMap, ScopedFunction, eqn_path
+from rhino.hlo_passes.backward_split import split_backward
 from rhino.hlo_passes.graph import HloGraph, TensorType, shape_str
 from rhino.hlo_passes.stage_programs import (FlatProgram, StageShardings, StageSplitError,
                                              StepSplit, assignment_from_ops, flatten,
@@ -50,7 +51,7 @@ from rhino.planner.build import carried_pairs
 from rhino.planner.collectives import reshard
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.spmd_plan import SpmdPlan
-from rhino.vocabulary import PlanKind, Role
+from rhino.vocabulary import PlanKind, Role, ScheduleKind
 
 
 # ------------------------------------------------------------------------------ specs
@@ -387,6 +388,8 @@ def lower_stages(traced: ScopedFunction, graph: HloGraph, plan: Plan, abstract: 
     keys = tuple(sorted(key_args(traced)))
     split = _checked_split(traced, abstract, assignment, batch_refs, plan.num_stages, m,
                            keys, per_microbatch_statistics)
+    if ScheduleKind(plan.schedule).splits_backward:
+        split = split_backward(split)
     flat = split.flat
     emap = EqnMap(traced, graph)
     shardings = tuple(_stage_shardings(st.spmd, st.index, graph, emap, flat, split)

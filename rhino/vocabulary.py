@@ -9,7 +9,7 @@ turns text back into a member (raising ``ValueError`` on anything else).
 ``Role``           an op's part of a training step: free / forward / backward / apply
 ``TaskKind``       a pipeline task: forward ``F``, backward ``B``, apply-gradients ``A``
 ``PlanKind``       what a plan runs: ``spmd`` (one stage), ``pipeline``, ``hybrid``
-``ScheduleKind``   the static pipeline schedule: ``1f1b``, ``gpipe``, ``eager-1f1b``
+``ScheduleKind``   the static pipeline schedule: ``1f1b``, ``gpipe``, ``eager-1f1b``, ``zb-h1``
 ``ExecutorKind``   where a step runs: ``local`` (this process) or ``ray`` (actors)
 ``TransportKind``  how values move between stage meshes
 ``Accumulate``     how batch-dependent values combine over microbatches
@@ -80,11 +80,13 @@ class TaskKind(_Text):
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHTS = "W"           # a split backward's weight gradients (zb-h1)
     APPLY = "A"
 
     @property
     def long(self) -> str:
-        return {"F": "forward", "B": "backward", "A": "apply"}[self.value]
+        return {"F": "forward", "B": "backward", "W": "weight gradients",
+                "A": "apply"}[self.value]
 
 
 class PlanKind(_Text):
@@ -97,6 +99,12 @@ class ScheduleKind(_Text):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     EAGER_ONE_F_ONE_B = "eager-1f1b"
+    ZB_H1 = "zb-h1"         # zero bubble: backward cut into B and W (hlo_passes.backward_split)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as two tasks, B and W."""
+        return self is ScheduleKind.ZB_H1
 
 
 class ExecutorKind(_Text):

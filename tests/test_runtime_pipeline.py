@@ -312,7 +312,7 @@ def test_microbatches_of_one_example_compute_the_step():
         step.close()
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "eager-1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "eager-1f1b", "zb-h1"])
 def test_other_schedules_give_the_same_losses(gpt_run, schedule):
     m = gpt_run["model"]
     params, opt, batch = gpt_run["params"]
@@ -324,6 +324,59 @@ def test_other_schedules_give_the_same_losses(gpt_run, schedule):
         p, o, loss = step(p, o, batch)
         assert float(loss) == pytest.approx(gpt_run["losses"][k][0], rel=RTOL)
     step.close()
+
+
+def test_zb_h1_cuts_each_backward_and_computes_1f1bs_numbers(gpt_run):
+    """Issue 44: under ``zb-h1`` each stage's backward is two programs, B (the gradients
+    the previous stage waits for) and W (the weight gradients, from what B hands it): the
+    same equations, each once, so the step's numbers are 1F1B's bit for bit."""
+    m = gpt_run["model"]
+    params, opt, batch = gpt_run["params"]
+    saved = Plan.from_json(gpt_run["step"].plan_for(params, opt, batch).to_json())
+    runs = {}
+    for schedule in ("1f1b", "zb-h1"):
+        step = rhino.auto_parallel(m.step, cluster="2x4", num_microbatches=4,
+                                   schedule=schedule, plan=saved, timeout=120)
+        try:
+            p, o = params, opt
+            for _ in range(2):
+                p, o, loss = step(p, o, batch)
+            runs[schedule] = [np.asarray(x) for x in jax.tree_util.tree_leaves((p, o, loss))]
+            split = step._entry((params, opt, batch)).run.lowering.split
+            labels = {r.label for r in step.timeline().records}
+        finally:
+            step.close()
+    for a, b in zip(runs["1f1b"], runs["zb-h1"]):
+        np.testing.assert_array_equal(a, b)
+    assert {"W0", "W3", "B0", "F0", "A"} <= labels
+    whole = gpt_run["step"]._entry((params, opt, batch)).run.lowering.split
+    for s in range(2):
+        b, w = split.task("B", s), split.task("W", s)
+        assert sorted(b.eqns + w.eqns) == sorted(whole.task("B", s).eqns)
+        assert not set(b.eqns) & set(w.eqns) and w.eqns and not w.outputs
+        assert set(b.accumulate) | set(w.accumulate) == set(whole.task("B", s).accumulate)
+        # the gradients the previous stage reads are B's; W reads what B hands it, the
+        # forward's values and (as the unsplit backward did) the next stage's gradients
+        assert set(whole.task("B", s).outputs) <= set(b.outputs)
+        assert {i.producer for i in w.inputs if i.source == "task"} <= {
+            ("B", s), ("F", s), ("B", s + 1)}
+    assert not split.task("B", 0).eqns      # stage 0 sends no gradient: all of it is W
+    assert split.task("B", 1).eqns
+
+
+def test_a_backward_binding_host_callbacks_is_left_whole(gpt_run, monkeypatch):
+    """Cut, a callback's order against the rest of the backward could change: a backward
+    whose equations bind one stays one program, its W empty."""
+    from rhino.hlo_passes import backward_split
+
+    params, opt, batch = gpt_run["params"]
+    whole = gpt_run["step"]._entry((params, opt, batch)).run.lowering.split
+    stage1 = set(whole.task("B", 1).eqns)
+    monkeypatch.setattr(backward_split.stage_effects, "loud",
+                        lambda split, eqns: bool(set(eqns) & stage1))
+    cut = backward_split.split_backward(whole)
+    assert cut.task("B", 1) == whole.task("B", 1) and cut.task("W", 1).empty
+    assert cut.task("W", 0).eqns and not cut.task("B", 0).eqns
 
 
 def test_timeline_of_measured_tasks(gpt_run, tmp_path):
@@ -579,6 +632,7 @@ def test_hand_given_split_errors():
     assert a.num_stages == 2 and a.solution.status == "given"
 
 
+@pytest.mark.extended
 def test_checkpointed_layers_are_recomputed_in_the_backward_programs():
     """GPT with ``jax.checkpoint`` per layer, pipelined: a forward task hands its backward
     task only the inputs of each checkpointed layer (the backward program recomputes the

@@ -205,10 +205,15 @@ def test_bad_sizes_and_options_are_named():
         simulate(make_schedule("interleaved-1f1b", 2, 2, 2), [1.0, 1.0], 1.0)
 
 
-def test_the_executors_refuse_the_table_only_schedules_by_name():
+def test_the_executors_refuse_interleaving_by_name_and_zb_h1_on_whole_backwards():
+    import types
+
     from rhino.runtime.failures import ExecutorError
     from rhino.runtime.scheduling.instructions import instructions
 
-    for name, v in (("zb-h1", 1), ("interleaved-1f1b", 2)):
-        with pytest.raises(ExecutorError, match=f"schedule '{name}': the executors run"):
-            instructions(None, make_schedule(name, 2, 2, virtual_stages=v), 0)
+    with pytest.raises(ExecutorError, match="schedule 'interleaved-1f1b': the executors run"):
+        instructions(None, make_schedule("interleaved-1f1b", 2, 2, virtual_stages=2), 0)
+    whole = types.SimpleNamespace(tasks={("F", 0): None, ("B", 0): None}, num_stages=2,
+                                  num_microbatches=2)
+    with pytest.raises(ExecutorError, match="expected stage programs with the backward cut"):
+        instructions(whole, make_schedule("zb-h1", 2, 2), 0)

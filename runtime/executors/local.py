@@ -556,7 +556,7 @@ class StageWorker:
             left[key] -= 1
             if left[key] <= 0 and not self._awaited(key):
                 values.pop(key, None)
-        kind = {"F": "forward", "B": "backward"}.get(ins.kind, "apply")
+        kind = {"F": "forward", "B": "backward", "W": "backward"}.get(ins.kind, "apply")
         return Pending(TaskRecord(self.stage, ins.label(), t0, t0, mb, kind), done)
 
     def _timed(self, records: list, timeout: float) -> list[TaskRecord]:

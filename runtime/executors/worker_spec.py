@@ -14,10 +14,11 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from rhino.hlo_passes.backward_split import split_backward
 from rhino.hlo_passes.stage_programs import StageShardings, StepSplit, flatten, split_step
 from rhino.hlo_passes.unroll import trace
 from rhino.runtime.executors.local import StageWorker
-from rhino.runtime.scheduling.schedules import make_schedule
+from rhino.runtime.scheduling.schedules import SPLIT_BACKWARD, make_schedule
 from rhino.runtime.failures import ExecutorError
 
 
@@ -53,9 +54,12 @@ class WorkerSpec:
     def split(self) -> StepSplit:
         flat = flatten(trace(self.fn, *self.abstract),
                        platform_branches=self.per_microbatch_statistics)
-        return split_step(flat, self.assignment, self.batch_refs, self.num_stages,
-                          self.num_microbatches, key_refs=self.key_refs,
-                          per_microbatch_statistics=self.per_microbatch_statistics)
+        split = split_step(flat, self.assignment, self.batch_refs, self.num_stages,
+                           self.num_microbatches, key_refs=self.key_refs,
+                           per_microbatch_statistics=self.per_microbatch_statistics)
+        if self.schedule in SPLIT_BACKWARD:
+            split = split_backward(split)
+        return split
 
     def build(self, devices: Sequence[Any], split: StepSplit | None = None) -> "StageWorker":
         """The worker on ``devices`` (as many as the mesh has)."""

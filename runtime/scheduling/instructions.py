@@ -60,9 +60,12 @@ def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr
     """The instruction list of ``stage`` for one step (pure; see the module docstring)."""
     if schedule.name not in SCHEDULE_NAMES:
         raise ExecutorError(f"schedule {schedule.name!r}: the executors run {SCHEDULE_NAMES}; "
-                            f"{schedule.name!r} is a table to price and compare until stage "
-                            f"programs split their backward and device groups run several "
-                            f"stages")
+                            f"{schedule.name!r} is a table to price and compare until device "
+                            f"groups run several stages")
+    if schedule.splits_backward and ("W", stage) not in split.tasks:
+        raise ExecutorError(f"schedule {schedule.name!r}: expected stage programs with the "
+                            f"backward cut into B and W (hlo_passes.backward_split), found "
+                            f"whole backward programs")
     if schedule.num_stages != split.num_stages or \
             schedule.num_microbatches != split.num_microbatches:
         raise ExecutorError(f"schedule: expected {split.num_stages} stages × "

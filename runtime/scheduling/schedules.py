@@ -28,8 +28,9 @@ zb-h1             ``p - s``, then up to ``s`` W's  ``min(p, m)`` (1F1B's peak, s
 interleaved-1f1b  ``2 (p - g - 1) + (v - 1) p + 1``  the same, at most ``v m`` (group ``g``)
 ================  ===============================  ====================================
 
-``interleaved-1f1b`` and ``zb-h1`` are tables to price and compare (``simulate``,
-``bubble_rate``); the executors run ``SCHEDULE_NAMES`` and refuse them by name.
+The executors run ``SCHEDULE_NAMES`` (``zb-h1`` on stage programs whose backward is cut in
+two, ``rhino.hlo_passes.backward_split``); ``interleaved-1f1b`` is a table to price and
+compare (``simulate``, ``bubble_rate``) that they refuse by name.
 
 Each schedule is built from per-stage task *orders* (warm-up forwards, then alternate
 backward/forward, then the remaining backwards), placed on the clock table as soon as their
@@ -106,8 +107,8 @@ from rhino.errors import RhinoError
 
 # The schedules the executors run, and those built as tables to price and compare (the
 # executors refuse them until they run split backward programs and chunked stages).
-SCHEDULE_NAMES = ("gpipe", "1f1b", "eager-1f1b")
-TABLE_SCHEDULES = ("interleaved-1f1b", "zb-h1")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "eager-1f1b", "zb-h1")
+TABLE_SCHEDULES = ("interleaved-1f1b",)
 ALL_SCHEDULES = SCHEDULE_NAMES + TABLE_SCHEDULES
 # Schedules whose backward is split into B (gradients of the stage's inputs) and W (of its
 # weights); schedules whose device groups each run several stages (virtual stages).

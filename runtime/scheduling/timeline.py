@@ -41,7 +41,8 @@ COLORS = {"prologue": "#937860", "forward": "#4C72B0", "backward": "#DD8452", "a
           "recv": "#8172B3", "other": "#8C8C8C"}
 """Bar colour per kind in `ExecutedTimeline.draw`."""
 
-_SCHEDULE_KINDS = {"F": "forward", "B": "backward", "A": "apply", "P": "prologue"}
+_SCHEDULE_KINDS = {"F": "forward", "B": "backward", "W": "backward", "A": "apply",
+                   "P": "prologue"}
 
 
 class TimelineError(RhinoError, ValueError):
