@@ -20,6 +20,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test that starts a Ray instance (the ``ray_cluster`` fixture) is of the extended
+    tier wherever it is written (``-m extended``; README, Tests)."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.extended)
+
+
 @pytest.fixture
 def segment_solver_stats(monkeypatch) -> list[dict]:
     """The ``stats`` of every O2 ``_SegmentSolver`` created during the test."""

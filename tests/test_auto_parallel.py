@@ -332,7 +332,8 @@ def test_remat_keeps_the_weights_sharded():
 
 # Without remat with -m slow (the default suite's time): the remat case plans and
 # compiles the same scan, checkpointed.
-@pytest.mark.parametrize("remat", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize("remat", [pytest.param(False, marks=pytest.mark.slow),
+                                   pytest.param(True, marks=pytest.mark.extended)])
 def test_a_scan_over_layers_is_planned_like_the_unrolled_step(remat, monkeypatch):
     """GPT written with ``lax.scan`` over stacked layers (and with ``jax.checkpoint`` in the
     scanned body): the scan is written out layer by layer (``hlo_passes.unroll``), so the

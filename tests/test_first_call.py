@@ -18,6 +18,10 @@ import rhino
 from rhino.models import get_model
 from rhino.runtime.ray.actor import GLOO_CHATTER
 
+# The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
+# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+pytestmark = pytest.mark.extended
+
 GPT = dict(layers=2, hidden=32, heads=2, seq=8, vocab=64, batch=8)
 
 

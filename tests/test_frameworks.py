@@ -26,7 +26,11 @@ B, STEPS, RTOL = 32, 5, 1e-4
 # Ray instance of 4 CPUs for the module) instead of the local executor (issue 43,
 # acceptance 5; benchmarks/RESULTS.md has the run).
 EXECUTOR = os.environ.get("RHINO_TEST_EXECUTOR", "local")
-PIPE = dict(cluster="2x4", stages=2, num_microbatches=4, timeout=300, executor=EXECUTOR)
+# RHINO_TEST_SCHEDULE=zb-h1 (or gpipe, eager-1f1b) runs them under another schedule (issue
+# 44, acceptance 2; benchmarks/RESULTS.md has the runs).
+SCHEDULE = os.environ.get("RHINO_TEST_SCHEDULE", "1f1b")
+PIPE = dict(cluster="2x4", stages=2, num_microbatches=4, timeout=300, executor=EXECUTOR,
+            schedule=SCHEDULE)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -166,6 +170,7 @@ def _nnx_scanned_lm(layers=4, d=64, vocab=256, scan=True):
     return step, (params, rest, tx.init(params)), (_tokens(vocab),)
 
 
+@pytest.mark.extended
 def test_flax_nnx_scan_over_layers_is_planned(monkeypatch):
     """``nnx.scan`` over ``nnx.vmap``-made blocks: the scan is written out layer by layer
     and planned, so the stacked weights and Adam state are sharded: the compiled peak per

@@ -21,6 +21,10 @@ import gpu_check  # noqa: E402  (benchmarks/gpu_check.py)
 import gpu_check_report  # noqa: E402
 import gpu_check_training  # noqa: E402
 
+# The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
+# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+pytestmark = pytest.mark.extended
+
 STEPS = ("environment", "calibration", "batch", "single_device", "cost_model", "hlo", "plan",
          "spmd", "pipeline")
 TOP = {"tool", "command", "date", "mode", "config", "budget_s", "steps", "wall_s", "failed"}

@@ -118,6 +118,7 @@ def test_a_pipeline_takes_keyword_and_static_arguments():
     _close(got, want)
 
 
+@pytest.mark.extended
 def test_the_plan_as_named_shardings_and_as_a_plain_jax_jit():
     """``shardings_for`` gives the arguments' and results' NamedShardings; ``jit_for`` is
     a jax.jit that compiles to rhino's own program: the same collectives, the same

@@ -24,6 +24,10 @@ import pytest
 from rhino import launch
 from rhino.distributed import DistributedError, launch_environment
 
+# The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
+# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+pytestmark = pytest.mark.extended
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "multicontroller_spmd.py"
 JOB = REPO / "tests" / "multicontroller_job.py"

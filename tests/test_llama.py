@@ -109,6 +109,7 @@ def _worst(a, b):
 
 @pytest.mark.parametrize("attention", [
     "fused", pytest.param("xla", marks=pytest.mark.slow)])
+@pytest.mark.extended
 def test_bf16_llama_pipelined_for_20_adamw_steps_tracks_gradient_accumulation(attention):
     """Issue 43, acceptance 4: the zoo Llama with its defaults (bfloat16 weights, float32
     AdamW moments) pipelined on 2x4 (2 stages, 4 microbatches) for 20 steps against

@@ -16,6 +16,10 @@ import pytest
 import rhino
 from rhino.models import get_model
 
+# The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
+# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+pytestmark = pytest.mark.extended
+
 MiB = 2 ** 20
 
 

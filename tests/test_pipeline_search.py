@@ -299,6 +299,7 @@ def test_identical_stages_are_planned_once_and_renamed(remat):
     assert p.stages[1].weights != p.stages[2].weights
 
 
+@pytest.mark.extended
 def test_process_workers_find_the_serial_plan_and_keep_a_mesh_on_one_worker():
     """The forked planning workers (the default above 3000 ops) give the serial search's
     plan; plans for one stage mesh go to one worker, so that a split's first, middle and

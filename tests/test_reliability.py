@@ -35,6 +35,10 @@ from rhino.errors import InfeasiblePlanError, OptionsError
 from rhino.models import get_model
 from rhino.runtime.executors.local import ExecutorError, LocalExecutor, LocalTransport
 
+# The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
+# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+pytestmark = pytest.mark.extended
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A two-stage pipeline whose second layer (stage 1's programs) is scaled by a value made by
@@ -198,6 +202,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import jax.numpy as jnp
 import rhino
 from rhino.runtime.executors.local import ExecutorError
+
 
 closed, silent = sys.argv[1], sys.argv[2]
 

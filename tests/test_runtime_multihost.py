@@ -24,6 +24,10 @@ from rhino.models import get_model  # noqa: E402
 from rhino.runtime.executors.local import ExecutorError, LocalTransport  # noqa: E402
 from rhino.runtime.ray.executor import RayExecutor, RemoteArray, fetch, init  # noqa: E402
 
+# The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
+# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+pytestmark = pytest.mark.extended
+
 GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
 # Trained state against jax.jit: 10% of one Adam step (lr 1e-3). An element whose gradient
 # is near Adam's eps (1e-8) moves by lr * g / (|g| + eps), so the order of a sum alone moves

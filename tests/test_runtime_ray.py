@@ -31,6 +31,10 @@ from rhino.runtime.ray.executor import (RayExecutor, RayInfo, init,  # noqa: E40
                                         xla_flags)
 from rhino.runtime.state.remote_array import PackedKey, pack_key, unpack_key  # noqa: E402
 
+# The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
+# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+pytestmark = pytest.mark.extended
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
 

@@ -24,6 +24,10 @@ from ray_resharding import (ActorExecution, HostActors, check_tiles,  # noqa: E4
 from rhino.runtime.transfer.resharding import (DeviceMesh, ReshardingError,  # noqa: E402
                                       expected_tiles, plan_resharding)
 
+# The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
+# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+pytestmark = pytest.mark.extended
+
 # case: (send spec, recv spec, send mesh, recv mesh), as benchmarks/cross_mesh_resharding.py
 CASES = {
     1: ("S^0RR", "S^0RR", (2, 4), (2, 4)),
