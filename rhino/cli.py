@@ -588,8 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the planner's choice)")
     pd.add_argument("--microbatches", type=positive_int,
                     help=f"with --cluster (default: {DEFAULT_MICROBATCHES})")
-    pd.add_argument("--schedule", choices=("1f1b", "gpipe", "eager-1f1b", "zb-h1"),
-                    help="with --cluster (default: 1f1b)")
+    pd.add_argument("--schedule", choices=("auto", "1f1b", "gpipe", "eager-1f1b", "zb-h1"),
+                    help="with --cluster (default: auto, the planner's choice)")
     pd.add_argument("--memory-budget", type=memory_bytes, help="bytes per device, e.g. "
                     "2MiB: the compiled SPMD program's (re-plans with more weight on memory "
                     "until it fits); with --cluster, each stage's estimated peak")

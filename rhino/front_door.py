@@ -66,7 +66,7 @@ class PlanRequest:
             the module docstring), not here.
         annotations: ``{pytree path or named_scope name: spec}`` pinned in every plan.
         num_microbatches: microbatches per pipeline step (None: ``DEFAULT_MICROBATCHES``).
-        schedule: the pipeline schedule (None: 1F1B).
+        schedule: the pipeline schedule (None: ``auto``, the planner's choice).
         stages: a stage count, or a hand-given split ``{weight path prefix: stage}``.
         batch_args: what carries the batch (None: the non-state, non-scalar arguments).
         epsilon: stage imbalance tolerance of the stage ILP.
@@ -175,7 +175,7 @@ class PlanRequest:
             memory_budget=self.memory_budget, annotations=dict(self.annotations) or None,
             weight_stages=given if given and count > 1 else None, kinds=kinds,
             batch_args=self.batch_args, spmd=spmd,
-            schedule=self.schedule or ScheduleKind.ONE_F_ONE_B, epsilon=self.epsilon,
+            schedule=self.schedule or ScheduleKind.AUTO, epsilon=self.epsilon,
             max_stages=self.max_stages, two_d=False,
             workers=0 if self.parallel else 1,
             executor="auto" if self.parallel else "serial",

@@ -109,8 +109,10 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
             ``microbatches`` is the same.
         epsilon, max_stages: stage imbalance tolerance and the most stages (cluster).
         stages: the number of pipeline stages, or ``{weight path prefix: stage}``.
-        schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"eager-1f1b"`` or ``"zb-h1"`` (each
-            backward cut into input and weight gradients, the latter run in bubbles).
+        schedule: ``"auto"`` (default: the fastest of the others whose activations fit,
+            by the plan's estimates), ``"1f1b"``, ``"gpipe"``, ``"eager-1f1b"`` or
+            ``"zb-h1"`` (each backward cut into input and weight gradients, the latter run
+            in bubbles).
         batch_args: what carries the batch (default: the non-state, non-scalar arguments).
         annotations: ``{pytree path or named_scope name: spec}`` (``"S[x]·R"`` or a
             ``jax.sharding.PartitionSpec``) pinned in the plan.

@@ -125,7 +125,7 @@ class StepBuilder:
             # Run options given explicitly replace the saved plan's.
             if o.num_microbatches is not None and plan.num_stages > 1:
                 plan = dataclasses.replace(plan, num_microbatches=o.num_microbatches)
-            if o.schedule is not None:
+            if o.schedule is not None and o.schedule is not ScheduleKind.AUTO:
                 plan = dataclasses.replace(plan, schedule=o.schedule)
         elif o.cluster is None:
             return self._spmd_on_mesh()

@@ -139,6 +139,16 @@ def test_a_pipeline_runs_one_stage_per_process():
                          rf"measured MFU [\d.]+ %", out.stdout, re.M), _show(out)
 
 
+def test_zb_h1_runs_one_stage_per_process():
+    """Issue 44: zb-h1 (each backward cut into B and W programs) under ``rhino.launch``,
+    one stage per process: 3 GPT steps equal jax.jit on both processes."""
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(EXAMPLE), "--stages", "2",
+                  "--schedule", "zb-h1", "--no-cross-process-collectives")
+    assert out.returncode == 0, _show(out)
+    for p in (0, 1):
+        assert f"[p{p}] process {p}: OK: 3 steps match jax.jit" in out.stdout, _show(out)
+
+
 def test_stages_without_trained_weights_and_results_of_several_stages_per_process():
     """Issue 43: 4 stages on 2 processes × 4 devices, the first two holding only frozen
     layers (their backward and apply tasks empty: no instruction runs them). Each process

@@ -72,7 +72,7 @@ def test_more_actors_than_the_single_nodes_cpus_is_refused_at_once():
     with pytest.raises(ExecutorError, match=r"the plan \(cluster 4x2\) runs 4 actors asking 1 "
                        r"CPU each \(4 CPUs\), expected at most the 2 CPUs of this single-node "
                        r"Ray cluster: Ray would leave 2 of them waiting\. Start Ray with more "
-                       r"CPUs \(rhino\.runtime\.ray_executor\.init\(num_cpus=4\).*"
+                       r"CPUs \(rhino\.runtime\.ray\.executor\.init\(num_cpus=4\).*"
                        r"ray_actor_options=\{'num_cpus': 0\.5\}"):
         check_cpus([2, 2], {}, RayInfo("127.0.0.1:1", 1, 2.0), "4x2")
     check_cpus([2, 2], {"num_cpus": 0.5}, RayInfo("127.0.0.1:1", 1, 2.0), "4x2")
@@ -539,6 +539,30 @@ def _ray_jax_transport_run(monkeypatch, model, steps, cluster="2x4", checkpoint=
         return found
     finally:
         step.close()
+
+
+def test_zb_h1_on_ray_actors_gives_1f1bs_numbers(gpt_ray, gpt):
+    """Issue 44: zb-h1's cut backward (B and W programs) on Ray actors, from the 1F1B
+    run's plan: the same parameters as 1F1B's on Ray, bit for bit."""
+    from rhino.parallel_plan import Plan
+
+    m, params, opt, batch = gpt
+    saved = Plan.from_json(gpt_ray.plan_for(params, opt, batch).to_json())
+    got = {}
+    for schedule in ("1f1b", "zb-h1"):
+        step = rhino.auto_parallel(m.step, cluster="2x4", num_microbatches=4, plan=saved,
+                                   schedule=schedule, executor="ray", timeout=120.0)
+        try:
+            p, o = params, opt
+            for _ in range(2):
+                p, o, loss = step(p, o, batch)
+            got[schedule] = [np.asarray(x) for x in jax.tree_util.tree_leaves((p, o, loss))]
+            labels = {r.label for r in step.timeline().records}
+        finally:
+            step.close()
+    assert "W0" in labels
+    for a, b in zip(got["1f1b"], got["zb-h1"]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_gpt_between_actors_through_jax_transfers(ray_cluster, monkeypatch):

@@ -93,7 +93,9 @@ def test_critical_path_hand_computed():
         g.critical_path({"F(0,0)": -1.0})
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+# The task graph is Rhino §6.1's, with one backward task per microbatch: the schedules
+# whose backward is whole (zb-h1's B and W are checked in test_schedule_properties.py).
+@pytest.mark.parametrize("name", [n for n in SCHEDULE_NAMES if n != "zb-h1"])
 @pytest.mark.parametrize("p,m", [(2, 2), (3, 4), (4, 6)])
 def test_scheduled_critical_path_equals_schedule_simulation(name, p, m):
     """Two independent computations of a static schedule's length agree, and both agree

@@ -57,6 +57,7 @@ from rhino.planner.cost_model import CostModel
 from rhino.planner.op_cost import OpTimes, matmul_dtype, model_flops
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.pins import annotation_pins
+from rhino.pipeline.schedule_choice import choose, with_in_flight
 from rhino.pipeline.spmd_pool import SpmdPool
 from rhino.progress import Countdown
 from rhino.vocabulary import PlanKind, ScheduleKind
@@ -71,7 +72,9 @@ class PipelineOptions:
 
     Attributes:
         num_microbatches: ``m`` for 1F1B (the SPMD-only candidate runs the whole batch).
-        schedule: the schedule the plan records (the estimate is 1F1B's).
+        schedule: the schedule the plan records; ``auto`` (the default): the fastest the
+            executors run whose activations fit the budget, by the plan's estimates
+            (``schedule_choice``; the search itself compares candidates under 1F1B).
         epsilon: stage imbalance tolerance of the stage ILP (§5.2).
         max_stages: the most pipeline stages (default: every device).
         num_stages: only splits with exactly this many stages (e.g. to run a pipeline of
@@ -110,7 +113,7 @@ class PipelineOptions:
     """
 
     num_microbatches: int = 8
-    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    schedule: ScheduleKind = ScheduleKind.AUTO
     epsilon: float = 0.1
     max_stages: int | None = None
     num_stages: int | None = None
@@ -663,8 +666,15 @@ def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
         return dataclasses.replace(plan, step_s=best.candidate.step_s, memory_budget=budget,
                                    epsilon=options.epsilon, epsilon_used=options.epsilon)
     a = best.assignment
+    memories, schedule, step_s = list(best.memories), options.schedule, best.candidate.step_s
+    if schedule is ScheduleKind.AUTO:
+        choice = choose(best.estimates, best.memories, [a.flops[w.index] for w in best.works],
+                        options.num_microbatches, step_s, budget)
+        schedule, step_s = ScheduleKind(choice.name), choice.step_s
+        memories = [with_in_flight(mm, k) for mm, k in zip(memories, choice.in_flight)]
+        decision = f"{decision}; {choice.text()}"
     stages = []
-    for w, pl, est, mem in zip(best.works, best.plans, best.estimates, best.memories):
+    for w, pl, est, mem in zip(best.works, best.plans, best.estimates, memories):
         extra = set(w.sub.inputs) | set(w.sub.duplicated)
         ops = tuple(graph.ops[i].name for i in w.sub.origin if i not in extra)
         stages.append(StagePlan(w.index, sp.devices(cluster, w.index), sp.hosts(cluster, w.index),
@@ -674,8 +684,7 @@ def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
                    for q, s in a.shared_weights)
     return Plan(graph.name, graph.origin, PlanKind(best.candidate.kind), cluster,
                 tuple(stages), num_microbatches=options.num_microbatches,
-                schedule=options.schedule, step_s=best.candidate.step_s, memory_budget=budget,
-                boundary=summary, crossings=tuple(best.cross), shared_weights=shared,
+                schedule=schedule, step_s=step_s, memory_budget=budget, boundary=summary, crossings=tuple(best.cross), shared_weights=shared,
                 epsilon=options.epsilon, epsilon_used=a.solution.epsilon, candidates=cands,
                 decision=decision, search=times, model_flops=model_flops(graph),
                 matmul_dtype=matmul_dtype(graph))
