@@ -304,7 +304,7 @@ _CLUSTER_ONLY = {"plan": (("--microbatches", DEFAULT_MICROBATCHES), ("--epsilon"
                           ("--alpha-inter", None), ("--beta-inter", None),
                           ("--per-microbatch-statistics", False)),
                  "demo": (("--stages", None), ("--microbatches", DEFAULT_MICROBATCHES),
-                          ("--schedule", "1f1b"))}
+                          ("--schedule", "auto"))}
 
 
 def _mode_options(args: argparse.Namespace, command: str) -> None:

@@ -40,7 +40,7 @@ from rhino.runtime.executors.local import LocalExecutor
 from rhino.runtime.executors.runs import DirectRun, StagedRun
 from rhino.runtime.executors.worker_spec import WorkerSpec
 from rhino.step_options import StepOptions
-from rhino.vocabulary import ExecutorKind, TransportKind
+from rhino.vocabulary import ExecutorKind, ScheduleKind, TransportKind
 
 
 @dataclasses.dataclass

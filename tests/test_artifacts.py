@@ -34,18 +34,27 @@ def _run_from_artifacts(run, arts, flat):
     return workers, LocalExecutor(workers)
 
 
-def test_a_pipeline_from_artifacts_is_bitwise_the_traced_one():
+WHOLE_BACKWARD = [("A", False), ("B", False), ("B", True), ("F", False), ("F", True)]
+CUT = [("W", False), ("W", True)]
+
+
+@pytest.mark.parametrize("schedule,programs", [
+    ("1f1b", [WHOLE_BACKWARD] * 2),
+    # zb-h1: stage 0 sends no gradient back, its whole backward is W
+    ("zb-h1", [[("A", False), ("F", False), ("F", True)] + CUT, WHOLE_BACKWARD + CUT])])
+def test_a_pipeline_from_artifacts_is_bitwise_the_traced_one(schedule, programs):
     """GPT, 2 stages of 4 devices, 4 microbatches: every stage program exported (F, B, their
-    +acc forms, A), shipped through plain pickle, built on the same devices: 2 steps equal
-    the traced pipeline bit for bit, and its compiled programs hold the same collectives."""
+    +acc forms, A; W under zb-h1), shipped through plain pickle, built on the same devices:
+    2 steps equal the traced pipeline bit for bit, and its compiled programs hold the same
+    collectives."""
     m = get_model("gpt", **GPT)
     params, opt = m.init(jax.random.PRNGKey(0))
     batches = [m.make_batch(jax.random.PRNGKey(1 + i)) for i in range(2)]
-    with rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4) as step:
+    with rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
+                             schedule=schedule) as step:
         run = _staged(step, params, opt, batches[0])
         arts = artifacts.export_stages(run.specs, run.lowering.split, "cpu")
-        assert [sorted(a.programs) for a in arts] == [
-            [("A", False), ("B", False), ("B", True), ("F", False), ("F", True)]] * 2
+        assert [sorted(a.programs) for a in arts] == [sorted(p) for p in programs]
         arts = pickle.loads(pickle.dumps(arts))
         traced = [step(params, opt, b) for b in batches]
         workers, ex = _run_from_artifacts(run, arts, None)

@@ -221,10 +221,11 @@ def test_integer_metrics_and_counts_are_kept_by_their_rules():
 # ------------------------------------------------------------------------ executors
 @pytest.fixture(scope="module")
 def gpt_run():
-    """GPT-4 layers, 2 stages x 4 devices, 4 microbatches, 1F1B: 10 steps beside jax.jit."""
+    """GPT-4 layers, 2 stages x 4 devices, 4 microbatches, 1F1B (pinned: the tests of this
+    fixture read 1F1B's tasks and sends): 10 steps beside jax.jit."""
     m, params, opt, batch = _gpt(layers=4, batch=16)
     step = rhino.auto_parallel(m.step, cluster="2x4", stages=2, num_microbatches=4,
-                               timeout=120)
+                               schedule="1f1b", timeout=120)
     ref = jax.jit(m.step)
     p1, o1, p2, o2 = params, opt, params, opt
     losses = []

@@ -673,6 +673,11 @@ def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
         schedule, step_s = ScheduleKind(choice.name), choice.step_s
         memories = [with_in_flight(mm, k) for mm, k in zip(memories, choice.in_flight)]
         decision = f"{decision}; {choice.text()}"
+        # the winner's row under its schedule: the bubble (and hidden sends) it saves
+        won = dataclasses.replace(
+            best.candidate, step_s=step_s, memory=max(mm.total for mm in memories),
+            bubble_s=max(0.0, best.candidate.bubble_s - (best.candidate.step_s - step_s)))
+        cands = tuple(won if c == best.candidate else c for c in cands)
     stages = []
     for w, pl, est, mem in zip(best.works, best.plans, best.estimates, memories):
         extra = set(w.sub.inputs) | set(w.sub.duplicated)
