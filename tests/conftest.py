@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     """A test that starts a Ray instance (the ``ray_cluster`` fixture) is of the extended
-    tier wherever it is written (``-m extended``; README, Tests)."""
+    tier wherever it is written (README, Tests)."""
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.extended)

@@ -27,7 +27,7 @@ import sys
 import pytest
 
 # The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
-# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+# .ci/run after the default suite (README, Tests: `-m "extended and not slow"`).
 pytestmark = pytest.mark.extended
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

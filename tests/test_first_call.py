@@ -19,7 +19,7 @@ from rhino.models import get_model
 from rhino.runtime.ray.actor import GLOO_CHATTER
 
 # The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
-# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+# .ci/run after the default suite (README, Tests: `-m "extended and not slow"`).
 pytestmark = pytest.mark.extended
 
 GPT = dict(layers=2, hidden=32, heads=2, seq=8, vocab=64, batch=8)

@@ -22,7 +22,7 @@ import gpu_check_report  # noqa: E402
 import gpu_check_training  # noqa: E402
 
 # The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
-# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+# .ci/run after the default suite (README, Tests: `-m "extended and not slow"`).
 pytestmark = pytest.mark.extended
 
 STEPS = ("environment", "calibration", "batch", "single_device", "cost_model", "hlo", "plan",

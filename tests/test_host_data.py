@@ -145,7 +145,6 @@ def test_ray_hosts_make_the_batch_and_the_driver_sends_none_of_it(request):
 
 
 @pytest.mark.slow
-@pytest.mark.extended
 def test_ray_hosts_of_one_stage_each_make_their_own_rows(request, tmp_path, monkeypatch):
     """One stage whose mesh spans the two hosts (one jax.distributed job): each host asks
     for the rows of its own devices only (half the batch each), and the step equals

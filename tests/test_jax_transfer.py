@@ -14,7 +14,7 @@ import pytest
 from rhino.runtime.transfer.jax_transfer import transfer_uuid
 
 # The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
-# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+# .ci/run after the default suite (README, Tests: `-m "extended and not slow"`).
 pytestmark = pytest.mark.extended
 
 WORKER = pathlib.Path(__file__).with_name("jax_transfer_worker.py")

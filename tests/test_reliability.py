@@ -36,7 +36,7 @@ from rhino.models import get_model
 from rhino.runtime.executors.local import ExecutorError, LocalExecutor, LocalTransport
 
 # The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
-# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+# .ci/run after the default suite (README, Tests: `-m "extended and not slow"`).
 pytestmark = pytest.mark.extended
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -25,7 +25,7 @@ from rhino.runtime.executors.local import ExecutorError, LocalTransport  # noqa:
 from rhino.runtime.ray.executor import RayExecutor, RemoteArray, fetch, init  # noqa: E402
 
 # The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
-# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+# .ci/run after the default suite (README, Tests: `-m "extended and not slow"`).
 pytestmark = pytest.mark.extended
 
 GPT = dict(layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)

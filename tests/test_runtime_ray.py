@@ -32,7 +32,7 @@ from rhino.runtime.ray.executor import (RayExecutor, RayInfo, init,  # noqa: E40
 from rhino.runtime.state.remote_array import PackedKey, pack_key, unpack_key  # noqa: E402
 
 # The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
-# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+# .ci/run after the default suite (README, Tests: `-m "extended and not slow"`).
 pytestmark = pytest.mark.extended
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -511,6 +511,7 @@ def _ray_jax_transport_run(monkeypatch, model, steps, cluster="2x4", checkpoint=
     params, opt = m.init(jax.random.PRNGKey(0))
     batches = [m.make_batch(jax.random.PRNGKey(1 + i)) for i in range(steps)]
     step = rhino.auto_parallel(m.step, cluster=cluster, stages=2, num_microbatches=4,
+                               schedule="1f1b",   # the tests read 1F1B's held sends
                                executor="ray", transport="jax", timeout=120, **kw)
     ref = jax.jit(m.step)
     try:

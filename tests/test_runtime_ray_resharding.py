@@ -25,7 +25,7 @@ from rhino.runtime.transfer.resharding import (DeviceMesh, ReshardingError,  # n
                                       expected_tiles, plan_resharding)
 
 # The extended tier (Ray, several processes, the docs' commands, the slowest runs): run by
-# .ci/run after the default suite, or `python -m pytest -m extended` (README, Tests).
+# .ci/run after the default suite (README, Tests: `-m "extended and not slow"`).
 pytestmark = pytest.mark.extended
 
 # case: (send spec, recv spec, send mesh, recv mesh), as benchmarks/cross_mesh_resharding.py

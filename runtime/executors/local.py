@@ -227,19 +227,25 @@ class StageWorker:
 
         state = sum(local(avals[r].shape, avals[r].dtype, self.sharding(r))
                     for r in sp.stage_args(self.stage) if r not in sp.batch_refs)
-        handed = accumulators = temp = 0
-        b_task = sp.task("B", self.stage)
+        temp = 0
+        handed_refs: dict[int, int] = {}     # what the backward (B, and W if cut) reads of F
+        carried: dict[str, int] = {}
         for (kind, with_acc), seen in self._seen.items():
             if kind == "P":
                 continue
             inputs, acc_in, _ = seen
-            if kind == "B" and not handed:
-                handed = sum(local(x.shape, x.dtype, x.sharding)
-                             for i, x in zip(b_task.inputs, inputs)
-                             if i.source == "task" and i.producer == ("F", self.stage))
+            if kind in ("B", "W"):
+                task = sp.task(kind, self.stage)
+                for i, x in zip(task.inputs, inputs):
+                    if i.source == "task" and i.producer == ("F", self.stage):
+                        handed_refs[i.ref] = local(x.shape, x.dtype, x.sharding)
             if with_acc:
-                accumulators = max(accumulators, sum(local(x.shape, x.dtype, x.sharding)
-                                                     for x in acc_in))
+                carried[kind] = sum(local(x.shape, x.dtype, x.sharding) for x in acc_in)
+        handed = sum(handed_refs.values())
+        # a cut backward's B and W carry their accumulators side by side
+        backward = carried.get("B", 0) + carried.get("W", 0) if self.schedule.splits_backward \
+            else carried.get("B", 0)
+        accumulators = max([backward] + [v for k, v in carried.items() if k not in "BW"])
         for (kind, with_acc), args in self._seen.items():
             prog = self.prologue_program() if kind == "P" else self.program(kind, with_acc)
             mem = prog.lower(*args).compile().memory_analysis()
