@@ -1,8 +1,9 @@
 """What runs a step: the executors in this process and under ``rhino.launch``, and the
 stage programs they run.
 
-    local.py            StageWorker (one stage's mesh, programs, state) and LocalExecutor
-                        (one thread per stage over disjoint local devices).
+    stage_worker.py     StageWorker: one stage's mesh, programs and state, running its
+                        instruction list once per step through a transport.
+    local.py            LocalExecutor: one thread per stage over disjoint local devices.
     worker_spec.py      what one stage's worker is built from (programs, schedule, mesh).
     host_effects.py     host callbacks (jax.debug.print and the like) run in step order.
     spmd.py             SPMD execution facts: meshes, shardings checked, collectives.

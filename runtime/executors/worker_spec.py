@@ -17,7 +17,7 @@ import numpy as np
 from rhino.hlo_passes.backward_split import split_backward
 from rhino.hlo_passes.stage_programs import StageShardings, StepSplit, flatten, split_step
 from rhino.hlo_passes.unroll import trace
-from rhino.runtime.executors.local import StageWorker
+from rhino.runtime.executors.stage_worker import StageWorker
 from rhino.runtime.scheduling.schedules import SPLIT_BACKWARD, make_schedule
 from rhino.runtime.failures import ExecutorError
 

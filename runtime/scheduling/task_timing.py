@@ -2,7 +2,7 @@
 watcher thread polls its results, ``ready_at``), and the step's records are put together
 at its end (``measured``): a task starts at the latest of its dispatch, the end of the
 stage's previous task and the arrival of the values it received, and ends when its results
-are ready. Used by ``runtime.executors.local.StageWorker``.
+are ready. Used by ``runtime.executors.stage_worker.StageWorker``.
 
 Example:
     >>> import concurrent.futures as cf
