@@ -243,10 +243,19 @@ class StepBuilder:
             specs_out = export_stages(specs, lowering.split, platform, with_code=True)
             self.progress(f"starting {plan.num_stages} stage(s) on Ray actors, which compile "
                           f"their stage programs with one step on zeros")
-            executor = RayExecutor(specs_out, plan.cluster, timeout=o.timeout,
+
+            def start() -> RayExecutor:
+                return RayExecutor(specs_out, plan.cluster, timeout=o.timeout,
                                    address=o.ray_address, actor_options=o.ray_actor_options,
                                    host_ids=[st.hosts for st in plan.stages],
                                    transport=o.transport.value, pin_cpus=o.ray_pin_cpus)
+
+            def restart() -> RayExecutor:    # after an actor died (StagedRun)
+                self.progress.always(f"starting {plan.num_stages} stage(s) on new Ray "
+                                     f"actors (an actor of the last ones died)")
+                return start()
+
+            executor = start()
         elif self.multi:   # this process's stages; JAX's transfers to the others
             from rhino.runtime.executors.multicontroller import ProcessStages
 
@@ -265,7 +274,8 @@ class StepBuilder:
                                                strategy=o.transport.value)
             executor = LocalExecutor(workers, o.timeout, transport)
         run = StagedRun(lowering, specs, executor, plan.schedule,
-                        out_avals=self.traced.closed.out_avals)
+                        out_avals=self.traced.closed.out_avals,
+                        restart=restart if o.executor is ExecutorKind.RAY else None)
         try:
             run.warm_up(self.progress.always)
         except BaseException:

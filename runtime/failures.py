@@ -14,6 +14,11 @@ from typing import Sequence
 from rhino.errors import RhinoError
 
 
+RESUME = ("To resume: restore the last checkpoint (rhino.restore_checkpoint(path, like=...)) "
+          "and call the step again with it: the step starts new actors")
+"""How to go on after a process holding state died (every error about lost values says it)."""
+
+
 class Failure(enum.IntEnum):
     """What went wrong on a stage, in the order ``root_cause`` blames them (lowest first)."""
 

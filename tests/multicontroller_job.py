@@ -9,7 +9,8 @@ right after joining; the others wait), ``--raise-on P`` (process P raises instea
 ``--cluster``, ``--stages``: ``auto_parallel``'s options; ``--effects PATH``: the step holds
 a ``jax.debug.callback`` and an ordered ``io_callback``, which append ``TAG pPROCESS VALUE``
 lines to PATH (the one-device ``jax.jit`` reference's tags start with ``ref-``).
-``--arg-kinds numpy,local,global`` runs the step once per kind of argument users have, each
+``--fail-call K``: a pipelined step whose host callback raises on call K, the calls
+after it made anyway (``failed_call``). ``--arg-kinds numpy,local,global`` runs the step once per kind of argument users have, each
 with a new ``auto_parallel``: numpy arrays, process-local jax arrays (on the process's first
 device, as ``model.init`` returns them) and global ``jax.Array``s (replicated over every
 device of the job), or ``split`` (global arrays whose rows are split over every device of
@@ -72,6 +73,7 @@ def main() -> int:
     ap.add_argument("--effects", default=None)
     ap.add_argument("--frozen", action="store_true")
     ap.add_argument("--arg-kinds", default=None)
+    ap.add_argument("--fail-call", type=int, default=None)
     a = ap.parse_args()
 
     job = rhino.distributed_init()
@@ -91,6 +93,8 @@ def main() -> int:
         return frozen(me, f"{n}x{jax.local_device_count()}", a.stages)
     if a.arg_kinds:
         return arg_kinds(me, a.arg_kinds.split(","), a.cluster, a.stages)
+    if a.fail_call is not None:
+        return failed_call(me, a.fail_call, a.cluster, a.stages)
 
     rng = np.random.default_rng(0)
     params = {"w1": rng.normal(size=(64, 256)).astype(np.float32) * 0.05,
@@ -202,6 +206,41 @@ def arg_kinds(me: int, kinds: list[str], cluster: str | None, stages: int | None
         if shards_match(me, p, ref):
             return 1
         print(f"process {me}: {kind} arguments: OK", flush=True)
+    return 0
+
+
+def failed_call(me: int, bad: int, cluster: str | None, stages: int | None) -> int:
+    """Calls of a pipelined MLP step whose host callback (run by stage 0's process) raises
+    on call ``bad``: each call's outcome printed; then whether this process still reads
+    the arguments of its calls (its own shards)."""
+    calls = [0]
+
+    def gate(v):
+        if calls[0] == bad:
+            raise RuntimeError("the data check failed")
+
+    def fn(params, x, y):
+        new, loss = train_step(params, x, y)
+        jax.debug.callback(gate, loss)
+        return new, loss
+
+    rng = np.random.default_rng(0)
+    p = {"w1": rng.normal(size=(64, 256)).astype(np.float32) * 0.05,
+         "w2": rng.normal(size=(256, 16)).astype(np.float32) * 0.05}
+    x = rng.normal(size=(128, 64)).astype(np.float32)
+    y = rng.normal(size=(128, 16)).astype(np.float32)
+    step = rhino.auto_parallel(fn, cluster=cluster, stages=stages, timeout=10)
+    for k in range(bad + 3):
+        calls[0] = k
+        try:
+            p, loss = step(p, x, y)
+            print(f"process {me}: call {k}: ran", flush=True)
+        except rhino.RhinoError as e:
+            print(f"process {me}: call {k}: failed: {e}", flush=True)
+    for leaf in jax.tree.leaves(p):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            np.asarray(shard.data)
+    print(f"process {me}: arguments readable", flush=True)
     return 0
 
 

@@ -64,8 +64,9 @@ class LocalExecutor:
         transport: how values move (default ``LocalTransport``: ``jax.device_put`` onto the
             receiver's layout; ``cross_mesh.CrossMeshTransport``: 004's resharding).
         grace: after a stage failed, seconds the others get to stop before the step is
-            given up (a stage still running then is stuck: the executor refuses further
-            steps).
+            given up; and how long the next step waits for a stage still running a failed
+            step (stuck in a program or a wait) before it is refused, naming that stage.
+            A failed step costs that step: the next one runs once every stage is idle.
     """
 
     def __init__(self, workers: Sequence[StageWorker], timeout: float = DEFAULT_TIMEOUT_S,
@@ -78,7 +79,7 @@ class LocalExecutor:
         self.last_step_s = 0.0
         self._step = 0
         self._running: dict[cf.Future, int] = {}   # the last step's stage threads -> stage
-        self._broken: str | None = None
+        self._ran = 0                                # the step they run(ran)
         self._closed = False
 
     def __enter__(self) -> "LocalExecutor":
@@ -87,9 +88,11 @@ class LocalExecutor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def run(self, flat_args: Sequence[Any], warm_up: bool = False) -> dict[int, Any]:
+    def run(self, flat_args: Sequence[Any], warm_up: bool = False, step: int | None = None
+            ) -> dict[int, Any]:
         """One step: flat arguments in, ``ref -> value`` of the step's stage results out
-        (``warm_up``: a step on zeros that calls no host callback, ``StageWorker.run_step``).
+        (``warm_up``: a step on zeros that calls no host callback, ``StageWorker.run_step``;
+        ``step``: its number, given by a caller that counts steps itself, else the next).
 
         Raises:
             ExecutorError: a stage failed, timed out or did not finish within
@@ -100,13 +103,16 @@ class LocalExecutor:
         """
         if self._closed:
             raise ExecutorError("the local executor is closed")
-        self._settle(self.grace)
-        if self._broken:
-            raise ExecutorError(f"the local executor failed earlier and cannot run more "
-                                f"steps: {self._broken}; build a new step "
-                                f"(rhino.auto_parallel(...))")
-        self._step += 1
+        self._step = self._step + 1 if step is None else step
         step = self._step
+        stuck = self._settle(self.grace)
+        if stuck:
+            raise ExecutorError(f"stage(s) {stuck} still running step {self._ran} (failed; "
+                                f"stuck in a program or a wait) after {self.grace:g} s more: "
+                                f"step {step} cannot run until they stop; the arguments "
+                                f"of step {self._ran} are as they were, call again later",
+                                stage=stuck[0], failure=Failure.STALLED)
+        self._ran = step
         self.transport.start(step)
         split = self.workers[0].split
         t0 = time.perf_counter()
@@ -183,11 +189,9 @@ class LocalExecutor:
             raise root_cause(errors)
         return results
 
-    def _settle(self, bound: float) -> None:
-        """Wait up to ``bound`` seconds for the last step's stage threads; any still
-        running afterwards is stuck: the executor is marked broken."""
-        if self._broken:
-            return  # known to be stuck: waiting again would change nothing
+    def _settle(self, bound: float) -> list[int]:
+        """Wait up to ``bound`` seconds for the last step's stage threads; the stages
+        still running afterwards (stuck, for now)."""
         deadline = time.monotonic() + bound
         left = threads.wait_all(self._running, bound)
         stuck = {self._running[f] for f in left}
@@ -195,9 +199,7 @@ class LocalExecutor:
         # behind it (its timer thread waits for it).
         stuck |= {w.stage for w in self.workers if w.stage not in stuck and
                   not w.idle(max(0.0, deadline - time.monotonic()))}
-        if stuck:
-            self._broken = (f"stage(s) {sorted(stuck)} still running step {self._step} "
-                            f"(stuck in a program or a wait)")
+        return sorted(stuck)
 
     def close(self) -> None:
         """Abort a step still running here, wait at most ``CLOSE_GRACE_S`` for its stage
@@ -211,7 +213,7 @@ class LocalExecutor:
             # reaches the other processes of a job, where that step may not have ended yet
             # (it ended one test of a job with "aborted: process 1: the executor was
             # closed" while process 0 finished the same step).
-            self.transport.abort(self._step, "the executor was closed")
+            self.transport.abort(self._ran, "the executor was closed")
         self._settle(CLOSE_GRACE_S)
         for w in self.workers:
             w.close()

@@ -15,7 +15,10 @@ One step on 2 processes (stage 0 on process 0, stage 1 on process 1)::
     process 1: args ─► stage 1 ◄── recv v@mb; send g@mb; send loss to process 0 ───┘
 
 Every wait has the step's timeout; an error on one process reaches the others as a timeout
-naming the value they waited for.
+naming the value they waited for. After a failed step a process runs no more steps (the
+error says so): its arguments are intact, but a peer may have finished that step and moved
+its stages' state on, and nothing here agrees on which steps finished, so going on could mix
+states of two steps. The job is stopped and started again from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class ProcessStages:
         self.local = LocalExecutor(self.workers, timeout, self.transport)
         self.last_records: list = []
         self.last_step_s = 0.0
+        self._steps = 0
+        self._failed: str | None = None    # a step failed here: why (no more steps)
         # Results of other processes' stages: global arrays with no shards here, the same
         # objects every step (making ~70 of them after each step took ~2 ms of its end).
         self._elsewhere: dict[int, Any] = {}
@@ -96,13 +101,28 @@ class ProcessStages:
 
     def run(self, flat_args: Sequence[Any] | Mapping[int, Any], warm_up: bool = False
             ) -> dict[int, Any]:
-        step = self.local._step + 1           # the number the local executor gives it
+        if self._failed:
+            raise ExecutorError(
+                f"process {self.process}: a step of this job failed here ({self._failed}); "
+                f"the processes may disagree on which steps finished (a peer may have "
+                f"finished it and updated its stages' state), so no more steps run: the "
+                f"arguments are as they were; stop the job and start it again from the "
+                f"last checkpoint (rhino.save_checkpoint / rhino.restore_checkpoint)")
+        self._steps += 1
+        step = self._steps
         args = dict(flat_args) if isinstance(flat_args, Mapping) else dict(
             enumerate(flat_args))
-        foreign = self._foreign_args(args)
-        self._expect(step, foreign)
-        args.update(self._exchange_args(step, args, foreign))
-        outs = self.local.run(args, warm_up)
+        try:
+            foreign = self._foreign_args(args)
+            self._expect(step, foreign)
+            args.update(self._exchange_args(step, args, foreign))
+            outs = self.local.run(args, warm_up, step)
+        except BaseException as e:
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            why = lines[0] if len(lines) == 1 or "Traceback" not in lines[0] else \
+                lines[0].split("Traceback")[0] + lines[-1].strip()   # what was raised
+            self._failed = f"step {step}: {why[:300]}"
+            raise
         self.last_records, self.last_step_s = self.local.last_records, self.local.last_step_s
         outs.update(self._exchange_results(step, outs))
         return outs

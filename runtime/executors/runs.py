@@ -28,6 +28,7 @@ from rhino.jaxpr.private import with_weak_type
 from rhino.hlo_passes.lower import SpmdLowering, StageLowering
 from rhino.runtime.transfer.placement import place
 from rhino.runtime.executors.worker_spec import WorkerSpec
+from rhino.runtime.failures import RESUME, ExecutorError
 from rhino.vocabulary import ScheduleKind
 
 
@@ -213,12 +214,15 @@ class StagedRun:
     """
 
     def __init__(self, lowering: StageLowering, specs: list[WorkerSpec], executor: Any,
-                 schedule: ScheduleKind, out_avals: Sequence[Any] | None = None):
+                 schedule: ScheduleKind, out_avals: Sequence[Any] | None = None,
+                 restart: Callable[[], Any] | None = None):
         self.lowering, self.specs, self.executor, self.schedule = (lowering, specs, executor,
                                                                    schedule)
         self.out_avals = tuple(out_avals) if out_avals is not None else None
         self.warm_up_s: float | None = None
         self.handover = Handover()
+        self.restart = restart
+        self.restarts = 0
 
     def warm_up(self, say: Callable[[str], None]) -> None:
         """Compile every stage program before the first step: one step of the local
@@ -257,9 +261,59 @@ class StagedRun:
             f"{self.warm_up_s:.1f} s")
 
     def __call__(self, args: tuple) -> list:
+        if getattr(self.executor, "lost", None):
+            args = self._start_again(args)
         flat = self.handover.back(jax.tree_util.tree_leaves(args))
-        return self.handover.give(step_results(self.lowering.split, flat,
-                                               self.executor.run(flat), self.out_avals))
+        try:
+            outs = self.executor.run(flat)
+        except ExecutorError as e:
+            if not getattr(self.executor, "lost", None):
+                raise
+            raise ExecutorError(f"{e}. {self._lost_note(args)}", stage=e.stage,
+                                failure=e.failure) from e
+        return self.handover.give(step_results(self.lowering.split, flat, outs,
+                                               self.out_avals))
+
+    def _held(self, args: tuple, stages: Any) -> list[str]:
+        """Pytree paths of the arguments held by this executor's ``stages``."""
+        return [jax.tree_util.keystr(path) for path, x in
+                jax.tree_util.tree_flatten_with_path(args)[0]
+                if getattr(x, "rhino_remote", False) and x.executor is self.executor and
+                x.stage in stages]
+
+    def _lost_note(self, args: tuple) -> str:
+        """What a dead actor took with it of the arguments ``args``, and how to go on."""
+        lost = self.executor.lost
+        gone = self._held(args, lost)
+        kept = sorted(set(range(len(self.specs))) - set(lost))
+        if not gone:
+            return (f"Nothing this call was given was held by stage(s) {sorted(lost)}: "
+                    f"call the step again with the same arguments (it starts new actors)")
+        shown = ", ".join(gone[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+        alive = (f"; stage(s) {kept}'s values are still readable (rhino.fetch)"
+                 if kept else "")
+        return (f"Lost with stage(s) {sorted(lost)}: {len(gone)} array(s) of the state this "
+                f"call was given ({shown}){alive}. {RESUME}")
+
+    def _start_again(self, args: tuple) -> tuple:
+        """After an actor died: new actors (``restart``) for a call whose arguments hold
+        nothing of the lost stages (the values of living ones are brought here first)."""
+        lost = self.executor.lost
+        gone = self._held(args, lost)
+        if gone or self.restart is None:
+            why = (f"{len(gone)} of its arguments ({', '.join(gone[:4])}"
+                   f"{' ...' if len(gone) > 4 else ''}) were held by stage(s) "
+                   f"{sorted(lost)}, whose actors died" if gone else
+                   "this executor cannot start new actors")
+            raise ExecutorError(f"the step cannot run: {why}. {RESUME}")
+        old = self.executor
+        args = jax.tree_util.tree_map(
+            lambda x: x.fetch() if getattr(x, "rhino_remote", False) and x.executor is old
+            else x, args)
+        old.close()
+        self.executor = self.restart()
+        self.restarts += 1
+        return args
 
     def typed_args(self, values: Sequence[Any]) -> list[Any]:
         """The step's leading argument leaves ``values`` (e.g. ``RemoteArray`` handles made

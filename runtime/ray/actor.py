@@ -51,6 +51,12 @@ GLOO_CHATTER = rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
 """What gloo prints on stdout for every process of a job at every connection (a line per
 rank, whatever the log level): left out of the actors' output (``drop_output_lines``)."""
 
+JOB_HEARTBEAT_S = 7 * 24 * 3600
+"""Seconds without a heartbeat after which JAX's coordination service ends the whole job.
+Ray detects a dead actor (the driver's error names it); a shorter heartbeat would make the
+death of one actor, or a stage stopped for a while, end the living ones and lose the state
+they hold."""
+
 _FILTER_CODE = """
 import re, sys
 drop = re.compile(sys.argv[1].encode("latin-1"))
@@ -263,9 +269,13 @@ class StageActor:
         drop_output_lines(GLOO_CHATTER)
         jax.config.update("jax_cpu_collectives_implementation", collectives)
         try:
+            # Ray tells the driver when an actor dies; JAX's own heartbeat would end every
+            # other process of the job 100 s after one died (or stopped), taking the
+            # state they hold with them: left to Ray (JOB_HEARTBEAT_S).
             jax.distributed.initialize(coordinator, num_processes=processes,
                                        process_id=process,
-                                       initialization_timeout=max(1, int(timeout)))
+                                       initialization_timeout=max(1, int(timeout)),
+                                       heartbeat_timeout_seconds=JOB_HEARTBEAT_S)
         except Exception as e:
             raise ExecutorError(f"{self.where}: could not join the run's jax.distributed job "
                                 f"at {coordinator} within {timeout:.0f} s: "
@@ -354,7 +364,7 @@ class StageActor:
 
     def _step(self, step: int, timeout: float, kept: Mapping[int, tuple[int, int]],
               release: Sequence[tuple[int, int]], drop_steps: Sequence[int],
-              keep_arrays: bool, partial: Mapping[int, int],
+              keep_from: int, keep_arrays: bool, partial: Mapping[int, int],
               push: Sequence[tuple[tuple[int, int], Sequence[int]]],
               pull: Mapping[int, tuple[int, int, int]], refs: Sequence[int],
               want_meta: bool, hosted: Mapping[int, tuple] = None,
@@ -363,10 +373,12 @@ class StageActor:
         -> (step, ref) of a result this actor kept. ``partial``: batch arguments sent as
         only this host's rows (``describe()["rows"]``), ref -> the whole batch's size; the
         other rows are zeros here (no device of this host reads them). First drops the
-        results ``release`` names, those of ``drop_steps`` (failed elsewhere) and 0-d ones
-        older than the last step. ``push``: kept results ((step, ref)) other stages read
-        this step, sent to them first (a tied weight, actor to actor); ``pull``: argument
-        ref -> (stage, step, ref) of such a result from another stage, waited for here.
+        results ``release`` names, those of ``drop_steps`` (failed steps: what they were
+        given is kept) and 0-d ones older than ``keep_from``, the last step that finished
+        (the driver may pass its 0-d results back). ``push``: kept results ((step, ref))
+        other stages read this step, sent to them first (a tied weight, actor to actor);
+        ``pull``: argument ref -> (stage, step, ref) of such a result from another stage,
+        waited for here.
         ``hosted``: batch arguments this actor makes itself (``rhino.host_data``), ref ->
         (source token, leaf, user step, rows, whole batch size); ``ship``: source token ->
         its cloudpickled ``fn``, the first time this actor needs it.
@@ -383,10 +395,18 @@ class StageActor:
         t0 = time.perf_counter()
         dropped = set(drop_steps)
         gone = set(release) | {k for k in self.kept if k[0] in dropped} | \
-            {k for k in self.inline if k[0] < step - 1}
+            {k for k in self.inline if k[0] < keep_from}
         for k in gone:
             self.kept.pop(k, None)
             self.inline.discard(k)
+        # A program of a failed step still running here (a stuck callback) would hold this
+        # step's programs up behind it: refused, naming it; the state stays.
+        if not self.worker.idle(timeout):
+            raise ExecutorError(f"{self.where}: a program of an earlier, failed step is "
+                                f"still running (stuck in a program or a callback) after "
+                                f"{timeout:g} s more: step {step} cannot run until it stops; "
+                                f"the state it was given is kept", stage=self.stage,
+                                failure=Failure.STALLED)
         args = {r: unpack_key(v) for r, v in zip(refs, values)}
         for r, n in partial.items():
             args[r] = _whole(args[r], n, self.rows[r])

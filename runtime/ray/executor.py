@@ -51,9 +51,19 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
 * Failures: every wait has a timeout. A dead actor (``RayActorError``), an error on a stage
   or a step that does not finish within ``2 × timeout`` raises ``ExecutorError`` naming the
   stage (and host, and the task, from the ``StageWorker``; the root cause first,
-  ``executor.root_cause``); the other actors' waits are aborted, so nothing hangs. An
-  executor that cannot run again (a dead or stuck actor) kills its actors at once, so a
-  failed executor never holds the cluster's CPUs. Ctrl-C aborts the step in flight.
+  ``executor.root_cause``); the other actors' waits are aborted, so nothing hangs. Ctrl-C
+  aborts the step in flight. A failed step costs that step, not the run:
+  - an error on a stage, a timeout or a stall: the actors drop what the failed step made
+    and keep everything else, so the state the step was given stays readable
+    (``fetch``, ``rhino.save_checkpoint``) and the next step runs from it. A stage still
+    busy with the aborted step (stuck in a program, or stopped) holds the next step up:
+    it is refused after ``grace`` seconds naming that stage, and runs once the stage
+    stops;
+  - a dead actor: the run's ``jax.distributed`` job lost a process, so no step can run
+    again (``lost``: the stages whose actors died). The other actors stay until
+    ``close()``: what they hold stays readable; a handle of a lost stage raises naming
+    what was lost and how to resume (the last checkpoint, and a step starting new
+    actors: ``StagedRun`` makes a new executor when called again).
 
 Example:
     >>> import rhino
@@ -78,7 +88,9 @@ import numpy as np
 
 from rhino.runtime import threads
 from rhino.runtime.executors.local import DEFAULT_TIMEOUT_S, ExecutorError, Failure, root_cause
+from rhino.runtime.failures import RESUME
 from rhino.runtime.ray.actor import StageActor
+from rhino.runtime.ray.arguments import SMALL_ARG_BYTES, StepArguments
 from rhino.runtime.ray.cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
                                        RayInfo, check_plan, import_ray, init, share_cores,
                                        xla_flags)
@@ -91,12 +103,7 @@ RAY_TRANSPORTS = ("jax",)
 """How values cross stages on Ray: device to device by JAX's transfer servers, every actor
 in one ``jax.distributed`` job (``runtime.transfer.jax_transfer``)."""
 
-SMALL_ARG_BYTES = 256
-"""Host values up to this size (scalars: a step counter, a learning rate) go inside the
-actor call; larger ones are put in the object store once, shared by every actor reading
-them."""
-
-__all__ = ["RayExecutor", "RemoteArray", "fetch", "init", "RayInfo", "xla_flags"]
+__all__ = ["RayExecutor", "RemoteArray", "SMALL_ARG_BYTES", "fetch", "init", "RayInfo", "xla_flags"]
 
 
 def actor_platform(actor_options: Mapping[str, Any] | None) -> str:
@@ -216,16 +223,16 @@ class RayExecutor:
         self.last_control_bytes = 0
         self.fetched_bytes = 0
         self._step = 0
-        # id(fn) -> (fn, token, its cloudpickle, actors that have it) of host_data sources
-        self._sources: dict[int, tuple[Any, int, bytes, set[int]]] = {}
-        self._tokens = 0
+        self.arguments = StepArguments(self, reuse_state)
         self._closed = False
-        self._broken: str | None = None
+        self._broken: str | None = None   # why no step can run again (a process died)
+        self.lost: dict[int, str] = {}    # stage -> how its actor died
+        self._released = False            # the actors were killed
+        self._inited = False              # init_state made state on the actors
+        self.grace = ABORT_GRACE_S         # how long a step waits for an aborted one
+        self._last_ok = 0                  # the last step that finished
         self._lock = threading.RLock()   # one step or fetch at a time (collectives' order)
         self._inflight: list = []                           # the last step's run_step calls
-        self._puts: dict[int, tuple[Any, Any]] = {}      # id -> (jax array, ObjectRef)
-        # id -> (0-d array, stage, ref, step) of the last step's results sent back whole
-        self._returned: dict[int, tuple[Any, int, int, int]] = {}
         self._dropped: list[tuple[int, int, int]] = []  # (stage, step, ref) handles dropped
         self._failed_steps: list[int] = []               # their results are dropped too
         # per actor: the shapes and dtypes of the results it keeps (the same every step)
@@ -370,7 +377,10 @@ class RayExecutor:
                     continue
                 except Exception as e:
                     errors.append((k, e))
-            if close or any(is_dead(ray, e) for _, e in errors):
+            dead = [owners[k] for k, e in errors if is_dead(ray, e)]
+            if dead:
+                self._lose(dead, f"{what} failed")
+            if close:
                 self._fail(f"{what} failed")
             if not errors:
                 raise ExecutorError(f"{what}: {why_failed(ray, first)}") from first
@@ -381,7 +391,8 @@ class RayExecutor:
                                 failure=Failure.PROGRAM) from errors[0][1]
         waiting = [owners[k] for k, r in enumerate(refs) if r in pending]
         hint = self._resources_hint(ray)
-        self._fail(f"{what} did not finish")
+        if close:    # starting: a stage that does not start never will
+            self._fail(f"{what} did not finish")
         raise ExecutorError(f"{self._label(waiting[0])}: {what} did not finish within "
                             f"{timeout:.0f} s (waiting: "
                             f"{', '.join(self._label(w) for w in waiting)}){hint}",
@@ -400,70 +411,26 @@ class RayExecutor:
                 f"{len(self.actors)} actors ask for {self._cpus:g}: close executors you no "
                 f"longer use (step.close())")
 
-    def _put(self, ray, x: Any, keep: dict, rows: tuple | None = None) -> Any:
-        """``x`` (or only its ``rows``, ``[a, b)`` ranges) in the object store, or up to
-        ``SMALL_ARG_BYTES`` as numpy to go inside the call; a jax array (immutable) passed
-        again as the same object reuses its ``ObjectRef``. ``keep`` collects this step's
-        reusable entries. A ``RemoteArray`` is fetched first."""
-        import jax
-
-        from rhino.runtime.ray.actor import take_rows
-
-        key = (id(x), rows)
-        hit = keep.get(key) or self._puts.get(key)
-        if hit is not None and hit[0] is x:
-            keep[key] = hit
-            if isinstance(hit[1], (np.ndarray, PackedKey)):  # passed in the call again
-                self.last_sent_bytes += getattr(hit[1], "nbytes", 0) or hit[1].data.nbytes
-            return hit[1]
-        host = pack_key(x.fetch() if isinstance(x, RemoteArray) else x)
-        if isinstance(host, PackedKey):          # a typed PRNG key array: its bits
-            nbytes = host.data.nbytes
-        else:
-            host = take_rows(np.asarray(host), rows) if rows is not None else np.asarray(host)
-            nbytes = host.nbytes
-        self.last_sent_bytes += nbytes
-        # A small value goes inside the call itself (a put is a round trip of its own).
-        ref = host if nbytes <= SMALL_ARG_BYTES else ray.put(host)
-        if isinstance(x, (jax.Array, RemoteArray)):
-            keep[key] = (x, ref)
-        return ref
-
-    def _source(self, source: Any, actor: int, ship: dict[int, bytes]) -> int:
-        """The token of a ``host_data`` source's ``fn`` (the same function object, the
-        same token); its cloudpickle (with the checks of its results, ``RowMaker``) goes
-        into ``ship`` the first time ``actor`` needs it."""
-        ray = import_ray()
-        fn = source.fn
-        found = self._sources.get(id(fn))
-        if found is None or found[0] is not fn:
-            self._tokens += 1
-            found = (fn, self._tokens, ray.cloudpickle.dumps(source.maker()), set())
-            self._sources[id(fn)] = found   # holds fn: its id is not reused meanwhile
-        _, token, blob, shipped = found
-        if actor not in shipped:
-            ship[token] = blob
-            shipped.add(actor)
-        return token
-
-    def _kept_ref(self, x: Any, stage: int) -> tuple[int, int] | None:
-        """(step, ref) under which ``stage``'s actors keep ``x``, if they do."""
-        if not self.reuse_state:
-            return None
-        if isinstance(x, RemoteArray):
-            return (x.step, x.ref) if x.executor is self and x.stage == stage else None
-        back = self._returned.get(id(x))
-        if back is not None and back[0] is x and back[1] == stage:
-            return (back[3], back[2])
-        return None
-
-    def _usable(self) -> None:
+    def _usable(self, stages: Sequence[int] | None = None) -> None:
+        """Refuse a call the executor cannot make: any when closed; a step (``stages``
+        None) after a process died; a read of a lost stage's values."""
         if self._closed:
             raise ExecutorError("the Ray executor is closed")
-        if self._broken:
+        if not self._broken:
+            return
+        if stages is None:
+            released = "its actors were released" if self._released else \
+                "the other actors keep their values until close()"
             raise ExecutorError(f"the Ray executor failed earlier and cannot run more steps: "
-                                f"{self._broken}; its actors were released, build a new step "
-                                f"(rhino.auto_parallel(...)) to start fresh ones")
+                                f"{self._broken}; {released}. {RESUME}")
+        gone = sorted(set(stages) & set(self.lost))
+        if gone:
+            raise ExecutorError(f"stage {gone[0]}: {self.lost[gone[0]]}: the values its "
+                                f"actors held are lost. {RESUME}", stage=gone[0],
+                                failure=Failure.PROGRAM)
+        if self._released:
+            raise ExecutorError(f"the Ray executor failed earlier: {self._broken}; its "
+                                f"actors were released")
 
     # ------------------------------------------------------------------ one step
     def run(self, flat_args: Sequence[Any]) -> dict[int, Any]:
@@ -488,50 +455,12 @@ class RayExecutor:
         self._settle(ray)
         self._usable()
         t0 = time.perf_counter()
-        keep: dict[int, tuple[Any, Any]] = {}
-        self.last_sent_bytes = self.last_received_bytes = self.last_kept = 0
-        # A result one stage kept that another stage reads (a tied weight): the holder
-        # sends it to the readers at the start of its step, actor to actor.
-        push: dict[int, dict[tuple[int, int], set[int]]] = {}
-        per_actor = []
-        for n, (s, _) in enumerate(self.owners):
-            kept, refs, values, partial, pull = {}, [], [], {}, {}
-            hosted: dict[int, tuple] = {}       # ref -> (source, leaf, step, rows, size)
-            ship: dict[int, bytes] = {}         # source -> its pickled fn (first use only)
-            rows = self._describe[n].get("rows") or {}
-            for r in self._args[s]:
-                x = flat_args[r]
-                if getattr(x, "rhino_host_data", False):    # made by the actor itself
-                    token = self._source(x.source, n, ship)
-                    size = int(x.shape[0])
-                    hosted[r] = (token, x.index, x.source.step,
-                                 tuple(map(tuple, rows[r])) if r in rows else ((0, size),),
-                                 size)
-                    continue
-                k = self._kept_ref(x, s)
-                if k is not None:
-                    kept[r] = k
-                    self.last_kept += 1
-                    continue
-                mine = isinstance(x, RemoteArray) and x.executor is self
-                if mine and x.stage != s:
-                    pull[r] = (x.stage, x.step, x.ref)
-                    push.setdefault(x.stage, {}).setdefault((x.step, x.ref), set()).add(s)
-                    continue
-                refs.append(r)
-                if r in rows and not mine:     # this host's rows of the batch only
-                    partial[r] = int(np.shape(x)[0])
-                    values.append(self._put(ray, x, keep, tuple(rows[r])))
-                else:
-                    values.append(self._put(ray, x, keep))
-            per_actor.append((kept, partial, pull, tuple(refs), values, hosted, ship))
-        # host_data functions this step did not use are forgotten (here and on the
-        # actors): a function made anew every step is not held forever.
-        used = [{h[0] for h in p[5].values()} for p in per_actor]
-        self._sources = {k: v for k, v in self._sources.items()
-                         if any(v[1] in u for u in used)}
-        for _, token, _, shipped in self._sources.values():
-            shipped.intersection_update(n for n, u in enumerate(used) if token in u)
+        self.last_received_bytes = 0
+        per_actor, push = self.arguments.plan(
+            flat_args, self.owners, self._args,
+            [d.get("rows") or {} for d in self._describe])
+        self.last_sent_bytes, self.last_kept = (self.arguments.sent_bytes,
+                                                self.arguments.kept)
         self._step += 1
         step = self._step
         release: dict[int, list[tuple[int, int]]] = {}
@@ -542,20 +471,20 @@ class RayExecutor:
         # What an actor needs besides the values goes as one pickled blob: Ray would
         # serialize each of its ~3 entries per state leaf on its own (a few ms per step).
         controls = [pickle.dumps(
-            (step, self.timeout, kept, release.get(s, []), failed, self.keep_state,
-             partial, sorted((k, sorted(d)) for k, d in push.get(s, {}).items()),
-             pull, refs, n not in self._meta, hosted, ship),
+            (step, self.timeout, a.kept, release.get(s, []), failed, self._last_ok,
+             self.keep_state, a.partial,
+             sorted((k, sorted(d)) for k, d in push.get(s, {}).items()),
+             a.pull, tuple(a.refs), n not in self._meta, a.hosted, a.ship),
             protocol=pickle.HIGHEST_PROTOCOL)
-            for n, ((s, _), (kept, partial, pull, refs, values, hosted, ship))
-            in enumerate(zip(self.owners, per_actor))]
+            for n, ((s, _), a) in enumerate(zip(self.owners, per_actor))]
         self.last_control_bytes = sum(len(c) for c in controls)
-        calls = [a.run_step.remote(c, *p[4]) for a, c, p in zip(self.actors, controls,
-                                                                 per_actor)]
-        self._puts = keep
+        calls = [actor.run_step.remote(c, *a.values)
+                 for actor, c, a in zip(self.actors, controls, per_actor)]
         self._inflight = calls
         try:
             results = self._wait_step(ray, step, calls)
         except BaseException:
+            # What the step made is dropped at the next step; what it was given is kept.
             self._failed_steps.append(step)
             if not isinstance(sys.exc_info()[1], KeyboardInterrupt):
                 raise
@@ -580,7 +509,8 @@ class RayExecutor:
             for r, (shape, dtype) in meta.items():
                 outs[r] = RemoteArray(self, s, r, step, shape, dtype)
             records.append(rec)
-        self._returned = returned
+        self.arguments.returned = returned
+        self._last_ok = step
         self._records, self._made_records = records, None
         self.last_step_s = time.perf_counter() - t0
         return outs
@@ -608,13 +538,13 @@ class RayExecutor:
                 closed, or an actor failed or did not answer within ``timeout``.
         """
         with self._lock:
-            self._usable()
             wanted: dict[int, list[int]] = {}
             for h in handles:
                 if h.executor is not self:
                     raise ExecutorError(f"fetch: expected results of this executor, found "
                                         f"{h!r} of another")
                 wanted.setdefault(h.stage, []).append((h.step, h.ref))
+            self._usable(list(wanted))
             calls, owners = [], []
             for s, keys in wanted.items():
                 for r, a in enumerate(self.groups[s]):
@@ -652,6 +582,7 @@ class RayExecutor:
                     calls += [a.init_state.remote(blob, refs) for a in group]
                     owners += [(s, r) for r in range(len(group))]
             got = self._collect(calls, "initializing the state", 2 * self.timeout, owners)
+            self._inited = True
             out: list[Any] = [None] * num_leaves
             for (s, rank), d in zip(owners, got):
                 for k, (shape, dtype) in (d.items() if rank == 0 else ()):
@@ -670,7 +601,7 @@ class RayExecutor:
         """``stage``'s actors write the results ``names`` (name -> (step, ref)) as one
         orbax checkpoint at ``directory`` (``runtime.state.checkpoint``)."""
         with self._lock:
-            self._usable()
+            self._usable([stage])
             group = self.groups[stage]
             self._collect([a.save_part.remote(directory, dict(names)) for a in group],
                           f"writing checkpoint part {directory}", self.timeout,
@@ -686,20 +617,26 @@ class RayExecutor:
                                  [(s, 0) for s in range(len(firsts))])
 
     def _settle(self, ray) -> None:
-        """Before a step: the last step's calls must have ended (an interrupted step's
-        stages stop at their next wait); one still running after ``ABORT_GRACE_S`` is stuck:
-        the executor fails for good and releases its actors."""
+        """Before a step: the last step's calls must have ended (an aborted step's stages
+        stop at their next wait). One still running after ``grace`` seconds (stuck in a
+        program, or its process stopped) holds this step up: ``ExecutorError`` naming it;
+        the executor stays usable, and the state it was given stays on the actors."""
         if self._broken or not self._inflight:
             return
-        calls, deadline = self._inflight, time.monotonic() + ABORT_GRACE_S
+        calls, deadline = self._inflight, time.monotonic() + self.grace
         pending = list(calls)
         while pending and time.monotonic() < deadline:
             _, pending = ray.wait(pending, num_returns=len(pending),
                                   timeout=threads.WAIT_SLICE_S)
         if pending:
             stuck = sorted({self.owners[k][0] for k, c in enumerate(calls) if c in pending})
-            self._fail(f"stage(s) {stuck} still running step {self._step} "
-                       f"{ABORT_GRACE_S:.0f} s after it was aborted")
+            raise ExecutorError(
+                f"stage(s) {stuck} still running step {self._step} (aborted; stuck in a "
+                f"program or a wait, or its process stopped) after {self.grace:.0f} s more: "
+                f"no step can run until it stops. The state the failed step was given is "
+                f"kept on the actors: call the step again with it later, or save it "
+                f"(rhino.save_checkpoint) once the stage answers; step.close() releases the "
+                f"actors", stage=stuck[0], failure=Failure.STALLED)
         self._inflight = []
 
     def _wait_step(self, ray, step: int, calls: list) -> list:
@@ -719,8 +656,9 @@ class RayExecutor:
                 errors += [ExecutorError(f"stage {s}: the step did not finish within "
                                          f"{took:.0f} s", stage=s, failure=Failure.STALLED)
                            for s in stuck]
+                # Aborted, not killed: the state stays on the actors; the next step waits
+                # for these stages to stop (``_settle``).
                 self._abort(step, f"stage(s) {stuck} did not finish")
-                self._fail(f"stage(s) {stuck} did not finish step {step}")
                 break
             ready = ray.wait(list(pending), num_returns=1,
                              timeout=min(left, threads.WAIT_SLICE_S))[0]
@@ -735,7 +673,7 @@ class RayExecutor:
                         self._abort(step, str(errors[-1]))
                         deadline = min(deadline, time.monotonic() + ABORT_GRACE_S)
                     if is_dead(ray, e):
-                        self._fail(str(errors[-1]))
+                        self._lose([self.owners[k]], str(errors[-1]))
                         pending.clear()  # the executor cannot run again: do not wait
                         break
         if errors:
@@ -749,6 +687,18 @@ class RayExecutor:
             except Exception:  # a dead actor: nothing to abort
                 pass
 
+    def _lose(self, owners: Sequence[tuple[int, int]], why: str) -> None:
+        """Actors of ``owners`` died: no step can run again (the job lost a process). The
+        other actors stay until ``close()``, so that what they hold stays readable."""
+        for s, _ in owners:
+            self.lost.setdefault(s, "its actor died" if self.hosts[s] == 1 else
+                                 "an actor of its hosts died")
+        if not self._last_ok and not self._inited:   # no state to read: free the CPUs
+            self._fail(why)
+        if self._broken is None:
+            self._broken = why
+        self._inflight = []
+
     def _fail(self, why: str) -> None:
         """The executor cannot run again: say why from now on, and free the actors (their
         CPUs, devices and memory) at once instead of at ``close()``."""
@@ -757,6 +707,7 @@ class RayExecutor:
         self._kill_actors()
 
     def _kill_actors(self) -> None:
+        self._released = True
         ray = import_ray()
         for a in self.actors:
             try:
@@ -777,5 +728,4 @@ class RayExecutor:
 
                 remove_placement_group(self.placement_group)
         finally:
-            self._puts.clear()
-            self._returned.clear()
+            self.arguments.clear()
