@@ -19,7 +19,8 @@ Pass order::
         │                          value (annotate.py), strided values kept split
         │                          (strided.py), argument/result shardings, donation
         │ lower.lower_stages       several stages: the step cut into per-stage F/B/A programs
-        ▼                          (stage_programs.py), each stage's specs on its values
+        ▼                          (stage_programs.py; each task's program:
+                                   task_programs.py), each stage's specs on its values
     SpmdLowering | StageLowering  run by rhino.runtime
 
     annotate.py                   a jaxpr interpreter naming every equation (eqn<i> scopes in
