@@ -179,7 +179,7 @@ def test_remote_results_live_until_dropped(ray_cluster):
 def test_lost_host_then_restore_continues_with_no_step_lost(ray_cluster, tmp_path):
     """GPT over 2 hosts (2x4 SPMD), a checkpoint after every step written by the actors.
     One host's actor is killed during step 6 of 10: the step fails naming the stage and
-    host, the actors are released; a new step restored from step 5's checkpoint finishes
+    host, the actors are released (the only stage was lost: nothing left to read); a new step restored from step 5's checkpoint finishes
     the run, and losses and final state equal an uninterrupted run. The checkpoint then
     restores onto 8 local devices and onto one device, exactly."""
     import signal

@@ -60,8 +60,9 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
     it is refused after ``grace`` seconds naming that stage, and runs once the stage
     stops;
   - a dead actor: the run's ``jax.distributed`` job lost a process, so no step can run
-    again (``lost``: the stages whose actors died). The other actors stay until
-    ``close()``: what they hold stays readable; a handle of a lost stage raises naming
+    again (``lost``: the stages whose actors died). The actors of the other stages stay
+    until ``close()``: what they hold stays readable (when no stage is left, or none held
+    state yet, every actor is released at once); a handle of a lost stage raises naming
     what was lost and how to resume (the last checkpoint, and a step starting new
     actors: ``StagedRun`` makes a new executor when called again).
 
@@ -693,10 +694,13 @@ class RayExecutor:
         for s, _ in owners:
             self.lost.setdefault(s, "its actor died" if self.hosts[s] == 1 else
                                  "an actor of its hosts died")
-        if not self._last_ok and not self._inited:   # no state to read: free the CPUs
-            self._fail(why)
         if self._broken is None:
             self._broken = why
+        if (not self._last_ok and not self._inited) or len(self.lost) == len(self.groups):
+            self._fail(why)          # nothing left to read: free the CPUs at once
+        else:                        # the other hosts of a lost stage hold no whole value
+            self._kill_actors([a for a, (s, _) in zip(self.actors, self.owners)
+                               if s in self.lost])
         self._inflight = []
 
     def _fail(self, why: str) -> None:
@@ -706,10 +710,12 @@ class RayExecutor:
             self._broken = why
         self._kill_actors()
 
-    def _kill_actors(self) -> None:
-        self._released = True
+    def _kill_actors(self, actors: Sequence[Any] | None = None) -> None:
+        """Kill ``actors`` (default: every actor, and the executor's actors are released)."""
+        if actors is None:
+            self._released = True
         ray = import_ray()
-        for a in self.actors:
+        for a in self.actors if actors is None else actors:
             try:
                 ray.kill(a)
             except Exception:  # noqa: BLE001 - already dead or gone
