@@ -45,11 +45,12 @@ from rhino.planner.spec import ShardingSpec
 from rhino.planner.spmd_plan import SpmdPlan
 from rhino.planning import plan
 from rhino.runtime.state.host_data import HostRequest, host_data
-from rhino.runtime.state.checkpoint import CheckpointError, restore_checkpoint, save_checkpoint
+from rhino.runtime.state.checkpoint import (CheckpointError, CheckpointManager, restore_checkpoint,
+                                            save_checkpoint)
 from rhino.runtime.ray.executor import RemoteArray, fetch, init
 from rhino.throughput import batch_sizes, throughput_line
 
-__all__ = ["__version__", "HostRequest", "host_data", "CheckpointError", "RemoteArray", "fetch", "restore_checkpoint",
+__all__ = ["__version__", "HostRequest", "host_data", "CheckpointError", "CheckpointManager", "RemoteArray", "fetch", "restore_checkpoint",
            "save_checkpoint", "ArgumentError", "BatchCouplingError", "HloParseError", "InfeasiblePlanError", "IngestError",
            "LoweringError", "OptionsError", "PlanMismatchError", "PlanningError", "RhinoError",
            "UnsupportedOpError", "GraphAnalysis", "HloGraph", "analyze", "ingest",
