@@ -15,10 +15,13 @@ One step on 2 processes (stage 0 on process 0, stage 1 on process 1)::
     process 1: args ─► stage 1 ◄── recv v@mb; send g@mb; send loss to process 0 ───┘
 
 Every wait has the step's timeout; an error on one process reaches the others as a timeout
-naming the value they waited for. After a failed step a process runs no more steps (the
-error says so): its arguments are intact, but a peer may have finished that step and moved
-its stages' state on, and nothing here agrees on which steps finished, so going on could mix
-states of two steps. The job is stopped and started again from its last checkpoint.
+naming the value they waited for. A step counts only where every process finished it: at
+its end each process tells the others its outcome through the job's key-value store
+(``_agree``), and a process that finished its part while a peer failed raises too, keeping
+none of its results. So after a failed step every process holds the arguments it was given
+and the next call runs from them (a stage still stuck in the failed step refuses it, naming
+it, and every process with it); without the agreement a process could go on from the step
+a peer failed, mixing the states of two steps.
 """
 
 from __future__ import annotations
@@ -29,7 +32,18 @@ import jax
 
 from rhino.runtime.executors.local import DEFAULT_TIMEOUT_S, LocalExecutor
 from rhino.runtime.executors.worker_spec import WorkerSpec
-from rhino.runtime.failures import ExecutorError
+from rhino.runtime.failures import ExecutorError, Failure
+
+OUTCOME_SLACK_S = 10.0
+"""Seconds a process waits for its peers' outcome of a step beyond their own bound."""
+
+
+def _first_line(e: BaseException) -> str:
+    """What ``e`` says in one line (a traceback in the message: what was raised)."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    if len(lines) > 1 and "Traceback" in lines[0]:
+        return (lines[0].split("Traceback")[0] + lines[-1].strip())[:300]
+    return lines[0][:300]
 
 
 def stage_processes(stage_devices: Sequence[Sequence[Any]]) -> dict[int, int]:
@@ -87,7 +101,6 @@ class ProcessStages:
         self.last_records: list = []
         self.last_step_s = 0.0
         self._steps = 0
-        self._failed: str | None = None    # a step failed here: why (no more steps)
         # Results of other processes' stages: global arrays with no shards here, the same
         # objects every step (making ~70 of them after each step took ~2 ms of its end).
         self._elsewhere: dict[int, Any] = {}
@@ -101,13 +114,8 @@ class ProcessStages:
 
     def run(self, flat_args: Sequence[Any] | Mapping[int, Any], warm_up: bool = False
             ) -> dict[int, Any]:
-        if self._failed:
-            raise ExecutorError(
-                f"process {self.process}: a step of this job failed here ({self._failed}); "
-                f"the processes may disagree on which steps finished (a peer may have "
-                f"finished it and updated its stages' state), so no more steps run: the "
-                f"arguments are as they were; stop the job and start it again from the "
-                f"last checkpoint (rhino.save_checkpoint / rhino.restore_checkpoint)")
+        # Every call takes the next number on every process, a failed one too: the
+        # processes keep counting alike.
         self._steps += 1
         step = self._steps
         args = dict(flat_args) if isinstance(flat_args, Mapping) else dict(
@@ -117,15 +125,45 @@ class ProcessStages:
             self._expect(step, foreign)
             args.update(self._exchange_args(step, args, foreign))
             outs = self.local.run(args, warm_up, step)
-        except BaseException as e:
-            lines = str(e).strip().splitlines() or [type(e).__name__]
-            why = lines[0] if len(lines) == 1 or "Traceback" not in lines[0] else \
-                lines[0].split("Traceback")[0] + lines[-1].strip()   # what was raised
-            self._failed = f"step {step}: {why[:300]}"
+            self.last_records = self.local.last_records
+            self.last_step_s = self.local.last_step_s
+            outs.update(self._exchange_results(step, outs))
+        except Exception as e:  # noqa: BLE001 - told to the others, then raised
+            self._agree(step, e)
             raise
-        self.last_records, self.last_step_s = self.local.last_records, self.local.last_step_s
-        outs.update(self._exchange_results(step, outs))
+        self._agree(step, None)
         return outs
+
+    def _agree(self, step: int, error: BaseException | None) -> None:
+        """Every process's outcome of ``step``, through the job's key-value store: a step
+        counts only where every process finished it. This process's ``error`` is told to
+        the others; a peer's failure is raised here (this process drops its results)."""
+        kv, key = self.transport._kv, f"{self.transport._prefix}/outcome"
+        why = "ok" if error is None else _first_line(error)
+        kv.key_value_set(f"{key}/{step}/{self.process}", why, allow_overwrite=True)
+        # A peer reports within its step's bound (2 × timeout) and a refusal's grace.
+        wait = 2 * self.timeout + self.local.grace + OUTCOME_SLACK_S
+        failed = []
+        for p in range(jax.process_count()):
+            if p == self.process:
+                continue
+            try:
+                got = kv.blocking_key_value_get(f"{key}/{step}/{p}", int(wait * 1000))
+            except Exception:  # noqa: BLE001 - jax's DEADLINE_EXCEEDED, not a public type
+                got = f"no outcome reported within {wait:.0f} s"
+            if got != "ok":
+                failed.append(f"process {p}: {got}")
+        if step > 2:   # every peer has read it: they finished step - 1's agreement
+            try:
+                kv.key_value_delete(f"{key}/{step - 2}/{self.process}")
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+        if failed and error is None:
+            raise ExecutorError(
+                f"step {step} failed on another process ({'; '.join(failed)}); this process "
+                f"finished its part but keeps none of its results, as every process of the "
+                f"job: the arguments are as they were, call the step again with them",
+                failure=Failure.ABORTED)
 
     def _expect(self, step: int, foreign: Sequence[tuple[int, int, int]]) -> None:
         """Ask the transport now for the arguments (``foreign``: ``_foreign_args``) and
