@@ -10,7 +10,8 @@ right after joining; the others wait), ``--raise-on P`` (process P raises instea
 a ``jax.debug.callback`` and an ordered ``io_callback``, which append ``TAG pPROCESS VALUE``
 lines to PATH (the one-device ``jax.jit`` reference's tags start with ``ref-``).
 ``--fail-call K``: a pipelined step whose host callback raises on call K, the calls
-after it made anyway (``failed_call``). ``--arg-kinds numpy,local,global`` runs the step once per kind of argument users have, each
+after it made anyway (``failed_call``). ``--checkpoints DIR [--die-at K]``: a checkpoint
+after every step, resuming from DIR's latest; process 1 dies at step K (``resumable``). ``--arg-kinds numpy,local,global`` runs the step once per kind of argument users have, each
 with a new ``auto_parallel``: numpy arrays, process-local jax arrays (on the process's first
 device, as ``model.init`` returns them) and global ``jax.Array``s (replicated over every
 device of the job), or ``split`` (global arrays whose rows are split over every device of
@@ -74,6 +75,8 @@ def main() -> int:
     ap.add_argument("--frozen", action="store_true")
     ap.add_argument("--arg-kinds", default=None)
     ap.add_argument("--fail-call", type=int, default=None)
+    ap.add_argument("--checkpoints", default=None)
+    ap.add_argument("--die-at", type=int, default=None)
     a = ap.parse_args()
 
     job = rhino.distributed_init()
@@ -95,6 +98,8 @@ def main() -> int:
         return arg_kinds(me, a.arg_kinds.split(","), a.cluster, a.stages)
     if a.fail_call is not None:
         return failed_call(me, a.fail_call, a.cluster, a.stages)
+    if a.checkpoints:
+        return resumable(me, a.checkpoints, a.die_at, a.cluster, a.stages, a.steps)
 
     rng = np.random.default_rng(0)
     params = {"w1": rng.normal(size=(64, 256)).astype(np.float32) * 0.05,
@@ -184,6 +189,8 @@ def arg_kinds(me: int, kinds: list[str], cluster: str | None, stages: int | None
     rows = NamedSharding(mesh, PartitionSpec("all"))
     make = {"numpy": lambda x: x,
             "local": jnp.asarray,      # this process's default device
+            # committed to this process's first device (as a checkpoint restores)
+            "committed": lambda x: jax.device_put(x, jax.local_devices()[0]),
             "global": lambda x: jax.make_array_from_callback(x.shape, everywhere,
                                                              lambda i: x[i]),
             # rows split over every device of the job: no process holds the whole value
@@ -241,6 +248,40 @@ def failed_call(me: int, bad: int, cluster: str | None, stages: int | None) -> i
         ref, ref_loss = ref_step(ref, x, y)
         print(f"process {me}: call {k}: ran: loss {float(loss):.6f} (jax.jit "
               f"{float(ref_loss):.6f})", flush=True)
+    return shards_match(me, p, ref)
+
+
+def resumable(me: int, directory: str, die_at: int | None, cluster: str | None,
+              stages: int | None, steps: int) -> int:
+    """``steps`` steps of the pipelined MLP step with a checkpoint after each
+    (``rhino.CheckpointManager``, every process saving its shards), starting from the
+    latest checkpoint in ``directory`` if there is one; process 1 dies (``os._exit``) at
+    step ``die_at`` of a run that did not resume. The final state is checked against
+    jax.jit over all ``steps`` steps."""
+    import os
+
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(size=(64, 256)).astype(np.float32) * 0.05,
+              "w2": rng.normal(size=(256, 16)).astype(np.float32) * 0.05}
+    x = rng.normal(size=(128, 64)).astype(np.float32)
+    y = rng.normal(size=(128, 16)).astype(np.float32)
+    step = rhino.auto_parallel(train_step, cluster=cluster, stages=stages, timeout=30)
+    with rhino.CheckpointManager(directory, max_to_keep=2) as mgr:
+        start = mgr.latest_step() or 0
+        p = mgr.restore(like=params) if start else params
+        if start:
+            print(f"process {me}: resumed from step {start} (steps kept: "
+                  f"{mgr.all_steps()})", flush=True)
+        for k in range(start, steps):
+            if k == die_at and me == 1 and not start:
+                print(f"process {me}: dying at step {k}", flush=True)
+                os._exit(9)
+            p, loss = step(p, x, y)
+            mgr.save(k + 1, p)
+            print(f"process {me}: step {k} ran: loss {float(loss):.6f}", flush=True)
+    ref, ref_step = params, jax.jit(train_step)
+    for _ in range(steps):
+        ref, _ = ref_step(ref, x, y)
     return shards_match(me, p, ref)
 
 

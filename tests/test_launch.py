@@ -162,6 +162,34 @@ def test_a_failed_pipelined_step_costs_that_step_on_every_process():
                      r"finished its part but keeps none of its results", out.stdout), _show(out)
 
 
+def test_a_killed_process_ends_the_job_and_a_new_one_resumes_from_its_checkpoints(tmp_path):
+    """Issue 47: a pipeline of one stage per process saves a checkpoint after every step
+    (``rhino.CheckpointManager``, each process writing the shards it holds); process 1 dies
+    at step 3 and the launcher stops the job. A new job resumes from the latest step (2,
+    the manager keeping two) and its final state equals jax.jit over all 5 steps; plain
+    orbax reads the checkpoints, keyed by the state's paths."""
+    ck = str(tmp_path / "ck")
+    args = ("--hosts", "2", "--devices-per-host", "4", str(JOB), "--cluster", "2x4",
+            "--stages", "2", "--steps", "5", "--checkpoints", ck)
+    out = _launch(*args, "--die-at", "3")
+    assert out.returncode == 9, _show(out)
+    assert "rhino.launch: process 1 failed (exit status 9)" in out.stderr, _show(out)
+    assert "[p1] process 1: dying at step 3" in out.stdout, _show(out)
+    out = _launch(*args)
+    assert out.returncode == 0, _show(out)
+    for p in (0, 1):
+        assert f"[p{p}] process {p}: resumed from step 3 (steps kept: [2, 3])" in \
+            out.stdout, _show(out)
+        assert f"[p{p}] process {p}: step 4 ran" in out.stdout, _show(out)
+        assert f"[p{p}] process {p}: OK" in out.stdout, _show(out)
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(ck) as mgr:
+        assert mgr.all_steps() == [4, 5]
+        tree = mgr.restore(5, args=ocp.args.StandardRestore())
+    assert {k: v.shape for k, v in tree.items()} == {"w1": (64, 256), "w2": (256, 16)}
+
+
 def test_zb_h1_runs_one_stage_per_process():
     """Issue 44: zb-h1 (each backward cut into B and W programs) under ``rhino.launch``,
     one stage per process: 3 GPT steps equal jax.jit on both processes."""
@@ -408,13 +436,13 @@ def test_corpus_steps_one_after_another_in_one_job(tmp_path):
 
 def test_spmd_steps_take_every_kind_of_argument_users_have():
     """Issue 47, item 3: numpy arrays, process-local jax arrays (what ``model.init``
-    returns on each process) and global ``jax.Array``s, replicated or split over the job's
+    returns on each process, or put on its first device, as a checkpoint restores) and global ``jax.Array``s, replicated or split over the job's
     devices, each fed to a new SPMD step: equal to jax.jit on both processes."""
     out = _launch("--hosts", "2", "--devices-per-host", "4", str(JOB),
-                  "--arg-kinds", "numpy,local,global,split")
+                  "--arg-kinds", "numpy,local,committed,global,split")
     assert out.returncode == 0, _show(out)
     for p in (0, 1):
-        for kind in ("numpy", "local", "global", "split"):
+        for kind in ("numpy", "local", "committed", "global", "split"):
             assert f"[p{p}] process {p}: {kind} arguments: OK" in out.stdout, _show(out)
 
 
@@ -424,9 +452,9 @@ def test_pipelined_steps_take_every_kind_of_argument_a_stage_can_hold():
     that is not fully addressable'); one split over both processes, of which no process
     holds a whole weight, is refused naming what to pass instead."""
     out = _launch("--hosts", "2", "--devices-per-host", "4", str(JOB), "--cluster", "2x4",
-                  "--stages", "2", "--arg-kinds", "numpy,local,global,split")
+                  "--stages", "2", "--arg-kinds", "numpy,local,committed,global,split")
     for p in (0, 1):
-        for kind in ("numpy", "local", "global"):
+        for kind in ("numpy", "local", "committed", "global"):
             assert f"[p{p}] process {p}: {kind} arguments: OK" in out.stdout, _show(out)
     assert re.search(r"process \d: split arguments: refused: an argument float32\[\d+, \d+\]:"
                      r" a global jax.Array of which this process holds only some elements",

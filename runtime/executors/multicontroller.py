@@ -187,10 +187,13 @@ class ProcessStages:
         for s in sorted(self.stage_process):
             for r in self.split.stage_args(s):
                 x = args.get(r)
-                if not isinstance(x, jax.Array) or not x.committed:
-                    # host values, and arrays in jax's default placement (uncommitted:
-                    # each process made its own, on its own first device): every
-                    # process has them
+                if not isinstance(x, jax.Array) or not x.committed or \
+                        isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+                    # host values, arrays in jax's default placement (uncommitted: each
+                    # process made its own, on its own first device) and arrays put on one
+                    # device (``jax.device_put(x, jax.local_devices()[0])``, a checkpoint
+                    # restored): every process has its own (a stage's results are on its
+                    # mesh, never a single-device sharding)
                     continue
                 owners = self._owners.get(x.sharding)
                 if owners is None:

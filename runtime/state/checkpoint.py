@@ -186,9 +186,34 @@ def _gather(tree: Any, staging: str, assemble: bool) -> tuple[Any, dict]:
         else:
             parts[part] = [{"leaf": int(n[4:]), "name": n, "shape": list(x.shape),
                             "dtype": dtype_name(x)} for n, x in leaves.items()]
+    _held_by_processes(values, os.path.join(os.path.dirname(staging), "processes"))
     meta = {"format": FORMAT, "keys": [list(k) for k in keys], "parts": parts,
             "treedef": base64.b64encode(pickle.dumps(treedef)).decode()}
     return jax.tree_util.tree_unflatten(treedef, values), meta
+
+
+def _held_by_processes(values: list, staging: str) -> None:
+    """In a job of several processes (``rhino.launch``), the leaves among ``values`` that
+    orbax refuses there, each held by one process (a pipeline stage's arrays: all of one
+    process's devices, or none of this one's), replaced in place by their whole value:
+    every process writes the shards it holds (``write_shards``), then reads everyone's.
+    Arrays spanning processes stay for orbax, each process writing its own shards."""
+    import jax
+
+    if _processes()[1] == 1:
+        return
+    held = {f"leaf{k}": x for k, x in enumerate(values)
+            if isinstance(x, jax.Array) and (x.is_fully_addressable or
+                                             not x.addressable_shards)}
+    if not held:
+        return
+    os.makedirs(staging, exist_ok=True)
+    write_shards(staging, {n: x for n, x in held.items() if x.addressable_shards})
+    _barrier(f"rhino-save-shards:{staging}")
+    got = read_part(staging, {n: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                              for n, x in held.items()})
+    for n in held:
+        values[int(n[4:])] = got[n]
 
 
 def _orbax_save(directory: str, tree: Any, meta: dict, path: str) -> None:
@@ -225,12 +250,30 @@ def _processes() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def _barrier(tag: str) -> None:
-    """Every process of a ``jax.distributed`` job of several reaches ``tag``."""
-    if _processes()[1] > 1:
-        from jax.experimental import multihost_utils
+BARRIER_TIMEOUT_S = 600.0
+"""Seconds a process of a job waits for the others at a checkpoint's barrier."""
 
-        multihost_utils.sync_global_devices(tag)
+_barriers = iter(range(1, 1 << 62))
+
+
+def _barrier(tag: str) -> None:
+    """Every process of a ``jax.distributed`` job of several reaches ``tag`` (the job's
+    coordination service: no collective, so a job without cross-process collectives too).
+
+    Raises:
+        CheckpointError: a process did not arrive within ``BARRIER_TIMEOUT_S``.
+    """
+    if _processes()[1] == 1:
+        return
+    from rhino.jaxpr.private import distributed_kv_client
+
+    name = f"{tag}#{next(_barriers)}"     # every process counts its barriers alike
+    try:
+        distributed_kv_client().wait_at_barrier(name, int(BARRIER_TIMEOUT_S * 1000))
+    except Exception as e:  # noqa: BLE001 - jax's runtime error, not a public type
+        raise CheckpointError(f"checkpoint: expected every process of the job at {tag} "
+                              f"within {BARRIER_TIMEOUT_S:g} s, found {type(e).__name__}: "
+                              f"{e}") from e
 
 
 def save_checkpoint(path: str, tree: Any, *, overwrite: bool = False,
@@ -272,15 +315,8 @@ def save_checkpoint(path: str, tree: Any, *, overwrite: bool = False,
             raise CheckpointError(f"save_checkpoint: overwrite=True: expected a checkpoint "
                                   f"at {path} to replace, found {found} (not replaced)")
     parent, name = os.path.split(path)
-    me, count = _processes()
-    # The processes of a job write into one temporary: its name must not depend on them.
-    tmp = os.path.join(parent, f".{name}.rhino-tmp-" +
-                       (uuid.uuid4().hex[:12] if count == 1 else "job"))
-    if me == 0:
-        os.makedirs(parent, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)   # a job's earlier failed attempt
-        os.mkdir(tmp)
-    _barrier(f"rhino-save-start:{path}")
+    me = _processes()[0]
+    tmp = _temporary(parent, name)
     try:
         saved, meta = _gather(tree, os.path.join(tmp, "staging"), assemble)
         new = os.path.join(tmp, "checkpoint")
@@ -294,6 +330,22 @@ def save_checkpoint(path: str, tree: Any, *, overwrite: bool = False,
         if me == 0:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _temporary(parent: str, name: str) -> str:
+    """A new temporary directory beside ``parent/name``: a fresh name in one process; in a
+    job of several, one name every process agrees on (made by process 0, the others
+    waiting for it), so that they write into the same one."""
+    me, count = _processes()
+    # The processes of a job write into one temporary: its name must not depend on them.
+    tmp = os.path.join(parent, f".{name}.rhino-tmp-" +
+                       (uuid.uuid4().hex[:12] if count == 1 else "job"))
+    if me == 0:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)   # a job's earlier failed attempt
+        os.mkdir(tmp)
+    _barrier(f"rhino-temporary:{tmp}")
+    return tmp
 
 
 def _replace(new: str, path: str, aside: str) -> None:
@@ -593,8 +645,7 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager.save: {self.directory}: expected a step "
                                   f"after the latest ({steps[-1]}), found {step}")
         parent, name = os.path.split(self.directory)
-        tmp = os.path.join(parent, f".{name}.rhino-tmp-{uuid.uuid4().hex[:12]}")
-        os.makedirs(tmp)
+        tmp = _temporary(parent, name)
         try:
             saved, meta = _gather(tree, os.path.join(tmp, "staging"), assemble=True)
             args = self._ocp.args.StandardSave(saved)
@@ -608,8 +659,10 @@ class CheckpointManager:
                 self._mgr.reload()
             else:
                 self._write(self._mgr, step, args, meta)
+            _barrier(f"rhino-manager-done:{tmp}")    # nobody reads the temporary now
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if _processes()[0] == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
         return os.path.join(self.directory, str(step))
 
     def _write(self, mgr: Any, step: int, args: Any, meta: dict) -> None:
