@@ -75,6 +75,7 @@ def main() -> int:
     ap.add_argument("--frozen", action="store_true")
     ap.add_argument("--arg-kinds", default=None)
     ap.add_argument("--fail-call", type=int, default=None)
+    ap.add_argument("--stall-s", type=float, default=None)
     ap.add_argument("--checkpoints", default=None)
     ap.add_argument("--die-at", type=int, default=None)
     a = ap.parse_args()
@@ -97,7 +98,7 @@ def main() -> int:
     if a.arg_kinds:
         return arg_kinds(me, a.arg_kinds.split(","), a.cluster, a.stages)
     if a.fail_call is not None:
-        return failed_call(me, a.fail_call, a.cluster, a.stages)
+        return failed_call(me, a.fail_call, a.cluster, a.stages, a.stall_s)
     if a.checkpoints:
         return resumable(me, a.checkpoints, a.die_at, a.cluster, a.stages, a.steps)
 
@@ -216,14 +217,18 @@ def arg_kinds(me: int, kinds: list[str], cluster: str | None, stages: int | None
     return 0
 
 
-def failed_call(me: int, bad: int, cluster: str | None, stages: int | None) -> int:
+def failed_call(me: int, bad: int, cluster: str | None, stages: int | None,
+                stall_s: float | None = None) -> int:
     """Calls of a pipelined MLP step whose host callback (run by stage 0's process) raises
-    on call ``bad``: each call's outcome printed, each failed call's arguments passed to the
-    next; the final state checked against jax.jit over the calls that ran."""
+    on call ``bad`` (or sleeps ``stall_s`` seconds, past the step's timeout: a stall): each
+    call's outcome printed, each failed call's arguments passed to the next; the final
+    state checked against jax.jit over the calls that ran."""
     calls = [0]
 
     def gate(v):
-        if calls[0] == bad:
+        if calls[0] == bad and stall_s:
+            time.sleep(stall_s)
+        elif calls[0] == bad:
             raise RuntimeError("the data check failed")
 
     def fn(params, x, y):
@@ -236,9 +241,10 @@ def failed_call(me: int, bad: int, cluster: str | None, stages: int | None) -> i
          "w2": rng.normal(size=(256, 16)).astype(np.float32) * 0.05}
     x = rng.normal(size=(128, 64)).astype(np.float32)
     y = rng.normal(size=(128, 16)).astype(np.float32)
-    step = rhino.auto_parallel(fn, cluster=cluster, stages=stages, timeout=10)
+    step = rhino.auto_parallel(fn, cluster=cluster, stages=stages,
+                               timeout=3 if stall_s else 10)
     ref, ref_step = p, jax.jit(train_step)
-    for k in range(bad + 3):
+    for k in range(bad + 4):
         calls[0] = k
         try:
             p, loss = step(p, x, y)

@@ -162,6 +162,26 @@ def test_a_failed_pipelined_step_costs_that_step_on_every_process():
                      r"finished its part but keeps none of its results", out.stdout), _show(out)
 
 
+def test_a_stalled_pipelined_step_costs_steps_not_the_run():
+    """Issue 47: stage 0's host callback sleeps 8 s on call 1, past the step's 2 × 3 s. The
+    step fails on both processes; the next call waits for the stalled stage to stop (or,
+    past the grace, fails on both), and the calls run from the arguments the failed calls
+    were given, equal to jax.jit over the calls that ran."""
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(JOB), "--cluster", "2x4",
+                  "--stages", "2", "--fail-call", "1", "--stall-s", "8")
+    assert out.returncode == 0, _show(out)
+    for p in (0, 1):
+        assert f"[p{p}] process {p}: call 0: ran" in out.stdout, _show(out)
+        assert f"[p{p}] process {p}: call 1: failed" in out.stdout, _show(out)
+        assert f"[p{p}] process {p}: call 4: ran" in out.stdout, _show(out)
+        assert f"[p{p}] process {p}: OK" in out.stdout, _show(out)
+    for k in range(5):    # every call ran on both processes or failed on both
+        ran = [f"[p{p}] process {p}: call {k}: ran" in out.stdout for p in (0, 1)]
+        assert ran[0] == ran[1], _show(out)
+    assert re.search(r"\[p0\] process 0: call 1: failed: stage 0.*(did not finish within|"
+                     r"not ready within)", out.stdout), _show(out)
+
+
 def test_a_killed_process_ends_the_job_and_a_new_one_resumes_from_its_checkpoints(tmp_path):
     """Issue 47: a pipeline of one stage per process saves a checkpoint after every step
     (``rhino.CheckpointManager``, each process writing the shards it holds); process 1 dies
