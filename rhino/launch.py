@@ -50,6 +50,10 @@ REPORT_GRACE_S = 1.5
 """After a process failed, how long the others may take to end on their own (and say why:
 processes that see the same error, e.g. plans that differ, all report it) before they are
 stopped."""
+LOST = ("What the job held in memory (its training state) is gone with its processes: "
+        "start the job again to resume from its last checkpoint (rhino.CheckpointManager, "
+        "rhino.restore_checkpoint)")
+"""Said when a job ends early: what was lost and how to resume."""
 CHILD_CODE = "import sys; from rhino.launch import run_script; run_script(sys.argv[1:])"
 """How each process is started: ``python -c CHILD_CODE script args`` (``run_script``)."""
 GLOO_CHATTER = re.compile(rb"\[Gloo\] Rank \d|peer ranks\. Expected number of connected")
@@ -221,7 +225,8 @@ def launch(script: str, args: Sequence[str], hosts: int, devices_per_host: int =
                 _drain(pumps)
                 say(f"process {first} failed ({_status(codes[first])})"
                     + (f"; {_processes(also)} failed too" if also else "")
-                    + (f"; stopped {_processes(running)}" if running else ""))
+                    + (f"; stopped {_processes(running)}" if running else "")
+                    + ". " + LOST)
                 c = codes[first]
                 return c if c > 0 else 128 - c
             if all(c == 0 for c in codes):
@@ -231,7 +236,8 @@ def launch(script: str, args: Sequence[str], hosts: int, devices_per_host: int =
                 running = [i for i, c in enumerate(codes) if c is None]
                 _stop(procs)
                 _drain(pumps)
-                say(f"timed out after {timeout:g} s; stopped {_processes(running)}")
+                say(f"timed out after {timeout:g} s; stopped {_processes(running)}. "
+                    + LOST)
                 return 124
             time.sleep(0.05)
     except KeyboardInterrupt:

@@ -193,7 +193,9 @@ def test_a_killed_process_ends_the_job_and_a_new_one_resumes_from_its_checkpoint
             "--stages", "2", "--steps", "5", "--checkpoints", ck)
     out = _launch(*args, "--die-at", "3")
     assert out.returncode == 9, _show(out)
-    assert "rhino.launch: process 1 failed (exit status 9)" in out.stderr, _show(out)
+    assert "rhino.launch: process 1 failed (exit status 9); stopped process 0. What the job " \
+           "held in memory (its training state) is gone with its processes: start the job " \
+           "again to resume from its last checkpoint" in out.stderr, _show(out)
     assert "[p1] process 1: dying at step 3" in out.stdout, _show(out)
     out = _launch(*args)
     assert out.returncode == 0, _show(out)
