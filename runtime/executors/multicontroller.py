@@ -138,7 +138,7 @@ class ProcessStages:
         """Every process's outcome of ``step``, through the job's key-value store: a step
         counts only where every process finished it. This process's ``error`` is told to
         the others; a peer's failure is raised here (this process drops its results)."""
-        kv, key = self.transport._kv, f"{self.transport._prefix}/outcome"
+        kv, key = self.transport.job_keys("outcome")
         why = "ok" if error is None else _first_line(error)
         kv.key_value_set(f"{key}/{step}/{self.process}", why, allow_overwrite=True)
         # A peer reports within its step's bound (2 × timeout) and a refusal's grace.

@@ -192,6 +192,12 @@ class JaxTransferTransport:
 
     # ------------------------------------------------------------------ steps and aborts
 
+    def job_keys(self, what: str) -> tuple[Any, str]:
+        """(the job's key-value store client, a key prefix for ``what`` of this transport's
+        steps, the same on every process): for the executor's own per-step records (the
+        steps' outcomes, ``ProcessStages``)."""
+        return self._kv, f"{self._prefix}/{what}"
+
     def _step(self, step: int) -> _Step:
         return self._steps.setdefault(step, _Step())
 
