@@ -52,8 +52,10 @@ def main(argv=None) -> int:
                     help="pipeline stages, one per process (default 1: one SPMD program)")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "eager-1f1b",
-                                                             "zb-h1"),
+                                                             "zb-h1", "interleaved-1f1b"),
                     help="the pipeline schedule, with --stages (default 1f1b)")
+    ap.add_argument("--virtual-stages", type=int, default=1,
+                    help="stages of the model per process (interleaved-1f1b; default 1)")
     ap.add_argument("--no-cross-process-collectives", action="store_true",
                     help="CPU: no gloo (a pipeline whose stages each sit on one process)")
     a = ap.parse_args(argv)
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
     if a.stages > 1:     # hosts x devices: each stage on one process's devices
         step = rhino.auto_parallel(
             model.step, cluster=f"{job.num_processes}x{jax.local_device_count()}",
-            stages=a.stages, num_microbatches=a.microbatches, schedule=a.schedule)
+            stages=a.stages, virtual_stages=a.virtual_stages,
+            num_microbatches=a.microbatches, schedule=a.schedule)
     else:
         step = rhino.auto_parallel(model.step)  # the mesh spans every device of the job
     ref_step = jax.jit(model.step)             # one device of this process

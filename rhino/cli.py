@@ -303,8 +303,8 @@ _CLUSTER_ONLY = {"plan": (("--microbatches", DEFAULT_MICROBATCHES), ("--epsilon"
                           ("--alpha-intra", None), ("--beta-intra", None),
                           ("--alpha-inter", None), ("--beta-inter", None),
                           ("--per-microbatch-statistics", False)),
-                 "demo": (("--stages", None), ("--microbatches", DEFAULT_MICROBATCHES),
-                          ("--schedule", "auto"))}
+                 "demo": (("--stages", None), ("--virtual-stages", 1),
+                          ("--microbatches", DEFAULT_MICROBATCHES), ("--schedule", "auto"))}
 
 
 def _mode_options(args: argparse.Namespace, command: str) -> None:
@@ -446,6 +446,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     batch = model.make_batch(jax.random.PRNGKey(1))
     if args.cluster:
         step = rhino.auto_parallel(model.step, cluster=args.cluster, stages=args.stages,
+                                   virtual_stages=args.virtual_stages,
                                    num_microbatches=args.microbatches, schedule=args.schedule,
                                    opt_level=args.opt_level, memory_budget=args.memory_budget)
         print(step.report_for(params, opt, batch))
@@ -588,7 +589,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the planner's choice)")
     pd.add_argument("--microbatches", type=positive_int,
                     help=f"with --cluster (default: {DEFAULT_MICROBATCHES})")
-    pd.add_argument("--schedule", choices=("auto", "1f1b", "gpipe", "eager-1f1b", "zb-h1"),
+    pd.add_argument("--virtual-stages", type=positive_int, help="with --cluster and "
+                    "--stages: stages of the model per device group (interleaved-1f1b; "
+                    "default: 1)")
+    pd.add_argument("--schedule", choices=("auto", "1f1b", "gpipe", "eager-1f1b", "zb-h1",
+                                           "interleaved-1f1b"),
                     help="with --cluster (default: auto, the planner's choice)")
     pd.add_argument("--memory-budget", type=memory_bytes, help="bytes per device, e.g. "
                     "2MiB: the compiled SPMD program's (re-plans with more weight on memory "

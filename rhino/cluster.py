@@ -160,12 +160,21 @@ class MeshSplit:
         stage_shape: the logical SPMD mesh of every stage.
         devices_per_stage: ``N / p``.
         hosts_per_stage: hosts a stage spans (1 when stages share hosts).
+        virtual_stages: stages per device group (``interleaved-1f1b``): the ``num_stages``
+            stages run on ``num_stages / virtual_stages`` groups, stage ``c`` on group
+            ``c % groups`` (Megatron's order).
     """
 
     num_stages: int
     stage_shape: tuple[int, ...]
     devices_per_stage: int
     hosts_per_stage: int
+    virtual_stages: int = 1
+
+    @property
+    def groups(self) -> int:
+        """Device groups: the stages but under virtual stages."""
+        return self.num_stages // self.virtual_stages
 
     @property
     def kind(self) -> str:
@@ -175,8 +184,8 @@ class MeshSplit:
         return "pipeline" if self.devices_per_stage == 1 else "hybrid"
 
     def devices(self, cluster: Cluster, stage: int) -> tuple[int, ...]:
-        n = self.devices_per_stage
-        return tuple(range(stage * n, (stage + 1) * n))
+        n, g = self.devices_per_stage, stage % self.groups
+        return tuple(range(g * n, (g + 1) * n))
 
     def hosts(self, cluster: Cluster, stage: int) -> tuple[int, ...]:
         return tuple(sorted({d // cluster.devices_per_host for d in self.devices(cluster, stage)}))
@@ -199,7 +208,10 @@ class MeshSplit:
                                             **overrides)
 
     def link(self, cluster: Cluster, src: int, dst: int) -> tuple[float, float]:
-        """(α, β) of the links between two stages: intra-host when both sit on one host."""
+        """(α, β) of the links between two stages: intra-host when both sit on one host;
+        nothing between two stages of one device group (virtual stages)."""
+        if src % self.groups == dst % self.groups:
+            return 0.0, 0.0
         hs, hd = self.hosts(cluster, src), self.hosts(cluster, dst)
         if len(hs) == 1 and hs == hd:
             return cluster.alpha_intra, cluster.beta_intra
@@ -207,7 +219,9 @@ class MeshSplit:
 
     def label(self) -> str:
         shape = "x".join(map(str, self.stage_shape))
-        return f"pp={self.num_stages} × ({shape})"
+        virtual = f" ({self.groups} groups × {self.virtual_stages})" \
+            if self.virtual_stages > 1 else ""
+        return f"pp={self.num_stages}{virtual} × ({shape})"
 
 
 def enumerate_splits(cluster: Cluster, max_stages: int | None = None,

@@ -68,6 +68,9 @@ class PlanRequest:
         num_microbatches: microbatches per pipeline step (None: ``DEFAULT_MICROBATCHES``).
         schedule: the pipeline schedule (None: ``auto``, the planner's choice).
         stages: a stage count, or a hand-given split ``{weight path prefix: stage}``.
+        virtual_stages: stages of the model per device group (``interleaved-1f1b``, which
+            it implies; ``stages`` then counts the device groups): the model is cut into
+            ``stages * virtual_stages`` stages, group ``g`` running ``g, g + stages, ...``.
         batch_args: what carries the batch (None: the non-state, non-scalar arguments).
         epsilon: stage imbalance tolerance of the stage ILP.
         max_stages: the most pipeline stages (None: every device).
@@ -88,6 +91,7 @@ class PlanRequest:
     num_microbatches: int | None = None
     schedule: ScheduleKind | None = None
     stages: int | Mapping[str, int] | None = None
+    virtual_stages: int = 1
     batch_args: tuple[str, ...] | None = None
     epsilon: float = 0.1
     max_stages: int | None = None
@@ -120,6 +124,7 @@ class PlanRequest:
             put("stages", dict(s))
         elif s is not None:
             put("stages", positive("stages", s, int))
+        self._check_virtual(put)
         put("annotations", dict(self.annotations or {}))
         if self.batch_args is not None:
             if isinstance(self.batch_args, str):
@@ -127,6 +132,25 @@ class PlanRequest:
                                    f"paths, found the string {self.batch_args!r} (write "
                                    f"({self.batch_args!r},))")
             put("batch_args", tuple(self.batch_args))
+
+    def _check_virtual(self, put: Callable) -> None:
+        v = positive("virtual_stages", self.virtual_stages, int)
+        put("virtual_stages", v)
+        inter = self.schedule is ScheduleKind.INTERLEAVED
+        if v == 1 and inter:
+            raise OptionsError("virtual_stages: expected >= 2 with schedule "
+                               "'interleaved-1f1b' (stages of the model per device group), "
+                               "found 1")
+        if v == 1:
+            return
+        if self.schedule not in (None, ScheduleKind.AUTO, ScheduleKind.INTERLEAVED):
+            raise OptionsError(f"schedule: expected 'interleaved-1f1b' with virtual_stages="
+                               f"{v} (the schedule of device groups running several "
+                               f"stages), found '{self.schedule}'")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise OptionsError(f"stages: expected a count of device groups >= 2 with "
+                               f"virtual_stages={v}, found {self.stages!r}")
+        put("schedule", ScheduleKind.INTERLEAVED)
 
     @property
     def microbatches(self) -> int:
@@ -172,6 +196,7 @@ class PlanRequest:
                            build=self.build_options(pipeline=True))
         return PipelineOptions(
             num_microbatches=self.microbatches, num_stages=count,
+            virtual_stages=self.virtual_stages,
             memory_budget=self.memory_budget, annotations=dict(self.annotations) or None,
             weight_stages=given if given and count > 1 else None, kinds=kinds,
             batch_args=self.batch_args, spmd=spmd,

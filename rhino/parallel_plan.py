@@ -227,6 +227,8 @@ class Plan:
         search: the time of each search phase.
         model_flops: the step's matmul FLOPs (``planner.op_cost.model_flops``), for its
             estimated MFU; matmul_dtype: the dtype most of them run in.
+        virtual_stages: stages per device group (``interleaved-1f1b``; 1 otherwise): stage
+            ``c`` runs on the devices of stage ``c % (num_stages / virtual_stages)``.
     """
 
     program: str
@@ -248,12 +250,28 @@ class Plan:
     search: SearchTimes | None = None
     model_flops: float = 0.0
     matmul_dtype: str = "f32"
+    virtual_stages: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "kind", PlanKind(self.kind))
         object.__setattr__(self, "schedule", ScheduleKind(self.schedule))
         if not self.stages:
             raise ValueError("plan: expected at least one stage, found none")
+        v, n = self.virtual_stages, len(self.stages)
+        inter = self.schedule is ScheduleKind.INTERLEAVED
+        if v < 1 or (v > 1) != inter or (v > 1 and (n % v or n // v < 2)):
+            raise ValueError(f"plan: expected virtual_stages >= 2 dividing the stages into "
+                             f">= 2 device groups exactly with schedule 'interleaved-1f1b' "
+                             f"(1 otherwise), found {v} with {n} stages and schedule "
+                             f"'{self.schedule}'")
+        if v > 1:
+            groups = n // v
+            bad = [s.index for s in self.stages
+                   if s.devices != self.stages[s.index % groups].devices]
+            if bad:
+                raise ValueError(f"plan: stage {bad[0]} of {v} virtual stages per group: "
+                                 f"expected the devices of stage {bad[0] % groups} (its "
+                                 f"device group), found others")
         if (len(self.stages) == 1) != (self.kind is PlanKind.SPMD):
             raise ValueError(f"plan: a {self.kind} plan with {len(self.stages)} stage(s); "
                              f"expected one stage exactly for spmd")
@@ -360,6 +378,7 @@ class Plan:
             "decision": self.decision,
             "search": dataclasses.asdict(self.search) if self.search is not None else None,
             "model_flops": self.model_flops, "matmul_dtype": self.matmul_dtype,
+            **({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {}),
         }
 
     def to_json(self, indent: int | None = None, include_spmd: bool = True,
@@ -436,7 +455,8 @@ class Plan:
             decision=d["decision"],
             search=SearchTimes(**d["search"]) if d.get("search") is not None else None,
             model_flops=float(d.get("model_flops", 0.0)),
-            matmul_dtype=str(d.get("matmul_dtype", "f32")))
+            matmul_dtype=str(d.get("matmul_dtype", "f32")),
+            virtual_stages=int(d.get("virtual_stages", 1)))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -546,7 +566,11 @@ class Plan:
                         f"compute-gradients ops, {b.get('apply_ops')} apply-gradients ops, "
                         f"{len(b.get('gradients', ()))} gradients "
                         f"({format_bytes(b.get('gradient_bytes', 0))})")
-        lines.append("  stages:")
+        v = self.virtual_stages
+        lines.append("  stages:" if v == 1 else
+                     f"  stages ({v} per device group, interleaved: stage c runs on group "
+                     f"c % {len(self.stages) // v}; memory per group is the sum of its "
+                     f"stages'):")
         for s in self.stages:
             e, m = s.estimate, s.memory
             lines.append(

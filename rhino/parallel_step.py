@@ -381,7 +381,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
                   report: bool | None = None, donate: bool = True, time_limit: float = 600.0,
                   num_microbatches: int | None = None, schedule: str | None = None,
                   executor: str = "local",
-                  stages: int | Mapping[str, int] | None = None, accumulate: Any = None,
+                  stages: int | Mapping[str, int] | None = None, virtual_stages: int = 1,
+                  accumulate: Any = None,
                   batch_args: Sequence[str] | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                   transport: str | None = None, ray_address: str | None = None,
                   ray_actor_options: Mapping[str, Any] | None = None,
@@ -439,13 +440,18 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         time_limit: seconds per solve.
         num_microbatches: microbatches per step of a pipeline (default: a given plan's,
             else 4).
-        schedule: ``"1f1b"``, ``"gpipe"`` or ``"eager-1f1b"`` (default: a given plan's,
-            else ``"1f1b"``).
+        schedule: ``"auto"`` (the planner's choice), ``"1f1b"``, ``"gpipe"``,
+            ``"eager-1f1b"``, ``"zb-h1"`` or ``"interleaved-1f1b"`` (with
+            ``virtual_stages``; default: a given plan's, else ``"auto"``).
         executor: ``"local"`` (this process: the SPMD program called directly, or one
             thread per stage over disjoint local devices) or ``"ray"`` (one actor per stage;
             see ``rhino.init``).
         stages: the number of pipeline stages (default: the planner's choice), or a
             hand-given split ``{weight pytree path prefix: stage}``.
+        virtual_stages: stages of the model per device group (``interleaved-1f1b``, which
+            it implies; ``stages`` then counts the device groups): the model is cut into
+            ``stages * virtual_stages`` stages and group ``g`` runs ``g, g + stages, ...``
+            in Megatron's order (local executor and ``rhino.launch``).
         accumulate: no longer an option (an error if given): a pipelined step computes
             what the step computes on the whole batch, each value by its own rule.
         batch_args: what carries the batch: argument names, or pytree paths inside them
@@ -495,7 +501,8 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
         memory_budget=memory_budget,
         annotations=annotations or {}, plan=plan, report=report, donate=donate,
         time_limit=time_limit, num_microbatches=num_microbatches, schedule=schedule,
-        executor=executor, stages=stages, accumulate=accumulate, batch_args=batch_args,
+        executor=executor, stages=stages, virtual_stages=virtual_stages,
+        accumulate=accumulate, batch_args=batch_args,
         timeout=timeout, transport=transport, ray_address=ray_address,
         ray_actor_options=ray_actor_options, ray_pin_cpus=ray_pin_cpus,
         per_microbatch_statistics=per_microbatch_statistics, min_split_flops=min_split_flops,

@@ -63,6 +63,7 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
          cluster: str | Cluster | None = None, num_microbatches: int | None = None,
          epsilon: float = 0.1, max_stages: int | None = None,
          stages: int | Mapping[str, int] | None = None, schedule: str | None = None,
+         virtual_stages: int = 1,
          batch_args: Sequence[str] | None = None,
          annotations: Mapping[str, Any] | None = None,
          min_split_flops: float | None = None, microbatches: int | None = None,
@@ -112,7 +113,9 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
         schedule: ``"auto"`` (default: the fastest of the others whose activations fit,
             by the plan's estimates), ``"1f1b"``, ``"gpipe"``, ``"eager-1f1b"`` or
             ``"zb-h1"`` (each backward cut into input and weight gradients, the latter run
-            in bubbles).
+            in bubbles), or ``"interleaved-1f1b"`` (with ``virtual_stages``).
+        virtual_stages: stages of the model per device group (``interleaved-1f1b``, which
+            it implies; ``stages`` then counts the device groups).
         batch_args: what carries the batch (default: the non-state, non-scalar arguments).
         annotations: ``{pytree path or named_scope name: spec}`` (``"S[x]·R"`` or a
             ``jax.sharding.PartitionSpec``) pinned in the plan.
@@ -141,7 +144,8 @@ def plan(source: Any, *example_args: Any, mesh_shape: Sequence[int] | None = Non
     request = PlanRequest(opt_level=opt_level, time_limit=time_limit,
                            min_split_flops=min_split_flops, memory_budget=memory_budget,
                            annotations=annotations, num_microbatches=num_microbatches,
-                           schedule=schedule, stages=stages, batch_args=batch_args,
+                           schedule=schedule, stages=stages, virtual_stages=virtual_stages,
+                           batch_args=batch_args,
                            epsilon=epsilon, max_stages=max_stages, build=build, parallel=True,
                            per_microbatch_statistics=per_microbatch_statistics)
     name = getattr(source, "__name__", None) or (

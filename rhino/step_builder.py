@@ -73,7 +73,8 @@ def split_stages(step: TracedStep, plan: Plan, batch_args: Sequence[str] | None 
                         plan.schedule.value, st.index, tuple(st.mesh.shape),
                         tuple(st.mesh.axis_names), lowering.shardings[st.index],
                         key_refs=lowering.key_refs,
-                        per_microbatch_statistics=per_microbatch_statistics)
+                        per_microbatch_statistics=per_microbatch_statistics,
+                        virtual_stages=plan.virtual_stages)
              for st in plan.stages]
     return lowering, specs
 
@@ -125,7 +126,14 @@ class StepBuilder:
             # Run options given explicitly replace the saved plan's.
             if o.num_microbatches is not None and plan.num_stages > 1:
                 plan = dataclasses.replace(plan, num_microbatches=o.num_microbatches)
-            if o.schedule is not None and o.schedule is not ScheduleKind.AUTO:
+            if o.schedule is not None and o.schedule is not ScheduleKind.AUTO and \
+                    o.schedule is not plan.schedule:
+                if plan.virtual_stages > 1 or o.schedule is ScheduleKind.INTERLEAVED:
+                    raise OptionsError(
+                        f"schedule: a plan of {len(plan.stages)} stages "
+                        f"({plan.virtual_stages} per device group) runs '{plan.schedule}'; "
+                        f"found schedule='{o.schedule}' (interleaving is planned: plan "
+                        f"again with stages= and virtual_stages=)")
                 plan = dataclasses.replace(plan, schedule=o.schedule)
         elif o.cluster is None:
             return self._spmd_on_mesh()
@@ -234,6 +242,11 @@ class StepBuilder:
         self.progress("splitting the step into stage programs")
         lowering, specs = split_stages(self.step, plan, o.batch_args,
                                        o.per_microbatch_statistics)
+        if o.executor is ExecutorKind.RAY and plan.virtual_stages > 1:
+            raise OptionsError(
+                f"executor='ray': expected one stage per device group (one actor each), "
+                f"found {plan.virtual_stages} virtual stages per group ('{plan.schedule}'); "
+                f"interleaving runs on the local executor and under rhino.launch")
         if o.executor is ExecutorKind.RAY:
             from rhino.runtime.executors.artifacts import export_stages
             from rhino.runtime.ray.executor import RayExecutor, actor_platform

@@ -55,6 +55,7 @@ class StepOptions:
     schedule: ScheduleKind | None = None
     executor: ExecutorKind = ExecutorKind.LOCAL
     stages: int | Mapping[str, int] | None = None
+    virtual_stages: int = 1
     accumulate: Any = None
     batch_args: tuple[str, ...] | None = None
     timeout: float = DEFAULT_TIMEOUT_S
@@ -74,7 +75,7 @@ class StepOptions:
         # doors plan with; the rest here.
         req = self.request
         for name in ("time_limit", "memory_budget", "min_split_flops", "num_microbatches",
-                     "schedule", "stages", "annotations", "batch_args"):
+                     "schedule", "stages", "virtual_stages", "annotations", "batch_args"):
             put(name, getattr(req, name))
         put("timeout", positive("timeout (seconds)", self.timeout))
         put("executor", ExecutorKind.parse(self.executor, "executor"))
@@ -149,7 +150,8 @@ class StepOptions:
                            min_split_flops=self.min_split_flops,
                            memory_budget=self.memory_budget, annotations=self.annotations,
                            num_microbatches=self.num_microbatches, schedule=self.schedule,
-                           stages=self.stages, batch_args=self.batch_args,
+                           stages=self.stages, virtual_stages=self.virtual_stages,
+                           batch_args=self.batch_args,
                            per_microbatch_statistics=self.per_microbatch_statistics)
 
     def _check_cost(self) -> None:

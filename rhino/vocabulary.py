@@ -9,7 +9,8 @@ turns text back into a member (raising ``ValueError`` on anything else).
 ``Role``           an op's part of a training step: free / forward / backward / apply
 ``TaskKind``       a pipeline task: forward ``F``, backward ``B``, apply-gradients ``A``
 ``PlanKind``       what a plan runs: ``spmd`` (one stage), ``pipeline``, ``hybrid``
-``ScheduleKind``   the static pipeline schedule: ``1f1b``, ``gpipe``, ``eager-1f1b``, ``zb-h1``
+``ScheduleKind``   the static pipeline schedule: ``1f1b``, ``gpipe``, ``eager-1f1b``, ``zb-h1``,
+                   ``interleaved-1f1b``
                    (``auto``: the planner's choice)
 ``ExecutorKind``   where a step runs: ``local`` (this process) or ``ray`` (actors)
 ``TransportKind``  how values move between stage meshes
@@ -101,6 +102,7 @@ class ScheduleKind(_Text):
     ONE_F_ONE_B = "1f1b"
     EAGER_ONE_F_ONE_B = "eager-1f1b"
     ZB_H1 = "zb-h1"         # zero bubble: backward cut into B and W (hlo_passes.backward_split)
+    INTERLEAVED = "interleaved-1f1b"   # virtual stages: a device group runs several stages
     AUTO = "auto"           # the planner's choice (rhino.pipeline.schedule_choice); no plan
                             # records it: a plan's schedule is one of the others
 

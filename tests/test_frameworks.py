@@ -26,11 +26,15 @@ B, STEPS, RTOL = 32, 5, 1e-4
 # Ray instance of 4 CPUs for the module) instead of the local executor (issue 43,
 # acceptance 5; benchmarks/RESULTS.md has the run).
 EXECUTOR = os.environ.get("RHINO_TEST_EXECUTOR", "local")
-# RHINO_TEST_SCHEDULE=zb-h1 (or gpipe, eager-1f1b) runs them under another schedule (issue
-# 44, acceptance 2; benchmarks/RESULTS.md has the runs).
+# RHINO_TEST_SCHEDULE=zb-h1 (or gpipe, eager-1f1b, interleaved-1f1b: 2 device groups × 2
+# virtual stages) runs them under another schedule; RHINO_TEST_STAGES=4 on 4 stages of 2
+# devices; RHINO_TEST_MICROBATCHES=8 with 8 microbatches (issue 44, acceptance 2;
+# benchmarks/RESULTS.md has the runs).
 SCHEDULE = os.environ.get("RHINO_TEST_SCHEDULE", "1f1b")
-PIPE = dict(cluster="2x4", stages=2, num_microbatches=4, timeout=300, executor=EXECUTOR,
-            schedule=SCHEDULE)
+PIPE = dict(cluster="2x4", stages=int(os.environ.get("RHINO_TEST_STAGES", "2")),
+            num_microbatches=int(os.environ.get("RHINO_TEST_MICROBATCHES", "4")),
+            timeout=300, executor=EXECUTOR, schedule=SCHEDULE,
+            virtual_stages=2 if SCHEDULE == "interleaved-1f1b" else 1)
 
 
 @pytest.fixture(autouse=True, scope="module")

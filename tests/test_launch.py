@@ -222,6 +222,21 @@ def test_zb_h1_runs_one_stage_per_process():
         assert f"[p{p}] process {p}: OK: 3 steps match jax.jit" in out.stdout, _show(out)
 
 
+def test_interleaved_1f1b_runs_a_device_group_per_process():
+    """Issue 44: interleaved 1F1B under ``rhino.launch``: 2 processes × 4 devices, each
+    process one device group running 2 of the GPT's 4 stages (values between its own
+    stages stay in the process), 8 microbatches: 3 steps equal jax.jit on both."""
+    out = _launch("--hosts", "2", "--devices-per-host", "4", str(EXAMPLE), "--stages", "2",
+                  "--virtual-stages", "2", "--schedule", "interleaved-1f1b", "--layers", "4",
+                  "--microbatches", "8",
+                  "--no-cross-process-collectives")
+    assert out.returncode == 0, _show(out)
+    for p in (0, 1):
+        assert f"[p{p}] process {p}: plan hybrid on 4 stages on meshes [(4,), (4,), (4,), " \
+               f"(4,)]" in out.stdout, _show(out)
+        assert f"[p{p}] process {p}: OK: 3 steps match jax.jit" in out.stdout, _show(out)
+
+
 def test_stages_without_trained_weights_and_results_of_several_stages_per_process():
     """Issue 43: 4 stages on 2 processes × 4 devices, the first two holding only frozen
     layers (their backward and apply tasks empty: no instruction runs them). Each process

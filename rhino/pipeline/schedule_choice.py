@@ -119,6 +119,62 @@ def choose(estimates: Sequence, memories: Sequence, flops: Sequence, num_microba
     return ScheduleChoice(best, steps[best], steps, peaks, fits, flights[best])
 
 
+@dataclasses.dataclass(frozen=True)
+class InterleavedPrice:
+    """``interleaved-1f1b`` on a plan's stages (``price_interleaved``).
+
+    Attributes:
+        step_s: its estimated step; step_1f1b: the same stages' 1F1B estimate, each stage
+            on its own devices; grouped_1f1b: 1F1B on the device groups (each group's stages
+            as one stage: what the same devices run without interleaving).
+        in_flight: per stage, the microbatches it holds activations for at once.
+        group_peaks: per device group, the sum of its stages' memory (bytes per device).
+    """
+
+    step_s: float
+    step_1f1b: float
+    grouped_1f1b: float
+    in_flight: tuple[int, ...]
+    group_peaks: tuple[int, ...]
+
+    def text(self) -> str:
+        gain = 100.0 * (1.0 - self.step_s / self.grouped_1f1b) if self.grouped_1f1b else 0.0
+        return (f"schedule interleaved-1f1b: est. {1e3 * self.step_s:.3f} ms, "
+                f"{abs(gain):.1f} % {'under' if gain >= 0 else 'over'} 1f1b on the same "
+                f"device groups ({1e3 * self.grouped_1f1b:.3f} ms)")
+
+
+def price_interleaved(estimates: Sequence, memories: Sequence, flops: Sequence,
+                      num_microbatches: int, virtual_stages: int,
+                      step_1f1b: float) -> InterleavedPrice:
+    """Price ``interleaved-1f1b`` on ``p v`` stages (their estimates, memories and FLOPs,
+    as ``choose`` takes them): its table and 1F1B's on the same stages are simulated with
+    the stages' times, and ``step_1f1b`` (the search's 1F1B estimate of the stages, each
+    on its own devices) scaled by their ratio; 1F1B on the device groups (each group's
+    stages run as one, back to back) is simulated the same way, for the report."""
+    n, m, v = len(estimates), int(num_microbatches), int(virtual_stages)
+    p = n // v
+    times = [stage_times(e, fl) for e, fl in zip(estimates, flops)]
+    f = [t[0] for t in times]
+    b = [t[1] + t[2] for t in times]
+    send = max((t[3] for t in times), default=0.0)
+    apply_s = max((e.apply_s for e in estimates), default=0.0)
+    inter = S.make_schedule("interleaved-1f1b", p, m, v)
+    sim = S.simulate(inter, f, b, transfer_s=send, apply_s=apply_s).makespan
+    base = S.simulate(S.make_schedule("1f1b", n, m), f, b, transfer_s=send,
+                      apply_s=apply_s).makespan
+    groups = range(p)
+    gf = [sum(f[c] for c in inter.chunks_of(g)) for g in groups]
+    gb = [sum(b[c] for c in inter.chunks_of(g)) for g in groups]
+    grouped = S.simulate(S.make_schedule("1f1b", p, m), gf, gb, transfer_s=send,
+                         apply_s=v * apply_s).makespan
+    scale = step_1f1b / base if base > 0 else 1.0
+    flights = tuple(inter.chunk_in_flight(c) for c in range(n))
+    peaks = tuple(int(sum(with_in_flight(memories[c], flights[c]).total
+                          for c in inter.chunks_of(g))) for g in groups)
+    return InterleavedPrice(sim * scale, step_1f1b, grouped * scale, flights, peaks)
+
+
 def with_in_flight(memory, in_flight: int):
     """``memory`` (a ``StageMemory``) holding ``in_flight`` microbatches."""
     total = memory.state + memory.gradients + memory.per_microbatch \

@@ -57,7 +57,7 @@ from rhino.planner.cost_model import CostModel
 from rhino.planner.op_cost import OpTimes, matmul_dtype, model_flops
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.pins import annotation_pins
-from rhino.pipeline.schedule_choice import choose, with_in_flight
+from rhino.pipeline.schedule_choice import choose, price_interleaved, with_in_flight
 from rhino.pipeline.spmd_pool import SpmdPool
 from rhino.progress import Countdown
 from rhino.vocabulary import PlanKind, ScheduleKind
@@ -79,6 +79,10 @@ class PipelineOptions:
         max_stages: the most pipeline stages (default: every device).
         num_stages: only splits with exactly this many stages (e.g. to run a pipeline of
             a given depth); None: any count up to ``max_stages``.
+        virtual_stages: stages of the model per device group (``interleaved-1f1b``): each
+            split of the cluster into ``num_stages`` device groups cuts the model into
+            ``num_stages * virtual_stages`` stages, stage ``c`` on group ``c % num_stages``
+            (``MeshSplit.virtual_stages``).
         weight_stages: a hand-given split instead of the stage ILP: ``{weight pytree path
             prefix: stage}`` (``stages.assign_given_stages``); implies ``num_stages``.
         kinds: which of ``spmd``, ``pipeline``, ``hybrid`` to weigh.
@@ -117,6 +121,7 @@ class PipelineOptions:
     epsilon: float = 0.1
     max_stages: int | None = None
     num_stages: int | None = None
+    virtual_stages: int = 1
     weight_stages: Any = None
     kinds: tuple[str, ...] = KINDS
     batch_args: tuple[str, ...] | None = None
@@ -144,6 +149,13 @@ class PipelineOptions:
             raise OptionsError(f"max_stages: expected >= 1, found {self.max_stages}")
         if self.num_stages is not None and self.num_stages < 1:
             raise OptionsError(f"num_stages: expected >= 1, found {self.num_stages}")
+        if self.virtual_stages < 1 or (self.virtual_stages > 1 and (
+                self.num_stages is None or self.num_stages < 2
+                or self.weight_stages is not None)):
+            raise OptionsError(f"virtual_stages: expected 1, or >= 2 with num_stages >= 2 "
+                               f"device groups and the stage ILP's split, found "
+                               f"{self.virtual_stages} with num_stages {self.num_stages}"
+                               + (" and weight_stages" if self.weight_stages else ""))
         if self.weight_stages is not None:
             if not self.weight_stages or not all(
                     isinstance(v, int) and v >= 0 for v in self.weight_stages.values()):
@@ -277,6 +289,10 @@ class _Search:
         splits = [s for s in enumerate_splits(self.cluster, most, o.two_d)
                   if s.kind in o.kinds and o.num_stages in (None, s.num_stages)
                   and (shapes is None or s.stage_shape in shapes)]
+        if splits and o.virtual_stages > 1:   # the model cut into v stages per group
+            splits = [dataclasses.replace(s, num_stages=s.num_stages * o.virtual_stages,
+                                          virtual_stages=o.virtual_stages)
+                      for s in splits if s.num_stages > 1]
         if not splits:
             count = (f"exactly {o.num_stages}" if o.num_stages is not None
                      else f"at most {o.max_stages}")
@@ -667,9 +683,26 @@ def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
                                    epsilon=options.epsilon, epsilon_used=options.epsilon)
     a = best.assignment
     memories, schedule, step_s = list(best.memories), options.schedule, best.candidate.step_s
-    if schedule is ScheduleKind.AUTO:
-        choice = choose(best.estimates, best.memories, [a.flops[w.index] for w in best.works],
-                        options.num_microbatches, step_s, budget)
+    flops = [a.flops[w.index] for w in best.works]
+    if sp.virtual_stages > 1:
+        price = price_interleaved(best.estimates, best.memories, flops,
+                                  options.num_microbatches, sp.virtual_stages, step_s)
+        over = [g for g, x in enumerate(price.group_peaks) if budget is not None and x > budget]
+        if over:
+            raise InfeasiblePlanError(
+                price.group_peaks[over[0]], budget,
+                f"interleaved-1f1b: device group {over[0]} holds the state and activations "
+                f"of its {sp.virtual_stages} stages; fewer virtual stages or microbatches, "
+                f"or more device groups")
+        schedule, step_s = ScheduleKind.INTERLEAVED, price.step_s
+        memories = [with_in_flight(mm, k) for mm, k in zip(memories, price.in_flight)]
+        decision = f"{decision}; {price.text()}"
+        won = dataclasses.replace(best.candidate, step_s=step_s,
+                                  memory=max(price.group_peaks))
+        cands = tuple(won if c == best.candidate else c for c in cands)
+    elif schedule is ScheduleKind.AUTO:
+        choice = choose(best.estimates, best.memories, flops, options.num_microbatches,
+                        step_s, budget)
         schedule, step_s = ScheduleKind(choice.name), choice.step_s
         memories = [with_in_flight(mm, k) for mm, k in zip(memories, choice.in_flight)]
         decision = f"{decision}; {choice.text()}"
@@ -692,4 +725,4 @@ def _build_plan(graph: HloGraph, cluster: Cluster, options: PipelineOptions,
                 schedule=schedule, step_s=step_s, memory_budget=budget, boundary=summary, crossings=tuple(best.cross), shared_weights=shared,
                 epsilon=options.epsilon, epsilon_used=a.solution.epsilon, candidates=cands,
                 decision=decision, search=times, model_flops=model_flops(graph),
-                matmul_dtype=matmul_dtype(graph))
+                matmul_dtype=matmul_dtype(graph), virtual_stages=sp.virtual_stages)

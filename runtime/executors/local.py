@@ -11,7 +11,8 @@ list once per step through a ``Transport`` (``LocalTransport`` here: one process
 handed over in memory and put on the receiving mesh with the receiver's sharding).
 
 ``LocalExecutor`` runs one thread per stage (meshes are disjoint sets of local devices; the
-threads only dispatch and wait). Every wait has a timeout; an error on one stage stops the
+threads only dispatch and wait); under virtual stages (``interleaved-1f1b``) one per device
+group, running the group's stages in its column's order (``group_worker.GroupWorker``). Every wait has a timeout; an error on one stage stops the
 others at their next wait and is raised naming the stage and the task.
 
 Failures (both executors): every mailbox key carries the step number, and ``abort`` poisons
@@ -36,6 +37,7 @@ import time
 from typing import Any, Sequence
 
 from rhino.runtime import threads
+from rhino.runtime.executors.group_worker import group_units
 from rhino.runtime.executors.stage_worker import (CLOSE_GRACE_S, DEFAULT_TIMEOUT_S,
                                                   StageWorker)
 from rhino.runtime.scheduling.instructions import Instr, instructions
@@ -72,6 +74,8 @@ class LocalExecutor:
     def __init__(self, workers: Sequence[StageWorker], timeout: float = DEFAULT_TIMEOUT_S,
                  transport: LocalTransport | None = None, grace: float = ABORT_GRACE_S):
         self.workers = list(workers)
+        # One thread each: a stage, or under virtual stages a device group's stages.
+        self.units = group_units(self.workers)
         self.timeout = timeout
         self.grace = grace
         self.transport = transport or LocalTransport(len(self.workers))
@@ -117,8 +121,8 @@ class LocalExecutor:
         split = self.workers[0].split
         t0 = time.perf_counter()
         self._running = {}
-        for w in self.workers:
-            args = {r: flat_args[r] for r in split.stage_args(w.stage)}
+        for w in self.units:
+            args = {r: flat_args[r] for s in w.stages for r in split.stage_args(s)}
             self._running[threads.start(self._stage, w, args, step, warm_up,
                                         name=f"rhino-stage{w.stage}-step{step}")] = w.stage
         try:

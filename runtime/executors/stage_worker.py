@@ -30,7 +30,7 @@ import concurrent.futures as cf
 import dataclasses
 import functools
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Generator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -43,7 +43,8 @@ from rhino.hlo_passes.stage_programs import (StageShardings, StepSplit, constrai
 from rhino.runtime import threads
 from rhino.runtime.executors.host_effects import EffectsRunner
 from rhino.runtime.scheduling.instructions import (Instr, acknowledged_recvs, first_apply,
-                                                   held_sends, inputs_in_plan, instructions)
+                                                   held_sends, inputs_in_plan, instructions,
+                                                   task_blocks)
 from rhino.runtime.scheduling.task_timing import (Pending, all_ready, annotate, done_now,
                                                   measured, ready_at)
 from rhino.runtime.transfer.placement import place
@@ -130,6 +131,7 @@ class StageWorker:
         self._held = [(ins.peer, ins.key) for ins in held_sends(split, schedule, stage)]
         self._acked = acknowledged_recvs(split, schedule, stage)
         self._first_apply = first_apply(self.instrs)
+        self._blocks = task_blocks(self.instrs)
         self._results = frozenset(o.ref for o in split.outputs if o.source == "task")
         # A daemon thread: one stuck program never holds up the interpreter's exit.
         self._watch = threads.SerialWorker(f"rhino-stage{stage}-timer")
@@ -229,8 +231,11 @@ class StageWorker:
             prog = self.prologue_program() if kind == "P" else self.program(kind, with_acc)
             mem = prog.lower(*args).compile().memory_analysis()
             temp = max(temp, int(getattr(mem, "temp_size_in_bytes", 0) or 0))
-        flight = in_flight_bound(self.schedule.name, sp.num_stages, sp.num_microbatches,
-                                 self.stage)
+        if self.schedule.virtual_stages > 1:   # this stage's part of its group's column
+            flight = self.schedule.chunk_in_flight(self.stage)
+        else:
+            flight = in_flight_bound(self.schedule.name, sp.num_stages, sp.num_microbatches,
+                                     self.stage)
         return {"state": state, "accumulators": accumulators, "handed": handed,
                 "in_flight": flight, "temp": temp,
                 "peak": state + accumulators + flight * handed + temp}
@@ -301,10 +306,15 @@ class StageWorker:
         done = self._watch.submit(ready_at, outs) if self.measure else done_now()
         return Pending(TaskRecord(self.stage, "P", t0, t0, None, "prologue"), done)
 
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages this worker runs (its own; a ``GroupWorker`` runs several)."""
+        return (self.stage,)
+
     def run_step(self, args: Mapping[int, Any], transport: Transport,
                  timeout: float = DEFAULT_TIMEOUT_S, warm_up: bool = False
                  ) -> tuple[dict[int, Any], list[TaskRecord]]:
-        """Run this stage's instructions once.
+        """Run this stage's instructions once (``steps`` to the end).
 
         Args:
             args: flat argument ref -> array for the arguments this stage reads.
@@ -319,6 +329,23 @@ class StageWorker:
         Raises:
             ExecutorError: naming this stage and the instruction that failed or timed out.
         """
+        blocks = self.steps(args, transport, timeout, warm_up)
+        while True:
+            try:
+                next(blocks)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, args: Mapping[int, Any], transport: Transport,
+              timeout: float = DEFAULT_TIMEOUT_S, warm_up: bool = False
+              ) -> Generator[tuple[str, int | None] | None, None,
+                             tuple[dict[int, Any], list[TaskRecord]]]:
+        """``run_step`` one task at a time: a generator that yields before each task's
+        block of instructions (its receives, its program, its sends) that task's
+        ``(kind, microbatch)``, and ``None`` before the step's end (the results, waiting
+        for the programs to finish); it returns what ``run_step`` returns. A
+        ``GroupWorker`` runs the stages of one device group this way, interleaved in the
+        order of the group's column of the schedule."""
         # A transport that can ask for values before they are sent (JAX's transfer
         # server: the pull then waits at the sender) is told every value this step will
         # receive: those of the first task now, the others once that task is on its way.
@@ -355,6 +382,8 @@ class StageWorker:
         if background and self._sender is None:
             self._sender = threads.SerialWorker(f"rhino-stage{self.stage}-sender")
         for n, ins in enumerate(self.instrs):
+            if n in self._blocks:
+                yield self._blocks[n]
             try:
                 if ins.op == "recv":
                     t0 = time.perf_counter()
@@ -411,6 +440,7 @@ class StageWorker:
                 if named is e:
                     raise
                 raise named from e
+        yield None
         outs: dict[int, Any] = {}
         for o in self.split.outputs:
             if o.producer is None or o.producer[1] != self.stage:

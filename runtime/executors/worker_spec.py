@@ -31,7 +31,8 @@ class WorkerSpec:
         fn: the step; abstract: its arguments (whole batch).
         assignment: equation path -> (role, stage); batch_refs, key_refs, num_stages,
         num_microbatches, per_microbatch_statistics, schedule: as in ``split_step`` /
-        ``make_schedule``.
+        ``make_schedule``; virtual_stages: stages per device group (``interleaved-1f1b``:
+        ``num_stages`` counts the model's stages, ``num_stages / virtual_stages`` groups).
         stage: the stage; mesh_shape, axis_names: its mesh; shardings: its shardings.
         measure: time every task (blocking on its results).
     """
@@ -50,6 +51,7 @@ class WorkerSpec:
     measure: bool = True
     key_refs: tuple[int, ...] = ()
     per_microbatch_statistics: bool = False
+    virtual_stages: int = 1
 
     def split(self) -> StepSplit:
         flat = flatten(trace(self.fn, *self.abstract),
@@ -79,6 +81,7 @@ def build_worker(spec: Any, split: StepSplit, devices: Sequence[Any],
         raise ExecutorError(f"stage {spec.stage}: expected {need} devices for mesh "
                             f"{spec.mesh_shape}, found {len(devices)}")
     mesh = device_mesh(spec.mesh_shape, spec.axis_names, list(devices))
-    schedule = make_schedule(spec.schedule, spec.num_stages, spec.num_microbatches)
+    v = getattr(spec, "virtual_stages", 1)
+    schedule = make_schedule(spec.schedule, spec.num_stages // v, spec.num_microbatches, v)
     return StageWorker(split, spec.stage, mesh, spec.shardings, schedule, spec.measure,
                        programs=programs, complete=complete)

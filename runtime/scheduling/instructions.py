@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any, Callable
 
 from rhino.hlo_passes.stage_programs import StepSplit, is_apply
-from rhino.runtime.scheduling.schedules import SCHEDULE_NAMES, Schedule
+from rhino.runtime.scheduling.schedules import Schedule
 from rhino.runtime.failures import ExecutorError
 
 
@@ -58,23 +58,19 @@ class Instr:
 
 def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr]:
     """The instruction list of ``stage`` for one step (pure; see the module docstring)."""
-    if schedule.name not in SCHEDULE_NAMES:
-        raise ExecutorError(f"schedule {schedule.name!r}: the executors run {SCHEDULE_NAMES}; "
-                            f"{schedule.name!r} is a table to price and compare until device "
-                            f"groups run several stages")
     if schedule.splits_backward and ("W", stage) not in split.tasks:
         raise ExecutorError(f"schedule {schedule.name!r}: expected stage programs with the "
                             f"backward cut into B and W (hlo_passes.backward_split), found "
                             f"whole backward programs")
-    if schedule.num_stages != split.num_stages or \
+    if schedule.num_chunks != split.num_stages or \
             schedule.num_microbatches != split.num_microbatches:
         raise ExecutorError(f"schedule: expected {split.num_stages} stages × "
                             f"{split.num_microbatches} microbatches (the split), found "
-                            f"{schedule.num_stages} × {schedule.num_microbatches}")
+                            f"{schedule.num_chunks} × {schedule.num_microbatches}")
     m = split.num_microbatches
     out: list[Instr] = []
     received: set[tuple] = set()  # a value read by several tasks here is received once
-    for t in schedule.stage_tasks(stage):
+    for t in schedule.chunk_tasks(stage):
         kinds = split.apply_phases[stage] if t.kind == "A" else (t.kind,)
         for kind in kinds:
             spec = split.task(kind, stage)
@@ -102,6 +98,53 @@ def instructions(split: StepSplit, schedule: Schedule, stage: int) -> list[Instr
                     dsts = sorted({s for k, s in split.consumers.get(r, ()) if is_apply(k)
                                    and s != stage})
                     out.extend(Instr("send", ref=r, peer=d, acc=True) for d in dsts)
+    return out
+
+
+def task_blocks(instrs: list[Instr]) -> dict[int, tuple[str, int | None]]:
+    """Where each task's block of instructions starts (its receives, its program, its
+    sends): index -> the ``(kind, microbatch)`` of the block's program. A stage of a device
+    group that runs several (``executors.group_worker``) runs one block at a time.
+
+    Example::
+
+        task_blocks([recv v1@0←0, run F0, send v2@0→2, run F1, ...]) == {0: ("F", 0),
+                                                                         3: ("F", 1), ...}
+    """
+    out: dict[int, tuple[str, int | None]] = {}
+    for n, ins in enumerate(instrs):
+        if ins.op == "send" or (n and instrs[n - 1].op == "recv"):
+            continue
+        run = next((i for i in instrs[n:] if i.op == "run"), None)
+        if run is not None:
+            out[n] = (run.kind, run.microbatch)
+    return out
+
+
+def block_of(block: tuple[str, int | None], task: Any) -> bool:
+    """Whether a block of ``task_blocks`` (its program's ``(kind, microbatch)``) is part of
+    schedule task ``task``: an apply task is every apply phase of its stage."""
+    kind, mb = block
+    if task.kind == "A":
+        return is_apply(kind)
+    return kind == task.kind and mb == task.microbatch
+
+
+def group_instructions(split: StepSplit, schedule: Schedule, group: int
+                       ) -> list[tuple[int, Instr]]:
+    """What device group ``group`` runs under a schedule with virtual stages, as
+    ``(stage, instruction)`` in order: each stage's blocks (``task_blocks``) in the order
+    of the group's column (pure; ``GroupWorker`` runs the same order)."""
+    lists = {c: instructions(split, schedule, c) for c in schedule.chunks_of(group)}
+    blocks = {c: task_blocks(lst) for c, lst in lists.items()}
+    starts = {c: sorted(blocks[c]) + [len(lst)] for c, lst in lists.items()}
+    at = {c: 0 for c in lists}           # the next block of each stage
+    out: list[tuple[int, Instr]] = []
+    for t in schedule.stage_tasks(group):
+        c, lst, st = t.stage, lists[t.stage], starts[t.stage]
+        while at[c] + 1 < len(st) and block_of(blocks[c][st[at[c]]], t):
+            out += [(c, i) for i in lst[st[at[c]]:st[at[c] + 1]]]
+            at[c] += 1
     return out
 
 

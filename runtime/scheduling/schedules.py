@@ -29,8 +29,10 @@ interleaved-1f1b  ``2 (p - g - 1) + (v - 1) p + 1``  the same, at most ``v m`` (
 ================  ===============================  ====================================
 
 The executors run ``SCHEDULE_NAMES`` (``zb-h1`` on stage programs whose backward is cut in
-two, ``rhino.hlo_passes.backward_split``); ``interleaved-1f1b`` is a table to price and
-compare (``simulate``, ``bubble_rate``) that they refuse by name.
+two, ``rhino.hlo_passes.backward_split``) and ``VIRTUAL_SCHEDULES``: ``interleaved-1f1b``
+with one worker per device group running its stages' programs in the order of the group's
+column (``executors.group_worker``; the local executor and ``rhino.launch``: the Ray
+executor, one actor per stage, refuses it by name).
 
 Each schedule is built from per-stage task *orders* (warm-up forwards, then alternate
 backward/forward, then the remaining backwards), placed on the clock table as soon as their
@@ -105,11 +107,12 @@ from typing import Any, Mapping, Sequence
 
 from rhino.errors import RhinoError
 
-# The schedules the executors run, and those built as tables to price and compare (the
-# executors refuse them until they run split backward programs and chunked stages).
+# The schedules of one stage per device group, and those whose groups run several stages
+# (virtual stages). Every executor runs the first; the local executor and rhino.launch the
+# second (one worker per group: ``executors.group_worker``).
 SCHEDULE_NAMES = ("gpipe", "1f1b", "eager-1f1b", "zb-h1")
-TABLE_SCHEDULES = ("interleaved-1f1b",)
-ALL_SCHEDULES = SCHEDULE_NAMES + TABLE_SCHEDULES
+VIRTUAL_SCHEDULES = ("interleaved-1f1b",)
+ALL_SCHEDULES = SCHEDULE_NAMES + VIRTUAL_SCHEDULES
 # Schedules whose backward is split into B (gradients of the stage's inputs) and W (of its
 # weights); schedules whose device groups each run several stages (virtual stages).
 SPLIT_BACKWARD = frozenset({"zb-h1"})
@@ -234,6 +237,30 @@ class Schedule:
     def stage_tasks(self, stage: int) -> tuple[Task, ...]:
         """The tasks column ``stage`` runs, in clock order (its instruction list)."""
         return tuple(row[stage] for row in self.table if row[stage] is not None)
+
+    def group_of(self, chunk: int) -> int:
+        """The column (device group) that runs stage ``chunk`` of the model."""
+        return chunk % self.num_stages
+
+    def chunks_of(self, group: int) -> tuple[int, ...]:
+        """The stages of the model column ``group`` runs: ``g, g + p, ...``."""
+        return tuple(range(group, self.num_chunks, self.num_stages))
+
+    def chunk_tasks(self, chunk: int) -> tuple[Task, ...]:
+        """The tasks of stage ``chunk`` of the model, in clock order (the stage's
+        instruction list; under interleaving a subsequence of its group's column)."""
+        return tuple(t for t in self.stage_tasks(self.group_of(chunk)) if t.stage == chunk)
+
+    def chunk_in_flight(self, chunk: int) -> int:
+        """The most microbatches stage ``chunk`` of the model holds activations for at
+        once (``in_flight`` for that stage alone)."""
+        done = "W" if self.splits_backward else "B"
+        n = most = 0
+        for t in self.chunk_tasks(chunk):
+            n += t.kind == "F"
+            most = max(most, n)
+            n -= t.kind == done
+        return most
 
     def clock_of(self) -> dict[Task, int]:
         """Map every task to its clock (first occurrence)."""

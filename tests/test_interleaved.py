@@ -1,0 +1,178 @@
+"""Interleaved 1F1B run (issue 44): device groups each running several stages of the model
+in the order of their column of the schedule (``executors.group_worker``), planned with
+``stages=`` device groups and ``virtual_stages=``, on the local executor and (in
+``test_launch.py``) under ``rhino.launch``. Every run is checked against ``jax.jit``.
+"""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import rhino
+from rhino.errors import OptionsError
+from rhino.models import get_model
+from rhino.parallel_plan import Plan
+from rhino.runtime.executors.group_worker import GroupWorker, group_units
+from rhino.runtime.scheduling.instructions import group_instructions, instructions, task_blocks
+from rhino.runtime.scheduling.schedules import Task, make_schedule
+from rhino.vocabulary import ScheduleKind
+from test_runtime_pipeline import _gpt, _split
+
+RTOL = 1e-4
+
+
+def _played_groups(lists):
+    """How far each group's ``(stage, instruction)`` list gets when the groups run together
+    (one thread each): a receive waits for its sender's send."""
+    pos, sent = [0] * len(lists), set()
+    progress = True
+    while progress:
+        progress = False
+        for g, lst in enumerate(lists):
+            while pos[g] < len(lst):
+                s, i = lst[pos[g]]
+                if i.op == "recv" and (i.peer, s, i.key) not in sent:
+                    break
+                if i.op == "send":
+                    sent.add((s, i.peer, i.key))
+                pos[g] += 1
+                progress = True
+    return pos
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (2, 2, 8), (2, 3, 4), (3, 2, 6)])
+def test_group_lists_follow_the_column_and_cannot_deadlock(p, v, m):
+    """Each group runs its stages' tasks in its column's order (each stage's own list
+    untouched, its blocks interleaved), and the groups' lists played together run to the
+    end: every receive is matched, also between two stages of one group."""
+    gpt, params, opt, batch = _gpt(layers=p * v, batch=2 * m)
+    sp = _split(gpt, params, opt, batch, p * v, micro=m)
+    sched = make_schedule("interleaved-1f1b", p, m, virtual_stages=v)
+    lists = [group_instructions(sp, sched, g) for g in range(p)]
+    for g, lst in enumerate(lists):
+        runs = [(s, i.label()) for s, i in lst if i.op == "run"]
+        want = [(t.stage, t.label) for t in sched.stage_tasks(g)
+                if t.kind == "A" or not sp.task(t.kind, t.stage).empty]
+        assert runs == want
+        for c in sched.chunks_of(g):   # each stage's instructions, in its own order
+            assert [i for s, i in lst if s == c] == instructions(sp, sched, c)
+    assert _played_groups(lists) == [len(x) for x in lists]
+
+
+def test_task_blocks_start_at_a_tasks_receives():
+    gpt, params, opt, batch = _gpt(layers=4, batch=8)
+    sp = _split(gpt, params, opt, batch, 4, micro=4)
+    sched = make_schedule("interleaved-1f1b", 2, 4, virtual_stages=2)
+    lst = instructions(sp, sched, 1)
+    blocks = task_blocks(lst)
+    assert blocks[0] == ("F", 0) and lst[0].op == "recv"
+    for n, (kind, mb) in blocks.items():
+        assert n == 0 or lst[n - 1].op in ("run", "send")
+        run = next(i for i in lst[n:] if i.op == "run")
+        assert (run.kind, run.microbatch) == (kind, mb)
+    assert len(blocks) == sum(i.op == "run" for i in lst)
+
+
+def test_schedule_chunk_views():
+    s = make_schedule("interleaved-1f1b", 2, 4, virtual_stages=2)
+    assert s.chunks_of(0) == (0, 2) and s.chunks_of(1) == (1, 3)
+    assert [s.group_of(c) for c in range(4)] == [0, 1, 0, 1]
+    assert all(t.stage == 2 for t in s.chunk_tasks(2))
+    assert s.chunk_tasks(2)[-1] == Task("A", 2)
+    # a chunk holds at most its group's in-flight microbatches, and at least one
+    assert all(1 <= s.chunk_in_flight(c) <= s.max_in_flight(s.group_of(c)) for c in range(4))
+    one = make_schedule("1f1b", 3, 4)
+    assert [one.chunk_in_flight(c) for c in range(3)] == [one.max_in_flight(c)
+                                                          for c in range(3)]
+
+
+# ------------------------------------------------------------------------ options
+@pytest.mark.parametrize("options,match", [
+    (dict(stages=2, virtual_stages=2, schedule="1f1b"), "expected 'interleaved-1f1b'"),
+    (dict(stages=2, schedule="interleaved-1f1b"), "virtual_stages: expected >= 2"),
+    (dict(virtual_stages=2), "expected a count of device groups >= 2"),
+    (dict(stages={"params": 0}, virtual_stages=2), "expected a count of device groups"),
+    (dict(stages=2, virtual_stages=0), "virtual_stages"),
+])
+def test_virtual_stage_options_are_checked(options, match):
+    with pytest.raises(OptionsError, match=match):
+        rhino.auto_parallel(lambda x: x, cluster="2x4", **options)
+
+
+def test_virtual_stages_imply_the_interleaved_schedule_and_run_on_the_local_executor():
+    step = rhino.auto_parallel(lambda x: x, cluster="2x4", stages=2, virtual_stages=2)
+    assert step.options.schedule is ScheduleKind.INTERLEAVED
+    assert step.options.virtual_stages == 2
+
+
+# ------------------------------------------------------------------------ runs
+@pytest.fixture(scope="module")
+def gpt_interleaved():
+    """GPT of 4 layers on cluster 2x4: 2 device groups of 4 devices, each running 2 of the
+    model's 4 stages; 8 microbatches; 3 steps beside jax.jit."""
+    m, params, opt, batch = _gpt(layers=4, batch=16)
+    step = rhino.auto_parallel(m.step, cluster="2x4", stages=2, virtual_stages=2,
+                               num_microbatches=8, timeout=120)
+    ref = jax.jit(m.step)
+    p1, o1, p2, o2 = params, opt, params, opt
+    losses = []
+    for _ in range(3):
+        p1, o1, l1 = step(p1, o1, batch)
+        p2, o2, l2 = ref(p2, o2, batch)
+        losses.append((float(l1), float(l2)))
+    yield dict(step=step, args=(params, opt, batch), final=(p1, o1, p2, o2), losses=losses)
+    step.close()
+
+
+def test_interleaved_gpt_equals_jax_jit(gpt_interleaved):
+    for got, want in gpt_interleaved["losses"]:
+        assert got == pytest.approx(want, rel=RTOL)
+    p1, o1, p2, o2 = gpt_interleaved["final"]
+    for a, b in zip(jax.tree.leaves((p1, o1)), jax.tree.leaves((p2, o2))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=5e-5)
+    step = gpt_interleaved["step"]
+    plan = step.plan_for(*gpt_interleaved["args"])
+    assert plan.schedule is ScheduleKind.INTERLEAVED and plan.virtual_stages == 2
+    assert plan.num_stages == 4
+    assert [s.devices for s in plan.stages] == [tuple(range(4)), tuple(range(4, 8))] * 2
+    # the updated weights of stages 0 and 2 live on group 0's devices
+    assert {frozenset(d.id for d in x.devices()) for x in jax.tree.leaves(p1)} <= {
+        frozenset(range(4)), frozenset(range(4, 8))}
+
+
+def test_one_thread_per_device_group_runs_its_stages_in_column_order(gpt_interleaved):
+    executor = gpt_interleaved["step"]._entry(gpt_interleaved["args"]).run.executor
+    units = executor.units
+    assert [type(u) for u in units] == [GroupWorker, GroupWorker]
+    assert [u.stages for u in units] == [(0, 2), (1, 3)]
+    assert len(executor.workers) == 4 and group_units(executor.workers)[0].stages == (0, 2)
+    # each group dispatched its stages' programs in its column's order
+    sched = units[0].schedule
+    for g, u in enumerate(units):
+        assert u.last_order == [(t.stage, t.label) for t in sched.stage_tasks(g)]
+    assert [(s, label) for s, label in units[0].last_order[:4]] == [
+        (0, "F0"), (0, "F1"), (2, "F0"), (2, "F1")]
+
+
+def test_interleaved_plan_report_json_and_refusals(gpt_interleaved):
+    plan = gpt_interleaved["step"].plan_for(*gpt_interleaved["args"])
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.virtual_stages == 2
+    assert json.loads(plan.to_json())["virtual_stages"] == 2
+    text = plan.report()
+    assert "2 per device group" in text and "interleaved-1f1b" in text
+    assert "1f1b on the same device groups" in plan.decision
+    moved = dataclasses.replace(plan.stages[2], devices=plan.stages[1].devices)
+    with pytest.raises(ValueError, match="stage 2 .*expected the devices of stage 0"):
+        dataclasses.replace(plan, stages=(plan.stages[0], plan.stages[1], moved,
+                                          plan.stages[3]))
+    with pytest.raises(ValueError, match="virtual_stages"):
+        dataclasses.replace(plan, schedule=ScheduleKind.ONE_F_ONE_B)
+    m = get_model("gpt", layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
+    with pytest.raises(OptionsError, match="runs 'interleaved-1f1b'"):
+        rhino.auto_parallel(m.step, plan=plan, schedule="1f1b")(*gpt_interleaved["args"])
+    with pytest.raises(OptionsError, match="executor='ray': expected one stage per device"):
+        rhino.auto_parallel(m.step, plan=plan, executor="ray")(*gpt_interleaved["args"])
