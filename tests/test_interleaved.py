@@ -62,6 +62,70 @@ def test_group_lists_follow_the_column_and_cannot_deadlock(p, v, m):
     assert _played_groups(lists) == [len(x) for x in lists]
 
 
+def _clipped_mlp(layers=4, width=16, batch=8):
+    """A step clipping its update by the global gradient norm: every stage's apply reads
+    the squared norms of every other stage's gradients (apply phases)."""
+    import jax.numpy as jnp
+
+    def step(params, batch):
+        x, y = batch
+
+        def loss(ps):
+            h = x
+            for w in ps:
+                h = jnp.tanh(h @ w)
+            return jnp.mean((h - y) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in grads))
+        scale = jnp.minimum(1.0, 1.0 / norm)
+        return [w - 0.1 * scale * g for w, g in zip(params, grads)], value
+
+    keys = jax.random.split(jax.random.PRNGKey(0), layers + 2)
+    params = [jax.random.normal(k, (width, width)) / width ** 0.5 for k in keys[:layers]]
+    batch = (jax.random.normal(keys[-2], (batch, width)),
+             jax.random.normal(keys[-1], (batch, width)))
+    return step, params, batch
+
+
+def _split_of(step, args, stages, micro):
+    from rhino.hlo_passes import ingest
+    from rhino.hlo_passes.annotate import ScopedFunction
+    from rhino.hlo_passes.stage_programs import assignment_from_ops, flatten, split_step
+    from rhino.pipeline.gradient import find_gradient_boundary
+    from rhino.pipeline.stages import assign_stages
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    traced = ScopedFunction(step, *abstract)
+    g = ingest(traced, *abstract)
+    b = find_gradient_boundary(g)
+    a = assign_stages(g, b, stages)
+    asg = assignment_from_ops(traced, g, a.stage_of, a.roles.role)
+    refs = tuple(sorted(g.ops[p].arg.index for p in b.batch_params))
+    return split_step(flatten(traced.closed), asg, refs, stages, micro)
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (2, 3)])
+def test_apply_phases_of_a_group_run_one_phase_of_each_stage_at_a_time(p, v):
+    """With the update clipped by the global gradient norm, a stage's second apply phase
+    reads the first phase of every stage: a group runs its stages' first phases, then
+    their second (before: stage 0's both phases, waiting for stage 2's first: a deadlock
+    found on Flax NNX's LM with gradient-norm clipping)."""
+    step, params, batch = _clipped_mlp(layers=p * v)
+    sp = _split_of(step, (params, batch), p * v, micro=4)
+    assert any(len(phases) > 1 for phases in sp.apply_phases.values())
+    sched = make_schedule("interleaved-1f1b", p, 4, virtual_stages=v)
+    lists = [group_instructions(sp, sched, g) for g in range(p)]
+    assert _played_groups(lists) == [len(x) for x in lists]
+    for g, lst in enumerate(lists):
+        applies = [(s, i.kind) for s, i in lst if i.op == "run" and i.kind.startswith("A")]
+        phases = [sp.apply_phases[c] for c in sched.chunks_of(g)]
+        want = [(c, ph[k]) for k in range(max(map(len, phases)))
+                for c, ph in zip(sched.chunks_of(g), phases)
+                if k < len(ph) and not sp.task(ph[k], c).empty]
+        assert applies == want
+
+
 def test_task_blocks_start_at_a_tasks_receives():
     gpt, params, opt, batch = _gpt(layers=4, batch=8)
     sp = _split(gpt, params, opt, batch, 4, micro=4)
@@ -155,6 +219,12 @@ def test_one_thread_per_device_group_runs_its_stages_in_column_order(gpt_interle
         assert u.last_order == [(t.stage, t.label) for t in sched.stage_tasks(g)]
     assert [(s, label) for s, label in units[0].last_order[:4]] == [
         (0, "F0"), (0, "F1"), (2, "F0"), (2, "F1")]
+    # and its timeline has them one after another on the group's devices
+    runs = {(r.stage, r.label): r for r in executor.last_records
+            if r.kind in ("forward", "backward", "apply")}
+    for u in units:
+        seq = [runs[k] for k in u.last_order]
+        assert all(b.start >= min(a.end, b.end) for a, b in zip(seq, seq[1:]))
 
 
 def test_interleaved_plan_report_json_and_refusals(gpt_interleaved):

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from rhino.runtime.executors.stage_worker import DEFAULT_TIMEOUT_S, StageWorker
 from rhino.runtime.failures import ExecutorError
-from rhino.runtime.scheduling.instructions import block_of
+from rhino.runtime.scheduling.instructions import group_order
 from rhino.runtime.scheduling.timeline import TaskRecord
 from rhino.runtime.transfer.transport import Transport
 
@@ -56,7 +56,9 @@ class GroupWorker:
                                 f"expected the workers of stages {list(want)}, found "
                                 f"{list(self.stages)}", stage=first.stage)
         self.mesh = first.mesh
-        self.order = self.schedule.stage_tasks(self.group)
+        # per block (its receives, its program, its sends) the stage that runs it
+        self.order = group_order(self.schedule, self.group,
+                                 {w.stage: w.blocks for w in self.workers})
         # The last step's tasks as dispatched: (stage, "F3"), ..., (stage, "A") per phase.
         self.last_order: list[tuple[int, str]] = []
 
@@ -83,12 +85,10 @@ class GroupWorker:
         self.last_order = []
         for s, g in gens.items():      # places each stage's arguments, runs its prologue
             upcoming[s] = next(g)
-        for task in self.order:
-            s = task.stage
-            while upcoming[s] is not None and block_of(upcoming[s], task):
-                kind, mb = upcoming[s]
-                self.last_order.append((s, kind if mb is None else f"{kind}{mb}"))
-                upcoming[s] = next(gens[s])
+        for s in self.order:
+            kind, mb = upcoming[s]
+            self.last_order.append((s, kind if mb is None else f"{kind}{mb}"))
+            upcoming[s] = next(gens[s])
         outs: dict[int, Any] = {}
         records: list[TaskRecord] = []
         for s, g in gens.items():
@@ -102,7 +102,26 @@ class GroupWorker:
                 o, rec = done.value
                 outs.update(o)
                 records.extend(rec)
-        return outs, records
+        return outs, self._one_device_group(records)
+
+    def _one_device_group(self, records: list[TaskRecord]) -> list[TaskRecord]:
+        """The records with the group's programs one after another: each stage's own are
+        (``task_timing.measured``), but two stages of the group share its devices, so a
+        program starts no earlier than the one dispatched before it on any of them ends."""
+        import dataclasses
+
+        runs = {(r.stage, r.label): n for n, r in enumerate(records)
+                if r.kind in ("forward", "backward", "apply")}
+        out, last = list(records), None
+        for key in self.last_order:
+            n = runs.get(key)
+            if n is None:
+                continue
+            r = out[n]
+            if last is not None and r.start < last:
+                r = out[n] = dataclasses.replace(r, start=min(last, r.end))
+            last = r.end if last is None else max(last, r.end)
+        return out
 
     def idle(self, timeout: float) -> bool:
         """Whether every program of the group's stages has finished (``StageWorker.idle``),

@@ -307,6 +307,12 @@ class StageWorker:
         return Pending(TaskRecord(self.stage, "P", t0, t0, None, "prologue"), done)
 
     @property
+    def blocks(self) -> list[tuple[str, int | None]]:
+        """The ``(kind, microbatch)`` of each of its task blocks, in order (``steps``
+        yields them; ``instructions.task_blocks``)."""
+        return [self._blocks[n] for n in sorted(self._blocks)]
+
+    @property
     def stages(self) -> tuple[int, ...]:
         """The stages this worker runs (its own; a ``GroupWorker`` runs several)."""
         return (self.stage,)

@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from rhino.hlo_passes.stage_programs import StepSplit, is_apply
 from rhino.runtime.scheduling.schedules import Schedule
@@ -130,21 +130,62 @@ def block_of(block: tuple[str, int | None], task: Any) -> bool:
     return kind == task.kind and mb == task.microbatch
 
 
+def group_order(schedule: Schedule, group: int,
+                blocks: Mapping[int, Sequence[tuple[str, int | None]]]) -> list[int]:
+    """The order in which device group ``group`` runs its stages' blocks of instructions
+    (``blocks``: per stage, its blocks' ``(kind, microbatch)`` in its own order, as
+    ``task_blocks`` gives them): one entry per block, the stage whose next block runs.
+
+    Each forward and backward task of the group's column runs its stage's block(s) of
+    that task, in the column's order. The apply tasks (at the column's end) run one phase
+    of each stage at a time, in the column's order, until none is left: a later phase of
+    one stage may read what an earlier phase of another computed (a global gradient norm
+    clipping every stage's update), so a stage's phases cannot all run before the next
+    stage's first.
+
+    Raises:
+        ExecutorError: a block no task of the column runs (a bug).
+    """
+    at = {c: 0 for c in blocks}
+    out: list[int] = []
+    applies: list[int] = []
+    for t in schedule.stage_tasks(group):
+        c = t.stage
+        if t.kind == "A":
+            applies.append(c)
+            continue
+        while at[c] < len(blocks[c]) and block_of(blocks[c][at[c]], t):
+            out.append(c)
+            at[c] += 1
+    moved = True
+    while moved:
+        moved = False
+        for c in applies:
+            if at[c] < len(blocks[c]) and is_apply(blocks[c][at[c]][0]):
+                out.append(c)
+                at[c] += 1
+                moved = True
+    left = {c: blocks[c][at[c]] for c in blocks if at[c] < len(blocks[c])}
+    if left:
+        raise ExecutorError(f"device group {group} of {schedule.name!r}: blocks no task of "
+                            f"its column runs: {left}")
+    return out
+
+
 def group_instructions(split: StepSplit, schedule: Schedule, group: int
                        ) -> list[tuple[int, Instr]]:
     """What device group ``group`` runs under a schedule with virtual stages, as
-    ``(stage, instruction)`` in order: each stage's blocks (``task_blocks``) in the order
-    of the group's column (pure; ``GroupWorker`` runs the same order)."""
+    ``(stage, instruction)`` in order: its stages' blocks (``task_blocks``) in
+    ``group_order`` (pure; ``GroupWorker`` runs the same order)."""
     lists = {c: instructions(split, schedule, c) for c in schedule.chunks_of(group)}
-    blocks = {c: task_blocks(lst) for c, lst in lists.items()}
-    starts = {c: sorted(blocks[c]) + [len(lst)] for c, lst in lists.items()}
+    starts = {c: sorted(task_blocks(lst)) + [len(lst)] for c, lst in lists.items()}
+    blocks = {c: [task_blocks(lst)[n] for n in starts[c][:-1]] for c, lst in lists.items()}
     at = {c: 0 for c in lists}           # the next block of each stage
     out: list[tuple[int, Instr]] = []
-    for t in schedule.stage_tasks(group):
-        c, lst, st = t.stage, lists[t.stage], starts[t.stage]
-        while at[c] + 1 < len(st) and block_of(blocks[c][st[at[c]]], t):
-            out += [(c, i) for i in lst[st[at[c]]:st[at[c] + 1]]]
-            at[c] += 1
+    for c in group_order(schedule, group, blocks):
+        st = starts[c]
+        out += [(c, i) for i in lists[c][st[at[c]]:st[at[c] + 1]]]
+        at[c] += 1
     return out
 
 
