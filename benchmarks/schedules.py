@@ -11,8 +11,9 @@ Four parts, each printed as a table (``--json FILE`` writes them all):
    times of p-stage pipelines simulated under each schedule (bubble rate and step).
 3. **Measured steps**: the same GPT under every schedule the executors run, the median
    step (``step.last_step_s``) over ``--steps`` steps after a warm-up, beside the step
-   ``simulate`` predicts from the measured task times of that run. Interleaved 1F1B is a
-   table only (the executors run one stage per device group), so it has no measured row.
+   ``simulate`` predicts from the measured task times of that run. Interleaved 1F1B runs
+   its own plan (``stages=2, virtual_stages=2``: the model cut into 4 stages, 2 on each
+   device group of 4), predicted from its stages' measured task times.
 4. **Llama-3-70B on 8x8** (H100 figures, sequence 4096, 64 sequences in 64 microbatches,
    ``jax.checkpoint`` per layer): rhino's plan (the whole search, ~4 minutes), then its
    stages' estimated per-microbatch times under each schedule: F and B split by the
@@ -38,7 +39,7 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 P_VALUES, M_VALUES = (4, 8), (8, 16, 32)
-RUNNABLE = ("gpipe", "1f1b", "eager-1f1b", "zb-h1")
+RUNNABLE = ("gpipe", "1f1b", "eager-1f1b", "zb-h1", "interleaved-1f1b")
 
 
 def _sched():
@@ -98,11 +99,12 @@ def measured_runs(steps: int, microbatches: int) -> dict:
     plan = None
     out = {}
     for name in RUNNABLE:
+        v = 2 if name == "interleaved-1f1b" else 1
         opts = dict(cluster="2x4", stages=2, num_microbatches=microbatches, schedule=name,
-                    timeout=300)
-        if plan is not None:          # every schedule on the first run's stages
+                    timeout=300, virtual_stages=v)
+        if plan is not None and v == 1:   # every other schedule on the first run's stages
             opts["plan"] = Plan.from_json(plan)
-            del opts["stages"]
+            del opts["stages"], opts["virtual_stages"]
         step = rhino.auto_parallel(m.step, **opts)
         try:
             p, o = params, opt
@@ -127,7 +129,10 @@ def measured_runs(steps: int, microbatches: int) -> dict:
                 durations.setdefault(r.label[0], []).append(r.end - r.start)
         mean = {k: statistics.mean(v) for k, v in durations.items()}
         f, b, w = mean.get("F", 0.0), mean.get("B", 0.0), mean.get("W", 0.0)
-        predicted, _ = simulated(name, 2, microbatches, f, b, w, apply=mean.get("A", 0.0))
+        # (interleaved: the mean task is one of a group's v stages; ``simulated`` takes
+        # a whole group's and cuts it into v)
+        predicted, _ = simulated(name, 2, microbatches, v * f, v * b, v * w,
+                                 apply=mean.get("A", 0.0), v=v)
         out[name] = {"median_step_s": statistics.median(times), "min_step_s": min(times),
                      "task_s": mean, "predicted_step_s": predicted,
                      "loss": float(loss), "loss_jit": float(want),
@@ -153,6 +158,7 @@ def llama_70b(limit: float) -> dict:
     """rhino's plan of Llama-3-70B on 8x8, priced under each schedule (see the docstring)."""
     import rhino
     from rhino.models import get_model
+    from rhino.pipeline.schedule_choice import stage_times
     S = _sched()
 
     m = get_model("llama", preset="Llama-3-70B", seq=4096, batch=64, attention="fused",
@@ -162,16 +168,9 @@ def llama_70b(limit: float) -> dict:
                       microbatches=64)
     search_s = time.time() - t0
     p, mb = plan.num_stages, plan.num_microbatches
-    f, b, w, send = [], [], [], []
-    for st in plan.stages:
-        e = st.estimate
-        ff, fb = st.flops[0], st.flops[1]
-        share = ff / (ff + fb) if ff + fb > 0 else 1 / 3
-        micro = e.compute_s + e.communication_s
-        f.append(share * micro)
-        w.append(min(share * micro, (1 - share) * micro))
-        b.append((1 - share) * micro - w[-1])
-        send.append(e.send_s)
+    # the planner's own split of each stage's time (schedule_choice.stage_times)
+    f, b, w, send = (list(x) for x in zip(*(stage_times(st.estimate, st.flops)
+                                            for st in plan.stages)))
     apply_s = max(st.estimate.apply_s for st in plan.stages)
     budget = 80e9
     rows = {}

@@ -246,3 +246,29 @@ def test_interleaved_plan_report_json_and_refusals(gpt_interleaved):
         rhino.auto_parallel(m.step, plan=plan, schedule="1f1b")(*gpt_interleaved["args"])
     with pytest.raises(OptionsError, match="executor='ray': expected one stage per device"):
         rhino.auto_parallel(m.step, plan=plan, executor="ray")(*gpt_interleaved["args"])
+
+
+# ------------------------------------------------------------------ other layouts
+@pytest.mark.parametrize("schedule", [
+    "1f1b", *(pytest.param(s, marks=pytest.mark.extended)
+              for s in ("gpipe", "eager-1f1b", "zb-h1"))])
+def test_four_stages_of_two_devices_under_every_schedule(schedule):
+    """Issue 44, acceptance 2's other layout: GPT on 4 stages of 2 devices (cluster 2x4),
+    8 microbatches, under each schedule of one stage per group: 3 steps equal jax.jit."""
+    m, params, opt, batch = _gpt(layers=4, batch=16)
+    step = rhino.auto_parallel(m.step, cluster="2x4", stages=4, num_microbatches=8,
+                               schedule=schedule, timeout=120)
+    ref = jax.jit(m.step)
+    p1, o1, p2, o2 = params, opt, params, opt
+    try:
+        for _ in range(3):
+            p1, o1, l1 = step(p1, o1, batch)
+            p2, o2, l2 = ref(p2, o2, batch)
+            assert float(l1) == pytest.approx(float(l2), rel=RTOL)
+        plan = step.plan_for(params, opt, batch)
+        assert plan.num_stages == 4 and plan.schedule.value == schedule
+        assert [len(s.devices) for s in plan.stages] == [2] * 4
+        for a, b in zip(jax.tree.leaves((p1, o1)), jax.tree.leaves((p2, o2))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=5e-5)
+    finally:
+        step.close()
