@@ -269,10 +269,13 @@ def test_nnx_metrics_of_two_stages_compute_on_the_pipelined_state():
         held = {w.stage: {d.id for x_ in jax.tree.leaves(s2[2]) for d in x_.devices()
                           if d in set(w.mesh.devices.flat)} for w in run.executor.workers}
         assert all(held.values()), held          # the metrics' values of both stages
+        owners = 0      # (the stages that make a metric's value: 2 of 4 under interleaving)
         for w in run.executor.workers:   # what a stage made comes back to it as it was
             own = [r for r, a in w._state_src.items() if np.ndim(a) == 0 and
                    getattr(a.sharding, "mesh", None) == w.mesh]
-            assert own and all(w._state[r] is w._state_src[r] for r in own), w.stage
+            owners += bool(own)
+            assert all(w._state[r] is w._state_src[r] for r in own), w.stage
+        assert owners >= 2
 
 
 def test_flax_linen_with_dropout_key_argument():

@@ -272,3 +272,32 @@ def test_four_stages_of_two_devices_under_every_schedule(schedule):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=5e-5)
     finally:
         step.close()
+
+
+def test_interleaved_is_priced_by_its_table_and_each_group_holds_its_stages_memory():
+    """``price_interleaved``: the search's 1F1B estimate of the 4 stages scaled by the
+    simulated interleaved table over 1F1B on the same stages; 1F1B on the 2 device groups
+    (each running its 2 stages back to back) for the report; each group's memory the sum
+    of its stages' at their own microbatches in flight."""
+    from rhino.parallel_plan import StageEstimate, StageMemory
+    from rhino.pipeline.schedule_choice import price_interleaved, with_in_flight
+    from rhino.runtime.scheduling import schedules as S
+
+    est = [StageEstimate(3.0, 0.0, 0.0, 0.0)] * 4
+    flops = [(1.0, 2.0, 0.0)] * 4                  # F 1 s, backward 2 s per microbatch
+    mem = [StageMemory(100 * (c + 1), 0, 10, 1, 0, handed=7) for c in range(4)]
+    price = price_interleaved(est, mem, flops, 8, 2, step_1f1b=50.0)
+    inter = S.make_schedule("interleaved-1f1b", 2, 8, 2)
+    sim = S.simulate(inter, 1.0, 2.0).makespan
+    base = S.simulate(S.make_schedule("1f1b", 4, 8), 1.0, 2.0).makespan
+    grouped = S.simulate(S.make_schedule("1f1b", 2, 8), 2.0, 4.0).makespan
+    assert price.step_s == pytest.approx(50.0 * sim / base)
+    assert price.grouped_1f1b == pytest.approx(50.0 * grouped / base)
+    # the closed forms: bubble (p - 1)/(v m) of the work against 1F1B's (p - 1)/m
+    assert sim == pytest.approx(2 * 8 * 3.0 * (1 + 1 / 16))     # v stages of 8 × 3 s
+    assert grouped == pytest.approx(8 * 6.0 * (1 + 1 / 8))
+    assert price.step_s < price.grouped_1f1b and "under 1f1b on the same" in price.text()
+    assert price.in_flight == tuple(inter.chunk_in_flight(c) for c in range(4))
+    assert price.group_peaks == tuple(
+        sum(with_in_flight(mem[c], price.in_flight[c]).total for c in (g, g + 2))
+        for g in range(2))
