@@ -11,6 +11,7 @@ the op and its source line, and run exactly as a per-microbatch reference under
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -531,19 +532,20 @@ def _cond_step():
 
 @pytest.mark.parametrize("case,source,examples", [
     (_batchnorm_step, "test_frameworks.py", B), (_cond_step, "test_frameworks.py", B),
-    # 4 examples in 4 microbatches: the step traces to other equations at one example and
-    # the stages are re-planned there; the batch axis is followed on the whole-batch trace.
-    (_batchnorm_step, "test_frameworks.py", 4)])
+    # as many examples as microbatches (None): the step traces to other equations at one
+    # example and the stages are re-planned there; the batch axis is followed on the
+    # whole-batch trace.
+    (_batchnorm_step, "test_frameworks.py", None)])
 def test_batch_statistics_are_refused_then_exact_per_microbatch(case, source, examples):
     step, reference, state, batch = case()
-    batch = tuple(b[:examples] for b in batch)
+    batch = tuple(b[:examples or PIPE["num_microbatches"]] for b in batch)
     refused = rhino.auto_parallel(step, **PIPE)
     with pytest.raises(rhino.BatchCouplingError) as err:
         refused(*_host(state), *batch)
     msg = str(err.value)
     assert "statistics of the whole batch" in msg and source in msg, msg
     assert "per_microbatch_statistics=True" in msg
-    ref = jax.jit(reference)
+    ref = jax.jit(functools.partial(reference, m=PIPE["num_microbatches"]))
     piped = rhino.auto_parallel(step, per_microbatch_statistics=True, **PIPE)
     s1, s2 = tuple(state), tuple(_host(state))
     try:
@@ -585,12 +587,13 @@ def test_a_key_inside_the_batch_is_not_split_and_dropout_matches():
 
 
 def test_microbatches_of_one_example_keep_dropout_equal():
-    """4 examples in 4 microbatches: the step traces to other equations at one example (JAX
+    """One example per microbatch: the step traces to other equations at one example (JAX
     leaves out broadcasts that change nothing), so the stage plans are re-made at that
     shape; each microbatch still takes its slice of the whole batch's dropout bits."""
     step, params, opt = _mlp_step()
     x, y = _xy()
-    _compare(step, (params, opt), ({"x": x[:4], "y": y[:4], "rng": jax.random.key(9)},))
+    n = PIPE["num_microbatches"]
+    _compare(step, (params, opt), ({"x": x[:n], "y": y[:n], "rng": jax.random.key(9)},))
 
 
 def test_nested_batch_args_leave_raw_key_data_out():
@@ -616,8 +619,9 @@ def test_a_batch_leaf_that_does_not_divide_is_named():
 
     bad = rhino.auto_parallel(with_extra, **PIPE)
     batch = {"x": x, "y": y, "rng": jax.random.key(9), "odd": jnp.ones((6,))}
-    with pytest.raises(rhino.RhinoError, match=r"batch\['odd'\].*divisible by "
-                                               r"num_microbatches=4, found shape \(6,\)"):
+    with pytest.raises(rhino.RhinoError, match=rf"batch\['odd'\].*divisible by num_"
+                                               rf"microbatches={PIPE['num_microbatches']}, "
+                                               rf"found shape \(6,\)"):
         bad(*_host((params, opt)), batch)
 
 
