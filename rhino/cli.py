@@ -299,7 +299,8 @@ _SPMD_ONLY = {"plan": (("--mesh", (8,)), ("--alpha", None), ("--beta", None),
                        ("--min-split-flops", None)),
               "demo": (("--mesh", (8,)),)}
 _CLUSTER_ONLY = {"plan": (("--microbatches", DEFAULT_MICROBATCHES), ("--epsilon", 0.1),
-                          ("--max-stages", None),
+                          ("--max-stages", None), ("--stages", None), ("--virtual-stages", 1),
+                          ("--schedule", "auto"),
                           ("--alpha-intra", None), ("--beta-intra", None),
                           ("--alpha-inter", None), ("--beta-inter", None),
                           ("--per-microbatch-statistics", False)),
@@ -381,7 +382,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             p = rhino.plan(source, *example, cluster=cluster,
                            num_microbatches=args.microbatches, epsilon=args.epsilon,
                            max_stages=args.max_stages, memory_budget=args.memory_budget,
-                           progress=progress,
+                           stages=args.stages, virtual_stages=args.virtual_stages,
+                           schedule=args.schedule, progress=progress,
                            per_microbatch_statistics=args.per_microbatch_statistics)
             progress(p.choice_line())
         else:
@@ -565,6 +567,13 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--epsilon", type=float,
                     help="stage imbalance tolerance (with --cluster, default: 0.1)")
     pp.add_argument("--max-stages", type=positive_int, help="the most pipeline stages")
+    pp.add_argument("--stages", type=positive_int, help="with --cluster: exactly this many "
+                    "pipeline stages (device groups with --virtual-stages)")
+    pp.add_argument("--virtual-stages", type=positive_int, help="with --cluster and "
+                    "--stages: stages of the model per device group (interleaved-1f1b)")
+    pp.add_argument("--schedule", choices=("auto", "1f1b", "gpipe", "eager-1f1b", "zb-h1",
+                                           "interleaved-1f1b"),
+                    help="with --cluster (default: auto, the planner's choice)")
     pp.add_argument("--per-microbatch-statistics", action="store_const", const=True,
                     help="with --cluster: let each microbatch use its own statistics of the "
                     "batch (batch norm), as auto_parallel(per_microbatch_statistics=True); "

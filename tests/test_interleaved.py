@@ -244,8 +244,28 @@ def test_interleaved_plan_report_json_and_refusals(gpt_interleaved):
     m = get_model("gpt", layers=4, hidden=64, heads=2, seq=16, vocab=256, batch=16)
     with pytest.raises(OptionsError, match="runs 'interleaved-1f1b'"):
         rhino.auto_parallel(m.step, plan=plan, schedule="1f1b")(*gpt_interleaved["args"])
-    with pytest.raises(OptionsError, match="executor='ray': expected one stage per device"):
-        rhino.auto_parallel(m.step, plan=plan, executor="ray")(*gpt_interleaved["args"])
+
+
+def test_stage_artifacts_carry_the_virtual_stages(gpt_interleaved):
+    """What the Ray executor ships to its actors (one per device group: the run itself is
+    ``test_runtime_ray.py::test_interleaved_1f1b_runs_one_actor_per_device_group``): each
+    stage's artifact says it is one of 2 per group, so built from it a stage runs the
+    interleaved schedule, and the executor puts stages 0, 2 and 1, 3 on one actor each."""
+    from rhino.runtime.executors.artifacts import export_stages
+    from rhino.runtime.ray.executor import device_groups
+
+    run = gpt_interleaved["step"]._entry(gpt_interleaved["args"]).run
+    arts = export_stages(run.specs, run.lowering.split, "cpu")
+    assert [a.virtual_stages for a in arts] == [2] * 4
+    assert device_groups(arts) == device_groups(run.specs) == {0: (0, 2), 1: (1, 3)}
+    workers = [arts[c].build(jax.devices()[:4]) for c in (2, 0)]
+    try:
+        assert workers[0].schedule.virtual_stages == 2
+        assert workers[0].schedule.num_chunks == 4
+        assert [u.stages for u in group_units(workers)] == [(0, 2)]
+    finally:
+        for w in workers:
+            w.close()
 
 
 # ------------------------------------------------------------------ other layouts
@@ -301,3 +321,19 @@ def test_interleaved_is_priced_by_its_table_and_each_group_holds_its_stages_memo
     assert price.group_peaks == tuple(
         sum(with_in_flight(mem[c], price.in_flight[c]).total for c in (g, g + 2))
         for g in range(2))
+
+
+def test_rhino_plan_cli_plans_interleaving(capsys):
+    from rhino.cli import main
+
+    assert main(["plan", "gpt:layers=4,hidden=64,heads=2,seq=16,vocab=256,batch=16",
+                 "--cluster", "2x4", "--stages", "2", "--virtual-stages", "2",
+                 "--microbatches", "8", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "4 stages" in out and "schedule interleaved-1f1b: est." in out
+    assert "stages (2 per device group, interleaved" in out
+    # a schedule that contradicts the virtual stages is refused, naming both
+    assert main(["plan", "gpt:layers=4,hidden=64,heads=2,seq=16,vocab=256,batch=16",
+                 "--cluster", "2x4", "--stages", "2", "--virtual-stages", "2",
+                 "--schedule", "zb-h1", "--quiet"]) != 0
+    assert "expected 'interleaved-1f1b' with virtual_stages=2" in capsys.readouterr().err
