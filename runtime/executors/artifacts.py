@@ -59,7 +59,10 @@ class StageArtifact:
         stage: the stage; mesh_shape, axis_names: its mesh; shardings: its shardings.
         split: the step split with every equation dropped (``strip``): which task reads
             and writes what, the abstract values, the microbatch shapes.
-        schedule, num_stages, num_microbatches: as ``make_schedule`` takes them.
+        schedule, num_stages, num_microbatches: as ``make_schedule`` takes them;
+            virtual_stages: stages per device group (``interleaved-1f1b``: ``num_stages``
+            counts the model's stages, ``num_stages / virtual_stages`` groups), as in
+            ``WorkerSpec``.
         programs: ``(kind, with_acc) -> jax.export serialization``; the prologue is
             ``("P", False)``.
         platform: what the programs were lowered for (``cpu``, ``cuda``, ``rocm``, ``tpu``).
@@ -87,6 +90,7 @@ class StageArtifact:
     format: int = ARTIFACT_FORMAT
     rebuild: bytes | None = None
     callbacks: tuple[str, ...] = ()
+    virtual_stages: int = 1
 
     @property
     def nbytes(self) -> int:
@@ -243,11 +247,12 @@ def export_stage(split: StepSplit, stage: int, mesh_shape: Sequence[int],
                  axis_names: Sequence[str], shardings: StageShardings, schedule: str,
                  platform: str, measure: bool = True,
                  sigs: Mapping[tuple[str, int, bool], tuple] | None = None,
-                 spec: Any = None) -> StageArtifact:
+                 spec: Any = None, virtual_stages: int = 1) -> StageArtifact:
     """``stage``'s programs exported for ``platform`` on an abstract mesh of its shape.
     Programs binding host callbacks are exported as their quiet variants, with ``spec``
     (the stage's ``WorkerSpec``) pickled for the process running the stage to jit them
-    (``StageArtifact.rebuild``); without ``spec`` such a stage is refused, naming them."""
+    (``StageArtifact.rebuild``); without ``spec`` such a stage is refused, naming them.
+    ``virtual_stages``: stages per device group (``WorkerSpec.virtual_stages``)."""
     import jax
     from jax import export
 
@@ -287,7 +292,7 @@ def export_stage(split: StepSplit, stage: int, mesh_shape: Sequence[int],
     return StageArtifact(stage, tuple(mesh_shape), tuple(axis_names), shardings,
                          strip(split), schedule, split.num_stages, split.num_microbatches,
                          programs, platform, jax.__version__, measure, rebuild=rebuild,
-                         callbacks=callbacks)
+                         callbacks=callbacks, virtual_stages=int(virtual_stages))
 
 
 def _cloudpickle() -> Any:
@@ -322,7 +327,8 @@ def export_stages(specs: Sequence[Any], split: StepSplit, platform: str,
     sigs = signatures(split)
     return [export_stage(split, sp.stage, sp.mesh_shape, sp.axis_names, sp.shardings,
                          sp.schedule, platform, sp.measure, sigs,
-                         sp if with_code else None) for sp in specs]
+                         sp if with_code else None, getattr(sp, "virtual_stages", 1))
+            for sp in specs]
 
 
 def save(directory: str, artifacts: Sequence[StageArtifact]) -> str:
