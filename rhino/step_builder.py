@@ -242,11 +242,6 @@ class StepBuilder:
         self.progress("splitting the step into stage programs")
         lowering, specs = split_stages(self.step, plan, o.batch_args,
                                        o.per_microbatch_statistics)
-        if o.executor is ExecutorKind.RAY and plan.virtual_stages > 1:
-            raise OptionsError(
-                f"executor='ray': expected one stage per device group (one actor each), "
-                f"found {plan.virtual_stages} virtual stages per group ('{plan.schedule}'); "
-                f"interleaving runs on the local executor and under rhino.launch")
         if o.executor is ExecutorKind.RAY:
             from rhino.runtime.executors.artifacts import export_stages
             from rhino.runtime.ray.executor import RayExecutor, actor_platform

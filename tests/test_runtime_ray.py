@@ -708,6 +708,59 @@ def test_zb_h1_on_ray_actors_gives_1f1bs_numbers(gpt_ray, gpt):
         np.testing.assert_array_equal(a, b)
 
 
+def test_interleaved_1f1b_runs_one_actor_per_device_group(ray_cluster, gpt, tmp_path):
+    """Issue 44 on Ray: GPT cut into 4 stages on 2 device groups (``virtual_stages=2``), 8
+    microbatches. One actor per group runs the group's two stages (stages 0 and 2 on one,
+    1 and 3 on the other); 3 steps equal jax.jit. The state stays on the two actors, each
+    result named by its own stage, and a checkpoint of it (a part per stage, two written
+    by each actor) restores exactly. Then group 1's actor is killed: the next step fails
+    naming both its stages, lost; group 0's values stay readable."""
+    m, params, opt, batch = gpt
+    step = rhino.auto_parallel(m.step, cluster="2x4", stages=2, virtual_stages=2,
+                               num_microbatches=8, executor="ray", timeout=120.0)
+    ref = jax.jit(m.step)
+    try:
+        p1, o1, p2, o2 = params, opt, params, opt
+        for _ in range(3):
+            p1, o1, l1 = step(p1, o1, batch)
+            p2, o2, l2 = ref(p2, o2, batch)
+            assert float(l1) == pytest.approx(float(l2), rel=1e-4)
+        for a, b in zip(jax.tree_util.tree_leaves((p1, o1)),
+                        jax.tree_util.tree_leaves((p2, o2))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=5e-5)
+        plan = step.plan_for(params, opt, batch)
+        assert plan.num_stages == 4 and plan.virtual_stages == 2
+        ex = step._last.run.executor
+        assert isinstance(ex, RayExecutor) and len(ex.actors) == 2
+        assert ex.units == {0: (0, 2), 1: (1, 3)}
+        assert [d["stages"] for d in ex._describe] == [(0, 2), (1, 3)]
+        assert ex.groups[0] == ex.groups[2] and ex.groups[1] == ex.groups[3]
+        held = [x for x in jax.tree_util.tree_leaves((p1, o1))
+                if getattr(x, "rhino_remote", False)]
+        assert {x.stage for x in held} == {0, 1, 2, 3}
+        assert {r.stage for r in step.last_records} == {0, 1, 2, 3}
+        rhino.save_checkpoint(str(tmp_path / "ck"), (p1, o1))
+        back = rhino.restore_checkpoint(str(tmp_path / "ck"), like=(params, opt))
+        for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves((p1, o1))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+        ray.kill(ex.actors[1])
+        with pytest.raises(rhino.RhinoError) as err:
+            step(p1, o1, batch)
+        msg = str(err.value)
+        assert msg.startswith("stages 1, 3: the actor died"), msg
+        assert sorted(ex.lost) == [1, 3]
+        assert "Lost with stage(s) [1, 3]" in msg, msg
+        assert "stage(s) [0, 2]'s values are still readable" in msg, msg
+        on_2 = next(x for x in held if x.stage == 2)
+        assert rhino.fetch(on_2).shape == on_2.shape
+        on_3 = next(x for x in held if x.stage == 3)
+        with pytest.raises(rhino.RhinoError, match=r"stage 3: its actor died"):
+            rhino.fetch(on_3)
+    finally:
+        step.close()
+
+
 def test_gpt_between_actors_through_jax_transfers(ray_cluster, monkeypatch):
     """The two stage actors join one ``jax.distributed`` job and every value between them
     moves device to device through JAX's transfer servers (``runtime.transfer.jax_transfer``): 5

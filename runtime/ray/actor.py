@@ -1,4 +1,6 @@
-"""The actor side of the Ray executor: one ``StageActor`` per host of a stage's mesh.
+"""The actor side of the Ray executor: one ``StageActor`` per host of a stage's mesh (under
+``interleaved-1f1b``, per host of a device group's mesh: the actor runs all the group's
+stages).
 
 A stage whose mesh sits on one host is one actor holding that many devices. A stage whose
 mesh spans ``H`` hosts is ``H`` actors, one per host, each holding that host's devices, and
@@ -30,6 +32,12 @@ collectives between the CPU processes of a stage spanning hosts)::
   them.
 * Collectives of one job must be entered in the same order by all its processes: the driver
   runs one step or one fetch at a time per executor, and an actor runs them on one thread.
+* Interleaved 1F1B (``virtual_stages > 1``): device group ``g`` holds stages ``g, g + p,
+  ...`` on one mesh, so its actors build every one of those stages' ``StageWorker`` from
+  their artifacts and run them as one ``GroupWorker`` (``group_units``: the group's column
+  order). Values between two stages of the group stay in the actor's process (the
+  transport's stage -> processes map sends each stage to its group's actors); the kept
+  results of all the group's stages are one store (refs are the step's, not a stage's).
 """
 
 from __future__ import annotations
@@ -178,17 +186,36 @@ class CountedTransport:
         self.inner.start(step)
 
 
+def stages_name(stages: Sequence[int]) -> str:
+    """``stage 1``, or for a device group's stages ``stages 1, 3``.
+
+    >>> stages_name((1,)), stages_name((1, 3))
+    ('stage 1', 'stages 1, 3')
+    """
+    stages = tuple(stages)
+    return f"stage {stages[0]}" if len(stages) == 1 else \
+        f"stages {', '.join(map(str, stages))}"
+
+
 class StageActor:
-    """One host of one stage, in its own process (wrapped by ``ray.remote`` at run time).
+    """One host of one stage (or of one device group's stages), in its own process (wrapped
+    by ``ray.remote`` at run time).
 
     Args:
-        stage: the stage; rank: this host within the stage; hosts: the stage's hosts.
+        stage: the stage; rank: this host within the stage; hosts: the stage's hosts;
+        stages: every stage this actor runs (a device group's under ``interleaved-1f1b``,
+        ``stage`` its first; default ``(stage,)``).
     """
 
-    def __init__(self, stage: int, rank: int = 0, hosts: int = 1):
+    def __init__(self, stage: int, rank: int = 0, hosts: int = 1,
+                 stages: Sequence[int] | None = None):
         self.stage, self.rank, self.hosts = stage, rank, hosts
-        self.where = f"stage {stage}" + (f" (host {rank} of {hosts})" if hosts > 1 else "")
-        self.worker = None
+        self.stages = tuple(stages) if stages else (stage,)
+        self.where = stages_name(self.stages) + (f" (host {rank} of {hosts})" if hosts > 1
+                                                 else "")
+        self.worker = None    # the StageWorker, or a device group's GroupWorker
+        self.workers: dict[int, Any] = {}   # stage -> its StageWorker
+        self.stage_args: dict[int, tuple[int, ...]] = {}   # stage -> the refs it reads
         self.jt: CountedTransport | None = None  # between stages: JAX's transfers (setup)
         self.kept: dict[tuple[int, int], Any] = {}  # (step, ref) -> a result (jax array)
         self.inline: set[tuple[int, int]] = set()    # those sent back whole
@@ -216,7 +243,9 @@ class StageActor:
         programs; ``describe()``. ``job``: ``(coordinator, processes, this process, stage ->
         its processes, per stage (mesh shape, axis names, ref -> spec))``: every actor of
         the run is one process of the job (a run of one actor too) and values between
-        stages move through JAX's transfer servers (``runtime.transfer.jax_transfer``)."""
+        stages move through JAX's transfer servers (``runtime.transfer.jax_transfer``).
+        ``spec_blob``: the pickled ``StageArtifact``, or a list of them, one per stage of
+        ``stages`` (a device group: they share the mesh and run as one ``GroupWorker``)."""
         if cpus:
             pin_process(cpus)
         import jax
@@ -224,7 +253,8 @@ class StageActor:
         # CPU: a stage of one host keeps its collectives in the process (with gloo, JAX's
         # default in a job, they would go through sockets: 2x slower programs).
         self._join(job[0], job[1], job[2], timeout, "gloo" if self.hosts > 1 else None)
-        art = pickle.loads(spec_blob)       # a StageArtifact: rhino's data, no user code
+        arts = pickle.loads(spec_blob)      # StageArtifacts: rhino's data, no user code
+        arts = list(arts) if isinstance(arts, (list, tuple)) else [arts]
         local = jax.local_devices()
         if len(local) < devices:
             raise ExecutorError(f"{self.where}: expected {devices} devices in the actor, "
@@ -240,11 +270,21 @@ class StageActor:
                                   key=lambda d: (d.process_index, d.id))
         else:
             mesh_devices = local[:devices]
-        split = art.split
-        self.worker = art.build(mesh_devices)
+        from rhino.runtime.executors.group_worker import group_units
+
+        split = arts[0].split
+        self.workers = {a.stage: a.build(mesh_devices) for a in arts}
+        units = group_units([self.workers[s] for s in self.stages])
+        if len(units) != 1:
+            raise ExecutorError(f"{self.where}: expected the stages of one device group, "
+                                f"found {len(units)} groups", stage=self.stage,
+                                failure=Failure.PROGRAM)
+        self.worker = units[0]
+        mine = set(self.stages)
         self.outputs = tuple(o.ref for o in split.outputs if o.producer is not None
-                             and o.producer[1] == self.stage and o.source in ("task", "acc"))
-        self.args = split.stage_args(self.stage)
+                             and o.producer[1] in mine and o.source in ("task", "acc"))
+        self.stage_args = {s: tuple(split.stage_args(s)) for s in self.stages}
+        self.args = tuple(dict.fromkeys(r for s in self.stages for r in self.stage_args[s]))
         self.rows = self._batch_rows(split) if self.hosts > 1 else {}
         from rhino.runtime.transfer.jax_transfer import JaxTransferTransport, stage_targets
 
@@ -255,7 +295,7 @@ class StageActor:
                                                               key=lambda d: d.id)]
                          for s, procs in job[3].items()}
         self.jt = CountedTransport(JaxTransferTransport(
-            job[3], target=stage_targets({self.stage: self.worker}, stage_devices, job[4]),
+            job[3], target=stage_targets(self.workers, stage_devices, job[4]),
             address=f"{import_ray().util.get_node_ip_address()}:0",
             connect_timeout=timeout, defer_relayout=True))
         return self.describe()
@@ -285,20 +325,25 @@ class StageActor:
     def _batch_rows(self, split: Any) -> dict[int, tuple[tuple[int, int], ...]]:
         """Per batch argument whose rows this host's devices do not all need: the rows
         (``[start, stop)`` ranges of the whole batch) they do need, microbatch by microbatch;
-        the driver then sends only those (``run_step``'s ``partial``)."""
+        the driver then sends only those (``run_step``'s ``partial``). A device group's
+        stages reading one batch argument need the rows any of them needs."""
         m = split.num_microbatches
         out = {}
-        whole = split.whole_batch_args(self.stage)
-        for r in split.sliced_batch_args(self.stage):
+        whole = {r for s in self.stages for r in split.whole_batch_args(s)}
+        sliced = dict.fromkeys(r for s in self.stages for r in split.sliced_batch_args(s))
+        for r in sliced:
             if r not in self.args or r in whole:     # read whole: every row is needed
                 continue
             shape = split.microbatch_shape(r)
             size = shape[0]
             spans = set()
-            for index in self.worker.sharding(r).addressable_devices_indices_map(
-                    shape).values():
-                start, stop, _ = (index[0] if index else slice(None)).indices(size)
-                spans.add((start, stop))
+            for s in self.stages:
+                if r not in self.stage_args[s]:
+                    continue
+                for index in self.workers[s].sharding(r).addressable_devices_indices_map(
+                        shape).values():
+                    start, stop, _ = (index[0] if index else slice(None)).indices(size)
+                    spans.add((start, stop))
             merged: list[list[int]] = []
             for a, b in sorted(spans):
                 if merged and a <= merged[-1][1]:
@@ -313,8 +358,9 @@ class StageActor:
     def describe(self) -> dict:
         import jax
 
-        return {"stage": self.stage, "rank": self.rank, "hosts": self.hosts,
-                "args": self.args, "outputs": self.outputs, "pid": os.getpid(),
+        return {"stage": self.stage, "stages": self.stages, "rank": self.rank,
+                "hosts": self.hosts, "args": self.args, "stage_args": dict(self.stage_args),
+                "outputs": self.outputs, "pid": os.getpid(),
                 "host": socket.gethostname(), "devices": jax.local_device_count(),
                 "global_devices": jax.device_count(), "kept": len(self.kept),
                 "platform": jax.devices()[0].platform,
@@ -344,16 +390,19 @@ class StageActor:
         and every collective's communicator set up before the first step. Seconds."""
         t0 = time.perf_counter()
         self._start(0)
-        outs, _ = self.worker.run_step(self.worker.zero_args(), self._transport(0), timeout,
-                                       warm_up=True)
+        zeros: dict[int, Any] = {}
+        for w in self.workers.values():
+            zeros.update(w.zero_args())
+        outs, _ = self.worker.run_step(zeros, self._transport(0), timeout, warm_up=True)
         import jax
 
         jax.block_until_ready(outs)
         return time.perf_counter() - t0
 
-    def collectives(self) -> dict:
-        """Per compiled program of this stage, ``kind -> (count, bytes)``."""
-        return self.worker.collectives()
+    def collectives(self, stage: int | None = None) -> dict:
+        """Per compiled program of ``stage`` (default: this actor's first), ``kind ->
+        (count, bytes)``."""
+        return self.workers[self.stage if stage is None else stage].collectives()
 
     def run_step(self, control: bytes, *values: Any) -> bytes:
         """``_step`` with its arguments but ``values`` pickled in ``control`` (one blob is
@@ -365,7 +414,7 @@ class StageActor:
     def _step(self, step: int, timeout: float, kept: Mapping[int, tuple[int, int]],
               release: Sequence[tuple[int, int]], drop_steps: Sequence[int],
               keep_from: int, keep_arrays: bool, partial: Mapping[int, int],
-              push: Sequence[tuple[tuple[int, int], Sequence[int]]],
+              push: Sequence[tuple[int, tuple[int, int], Sequence[int]]],
               pull: Mapping[int, tuple[int, int, int]], refs: Sequence[int],
               want_meta: bool, hosted: Mapping[int, tuple] = None,
               ship: Mapping[int, bytes] = None, *values: Any) -> tuple:
@@ -375,10 +424,11 @@ class StageActor:
         other rows are zeros here (no device of this host reads them). First drops the
         results ``release`` names, those of ``drop_steps`` (failed steps: what they were
         given is kept) and 0-d ones older than ``keep_from``, the last step that finished
-        (the driver may pass its 0-d results back). ``push``: kept results ((step, ref))
-        other stages read this step, sent to them first (a tied weight, actor to actor);
-        ``pull``: argument ref -> (stage, step, ref) of such a result from another stage,
-        waited for here.
+        (the driver may pass its 0-d results back). ``push``: kept results (holding stage,
+        (step, ref), reading stages) other stages read this step, sent to them first (a
+        tied weight, actor to actor); ``pull``: argument ref -> (stage, step, ref) of such
+        a result from another stage, waited for here (by the first of this actor's stages
+        reading it).
         ``hosted``: batch arguments this actor makes itself (``rhino.host_data``), ref ->
         (source token, leaf, user step, rows, whole batch size); ``ship``: source token ->
         its cloudpickled ``fn``, the first time this actor needs it.
@@ -418,18 +468,18 @@ class StageActor:
         args.update({r: self.kept[tuple(k)] for r, k in kept.items()})
         transport = self._transport(step)
         for r, (src, k, ref) in pull.items():   # asked for before they are sent
-            transport.expect(self.stage, src, ("arg", k, ref))
-        for k, readers in push:
+            transport.expect(self.reader(r), src, ("arg", k, ref))
+        for holder, k, readers in push:
             k = tuple(k)
             if k not in self.kept:
                 raise ExecutorError(f"{self.where}: expected the kept result (step, ref) "
                                     f"{k} that stage(s) {list(readers)} read, found none "
-                                    f"(released)", stage=self.stage)
+                                    f"(released)", stage=holder)
             for dst in readers:
-                transport.send(self.stage, dst, ("arg", *k), self.kept[k])
+                transport.send(holder, dst, ("arg", *k), self.kept[k])
         for r, (src, k, ref) in pull.items():
             try:
-                args[r] = transport.recv(self.stage, src, ("arg", k, ref), timeout)
+                args[r] = transport.recv(self.reader(r), src, ("arg", k, ref), timeout)
             except TimeoutError as e:
                 raise ExecutorError(f"{self.where}: argument #{r} (result v{ref} of step {k} "
                                     f"on stage {src}) did not come: {e}", stage=self.stage,
@@ -454,6 +504,12 @@ class StageActor:
         shift = time.time() - time.perf_counter()
         return host, meta, (shift, [(r.stage, r.label, r.start, r.end, r.microbatch,
                                      r.kind) for r in records]), secs
+
+    def reader(self, ref: int) -> int:
+        """The first of this actor's stages reading argument ``ref`` (a value another
+        stage sends for it is sent to that stage)."""
+        return next((s for s in self.stages if ref in self.stage_args.get(s, ())),
+                    self.stage)
 
     def _host_rows(self, hosted: Mapping[int, tuple], ship: Mapping[int, bytes]
                    ) -> dict[int, np.ndarray]:
@@ -490,30 +546,34 @@ class StageActor:
             out[r] = part if whole else _whole(part, size, rows)
         return out
 
-    def init_state(self, blob: bytes, refs: Sequence[int]) -> dict[int, tuple]:
-        """Create the step's argument leaves ``refs`` (those this stage reads) directly on
-        this stage's devices with their planned shardings: ``blob`` holds the user's
-        initializer as the driver exported it (``artifacts.export_init``) and its arguments
-        (plain pickle: no user code here); kept as step 0's results. Returns ref ->
-        (shape, dtype name) (from the first host)."""
+    def init_state(self, blob: bytes) -> dict[int, tuple]:
+        """Create step argument leaves directly on this actor's devices with their planned
+        shardings: ``blob`` holds the initializer's arguments and, per stage of this actor
+        that makes some, ``(stage, program, refs)``: the user's initializer as the driver
+        exported it for that stage's leaves ``refs`` (``artifacts.export_init``; plain
+        pickle: no user code here), run one after the other; kept as step 0's results.
+        Returns ref -> (shape, dtype name) (from the first host)."""
         import jax
 
         from rhino.runtime.executors.artifacts import run_init
 
-        program, args = pickle.loads(blob)
+        args, parts = pickle.loads(blob)
         args = jax.tree_util.tree_map(lambda x: unpack_key(x), args,
                                       is_leaf=lambda x: isinstance(x, PackedKey))
-        refs = list(refs)
-        values = run_init(program, args, [self.worker.sharding(k) for k in refs])
-        for k, v in zip(refs, values):
-            self.kept[(0, k)] = v
-        if self.rank != 0:
-            return {}
-        return {k: (tuple(v.shape), dtype_name(v)) for k, v in zip(refs, values)}
+        out = {}
+        for stage, program, refs in parts:
+            refs = list(refs)
+            worker = self.workers[stage]
+            values = run_init(program, args, [worker.sharding(k) for k in refs])
+            for k, v in zip(refs, values):
+                self.kept[(0, k)] = v
+                out[k] = (tuple(v.shape), dtype_name(v))
+        return out if self.rank == 0 else {}
 
     def save_part(self, directory: str, names: Mapping[str, tuple[int, int]]) -> int:
         """Write the kept results ``names`` (name -> (step, ref)) as one orbax checkpoint,
-        every host of the stage its own shards (``runtime.state.checkpoint``). Bytes held here."""
+        every host of the stage (or device group) its own shards
+        (``runtime.state.checkpoint``). Bytes held here."""
         from rhino.runtime.state.checkpoint import write_part
 
         missing = [n for n, k in names.items() if tuple(k) not in self.kept]

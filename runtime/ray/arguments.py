@@ -10,6 +10,9 @@ Per argument leaf a stage reads, one of::
                              0-d result handed back last step): its (step, ref)
     pulled from a stage      a RemoteArray another stage keeps (a tied weight): that
                              stage's actors push it at the start of the step
+
+An actor running a device group's stages (``interleaved-1f1b``) gets what any of them
+reads, once; what one of its stages kept counts as kept for all of them (one store).
     sent                     anything else: numpy inside the call up to SMALL_ARG_BYTES,
                              else one object-store put shared by every actor reading it
                              (this host's rows only, for a batch split over hosts)
@@ -19,7 +22,7 @@ A jax array passed again as the same object reuses its put (jax arrays are immut
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -78,12 +81,15 @@ class StepArguments:
         self._tokens = 0
 
     def plan(self, flat_args: Sequence[Any], owners: Sequence[tuple[int, int]],
-             stage_args: Sequence[Sequence[int]], rows_of: Sequence[dict]
+             stage_args: Sequence[Sequence[int]], rows_of: Sequence[dict],
+             units: Mapping[int, Sequence[int]] | None = None
              ) -> tuple[list[ActorArguments], dict[int, dict[tuple[int, int], set[int]]]]:
         """Per actor (``owners``: its (stage, host)), what goes with its call; and per
         stage, the kept results ((step, ref)) it pushes to the stages reading them.
         ``stage_args``: per stage, the argument refs it reads; ``rows_of``: per actor, the
-        batch rows its host needs (``describe()["rows"]``)."""
+        batch rows its host needs (``describe()["rows"]``); ``units``: an owner's stage ->
+        every stage its actor runs (a device group's; default: that stage alone). A value
+        pushed to an actor goes to the first of its stages reading it."""
         ray = import_ray()
         keep: dict[tuple, tuple[Any, Any]] = {}
         self.sent_bytes = self.kept = 0
@@ -92,9 +98,14 @@ class StepArguments:
         push: dict[int, dict[tuple[int, int], set[int]]] = {}
         out = []
         for n, (s, _) in enumerate(owners):
+            stages = tuple((units or {}).get(s, (s,)))
             a = ActorArguments()
             rows = rows_of[n] or {}
-            for r in stage_args[s]:
+            readers: dict[int, int] = {}     # argument ref -> the first stage reading it
+            for c in stages:
+                for r in stage_args[c]:
+                    readers.setdefault(r, c)
+            for r, reader in readers.items():
                 x = flat_args[r]
                 if getattr(x, "rhino_host_data", False):    # made by the actor itself
                     token = self._source(x.source, n, a.ship)
@@ -103,15 +114,16 @@ class StepArguments:
                                    tuple(map(tuple, rows[r])) if r in rows else ((0, size),),
                                    size)
                     continue
-                k = self._kept_ref(x, s)
+                k = self._kept_ref(x, stages)
                 if k is not None:
                     a.kept[r] = k
                     self.kept += 1
                     continue
                 mine = isinstance(x, RemoteArray) and x.executor is self.executor
-                if mine and x.stage != s:
+                if mine and x.stage not in stages:
                     a.pull[r] = (x.stage, x.step, x.ref)
-                    push.setdefault(x.stage, {}).setdefault((x.step, x.ref), set()).add(s)
+                    push.setdefault(x.stage, {}).setdefault((x.step, x.ref),
+                                                            set()).add(reader)
                     continue
                 a.refs.append(r)
                 if r in rows and not mine:     # this host's rows of the batch only
@@ -179,15 +191,15 @@ class StepArguments:
             shipped.add(actor)
         return token
 
-    def _kept_ref(self, x: Any, stage: int) -> tuple[int, int] | None:
-        """(step, ref) under which ``stage``'s actors keep ``x``, if they do."""
+    def _kept_ref(self, x: Any, stages: Sequence[int]) -> tuple[int, int] | None:
+        """(step, ref) under which the actors running ``stages`` keep ``x``, if they do."""
         if not self.reuse_state:
             return None
         if isinstance(x, RemoteArray):
-            return (x.step, x.ref) if x.executor is self.executor and x.stage == stage \
+            return (x.step, x.ref) if x.executor is self.executor and x.stage in stages \
                 else None
         back = self.returned.get(id(x))
-        if back is not None and back[0] is x and back[1] == stage:
+        if back is not None and back[0] is x and back[1] in stages:
             return (back[3], back[2])
         return None
 

@@ -16,6 +16,12 @@ Layout of one step (2 stages; stage 1's mesh spans two hosts)::
                                         │   one process of the run's jax.distributed job
            ◄── (0-d results as numpy, shapes of the rest, task records) ──┘
 
+* Interleaved 1F1B (``virtual_stages > 1``): device group ``g`` holds stages ``g, g + p,
+  ...`` on one mesh, so its hosts are one actor each running all those stages (a
+  ``GroupWorker``; ``runtime.ray.actor``): 2 groups x 2 virtual stages are 2 actors for 4
+  stages. A value between two stages of a group stays in the actor's process. What the
+  driver keys by stage (results, kept state, checkpoint parts, ``lost``) names the stage
+  itself; the calls go to its group's actors.
 * Start (``runtime.ray.actor``): actors are created (``XLA_FLAGS`` with
   ``--xla_force_host_platform_device_count`` = that host's devices reaches each through
   ``runtime_env``; not on GPU actors, ``num_gpus`` in ``actor_options``), actors that
@@ -90,7 +96,7 @@ import numpy as np
 from rhino.runtime import threads
 from rhino.runtime.executors.local import DEFAULT_TIMEOUT_S, ExecutorError, Failure, root_cause
 from rhino.runtime.failures import RESUME
-from rhino.runtime.ray.actor import StageActor
+from rhino.runtime.ray.actor import StageActor, stages_name
 from rhino.runtime.ray.arguments import SMALL_ARG_BYTES, StepArguments
 from rhino.runtime.ray.cluster import (ABORT_GRACE_S, ACTOR_CONCURRENCY, CONNECT_TIMEOUT_S,
                                        RayInfo, check_plan, import_ray, init, share_cores,
@@ -127,6 +133,23 @@ def _artifacts(specs: Sequence[Any], actor_options: Mapping[str, Any]) -> list:
     return [s if isinstance(s, StageArtifact) else next(made) for s in specs]
 
 
+def device_groups(specs: Sequence[Any]) -> dict[int, tuple[int, ...]]:
+    """Per device group, keyed by its first stage, the stages it runs: ``virtual_stages``
+    (``WorkerSpec`` / ``StageArtifact``) ``v`` over ``n`` stages makes ``p = n / v`` groups,
+    group ``g`` running ``g, g + p, ...`` (``Schedule.chunks_of``); one stage each
+    without.
+
+    >>> device_groups([type("S", (), {"virtual_stages": 2})()] * 4)
+    {0: (0, 2), 1: (1, 3)}
+    """
+    n = len(specs)
+    v = int(getattr(specs[0], "virtual_stages", 1) or 1) if n else 1
+    if v < 1 or n % v:
+        raise ExecutorError(f"virtual_stages: expected a divisor of the {n} stages, found {v}")
+    p = n // v
+    return {g: tuple(range(g, n, p)) for g in range(p)}
+
+
 def hosts_per_stage(specs: Sequence[Any], cluster: Any) -> list[int]:
     """Host processes per stage: its devices over the cluster's devices per host (one
     host without a cluster)."""
@@ -143,7 +166,8 @@ class RayExecutor:
     ``LocalExecutor``; and batches made on the hosts, ``rhino.host_data``).
 
     Args:
-        specs: one ``WorkerSpec`` per stage, in stage order.
+        specs: one ``WorkerSpec`` (or ``StageArtifact``) per stage, in stage order; with
+            ``virtual_stages > 1`` each device group's stages share its actors.
         cluster: the plan's ``Cluster`` (hosts per stage, the node check, messages).
         timeout: seconds any one wait may take (a value from another stage, starting the
             actors, joining a job); a step may take ``2 × timeout``.
@@ -175,8 +199,10 @@ class RayExecutor:
     dead actor, a stage that did not stop) kills its actors at once.
 
     Attributes:
-        actors: every actor, stage by stage (``groups``: per stage); owners: (stage, host)
-        per actor; last_records: the last step's task records (``time.time()`` clock, the
+        actors: every actor, stage by stage (``groups``: per stage; under virtual stages
+        the stages of a device group share one list); owners: (stage, host) per actor (a
+        device group's actors: its first stage; ``units``: per actor's first stage, every
+        stage it runs); last_records: the last step's task records (``time.time()`` clock, the
         first host's); last_step_s: its wall-clock seconds on the driver; last_stage_s:
         seconds each stage spent in it; last_sent_bytes / last_received_bytes: bytes the
         driver put in the object store for it (or inside the calls) / received from it;
@@ -207,14 +233,28 @@ class RayExecutor:
         self.cluster = cluster
         self.timeout = timeout
         self.reuse_state, self.keep_state = reuse_state, keep_state
+        # Per device group, keyed by its first stage: the stages its actors run (a stage
+        # each without virtual stages; interleave-1f1b: group g runs g, g + p, ...).
+        self.units = device_groups(self.specs)
+        self._first = {c: g for g, cs in self.units.items() for c in cs}
         if host_ids is not None:
             self.hosts = [len(h) for h in host_ids]
         else:
             self.hosts = list(hosts) if hosts is not None else hosts_per_stage(self.specs,
                                                                                cluster)
-            first = np.cumsum([0] + self.hosts)
-            host_ids = [range(first[s], first[s] + h) for s, h in enumerate(self.hosts)]
+            first = dict(zip(self.units, np.cumsum([0] + [self.hosts[g]
+                                                          for g in self.units])))
+            host_ids = [range(first[self._first[s]], first[self._first[s]] + h)
+                        for s, h in enumerate(self.hosts)]
         self.host_ids = [tuple(int(x) for x in h) for h in host_ids]
+        for c, g in self._first.items():
+            if self.host_ids[c] != self.host_ids[g] or \
+                    tuple(self.specs[c].mesh_shape) != tuple(self.specs[g].mesh_shape):
+                raise ExecutorError(f"stage {c}: expected the mesh and hosts of stage {g} "
+                                    f"(one device group), found mesh "
+                                    f"{tuple(self.specs[c].mesh_shape)} on hosts "
+                                    f"{self.host_ids[c]} and {tuple(self.specs[g].mesh_shape)}"
+                                    f" on {self.host_ids[g]}", stage=c)
         self.placement_group = None
         self._records: list = []             # per first host: (clock shift, raw records)
         self._made_records: list | None = []  # last_records, made when first read
@@ -238,19 +278,26 @@ class RayExecutor:
         self._failed_steps: list[int] = []               # their results are dropped too
         # per actor: the shapes and dtypes of the results it keeps (the same every step)
         self._meta: dict[int, dict[int, tuple]] = {}
-        check_plan([int(np.prod(sp.mesh_shape)) for sp in self.specs], self.hosts,
-                   self.host_ids, self.info, actor_options or {}, self.cluster)
+        check_plan([int(np.prod(self.specs[g].mesh_shape)) for g in self.units],
+                   [self.hosts[g] for g in self.units], [self.host_ids[g] for g in self.units],
+                   self.info, actor_options or {}, self.cluster)
         self.specs = _artifacts(self.specs, actor_options or {})   # before any actor
+        split = self.specs[0].split
+        # result ref -> the stage producing it (a device group's actors return its stages')
+        self._producer = {o.ref: o.producer[1] for o in split.outputs
+                          if o.producer is not None and o.source in ("task", "acc")}
         cls = ray.remote(StageActor)
-        self.actors, self.groups, self.owners = [], [], []
+        self.actors, self.owners = [], []
+        self.groups: list[list] = [[] for _ in self.specs]
         self._cpus = 0.0
         simulated: list[bool] = []
         try:
             placed = self._placement(ray, actor_options or {}, timeout)
-            per_host = []
-            for s, spec in enumerate(self.specs):
+            per_host = {}
+            for s, stages in self.units.items():
+                spec = self.specs[s]
                 n, h = int(np.prod(spec.mesh_shape)), self.hosts[s]
-                per_host.append(n // h)
+                per_host[s] = n // h
                 opts = {"num_cpus": 1, "max_concurrency": ACTOR_CONCURRENCY,
                         "scheduling_strategy": "SPREAD", "max_restarts": 0}
                 opts.update(actor_options or {})
@@ -262,9 +309,10 @@ class RayExecutor:
                                        **(env.get("env_vars") or {})}
                     opts["runtime_env"] = env
                 self._cpus += h * float(opts.get("num_cpus") or 0)
-                group = [cls.options(**opts, **placed(s, r)).remote(spec.stage, r, h)
+                group = [cls.options(**opts, **placed(s, r)).remote(spec.stage, r, h, stages)
                          for r in range(h)]
-                self.groups.append(group)
+                for c in stages:
+                    self.groups[c] = group
                 self.actors.extend(group)
                 self.owners.extend((s, r) for r in range(h))
                 simulated += [not opts.get("num_gpus")] * h
@@ -272,7 +320,9 @@ class RayExecutor:
             jobs = self._one_job(timeout)
             # Plain pickle of rhino's own data and jax.export bytes: the actors never
             # unpickle, import or trace the user's code.
-            blobs = [pickle.dumps(spec) for spec in self.specs]
+            blobs = {s: pickle.dumps(self.specs[s] if len(stages) == 1 else
+                                     [self.specs[c] for c in stages])
+                     for s, stages in self.units.items()}
             self._describe = self._collect(
                 [a.setup.remote(blobs[s], per_host[s], job, timeout, cpus)
                  for a, (s, _), cpus, job in zip(self.actors, self.owners, self.pinned,
@@ -284,8 +334,8 @@ class RayExecutor:
         except BaseException:  # Ctrl-C included: never leave actors behind
             self.close()
             raise
-        self._args = [tuple(self._describe[self.owners.index((s, 0))]["args"])
-                      for s in range(len(self.specs))]
+        self._args = [tuple(self._describe[self.owners.index((self._first[s], 0))]
+                            ["stage_args"][s]) for s in range(len(self.specs))]
 
     def __enter__(self) -> "RayExecutor":
         return self
@@ -302,7 +352,8 @@ class RayExecutor:
         coord = self._collect([self.actors[0].coordinator.remote()],
                               "finding a coordinator port", timeout, self.owners[:1],
                               close=True)[0]
-        stage_process = {s: tuple(i for i, o in enumerate(self.owners) if o[0] == s)
+        stage_process = {s: tuple(i for i, o in enumerate(self.owners)
+                                  if o[0] == self._first[s])
                          for s in range(len(self.specs))}
         layouts = [(tuple(a.mesh_shape), tuple(a.axis_names), dict(a.shardings.refs))
                    for a in self.specs]
@@ -329,7 +380,7 @@ class RayExecutor:
         plan_hosts = sorted({h for ids in self.host_ids for h in ids})
         bundle = {h: k for k, h in enumerate(plan_hosts)}
         need: list[dict[str, float]] = [{} for _ in plan_hosts]
-        for ids in self.host_ids:
+        for ids in (self.host_ids[g] for g in self.units):   # one actor per group and host
             for h in ids:
                 b = need[bundle[h]]
                 for key, opt in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
@@ -349,7 +400,15 @@ class RayExecutor:
 
     def _label(self, owner: tuple[int, int]) -> str:
         s, r = owner
-        return f"stage {s}" + (f" (host {r})" if self.hosts[s] > 1 else "")
+        return self._name(s) + (f" (host {r})" if self.hosts[s] > 1 else "")
+
+    def _name(self, s: int) -> str:
+        """``stage s``, or for a device group's actors ``stages 1, 3``."""
+        return stages_name(self.units.get(s, (s,)))
+
+    def _stage_of(self, ref: int, s: int) -> int:
+        """The stage whose result ``ref`` is, of those the actors of owner stage ``s`` run."""
+        return s if len(self.units.get(s, ())) <= 1 else self._producer.get(ref, s)
 
     def _collect(self, refs: list, what: str, timeout: float,
                  owners: Sequence[tuple[int, int]], close: bool = False) -> list:
@@ -459,7 +518,7 @@ class RayExecutor:
         self.last_received_bytes = 0
         per_actor, push = self.arguments.plan(
             flat_args, self.owners, self._args,
-            [d.get("rows") or {} for d in self._describe])
+            [d.get("rows") or {} for d in self._describe], self.units)
         self.last_sent_bytes, self.last_kept = (self.arguments.sent_bytes,
                                                 self.arguments.kept)
         self._step += 1
@@ -467,14 +526,15 @@ class RayExecutor:
         release: dict[int, list[tuple[int, int]]] = {}
         while self._dropped:
             s, k, r = self._dropped.pop()
-            release.setdefault(s, []).append((k, r))
+            release.setdefault(self._first.get(s, s), []).append((k, r))
         failed, self._failed_steps = self._failed_steps, []
         # What an actor needs besides the values goes as one pickled blob: Ray would
         # serialize each of its ~3 entries per state leaf on its own (a few ms per step).
         controls = [pickle.dumps(
             (step, self.timeout, a.kept, release.get(s, []), failed, self._last_ok,
              self.keep_state, a.partial,
-             sorted((k, sorted(d)) for k, d in push.get(s, {}).items()),
+             sorted((c, k, sorted(d)) for c in self.units[s]
+                    for k, d in push.get(c, {}).items()),
              a.pull, tuple(a.refs), n not in self._meta, a.hosted, a.ship),
             protocol=pickle.HIGHEST_PROTOCOL)
             for n, ((s, _), a) in enumerate(zip(self.owners, per_actor))]
@@ -499,16 +559,17 @@ class RayExecutor:
         for n, ((s, rank), blob) in enumerate(zip(self.owners, results)):
             host, meta, rec, secs = pickle.loads(blob)
             meta = self._meta.setdefault(n, meta)
-            self.last_stage_s[s] = max(self.last_stage_s[s], secs)
+            for c in self.units[s]:     # a device group's stages: the group's seconds
+                self.last_stage_s[c] = max(self.last_stage_s[c], secs)
             if rank:
                 continue
             for r, v in host.items():
                 self.last_received_bytes += getattr(v, "nbytes", 0) or v.data.nbytes
                 x = unpack_key(v) if isinstance(v, PackedKey) else jnp.asarray(v)
                 outs[r] = x
-                returned[id(x)] = (x, s, r, step)
+                returned[id(x)] = (x, self._stage_of(r, s), r, step)
             for r, (shape, dtype) in meta.items():
-                outs[r] = RemoteArray(self, s, r, step, shape, dtype)
+                outs[r] = RemoteArray(self, self._stage_of(r, s), r, step, shape, dtype)
             records.append(rec)
         self.arguments.returned = returned
         self._last_ok = step
@@ -539,13 +600,13 @@ class RayExecutor:
                 closed, or an actor failed or did not answer within ``timeout``.
         """
         with self._lock:
-            wanted: dict[int, list[int]] = {}
+            wanted: dict[int, list[int]] = {}     # per device group (first stage)
             for h in handles:
                 if h.executor is not self:
                     raise ExecutorError(f"fetch: expected results of this executor, found "
                                         f"{h!r} of another")
-                wanted.setdefault(h.stage, []).append((h.step, h.ref))
-            self._usable(list(wanted))
+                wanted.setdefault(self._first[h.stage], []).append((h.step, h.ref))
+            self._usable(sorted({h.stage for h in handles}))
             calls, owners = [], []
             for s, keys in wanted.items():
                 for r, a in enumerate(self.groups[s]):
@@ -560,7 +621,7 @@ class RayExecutor:
                         self.fetched_bytes += v.data.nbytes if isinstance(
                             v, PackedKey) else v.nbytes
                         values[(s, *k)] = unpack_key(v)
-            return [values[(h.stage, h.step, h.ref)] for h in handles]
+            return [values[(self._first[h.stage], h.step, h.ref)] for h in handles]
 
     def init_state(self, init_fn: Any, init_args: tuple, num_leaves: int) -> list[Any]:
         """The step's first ``num_leaves`` argument leaves made by ``init_fn(*init_args)``
@@ -574,21 +635,29 @@ class RayExecutor:
             self._usable()
             args = jax.tree_util.tree_map(pack_key, tuple(init_args))
             calls, owners = [], []
-            for s, group in enumerate(self.groups):
-                refs = tuple(k for k in self._args[s] if k < num_leaves)
-                if refs:
-                    # The initializer goes as an exported program, never as code.
-                    blob = pickle.dumps((export_init(init_fn, tuple(init_args), refs,
-                                                     self.specs[s]), args))
-                    calls += [a.init_state.remote(blob, refs) for a in group]
-                    owners += [(s, r) for r in range(len(group))]
+            made: dict[tuple[int, int], int] = {}   # (group, leaf) -> the stage making it
+            for g, stages in self.units.items():
+                group = self.groups[g]
+                parts = []
+                for s in stages:    # a leaf two stages of a group read: made once
+                    refs = tuple(k for k in self._args[s]
+                                 if k < num_leaves and (g, k) not in made)
+                    if refs:
+                        # The initializer goes as an exported program, never as code.
+                        parts.append((s, export_init(init_fn, tuple(init_args), refs,
+                                                     self.specs[s]), refs))
+                        made.update(((g, k), s) for k in refs)
+                if parts:
+                    blob = pickle.dumps((args, parts))
+                    calls += [a.init_state.remote(blob) for a in group]
+                    owners += [(g, r) for r in range(len(group))]
             got = self._collect(calls, "initializing the state", 2 * self.timeout, owners)
             self._inited = True
             out: list[Any] = [None] * num_leaves
-            for (s, rank), d in zip(owners, got):
+            for (g, rank), d in zip(owners, got):
                 for k, (shape, dtype) in (d.items() if rank == 0 else ()):
                     if out[k] is None:
-                        out[k] = RemoteArray(self, s, k, 0, shape, dtype)
+                        out[k] = RemoteArray(self, made[(g, k)], k, 0, shape, dtype)
             unread = [k for k, x in enumerate(out) if x is None]
             if unread:   # no stage reads them: any value does; made here
                 leaves = jax.jit(lambda *a: [jax.tree_util.tree_leaves(init_fn(*a))[k]
@@ -606,16 +675,16 @@ class RayExecutor:
             group = self.groups[stage]
             self._collect([a.save_part.remote(directory, dict(names)) for a in group],
                           f"writing checkpoint part {directory}", self.timeout,
-                          [(stage, r) for r in range(len(group))])
+                          [(self._first[stage], r) for r in range(len(group))])
 
     def collectives(self) -> list[dict]:
         """Per stage, its first host's ``StageWorker.collectives()`` (compiled programs)."""
         with self._lock:
             self._usable()
             firsts = [g[0] for g in self.groups]
-            return self._collect([a.collectives.remote() for a in firsts],
+            return self._collect([a.collectives.remote(s) for s, a in enumerate(firsts)],
                                  "reading the compiled programs", self.timeout,
-                                 [(s, 0) for s in range(len(firsts))])
+                                 [(self._first[s], 0) for s in range(len(firsts))])
 
     def _settle(self, ray) -> None:
         """Before a step: the last step's calls must have ended (an aborted step's stages
@@ -630,7 +699,8 @@ class RayExecutor:
             _, pending = ray.wait(pending, num_returns=len(pending),
                                   timeout=threads.WAIT_SLICE_S)
         if pending:
-            stuck = sorted({self.owners[k][0] for k, c in enumerate(calls) if c in pending})
+            stuck = sorted({c for k, call in enumerate(calls) if call in pending
+                            for c in self.units[self.owners[k][0]]})
             raise ExecutorError(
                 f"stage(s) {stuck} still running step {self._step} (aborted; stuck in a "
                 f"program or a wait, or its process stopped) after {self.grace:.0f} s more: "
@@ -654,9 +724,10 @@ class RayExecutor:
             if left <= 0:
                 stuck = sorted({self.owners[k][0] for k in pending.values()})
                 took = time.monotonic() - start
-                errors += [ExecutorError(f"stage {s}: the step did not finish within "
+                errors += [ExecutorError(f"{self._name(s)}: the step did not finish within "
                                          f"{took:.0f} s", stage=s, failure=Failure.STALLED)
                            for s in stuck]
+                stuck = sorted(c for s in stuck for c in self.units[s])
                 # Aborted, not killed: the state stays on the actors; the next step waits
                 # for these stages to stop (``_settle``).
                 self._abort(step, f"stage(s) {stuck} did not finish")
@@ -691,9 +762,10 @@ class RayExecutor:
     def _lose(self, owners: Sequence[tuple[int, int]], why: str) -> None:
         """Actors of ``owners`` died: no step can run again (the job lost a process). The
         other actors stay until ``close()``, so that what they hold stays readable."""
-        for s, _ in owners:
-            self.lost.setdefault(s, "its actor died" if self.hosts[s] == 1 else
-                                 "an actor of its hosts died")
+        for g, _ in owners:
+            for s in self.units.get(g, (g,)):   # every stage of a device group's actors
+                self.lost.setdefault(s, "its actor died" if self.hosts[s] == 1 else
+                                     "an actor of its hosts died")
         if self._broken is None:
             self._broken = why
         if (not self._last_ok and not self._inited) or len(self.lost) == len(self.groups):
