@@ -444,14 +444,15 @@ def auto_parallel(fn: Callable | None = None, *, devices: Sequence | None = None
             ``"eager-1f1b"``, ``"zb-h1"`` or ``"interleaved-1f1b"`` (with
             ``virtual_stages``; default: a given plan's, else ``"auto"``).
         executor: ``"local"`` (this process: the SPMD program called directly, or one
-            thread per stage over disjoint local devices) or ``"ray"`` (one actor per stage;
-            see ``rhino.init``).
+            thread per stage over disjoint local devices) or ``"ray"`` (one actor per stage
+            and host, per device group with ``virtual_stages``; see ``rhino.init``).
         stages: the number of pipeline stages (default: the planner's choice), or a
             hand-given split ``{weight pytree path prefix: stage}``.
         virtual_stages: stages of the model per device group (``interleaved-1f1b``, which
             it implies; ``stages`` then counts the device groups): the model is cut into
             ``stages * virtual_stages`` stages and group ``g`` runs ``g, g + stages, ...``
-            in Megatron's order (local executor and ``rhino.launch``).
+            in Megatron's order (local executor: a thread per group; ``rhino.launch``: a
+            process per group; Ray: an actor per group and host).
         accumulate: no longer an option (an error if given): a pipelined step computes
             what the step computes on the whole batch, each value by its own rule.
         batch_args: what carries the batch: argument names, or pytree paths inside them

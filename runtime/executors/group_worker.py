@@ -7,13 +7,14 @@ programs and state on the group's one mesh. A ``GroupWorker`` drives their ``ste
 generators: for each task of the group's column (``F3/s2``: the forward of microbatch 3 on
 stage 2) it runs that stage's next block of instructions (its receives, its program, its
 sends), so the group dispatches its stages' programs in the schedule's order, as one thread
-(or one process) per group. A value between two stages of one group moves as between any
-two stages: through the transport, which keeps it on the group's devices
-(``LocalTransport`` hands it over; ``JaxTransferTransport`` between stages of one process
-never leaves the process).
+(or one process, or one Ray actor per host) per group. A value between two stages of one
+group moves as between any two stages: through the transport, which keeps it on the group's
+devices (``LocalTransport`` hands it over; ``JaxTransferTransport`` between stages of one
+process never leaves the process).
 
 Executors take it in place of the group's stage workers (``group_units``): the local
-executor runs one thread per group, ``rhino.launch`` one process per group. The order is
+executor runs one thread per group, ``rhino.launch`` one process per group, the Ray executor
+one actor per group and host (``runtime.ray.actor``). The order is
 ``instructions.group_instructions``' (pure; the tests play it).
 
 Example::

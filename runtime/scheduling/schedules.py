@@ -31,8 +31,8 @@ interleaved-1f1b  ``2 (p - g - 1) + (v - 1) p + 1``  the same, at most ``v m`` (
 The executors run ``SCHEDULE_NAMES`` (``zb-h1`` on stage programs whose backward is cut in
 two, ``rhino.hlo_passes.backward_split``) and ``VIRTUAL_SCHEDULES``: ``interleaved-1f1b``
 with one worker per device group running its stages' programs in the order of the group's
-column (``executors.group_worker``; the local executor and ``rhino.launch``: the Ray
-executor, one actor per stage, refuses it by name).
+column (``executors.group_worker``: a thread per group on the local executor, a process
+per group under ``rhino.launch``, an actor per group and host on Ray).
 
 Each schedule is built from per-stage task *orders* (warm-up forwards, then alternate
 backward/forward, then the remaining backwards), placed on the clock table as soon as their
