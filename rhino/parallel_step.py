@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from typing import Any, Callable, Mapping, Sequence
@@ -232,7 +233,9 @@ class ParallelStep:
         """The last step's measured schedule as an ``ExecutedTimeline``; with ``path``,
         also drawn there as a per-stage Gantt chart (PNG; a path ending ``.json`` gets the
         trace events instead); with ``trace``, written there as Chrome / Perfetto trace
-        events (JSON: open it in ui.perfetto.dev or chrome://tracing)."""
+        events (JSON: open it in ui.perfetto.dev or chrome://tracing). Under virtual stages
+        (``interleaved-1f1b``) a row is a device group and each task names its stage of the
+        model (``F3/s2``), as the schedule's table does."""
         from rhino.runtime.scheduling.timeline import ExecutedTimeline
 
         run = None if self._last is None else self._last.run
@@ -241,8 +244,14 @@ class ParallelStep:
                              "found " + ("none" if run is None else "a directly run SPMD "
                                          "program"))
         sp = run.lowering.split
-        tl = ExecutedTimeline(tuple(run.executor.last_records), str(run.schedule),
-                              sp.num_stages, sp.num_microbatches)
+        records, rows = tuple(run.executor.last_records), sp.num_stages
+        v = self._last.plan.virtual_stages
+        if v > 1:        # one row per device group (stage c runs on group c % p)
+            rows = sp.num_stages // v
+            records = tuple(dataclasses.replace(r, stage=r.stage % rows,
+                                                label=f"{r.label}/s{r.stage}")
+                            for r in records)
+        tl = ExecutedTimeline(records, str(run.schedule), rows, sp.num_microbatches)
         if path is not None and str(path).endswith(".json"):
             tl.write_trace(path)
         elif path is not None:

@@ -337,3 +337,11 @@ def test_rhino_plan_cli_plans_interleaving(capsys):
                  "--cluster", "2x4", "--stages", "2", "--virtual-stages", "2",
                  "--schedule", "zb-h1", "--quiet"]) != 0
     assert "expected 'interleaved-1f1b' with virtual_stages=2" in capsys.readouterr().err
+
+
+def test_the_timeline_has_a_row_per_device_group(gpt_interleaved):
+    tl = gpt_interleaved["step"].timeline()
+    assert tl.num_stages == 2 and tl.schedule == "interleaved-1f1b"
+    labels = {r.stage: {r.label for r in tl.records if r.kind == "forward"} for r in tl.records}
+    assert {"F0/s0", "F0/s2", "F7/s2"} <= labels[0] and {"F0/s1", "F7/s3"} <= labels[1]
+    assert tl.render_text().startswith("interleaved-1f1b: 2 stages × 8 microbatches")
