@@ -10,13 +10,12 @@ Per argument leaf a stage reads, one of::
                              0-d result handed back last step): its (step, ref)
     pulled from a stage      a RemoteArray another stage keeps (a tied weight): that
                              stage's actors push it at the start of the step
-
-An actor running a device group's stages (``interleaved-1f1b``) gets what any of them
-reads, once; what one of its stages kept counts as kept for all of them (one store).
     sent                     anything else: numpy inside the call up to SMALL_ARG_BYTES,
                              else one object-store put shared by every actor reading it
                              (this host's rows only, for a batch split over hosts)
 
+An actor running a device group's stages (``interleaved-1f1b``) gets what any of them
+reads, once; what one of its stages kept counts as kept for all of them (one store).
 A jax array passed again as the same object reuses its put (jax arrays are immutable).
 """
 
