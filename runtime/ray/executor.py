@@ -234,7 +234,7 @@ class RayExecutor:
         self.timeout = timeout
         self.reuse_state, self.keep_state = reuse_state, keep_state
         # Per device group, keyed by its first stage: the stages its actors run (a stage
-        # each without virtual stages; interleave-1f1b: group g runs g, g + p, ...).
+        # each without virtual stages; interleaved-1f1b: group g runs g, g + p, ...).
         self.units = device_groups(self.specs)
         self._first = {c: g for g, cs in self.units.items() for c in cs}
         if host_ids is not None:
