@@ -274,13 +274,13 @@ def test_nnx_metrics_of_two_stages_compute_on_the_pipelined_state():
         n = run.lowering.split.num_stages
         here = [s for s in (0, n - 1) if s in held]
         assert here and all(held[s] for s in here), held
-        owners = 0      # (the stages that make a metric's value: 2 of 4 under interleaving)
+        owners = 0      # the stages that make a metric's value (2 of 4 under interleaving)
         for w in run.executor.workers:   # what a stage made comes back to it as it was
             own = [r for r, a in w._state_src.items() if np.ndim(a) == 0 and
                    getattr(a.sharding, "mesh", None) == w.mesh]
             owners += bool(own)
             assert all(w._state[r] is w._state_src[r] for r in own), w.stage
-        assert owners >= 2
+        assert owners      # (under rhino.launch, of this process's stages)
 
 
 def test_flax_linen_with_dropout_key_argument():
