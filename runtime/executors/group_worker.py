@@ -148,3 +148,20 @@ def group_units(workers: Sequence[StageWorker]) -> list:
     for w in workers:
         by_group.setdefault(schedule.group_of(w.stage), []).append(w)
     return [GroupWorker(ws) for _, ws in sorted(by_group.items())]
+
+
+def device_groups(specs: Sequence[Any]) -> dict[int, tuple[int, ...]]:
+    """Per device group, keyed by its first stage, the stages it runs: ``virtual_stages``
+    (``WorkerSpec`` / ``StageArtifact``) ``v`` over ``n`` stages makes ``p = n / v`` groups,
+    group ``g`` running ``g, g + p, ...`` (``Schedule.chunks_of``); one stage each
+    without.
+
+    >>> device_groups([type("S", (), {"virtual_stages": 2})()] * 4)
+    {0: (0, 2), 1: (1, 3)}
+    """
+    n = len(specs)
+    v = int(getattr(specs[0], "virtual_stages", 1) or 1) if n else 1
+    if v < 1 or n % v:
+        raise ExecutorError(f"virtual_stages: expected a divisor of the {n} stages, found {v}")
+    p = n // v
+    return {g: tuple(range(g, n, p)) for g in range(p)}

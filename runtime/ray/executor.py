@@ -95,6 +95,7 @@ import numpy as np
 
 from rhino.runtime import threads
 from rhino.runtime.executors.local import DEFAULT_TIMEOUT_S, ExecutorError, Failure, root_cause
+from rhino.runtime.executors.group_worker import device_groups  # noqa: F401 (re-export)
 from rhino.runtime.failures import RESUME
 from rhino.runtime.ray.actor import StageActor, stages_name
 from rhino.runtime.ray.arguments import SMALL_ARG_BYTES, StepArguments
@@ -131,23 +132,6 @@ def _artifacts(specs: Sequence[Any], actor_options: Mapping[str, Any]) -> list:
     made = iter(export_stages(todo, todo[0].split(), actor_platform(actor_options),
                               with_code=True))
     return [s if isinstance(s, StageArtifact) else next(made) for s in specs]
-
-
-def device_groups(specs: Sequence[Any]) -> dict[int, tuple[int, ...]]:
-    """Per device group, keyed by its first stage, the stages it runs: ``virtual_stages``
-    (``WorkerSpec`` / ``StageArtifact``) ``v`` over ``n`` stages makes ``p = n / v`` groups,
-    group ``g`` running ``g, g + p, ...`` (``Schedule.chunks_of``); one stage each
-    without.
-
-    >>> device_groups([type("S", (), {"virtual_stages": 2})()] * 4)
-    {0: (0, 2), 1: (1, 3)}
-    """
-    n = len(specs)
-    v = int(getattr(specs[0], "virtual_stages", 1) or 1) if n else 1
-    if v < 1 or n % v:
-        raise ExecutorError(f"virtual_stages: expected a divisor of the {n} stages, found {v}")
-    p = n // v
-    return {g: tuple(range(g, n, p)) for g in range(p)}
 
 
 def hosts_per_stage(specs: Sequence[Any], cluster: Any) -> list[int]:
