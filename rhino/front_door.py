@@ -164,13 +164,17 @@ class PlanRequest:
         return self.stages
 
     def build_options(self, pipeline: bool) -> BuildOptions:
-        """The problem builder's options: what the lowering can run. An SPMD program keeps
-        strided values split only inside (``strided_interior_only``) and takes no pending
-        sums through linear ops; stage programs have no strided layouts at all."""
+        """The problem builder's options: what the lowering can run. Neither kind of
+        program takes pending sums through linear ops: both are lowered with sharding
+        constraints under ``jax.jit``, where XLA all-reduces a split contraction at its
+        source, so a pending sum carried further would be priced as it does not run. An
+        SPMD program keeps strided values split only inside (``strided_interior_only``);
+        stage programs have no strided layouts at all."""
         if self.build is not None:
             return self.build
         if pipeline:
-            return BuildOptions(strided=False, min_split_flops=self.min_split_flops)
+            return BuildOptions(strided=False, partial_passthrough=False,
+                                min_split_flops=self.min_split_flops)
         return BuildOptions(strided_interior_only=True, partial_passthrough=False,
                             min_split_flops=self.min_split_flops)
 

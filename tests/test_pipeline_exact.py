@@ -31,8 +31,9 @@ def _host(tree):
 def compare(step, state, batch, steps=STEPS, loss_at=-1, **options):
     """Train ``steps`` steps of ``step(*state, *batch) -> (... )`` pipelined and with
     jax.jit; the leaves of ``state`` are at the front of the result unless the step says
-    where (``state_at``): losses rtol 1e-5, state atol 1e-5."""
+    where (``state_at``): losses rtol 1e-5, state atol 1e-5 (``state_tol``)."""
     state_at = options.pop("state_at", slice(0, len(state)))
+    tol = options.pop("state_tol", 1e-5)
     ref = jax.jit(step)
     piped = rhino.auto_parallel(step, **PIPE, **options)
     s1, s2 = tuple(state), tuple(_host(state))
@@ -44,7 +45,7 @@ def compare(step, state, batch, steps=STEPS, loss_at=-1, **options):
             s1, s2 = tuple(o1[state_at]), tuple(o2[state_at])
         for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
             np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(a, np.float64),
-                                       atol=1e-5, rtol=1e-5)
+                                       atol=tol, rtol=tol)
         plan = piped.plan_for(*_host(state), *batch)
         assert plan.num_stages == 2 and plan.num_microbatches == 4
         split = piped.split_for(*_host(state), *batch)
@@ -267,7 +268,11 @@ def test_nnx_gemma_style_step():
         return nnx.state((model, optimizer, metrics)), loss
 
     tokens = jax.random.randint(jax.random.key(1), (B, seq + 1), 0, vocab)
-    compare(step, (state,), (tokens,), state_at=slice(0, 1))
+    # AdamW at 1e-2 divides each gradient by its own running scale, so where a gradient
+    # is near zero the order its sums are taken in moves the weight by a visible part of
+    # the step: one weight of 2048 differed by 2e-5 (of 0.086) after 5 steps when the
+    # stage plans changed, the losses equal at 1e-5 throughout.
+    compare(step, (state,), (tokens,), state_at=slice(0, 1), state_tol=5e-5)
 
 
 def _nnx_lm(dtype):
