@@ -206,3 +206,92 @@ def describe(strategy: str, model: str, args: tuple, devices: Sequence[Any]) -> 
     for path, s in jax.tree_util.tree_leaves_with_path(in_sh[0], is_leaf=lambda x: x is None):
         out[_keystr(path)] = "unspecified" if s is None else str(s.spec)
     return out
+
+
+# ----------------------------------------------------------- expert plans as pins
+# The zoo models without rules of their own take those of their kind.
+RULES_OF = {"dnabert": "gpt", "unet": "wide_resnet"}
+
+
+def _fits(dims, spec, sizes: dict) -> bool:
+    for d, entry in enumerate(spec):
+        if entry is None:
+            continue
+        axes = (entry,) if isinstance(entry, str) else entry
+        n = 1
+        for a in axes:
+            n *= sizes[a]
+        if d >= len(dims) or dims[d] % n:
+            return False
+    return True
+
+
+def expert_annotations(graph, model: str, mesh_shape: Sequence[int]) -> dict[str, dict]:
+    """name -> annotations: the textbook plans that fit ``graph``'s leaves on the mesh.
+
+    Megatron is this module's rules (column/row pairs, the
+    vocabulary-parallel embedding, convolutions by output channel, MoE experts by their
+    hidden dimension; the plain MLP alternates column and row), ZeRO-3 their split of each
+    state leaf's largest divisible dimension; a leaf a rule does not fit is left to the
+    search. Also: expert parallelism (MoE experts over every axis) and, on a 2-D mesh,
+    the batch over one axis with Megatron over the other, both ways. Keys are pytree
+    paths as rhino names parameters; for ``rhino.plan(..., annotations=)``
+    (``tests/test_search_space.py``, ``benchmarks/plan_quality.py pins``)."""
+    from jax.sharding import PartitionSpec as P
+
+    names = ("x", "y")[:len(mesh_shape)]
+    sizes = dict(zip(names, mesh_shape))
+    leaves = {graph.ops[p].arg.path: tuple(graph.ops[p].shape.dims) for p in graph.params}
+    batch = [p for p in leaves if p.startswith("batch")]
+    state = [p for p in leaves if p.startswith(("params", "opt_state")) and leaves[p]]
+    every = names if len(names) > 1 else names[0]
+    n_all = 1
+    for n in mesh_shape:
+        n_all *= n
+
+    def pins(specs: dict) -> dict:
+        return {p: s for p, s in specs.items() if _fits(leaves[p], s, sizes)}
+
+    def megatron(tp) -> dict:
+        size = 1
+        for a in ((tp,) if isinstance(tp, str) else tp):
+            size *= sizes[a]
+        out = {}
+        for p in state:
+            layer = re.search(r"\['layers'\]\[(\d+)\]\['(w|b)'\]$", p)
+            if model == "mlp" and layer:     # the plain MLP: layers alternate column / row
+                column = int(layer.group(1)) % 2 == 0
+                if layer.group(2) == "w":
+                    out[p] = P(None, tp) if column else P(tp, None)
+                elif column:
+                    out[p] = P(tp)
+                continue
+            try:
+                entries = megatron_spec(RULES_OF.get(model, model), p, leaves[p], tp,
+                                              size)
+            except PeerRuleError:
+                continue
+            if entries:
+                out[p] = P(*entries)
+        return pins(out)
+
+    plans: dict[str, dict[str, P]] = {}
+    rows = min(leaves[p][0] for p in batch)
+    dp, n = [], 1          # the batch over every axis whose product divides it
+    for a in names:
+        if rows % (n * sizes[a]) == 0:
+            dp.append(a)
+            n *= sizes[a]
+    plans["data parallel"] = pins({p: P(tuple(dp)) for p in batch}) if dp else {}
+    plans["fsdp"] = {**plans["data parallel"], **pins(
+        {p: P(*zero3_spec(leaves[p], every, n_all)) for p in state})}
+    plans["megatron"] = megatron(every)
+    experts = pins({p: P(every) for p in state if re.search(r"\['(w1|w2|b1|b2)'\]$", p)
+                    and len(leaves[p]) == (3 if re.search(r"w[12]'\]$", p) else 2)})
+    if experts:
+        plans["expert parallel"] = {**plans["data parallel"], **experts}
+    if len(names) == 2:
+        for dp_axis, tp in (("x", "y"), ("y", "x")):
+            plans[f"dp over {dp_axis} x tp over {tp}"] = {
+                **pins({p: P(dp_axis) for p in batch}), **megatron(tp)}
+    return {k: v for k, v in plans.items() if v}

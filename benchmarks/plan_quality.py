@@ -6,10 +6,15 @@
 * ``clip``: a small Flax NNX transformer trained with AdamW, with and without
   ``optax.clip_by_global_norm(1.0)``, planned as ``auto_parallel`` plans (no partial
   pass-through, interior strided values only) on (8): how many state tensors and bytes the
-  plan shards (O2 and O3).
+  plan shards (O2 and O3);
+* ``pins`` (issue 46, acceptance 1): each zoo model on (8) and (2, 4), the free search's
+  estimated step (O3 and O2, the user's path) against O3 with each expert plan pinned
+  (``peers.expert_annotations``: data parallel, ZeRO-3, Megatron, expert parallel, DP x TP
+  both ways): the pinned step over the free one, which should never be below 1.
 
     python benchmarks/plan_quality.py zoo --out benchmarks/out/plan_quality.jsonl
     python benchmarks/plan_quality.py clip --out benchmarks/out/plan_quality.jsonl
+    python benchmarks/plan_quality.py pins --out benchmarks/out/plan_quality.jsonl
     python benchmarks/plan_quality.py table benchmarks/out/plan_quality.jsonl
 """
 
@@ -126,6 +131,32 @@ def clip_rows():
                    "sharded_bytes": b, "state_bytes": total, "s": time.perf_counter() - t}
 
 
+def pins_rows():
+    import sys
+
+    import rhino
+    from rhino.models import get_model
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import peers
+
+    for name in ZOO:
+        m = get_model(name)
+        g = rhino.ingest(m.step, *m.example_args())
+        for mesh in ((8,), (2, 4)):
+            row = {"bench": "pins", "model": name, "mesh": list(mesh)}
+            for level in ("O3", "O2"):
+                t = time.perf_counter()
+                row[f"free_{level}_ms"] = 1e3 * rhino.plan(g, mesh_shape=mesh,
+                                                           opt_level=level).spmd.step_time_s
+                row[f"free_{level}_s"] = time.perf_counter() - t
+            row["pinned_ms"] = {
+                k: 1e3 * rhino.plan(g, mesh_shape=mesh, opt_level="O3",
+                                    annotations=v).spmd.step_time_s
+                for k, v in peers.expert_annotations(g, name, mesh).items()}
+            yield row
+
+
 def table(path: str) -> None:
     rows = [json.loads(x) for x in open(path) if x.strip()]
     print("| model | ops | (8) ms | (2,4) ms | (2,4)/(8) | (8) MiB | (2,4) MiB | (8) s | (2,4) s |")
@@ -140,11 +171,21 @@ def table(path: str) -> None:
     for r in (r for r in rows if r["bench"] == "clip"):
         print(f"| {r['clip']} | {r['level']} | {r['ms']:.4f} | {r['sharded']}/{r['state']} | "
               f"{r['sharded_bytes']}/{r['state_bytes']} | {r['s']:.1f} |")
+    print()
+    print("| model | mesh | free O3 ms | free O2 ms | expert plans pinned (O3): pinned / free O3 "
+          "| least ratio |")
+    print("|---|---|---:|---:|---|---:|")
+    for r in (r for r in rows if r["bench"] == "pins"):
+        ratios = {k: v / r["free_O3_ms"] for k, v in r["pinned_ms"].items()}
+        least = min(ratios.values()) if ratios else float("nan")
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
+        print(f"| {r['model']} | {tuple(r['mesh'])} | {r['free_O3_ms']:.4f} | "
+              f"{r['free_O2_ms']:.4f} | {shown} | {least:.4f} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("zoo", "clip", "table"))
+    ap.add_argument("what", choices=("zoo", "clip", "pins", "table"))
     ap.add_argument("path", nargs="?", help="for table: the JSON-lines file")
     ap.add_argument("--out", default="benchmarks/out/plan_quality.jsonl")
     a = ap.parse_args()
@@ -152,7 +193,8 @@ def main() -> None:
         table(a.path or a.out)
         return
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    for row in (zoo_rows() if a.what == "zoo" else clip_rows()):
+    rows = {"zoo": zoo_rows, "clip": clip_rows, "pins": pins_rows}[a.what]()
+    for row in rows:
         print(json.dumps(row), flush=True)
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
