@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Sequence
 
@@ -213,27 +214,23 @@ def describe(strategy: str, model: str, args: tuple, devices: Sequence[Any]) -> 
 RULES_OF = {"dnabert": "gpt", "unet": "wide_resnet"}
 
 
-def _fits(dims, spec, sizes: dict) -> bool:
-    for d, entry in enumerate(spec):
-        if entry is None:
-            continue
-        axes = (entry,) if isinstance(entry, str) else entry
-        n = 1
-        for a in axes:
-            n *= sizes[a]
-        if d >= len(dims) or dims[d] % n:
-            return False
-    return True
+def fits(dims: Sequence[int], spec: Any, mesh_shape: Sequence[int]) -> bool:
+    """Whether the PartitionSpec ``spec`` fits a leaf of shape ``dims`` on a mesh of
+    ``mesh_shape`` (axes ``x``, ``y``): rhino's own check of an annotation."""
+    from rhino.planner.mesh import AbstractMesh
+    from rhino.planner.pins import annotation_spec
+
+    mesh = AbstractMesh(tuple(mesh_shape))
+    return not annotation_spec("fits", spec, mesh, len(dims)).problems(tuple(dims), mesh)
 
 
 def expert_annotations(graph, model: str, mesh_shape: Sequence[int]) -> dict[str, dict]:
     """name -> annotations: the textbook plans that fit ``graph``'s leaves on the mesh.
 
-    Megatron is this module's rules (column/row pairs, the
-    vocabulary-parallel embedding, convolutions by output channel, MoE experts by their
-    hidden dimension; the plain MLP alternates column and row), ZeRO-3 their split of each
-    state leaf's largest divisible dimension; a leaf a rule does not fit is left to the
-    search. Also: expert parallelism (MoE experts over every axis) and, on a 2-D mesh,
+    Megatron is this module's rules (column/row pairs, the vocabulary-parallel embedding,
+    convolutions by output channel, MoE experts by their hidden dimension; the plain MLP
+    alternates column and row), ZeRO-3 its split of each state leaf's largest divisible
+    dimension; a leaf a rule does not fit (``fits``) is left to the search. Also: expert parallelism (MoE experts over every axis) and, on a 2-D mesh,
     the batch over one axis with Megatron over the other, both ways. Keys are pytree
     paths as rhino names parameters; for ``rhino.plan(..., annotations=)``
     (``tests/test_search_space.py``, ``benchmarks/plan_quality.py pins``)."""
@@ -245,17 +242,12 @@ def expert_annotations(graph, model: str, mesh_shape: Sequence[int]) -> dict[str
     batch = [p for p in leaves if p.startswith("batch")]
     state = [p for p in leaves if p.startswith(("params", "opt_state")) and leaves[p]]
     every = names if len(names) > 1 else names[0]
-    n_all = 1
-    for n in mesh_shape:
-        n_all *= n
 
     def pins(specs: dict) -> dict:
-        return {p: s for p, s in specs.items() if _fits(leaves[p], s, sizes)}
+        return {p: s for p, s in specs.items() if fits(leaves[p], s, mesh_shape)}
 
     def megatron(tp) -> dict:
-        size = 1
-        for a in ((tp,) if isinstance(tp, str) else tp):
-            size *= sizes[a]
+        size = math.prod(sizes[a] for a in ((tp,) if isinstance(tp, str) else tp))
         out = {}
         for p in state:
             layer = re.search(r"\['layers'\]\[(\d+)\]\['(w|b)'\]$", p)
@@ -267,8 +259,7 @@ def expert_annotations(graph, model: str, mesh_shape: Sequence[int]) -> dict[str
                     out[p] = P(tp)
                 continue
             try:
-                entries = megatron_spec(RULES_OF.get(model, model), p, leaves[p], tp,
-                                              size)
+                entries = megatron_spec(RULES_OF.get(model, model), p, leaves[p], tp, size)
             except PeerRuleError:
                 continue
             if entries:
@@ -284,7 +275,7 @@ def expert_annotations(graph, model: str, mesh_shape: Sequence[int]) -> dict[str
             n *= sizes[a]
     plans["data parallel"] = pins({p: P(tuple(dp)) for p in batch}) if dp else {}
     plans["fsdp"] = {**plans["data parallel"], **pins(
-        {p: P(*zero3_spec(leaves[p], every, n_all)) for p in state})}
+        {p: P(*zero3_spec(leaves[p], every, math.prod(mesh_shape))) for p in state})}
     plans["megatron"] = megatron(every)
     experts = pins({p: P(every) for p in state if re.search(r"\['(w1|w2|b1|b2)'\]$", p)
                     and len(leaves[p]) == (3 if re.search(r"w[12]'\]$", p) else 2)})

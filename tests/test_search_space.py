@@ -68,10 +68,9 @@ def peer_plans(model, name: str, mesh_shape) -> dict[str, dict[str, P]]:
 
 def _fitting(graph, mesh_shape, plans: dict) -> dict:
     """The plans all of whose pins fit the leaves they name on the mesh."""
-    sizes = dict(zip(("x", "y"), mesh_shape))
     shapes = {graph.ops[p].arg.path: tuple(graph.ops[p].shape.dims) for p in graph.params}
     return {k: v for k, v in plans.items()
-            if all(peers._fits(shapes[path], spec, sizes) for path, spec in v.items())}
+            if all(peers.fits(shapes[path], spec, mesh_shape) for path, spec in v.items())}
 
 
 def _objective(graph, mesh_shape, opt_level, annotations=None, **cost) -> float:
