@@ -168,15 +168,18 @@ class PlanRequest:
         program takes pending sums through linear ops: both are lowered with sharding
         constraints under ``jax.jit``, where XLA all-reduces a split contraction at its
         source, so a pending sum carried further would be priced as it does not run. An
-        SPMD program keeps strided values split only inside (``strided_interior_only``);
-        stage programs have no strided layouts at all."""
+        SPMD program keeps strided values split only inside (``strided_interior_only``),
+        and splits dimensions its shards do not divide only inside as well (``uneven``:
+        JAX refuses an uneven sharding at a ``jax.jit`` boundary); stage programs have
+        neither, since a stage's forward and backward tasks hand values to each other
+        across such boundaries."""
         if self.build is not None:
             return self.build
         if pipeline:
             return BuildOptions(strided=False, partial_passthrough=False,
                                 min_split_flops=self.min_split_flops)
         return BuildOptions(strided_interior_only=True, partial_passthrough=False,
-                            min_split_flops=self.min_split_flops)
+                            uneven=True, min_split_flops=self.min_split_flops)
 
     def spmd_options(self, graph: HloGraph | None = None, mesh: AbstractMesh | None = None,
                      refine: bool = True, memory_budget: int | None = None) -> PlanOptions:

@@ -149,13 +149,17 @@ def test_validator_rejects_corrupted_plans():
     bad[k] = dataclasses.replace(plan[k], compute_cost=plan[k].compute_cost / 2)
     with pytest.raises(PlanValidationError, match="compute cost"):
         validate_plan(g, MESH4, CPU1, bad, carried=built.carried)
-    # 4. A spec that does not divide its tensor.
+    # 4. A spec that does not divide its tensor: refused on a parameter (JAX holds no
+    # uneven split at a jit boundary; inside, test_uneven.py), and a split into more shards
+    # than a dimension has elements anywhere.
     p = g.params[0]
     bad = list(plan)
     bad[p] = dataclasses.replace(plan[p], out_spec=ShardingSpec.parse("S[x]·R"))
     mesh3 = AbstractMesh((3,))
-    with pytest.raises(PlanValidationError, match="divisible"):
+    with pytest.raises(PlanValidationError, match="unevenly"):
         validate_plan(g, mesh3, CPU1, bad)
+    with pytest.raises(PlanValidationError, match="divisible"):
+        validate_plan(g, AbstractMesh((2048,)), CPU1, bad)
     # 5. A reshape that would move data.
     ga = attention_graph(H=64, heads=4)
     ba = build_problem(ga, MESH4, CPU1)

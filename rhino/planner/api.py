@@ -39,7 +39,7 @@ from rhino.planner.hierarchical import solve_o2, solve_o3
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spmd_plan import (SpmdPlan, MemoryEstimate, OpPlan, ParamPlan,
                                 PlannedCollective, SearchStats, SplitAlternative,
-                                UnplannedOp)
+                                UnevenValue, UnplannedOp)
 from rhino.planner.problem import ShardingProblem, Solution
 from rhino.planner.spec import ShardingSpec
 from rhino.planner.strategies import Strategy
@@ -351,12 +351,26 @@ def plan_graph(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
         unplanned=tuple(UnplannedOp(u.name, u.opcode, u.source, u.reason)
                         for u in built.unknown_ops),
         overhead_s=cost.program_seconds(), model_flops=model_flops(graph),
-        matmul_dtype=matmul_dtype(graph))
+        matmul_dtype=matmul_dtype(graph), uneven=_uneven_values(graph, strategies, mesh))
     if plan.splits_nothing and mesh.num_devices > 1:
         progress("the plan splits nothing: pricing the cheapest plan that splits the "
                  "largest op, for the report")
         plan = dataclasses.replace(plan, split_alternative=split_alternative(built, options))
     return plan
+
+
+def _uneven_values(graph, strategies, mesh: AbstractMesh) -> tuple[UnevenValue, ...]:
+    """The plan's values split unevenly, largest first."""
+    out = []
+    for op, s in zip(graph.ops, strategies):
+        spec = s.out_spec
+        if isinstance(spec, ShardingSpec) and isinstance(op.shape, TensorType) and \
+                spec.uneven_dims(op.shape.dims, mesh):
+            padded = TensorType(op.shape.dtype, spec.padded_shape(op.shape.dims, mesh))
+            out.append((op.out_bytes, UnevenValue(op.name, shape_str(op.shape),
+                                                  spec.to_str(mesh), shape_str(padded),
+                                                  op.source)))
+    return tuple(u for _, u in sorted(out, key=lambda x: -x[0]))
 
 
 def split_alternative(built: BuiltProblem, options: PlanOptions) -> SplitAlternative:

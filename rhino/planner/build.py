@@ -119,6 +119,12 @@ class BuildOptions:
             ``jax.Array`` handed in or back cannot hold a strided layout (no tiled sharding
             expresses it), and ``runtime.strided`` keeps strided values split through
             elementwise and reshape equations. ``auto_parallel`` plans this way.
+        uneven: also split dimensions their shard counts do not divide, padded as XLA
+            pads them (``StrategyOptions.uneven``), for values that are neither
+            parameters nor results: JAX refuses an uneven sharding at a ``jax.jit``
+            boundary, so a step's arguments and results keep even specs (e.g. a 50257-row
+            embedding arrives replicated or split by its columns and is split by rows
+            inside).
     """
 
     strided: bool = True
@@ -132,6 +138,7 @@ class BuildOptions:
     max_strides_per_dim: int = 4
     strided_interior_only: bool = False
     min_split_flops: float | None = None
+    uneven: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "forced_sharded", frozenset(self.forced_sharded))
@@ -149,7 +156,8 @@ class BuildOptions:
 
     def strategy_options(self) -> StrategyOptions:
         return StrategyOptions(strided=self.strided, partial_passthrough=self.partial_passthrough,
-                               max_strides_per_dim=self.max_strides_per_dim)
+                               max_strides_per_dim=self.max_strides_per_dim,
+                               uneven=self.uneven)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +290,9 @@ def local_bytes(shape: Any, spec: Any, mesh: AbstractMesh) -> int:
     """Bytes per device of a value laid out as ``spec`` (a tuple value: its elements by a
     tuple of specs, else replicated)."""
     if isinstance(shape, TensorType) and isinstance(spec, ShardingSpec):
+        if spec.uneven_dims(shape.dims, mesh):
+            return TensorType(shape.dtype, spec.padded_shape(shape.dims, mesh)).nbytes \
+                // spec.shard_count(mesh)
         return shape.nbytes // spec.shard_count(mesh)
     leaves = flatten_shape(shape)
     if isinstance(spec, tuple) and len(spec) == len(leaves):
@@ -487,6 +498,13 @@ def _partition(graph: HloGraph) -> Partition:
 def _restrict(graph: HloGraph, strategies: list[tuple[Strategy, ...]], mesh: AbstractMesh,
               options: BuildOptions) -> tuple[int, ...]:
     unforceable = []
+    if options.uneven:   # first: JAX holds no uneven split at a jit boundary
+        for i in dict.fromkeys((*graph.params, *graph.outputs)):
+            t = graph.ops[i].shape
+            if isinstance(t, TensorType):
+                strategies[i] = tuple(s for s in strategies[i] if not (
+                    isinstance(s.out_spec, ShardingSpec)
+                    and s.out_spec.uneven_dims(t.dims, mesh)))
     for i in sorted(options.forced_sharded):
         if not 0 <= i < len(graph.ops) or graph.ops[i].opcode != "parameter":
             raise PlanningError(f"forced_sharded: expected parameter op ids, found op {i} "
@@ -700,6 +718,8 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
 
 def _local_bytes(shape, spec, mesh: AbstractMesh) -> float:
     if isinstance(spec, ShardingSpec) and isinstance(shape, TensorType):
+        if spec.uneven_dims(shape.dims, mesh):
+            shape = TensorType(shape.dtype, spec.padded_shape(shape.dims, mesh))
         return shape.nbytes / spec.shard_count(mesh)
     return float(local_bytes(shape, spec, mesh))
 

@@ -53,6 +53,11 @@ Resharding (``reshard``) works axis by axis on the specs' axis roles (see ``spec
     dim                     none               all-gather, one per source dim (a dim
                                                split over several axes at once)
 
+Uneven splits (``spec.py``) are priced on the padded tensor, as XLA runs them: each dim
+split unevenly on either side is padded to a multiple of both sides' shard counts on it,
+and the steps above move the padded shards (a 50257-row table split over 8 gathers 8
+shards of 6283 rows).
+
 Steps run in that order of effect on size (slices and reduce-scatters first, gathers last),
 and axes needing the same step are grouped into one collective.
 
@@ -200,11 +205,58 @@ def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: Tensor
         return ReshardPlan(colls, sum(p.cost for p in plans)) if colls else _FREE
     if src == dst:
         return _FREE
-    shape = tensor.dims
     for spec in (src, dst):
-        spec.check(shape, mesh)
-    return _plan(src.axis_roles(shape, mesh), dst.axis_roles(shape, mesh), tensor, mesh,
-                 cost, _gather_moves(src, dst, cost), _groups(src, dst), alpha_share)
+        spec.check(tensor.dims, mesh, uneven=True)
+    padded = padded_tensor(src, dst, tensor, mesh)
+    shape = padded.dims
+    return _plan(src.axis_roles(shape, mesh), dst.axis_roles(shape, mesh), padded, mesh,
+                 cost, _gather_moves(src, dst, cost), _groups(src, dst), alpha_share,
+                 padded is not tensor and _uneven_remat(src, dst, tensor, mesh))
+
+
+def padded_tensor(src: ShardingSpec, dst: ShardingSpec, tensor: TensorType,
+                  mesh: AbstractMesh) -> TensorType:
+    """``tensor`` with each dim that ``src`` or ``dst`` splits unevenly padded to a multiple
+    of both specs' shard counts on it (the tensor itself when neither is uneven)."""
+    dims = list(tensor.dims)
+    changed = False
+    for i, size in enumerate(dims):
+        counts = [mesh.group_size(s.dims[i].axes) for s in (src, dst) if s.dims[i].axes]
+        if any(size % n for n in counts):
+            m = math.lcm(*counts)
+            dims[i] = -(-size // m) * m
+            changed = True
+    return TensorType(tensor.dtype, tuple(dims)) if changed else tensor
+
+
+def _uneven_remat(src: ShardingSpec, dst: ShardingSpec, tensor: TensorType,
+                  mesh: AbstractMesh) -> bool:
+    """Whether XLA moves between ``src`` and ``dst`` by gathering and slicing (its "full
+    rematerialization") because of an uneven split: a dim split unevenly on either side
+    that keeps no axis in place, gains or loses one, or trades it for another, unless one
+    side leaves it whole (a local slice, or a gather) and the axes it gains or loses move
+    alone (an all-to-all of one axis between two dims, each held by that axis alone); or
+    a local slice of one axis beside a gather or move of another (checked on jax 0.10.2
+    by the generated steps of ``tests/test_uneven.py``). ``_plan`` then gathers every
+    moving axis before it slices."""
+    dims = tensor.dims
+    for i in set(src.uneven_dims(dims, mesh)) | set(dst.uneven_dims(dims, mesh)):
+        sa, da = src.dims[i].axes, dst.dims[i].axes
+        if sa == da:
+            continue
+        if sa and da:
+            return True
+        here, there = (src, dst) if sa else (dst, src)   # the side splitting dim i, the other
+        for a in sa or da:
+            j = next((k for k, d in enumerate(there.dims) if a in d.axes), None)
+            if j is not None and (len(there.dims[j].axes) > 1 or here.dims[j].axes):
+                return True
+    # A local slice beside a gather or a move: XLA gathers first and slices the whole.
+    where_src = {a: k for k, d in enumerate(src.dims) for a in d.axes}
+    where_dst = {a: k for k, d in enumerate(dst.dims) for a in d.axes}
+    sliced = any(a not in where_src and a not in dict(src.partial) for a in where_dst)
+    moved = any(where_dst.get(a) != k for a, k in where_src.items())
+    return sliced and moved
 
 
 def _groups(src: ShardingSpec, dst: ShardingSpec) -> tuple | None:
@@ -224,7 +276,7 @@ def _gather_moves(src: ShardingSpec, dst: ShardingSpec, cost: CostModel) -> bool
 
 def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh, cost: CostModel,
           gather_moves: bool = False, groups: tuple | None = None,
-          alpha_share: float = 1.0) -> ReshardPlan:
+          alpha_share: float = 1.0, remat: bool = False) -> ReshardPlan:
     """``reshard`` on axis roles (see the module docstring for the steps); ``groups``:
     None, or the source spec and the target's ``partial_groups`` (``_groups``)."""
     regroup: set[int] = set()
@@ -265,7 +317,8 @@ def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh, cost: Co
         else:                                          # dim -> none
             gathers.append(a)
     out: list[Collective] = []
-    for a in slices:
+    gather_moves = gather_moves or remat
+    for a in slices if not remat else ():   # remat: slice after gathering (below)
         split[a] = True
     for red, axes in sorted(scatters.items()):
         b = local()
@@ -348,8 +401,9 @@ class ReshardCostTable:
         key = (spec, tensor.dims)
         got = self._roles.get(key)
         if got is None:
-            spec.check(tensor.dims, self.mesh)
-            got = spec.axis_roles(tensor.dims, self.mesh)
+            spec.check(tensor.dims, self.mesh, uneven=True)
+            got = (spec.axis_roles(tensor.dims, self.mesh), bool(
+                spec.uneven_dims(tensor.dims, self.mesh)))
             self._roles[key] = got
         return got
 
@@ -363,10 +417,16 @@ class ReshardCostTable:
             if isinstance(src, tuple) or isinstance(dst, tuple):
                 got = reshard(src, dst, tensor, self.mesh, self.cost_model, alpha_share).cost
             else:
-                got = _plan(self._roles_of(src, tensor), self._roles_of(dst, tensor), tensor,
-                            self.mesh, self.cost_model,
+                (rs, us), (rd, ud) = self._roles_of(src, tensor), self._roles_of(dst, tensor)
+                remat = False
+                if us or ud:
+                    remat = _uneven_remat(src, dst, tensor, self.mesh)
+                    tensor = padded_tensor(src, dst, tensor, self.mesh)
+                    rs = src.axis_roles(tensor.dims, self.mesh)
+                    rd = dst.axis_roles(tensor.dims, self.mesh)
+                got = _plan(rs, rd, tensor, self.mesh, self.cost_model,
                             _gather_moves(src, dst, self.cost_model), _groups(src, dst),
-                            alpha_share).cost
+                            alpha_share, remat).cost
             self._memo[key] = got
         return got
 

@@ -20,6 +20,14 @@ A ``ShardingSpec`` says how one tensor is laid out on an ``AbstractMesh``:
 
 Every mesh axis is used at most once per spec. Replicated = no axes, no partial.
 
+Uneven splits. A blocked split of a dimension whose size ``D`` the ``n`` shards do not
+divide is what XLA's partitioner runs by padding: each shard holds ``ceil(D / n)``
+elements, the last ones padding. Such a spec is valid only where asked for
+(``problems(..., uneven=True)``): inside a program, for values that are neither its
+arguments nor its results, since JAX refuses an uneven sharding at a ``jax.jit`` boundary
+(``IndivisibleError``). Its per-axis strides and local shape are those of the padded
+dimension ``padded_shape``; strided uneven splits are not offered.
+
 Per-axis view. Equivalently, each mesh axis ``a`` has a *role*: nothing, ``("partial", r)``
 or ``("dim", d, s)`` where ``s`` is the axis' own stride: element ``e`` of dim ``d`` is on
 coordinate ``(e // s) % n_a`` along ``a``. For axes ``(a0, .., ak)`` on one dim with stride
@@ -251,12 +259,31 @@ class ShardingSpec:
         return math.prod(mesh.shape[a] for d in self.dims for a in d.axes)
 
     def local_shape(self, global_shape: Sequence[int], mesh: AbstractMesh) -> tuple[int, ...]:
-        """Per-device shape of a tensor of ``global_shape`` (the spec must be valid for it)."""
-        self.check(global_shape, mesh)
-        return tuple(s // mesh.group_size(d.axes) for s, d in zip(global_shape, self.dims))
+        """Per-device shape of a tensor of ``global_shape`` (the spec must be valid for it,
+        uneven splits allowed: their shards hold ``ceil(D / n)`` elements, padding
+        included)."""
+        self.check(global_shape, mesh, uneven=True)
+        return tuple(-(-s // mesh.group_size(d.axes)) for s, d in zip(global_shape, self.dims))
 
-    def problems(self, global_shape: Sequence[int], mesh: AbstractMesh) -> list[str]:
-        """Why the spec does not fit ``global_shape`` on ``mesh`` (empty list: it fits)."""
+    def uneven_dims(self, global_shape: Sequence[int], mesh: AbstractMesh) -> tuple[int, ...]:
+        """The dimensions split into shards that do not divide their size (module doc)."""
+        return tuple(i for i, (size, d) in enumerate(zip(global_shape, self.dims))
+                     if d.axes and size % mesh.group_size(d.axes))
+
+    def padded_shape(self, global_shape: Sequence[int], mesh: AbstractMesh) -> tuple[int, ...]:
+        """``global_shape`` with each unevenly split dimension padded to whole shards."""
+        out = []
+        for size, d in zip(global_shape, self.dims):
+            n = mesh.group_size(d.axes) if d.axes else 1
+            out.append(-(-size // n) * n)
+        return tuple(out)
+
+    def problems(self, global_shape: Sequence[int], mesh: AbstractMesh,
+                 uneven: bool = False) -> list[str]:
+        """Why the spec does not fit ``global_shape`` on ``mesh`` (empty list: it fits).
+
+        ``uneven``: accept blocked splits the shards do not divide, of a dimension longer
+        than its shard count (XLA pads them; only inside a program, see the module doc)."""
         out = []
         if len(global_shape) != self.rank:
             return [f"expected a rank-{self.rank} tensor, found shape {tuple(global_shape)}"]
@@ -268,19 +295,24 @@ class ShardingSpec:
             return out
         for i, (size, d) in enumerate(zip(global_shape, self.dims)):
             n = mesh.group_size(d.axes)
-            if size % n:
-                out.append(f"dim {i} of size {size}: expected divisible by its {n} shards")
+            if size % n and not (uneven and d.stride is None and size > n):
+                out.append(f"dim {i} of size {size}: expected divisible by its {n} shards"
+                           + ("" if uneven else " (an uneven split, padded, is planned only "
+                              "inside a program: JAX requires a step's arguments and "
+                              "results to divide)"))
             elif d.stride is not None and size % (n * d.stride):
                 out.append(f"dim {i} of size {size}: expected divisible by shards x stride = "
                            f"{n} x {d.stride}")
         return out
 
-    def is_valid(self, global_shape: Sequence[int], mesh: AbstractMesh) -> bool:
-        return not self.problems(global_shape, mesh)
+    def is_valid(self, global_shape: Sequence[int], mesh: AbstractMesh,
+                 uneven: bool = False) -> bool:
+        return not self.problems(global_shape, mesh, uneven)
 
-    def check(self, global_shape: Sequence[int], mesh: AbstractMesh) -> None:
+    def check(self, global_shape: Sequence[int], mesh: AbstractMesh,
+              uneven: bool = False) -> None:
         """Raise ``InvalidSpecError`` unless the spec fits ``global_shape`` on ``mesh``."""
-        p = self.problems(global_shape, mesh)
+        p = self.problems(global_shape, mesh, uneven)
         if p:
             raise InvalidSpecError(f"spec {self.to_str(mesh)} for shape "
                                    f"{tuple(global_shape)} on {mesh}: " + "; ".join(p))
@@ -308,7 +340,7 @@ class ShardingSpec:
             if not d.axes:
                 continue
             n = mesh.group_size(d.axes)
-            s = d.stride if d.stride is not None else global_shape[i] // n
+            s = d.stride if d.stride is not None else -(-global_shape[i] // n)
             for a in reversed(d.axes):
                 roles[a] = ("dim", i, s)
                 s *= mesh.shape[a]
@@ -343,6 +375,9 @@ class ShardingSpec:
             axes = tuple(a for _, a in lst)
             n = mesh.group_size(axes)
             size = global_shape[d]
+            if size % n and base == -(-size // n):
+                dims[d] = DimSharding(axes)            # uneven blocked (padded) split
+                continue
             if size % (n * base):
                 return None
             dims[d] = DimSharding(axes, None if base * n == size else base)
@@ -445,6 +480,29 @@ class ShardingSpec:
     @classmethod
     def from_json(cls, text: str) -> "ShardingSpec":
         return cls.from_dict(json.loads(text))
+
+
+def padding_factor(opcode: str, specs: Sequence[Any], shapes: Sequence[Any],
+                   mesh: AbstractMesh) -> float:
+    """How much more than its even share of an op's work a device does where the op's
+    specs (output first, then operands; tensors only) split dimensions unevenly: the
+    largest, over the specs, product of ``ceil(D / n) * n / D`` over their uneven dims
+    (1.0 when none is). A gather's table split does not share the work (each device looks
+    up every index), so its table's padding is not counted either."""
+    pairs = list(zip(specs, shapes))
+    if opcode == "gather" and len(pairs) == 3:
+        pairs = [pairs[0], pairs[2]]
+    worst = 1.0
+    for spec, shape in pairs:
+        if not isinstance(spec, ShardingSpec) or not hasattr(shape, "dims"):
+            continue
+        f = 1.0
+        for i in spec.uneven_dims(shape.dims, mesh):
+            n = mesh.group_size(spec.dims[i].axes)
+            size = shape.dims[i]
+            f *= -(-size // n) * n / size
+        worst = max(worst, f)
+    return worst
 
 
 def _check_groups(spec: ShardingSpec, groups: Any, reducer: dict[int, str]

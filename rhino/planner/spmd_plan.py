@@ -136,6 +136,23 @@ class UnplannedOp:
 
 
 @dataclasses.dataclass(frozen=True)
+class UnevenValue:
+    """A value split over shards that do not divide its dimension (padded, as XLA runs it;
+    only inside the step: its arguments and results keep even splits).
+
+    Attributes:
+        name: the op's name; shape: its type (``f32[8,50257]``); spec: its spec's text;
+        padded: the padded shape each shard is a slice of; source: ``file:line``.
+    """
+
+    name: str
+    shape: str
+    spec: str
+    padded: str
+    source: str | None
+
+
+@dataclasses.dataclass(frozen=True)
 class SplitAlternative:
     """Why a plan that splits nothing won: the cheapest plan found that splits the step's
     largest op (its replicated choices removed), priced by the same cost model.
@@ -173,6 +190,7 @@ class SpmdPlan:
         overhead_s: dispatching the step's program (``CostModel.program_seconds``).
         model_flops: the step's matmul FLOPs (``op_cost.model_flops``), for its MFU.
         matmul_dtype: the dtype most of them run in.
+        uneven: the values split unevenly (padded) inside the step.
     """
 
     program: str
@@ -192,6 +210,7 @@ class SpmdPlan:
     overhead_s: float = 0.0
     model_flops: float = 0.0
     matmul_dtype: str = "f32"
+    uneven: tuple[UnevenValue, ...] = ()
 
     @property
     def splits_nothing(self) -> bool:
@@ -261,6 +280,7 @@ class SpmdPlan:
                                   else dataclasses.asdict(self.split_alternative)),
             "overhead_s": self.overhead_s, "model_flops": self.model_flops,
             "matmul_dtype": self.matmul_dtype,
+            "uneven": [dataclasses.asdict(u) for u in self.uneven],
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -299,7 +319,8 @@ class SpmdPlan:
                                else SplitAlternative(**d["split_alternative"])),
             overhead_s=float(d.get("overhead_s", 0.0)),
             model_flops=float(d.get("model_flops", 0.0)),
-            matmul_dtype=str(d.get("matmul_dtype", "f32")))
+            matmul_dtype=str(d.get("matmul_dtype", "f32")),
+            uneven=tuple(UnevenValue(**u) for u in d.get("uneven", ())))
 
     @classmethod
     def from_json(cls, text: str) -> "SpmdPlan":
@@ -365,6 +386,17 @@ class SpmdPlan:
         if len(ranked) > max_params:
             lines.append(f"    ... {len(ranked) - max_params} more ({MORE_HINT}); specs "
                          f"overall: " + ", ".join(f"{k} ×{v}" for k, v in counts.most_common()))
+        if self.uneven:
+            lines.append(f"  uneven splits     {len(self.uneven)} values split over shards "
+                         f"that do not divide them, padded as XLA runs them (only inside "
+                         f"the step: JAX holds no uneven split at its arguments and "
+                         f"results); the largest:")
+            shown = self.uneven if full else self.uneven[:5]
+            for u in shown:
+                lines.append(f"    {u.name:<24} {u.shape:<20} {u.spec:<12} padded to "
+                             f"{u.padded}" + (f"  [{u.source}]" if u.source else ""))
+            if len(self.uneven) > len(shown):
+                lines.append(f"    ... {len(self.uneven) - len(shown)} more ({MORE_HINT})")
         if self.unplanned:
             lines.append(f"  replicated for lack of a rule ({len(self.unplanned)} ops):")
             shown = self.unplanned if full else self.unplanned[:20]

@@ -47,7 +47,7 @@ from rhino.planner.custom_calls import custom_loops, enumerate_custom, is_custom
 from rhino.planner.op_cost import OpTimes
 from rhino.planner.mesh import AbstractMesh
 from rhino.planner.spec import (DimSharding, ShardingSpec, inner_sizes, map_linear_axis,
-                                map_reshape)
+                                map_reshape, padding_factor)
 from rhino.planner.strategies_rules import FLOAT_TYPES, SUM, Loop, op_loops
 
 _REPL = DimSharding()
@@ -93,12 +93,16 @@ class StrategyOptions:
         partial_passthrough: let linear ops take and produce pending sums.
         max_strides_per_dim: cap on the extra strides per tensor dim and shard count.
         hint_sweeps: cap on the propagation sweeps of ``stride_hints``.
+        uneven: also split loops their shard counts do not divide (blocked, padded by
+            XLA; ``spec.py``), priced at the padded size; reshapes and custom calls stay
+            even, and ``build_problem`` keeps such specs off arguments and results.
     """
 
     strided: bool = True
     partial_passthrough: bool = True
     max_strides_per_dim: int = 4
     hint_sweeps: int = 16
+    uneven: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,11 +297,14 @@ Assignment = dict  # loop index -> (axes tuple, stride or None)
 
 
 def assignments(loops: Sequence[Loop], mesh: AbstractMesh,
-                stride_options: Callable[[int, int], list[int]] | None = None
-                ) -> Iterator[Assignment]:
+                stride_options: Callable[[int, int], list[int]] | None = None,
+                uneven: bool = False) -> Iterator[Assignment]:
     """Every way to give each mesh axis (of size > 1) one loop or none (§4's recursion).
 
-    Axes on one loop are kept in mesh order (outermost first) and must divide its size.
+    Axes on one loop are kept in mesh order (outermost first) and must divide its size
+    (``uneven``: or be one axis shorter than it, a padded split; such loops get no
+    strides. One axis only: a dim split over two axes unevenly pads differently from its
+    split over the outer one, so XLA cannot move between the two in place).
     ``stride_options(loop index, shard count)`` lists extra strides for a loop.
     """
     active = [a for a in range(mesh.ndim) if mesh.shape[a] > 1]
@@ -309,7 +316,8 @@ def assignments(loops: Sequence[Loop], mesh: AbstractMesh,
         ok = True
         for li, axes in per.items():
             size = loops[li].size
-            if size is not None and size % mesh.group_size(axes):
+            n = mesh.group_size(axes)
+            if size is not None and size % n and not (uneven and size > n and len(axes) == 1):
                 ok = False
                 break
         if not ok:
@@ -320,7 +328,7 @@ def assignments(loops: Sequence[Loop], mesh: AbstractMesh,
             continue
         extra = []
         for li, axes in per.items():
-            if loops[li].size is not None:
+            if loops[li].size is not None and not loops[li].size % mesh.group_size(axes):
                 opts = stride_options(li, mesh.group_size(axes))
                 if opts:
                     extra.append((li, [None] + list(opts)))
@@ -485,7 +493,11 @@ class _Generator:
         if hit is not None:
             return hit
         seen: dict[tuple, Strategy] = {}
-        for asg in assignments(loops, mesh, fn):
+        uneven = self.options.uneven
+        for asg in assignments(loops, mesh, fn, uneven):
+            padded = uneven and any(
+                loops[li].size is not None and loops[li].size % mesh.group_size(axes)
+                for li, (axes, _) in asg.items())
             for grouped in _groupings(loops, asg):
                 out = spec_of(out_rank, -1, loops, asg, self.intern, grouped)
                 ins = tuple(spec_of(r, k, loops, asg, self.intern, grouped)
@@ -497,6 +509,10 @@ class _Generator:
                 for li, (axes, _) in asg.items():
                     if loops[li].shares_work:
                         share *= mesh.group_size(axes)
+                if padded:
+                    share /= padding_factor(
+                        op.opcode, (out, *ins),
+                        (op.shape, *(self.graph.ops[o].shape for o in op.operands)), mesh)
                 seen[pair] = Strategy(out, ins, self._seconds(op, share), 0.0,
                                       _label(op.opcode, loops, asg, mesh))
         if not seen:  # cannot happen: the empty assignment is always valid

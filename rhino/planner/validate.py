@@ -56,7 +56,7 @@ from rhino.planner.cost_model import CostModel
 from rhino.planner.op_cost import OpTimes
 from rhino.planner.custom_calls import check_custom, is_custom_tuple, op_rule
 from rhino.planner.mesh import AbstractMesh
-from rhino.planner.spec import ShardingSpec
+from rhino.planner.spec import ShardingSpec, padding_factor
 
 _FLOATS = ("f16", "bf16", "f32", "f64")
 _KIND = {"add": "sum", "maximum": "max", "minimum": "min"}
@@ -383,7 +383,7 @@ def _check_fit(op: Op, what: str, spec: Any, shape: Any, mesh: AbstractMesh,
     if isinstance(shape, TensorType):
         if not isinstance(spec, ShardingSpec):
             raise _fail(op, f"{what}: expected a ShardingSpec for {shape}, found {spec!r}")
-        problems = spec.problems(shape.dims, mesh)
+        problems = spec.problems(shape.dims, mesh, uneven=True)
         if problems:
             raise _fail(op, f"{what} {spec.to_str(mesh)} does not fit {shape}: "
                         + "; ".join(problems))
@@ -395,7 +395,7 @@ def _check_fit(op: Op, what: str, spec: Any, shape: Any, mesh: AbstractMesh,
         raise _fail(op, f"{what}: expected {len(leaves)} "
                     f"{'' if sharded else 'replicated '}specs for tuple shape, found {spec!r}")
     for s, t in zip(spec, leaves):
-        if s.problems(t.dims, mesh):
+        if s.problems(t.dims, mesh):   # tuple values (custom calls) split evenly only
             raise _fail(op, f"{what} {s.to_str(mesh)} does not fit {t}: "
                         + "; ".join(s.problems(t.dims, mesh)))
 
@@ -486,6 +486,14 @@ def _share(op: Op, strategy: Any, shapes: Sequence[Any], mesh: AbstractMesh) -> 
             if isinstance(s, ShardingSpec) and any(a in d.axes for d in s.dims):
                 share *= mesh.shape[a]
                 break
+    if op.opcode == "get-tuple-element":
+        return share
+    flat = [x for s in [strategy.out_spec, *strategy.in_specs]
+            for x in (s if isinstance(s, tuple) else (s,))]
+    if len(flat) == len(shapes) and any(
+            isinstance(s, ShardingSpec) and isinstance(t, TensorType) and s.uneven_dims(t.dims, mesh)
+            for s, t in zip(flat, shapes)):
+        share /= padding_factor(op.opcode, flat, shapes, mesh)   # padded shards
     return share
 
 
@@ -590,6 +598,14 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Se
             return spec.without_partial()  # read from the value reduced once
         return spec
 
+    for i in dict.fromkeys((*graph.params, *graph.outputs)):
+        spec, t = plan[i].out_spec, graph.ops[i].shape
+        if (i not in {o for o, _ in carried} and isinstance(spec, ShardingSpec)
+                and isinstance(t, TensorType) and spec.uneven_dims(t.dims, mesh)
+                and not spec.problems(t.dims, mesh, uneven=True)):
+            raise _fail(graph.ops[i], f"{'parameter' if i in graph.params else 'result'} "
+                        f"spec {spec.to_str(mesh)} splits {t} unevenly; expected an even "
+                        f"split (JAX holds no uneven split at a jit boundary)")
     for op, st in zip(graph.ops, plan):
         check_strategy(graph, op, st, mesh)
         shapes = [op.shape] + [graph.ops[o].shape for o in op.operands]
