@@ -122,3 +122,25 @@ def loss_only_last_step(batch: int = 16, d: int = 64):
     args = (_dense(k[0], 2, d), jax.random.normal(k[1], (batch, d)),
             jax.random.normal(k[2], (batch, d)))
     return step, args, {}
+
+
+def assert_trains_like_jit(step, reference, params, opt, batch, steps: int = 3,
+                           loss_rtol: float = 1e-5, atol: float = 5e-5):
+    """Run ``steps`` training steps of ``step`` and of ``reference`` (``jax.jit`` of the
+    same function) from copies of one state; losses agree to ``loss_rtol`` at every step
+    and the parameters at the end to rtol 1e-4 and ``atol`` (Adam moves an element whose
+    gradient is ~0 by up to a fraction of a step under another summation order). Returns
+    ``step``'s parameters."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    p0, o0 = params, opt
+    p1, o1 = jax.tree.map(jnp.copy, (params, opt))
+    for _ in range(steps):
+        p0, o0, l0 = reference(p0, o0, batch)
+        p1, o1, l1 = step(p1, o1, batch)
+        np.testing.assert_allclose(float(l1), float(l0), rtol=loss_rtol)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=atol)
+    return p1
