@@ -270,3 +270,29 @@ def test_the_generated_steps_do_split_unevenly():
         plan = rhino.plan(step, *args, mesh_shape=mesh, opt_level="O3").spmd
         hits += bool(_uneven_values(plan))
     assert hits >= len(_DEFAULT_SEEDS) // 2, hits
+
+
+def test_a_named_scope_inside_the_step_may_be_pinned_to_an_uneven_split():
+    """A user's pin on logits of 1001 classes over 8 devices is a padded split inside the
+    step (accepted and run equal to jax.jit); the same split of an argument is refused."""
+    from jax.sharding import PartitionSpec as P
+
+    def step(w, h, y):
+        def loss(w):
+            with jax.named_scope("logits"):
+                logits = h @ w.T
+            return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - logits[:, 0] * y)
+        value, g = jax.value_and_grad(loss)(w)
+        return w - 0.1 * g, value
+
+    args = _lm_args()
+    auto = rhino.auto_parallel(step, mesh_shape=(8,), annotations={"logits": P(None, "x")},
+                               report=False)
+    plan = auto.plan_for(*args).spmd
+    assert any(u.spec == "R·S[x]" and u.shape == "f32[16,1001]" for u in _uneven_values(plan))
+    want = jax.jit(step)(*args)
+    for a, b in zip(auto(*jax.tree.map(jnp.copy, args)), want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    bad = rhino.auto_parallel(step, mesh_shape=(8,), annotations={"w": P("x")}, report=False)
+    with pytest.raises(rhino.errors.RhinoError, match="inside a program"):
+        bad.plan_for(*args)

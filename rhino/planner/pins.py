@@ -4,6 +4,7 @@ the SPMD planner and every stage plan of the pipeline search)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 from rhino.errors import OptionsError, RhinoError
@@ -23,7 +24,8 @@ def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: Abstr
     Raises:
         RhinoError: a key naming neither a parameter nor a scope.
         OptionsError: a spec that does not fit the value's shape on the mesh (rank, or a
-            dimension its shards do not divide).
+            dimension its shards do not divide, where the value is an argument or a
+            result: a value inside the step may be split unevenly over one axis).
     """
     pins: dict[int, ShardingSpec] = {}
     by_path = {graph.ops[p].arg.path: p for p in graph.params if graph.ops[p].arg}
@@ -42,7 +44,7 @@ def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: Abstr
             _check_fits(key, spec, op, mesh)
             pins[by_path[key]] = spec
             continue
-        scoped = [op.id for op in graph.ops if f"/{key}/" in f"/{op.op_name}/"]
+        scoped = [op.id for op in graph.ops if _in_scope(op.op_name, key)]
         members = set(scoped)
         exported = [i for i in scoped if i in graph.outputs
                     or any(u not in members for u in users[i])]
@@ -52,12 +54,41 @@ def annotation_pins(graph: HloGraph, annotations: Mapping[str, Any], mesh: Abstr
                              f"name used in the step; found neither")
         for i in exported:
             spec = annotation_spec(key, value, mesh, _rank(graph.ops[i]))
-            _check_fits(key, spec, graph.ops[i], mesh)
+            # a value inside the step may be split unevenly (padded), as the search does
+            _check_fits(key, spec, graph.ops[i], mesh, uneven=i not in graph.outputs)
             pins[i] = spec
     return pins
 
 
 VALUE = ".value"
+
+# JAX names the scope of a value computed under a transformation ``jvp(scope)``,
+# ``vmap(scope)``...; the backward pass's ``transpose(jvp(scope))`` is not the value the
+# scope names.
+_WRAPPED = re.compile(r"^(?:jvp|vmap|checkpoint|remat|pjit|jit)\((.*)\)$")
+
+
+def _in_scope(op_name: str, key: str) -> bool:
+    """Whether an op named ``op_name`` computes a value of the scope ``key`` (one name, or
+    nested names ``outer/inner``), its forward value: under ``jax.grad`` the scope reads
+    ``jvp(key)``; the backward's ``transpose(jvp(key))`` is left out.
+
+    Example:
+        >>> _in_scope("jit(step)/jvp(logits)/dot_general", "logits")
+        True
+        >>> _in_scope("jit(step)/transpose(jvp(logits))/dot_general", "logits")
+        False
+        >>> _in_scope("jit(step)/jvp(block)/jvp(attn)/exp", "block/attn")
+        True
+    """
+    parts = []
+    for part in op_name.split("/"):
+        m = _WRAPPED.match(part)
+        while m is not None:
+            part = m.group(1)
+            m = _WRAPPED.match(part)
+        parts.append(part)
+    return f"/{key}/" in "/" + "/".join(parts) + "/"
 
 
 def annotation_spec(key: str, value: Any, mesh: AbstractMesh, rank: int | None = None
@@ -111,11 +142,12 @@ def _rank(op: Any) -> int | None:
     return None if dims is None else len(dims)
 
 
-def _check_fits(key: str, spec: ShardingSpec, op: Any, mesh: AbstractMesh) -> None:
+def _check_fits(key: str, spec: ShardingSpec, op: Any, mesh: AbstractMesh,
+                uneven: bool = False) -> None:
     dims = getattr(op.shape, "dims", None)
     if dims is None:
         return  # a tuple value: the planner says it stays replicated
-    problems = spec.problems(dims, mesh)
+    problems = spec.problems(dims, mesh, uneven)
     if problems:
         what = op.arg.path if op.arg is not None else f"{op.name} ({op.opcode})"
         raise OptionsError(f"annotation {key!r}: {spec.to_str(mesh)} does not fit {what} of "
