@@ -84,6 +84,36 @@ def test_resharding_an_uneven_split_moves_the_padded_shards():
                    cost).is_free
 
 
+@pytest.mark.parametrize("src,dst", [("S[y]·R", "R·S[x]"), ("R·S[x]", "S[y]·R"),
+                                     ("S[x]·R", "R·S[y]"), ("S[y]·R", "S[x]·R")])
+def test_a_slice_beside_a_gather_is_priced_as_xla_runs_it(src, dst):
+    """A local slice into one dim beside a gather of another: XLA gathers the whole and
+    slices after (the model priced slice-then-gather, half the bytes, until a generated
+    step on (2, 4) showed it); a slice of the dim being gathered still comes first. The
+    model's all-gather bytes are the compiled program's (a canary on XLA's partitioner)."""
+    import re
+    from jax.sharding import Mesh, NamedSharding
+
+    mesh, cost = AbstractMesh((2, 4)), CostModel((1e-5, 1e-5), (1e-9, 1e-9))
+    t = TensorType("f32", (512, 128))
+    a, b = ShardingSpec.parse(src, mesh), ShardingSpec.parse(dst, mesh)
+    planned = sum(c.bytes for c in reshard(a, b, t, mesh, cost).collectives
+                  if c.kind == "all-gather")
+    jmesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+
+    def pspec(spec):
+        return jax.sharding.PartitionSpec(*[("x", "y")[d.axes[0]] if d.axes else None
+                                            for d in spec.dims])
+
+    def f(v):
+        v = jax.lax.with_sharding_constraint(v * 2, NamedSharding(jmesh, pspec(a)))
+        return jax.lax.with_sharding_constraint(v + 1, NamedSharding(jmesh, pspec(b)))
+    text = jax.jit(f).lower(jnp.ones(t.dims)).compile().as_text()
+    gathered = [int(np.prod([int(x) for x in m.group(1).split(",")])) * 4
+                for m in re.finditer(r"= f32\[([\d,]+)\]\S* all-gather\(", text)]
+    assert gathered == [planned]
+
+
 # ------------------------------------------------------------------------------ build
 def _lm_head(w, h, y):
     def loss(w):

@@ -52,6 +52,8 @@ Resharding (``reshard``) works axis by axis on the specs' axis roles (see ``spec
                                                without being reduced
     dim                     none               all-gather, one per source dim (a dim
                                                split over several axes at once)
+    (a slice into one dim beside a gather of another: the gather first, of the
+    whole tensor, as XLA runs it)
 
 Uneven splits (``spec.py``) are priced on the padded tensor, as XLA runs them: each dim
 split unevenly on either side is padded to a multiple of both sides' shard counts on it,
@@ -318,7 +320,12 @@ def _plan(rs: tuple, rd: tuple, tensor: TensorType, mesh: AbstractMesh, cost: Co
             gathers.append(a)
     out: list[Collective] = []
     gather_moves = gather_moves or remat
-    for a in slices if not remat else ():   # remat: slice after gathering (below)
+    # A local slice into one dim beside a gather of another: XLA's partitioner gathers
+    # the whole and slices after (checked on jax 0.10.2: S[y]·R -> R·S[x] on (2, 4)
+    # all-gathers the full tensor); a slice of the dim being gathered comes first.
+    slice_first = not remat and not (slices and gathers and any(
+        rd[a][1] not in {rs[b][1] for b in gathers} for a in slices))
+    for a in slices if slice_first else ():   # else: slice after gathering (below)
         split[a] = True
     for red, axes in sorted(scatters.items()):
         b = local()
