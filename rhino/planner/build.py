@@ -290,10 +290,7 @@ def local_bytes(shape: Any, spec: Any, mesh: AbstractMesh) -> int:
     """Bytes per device of a value laid out as ``spec`` (a tuple value: its elements by a
     tuple of specs, else replicated)."""
     if isinstance(shape, TensorType) and isinstance(spec, ShardingSpec):
-        if spec.uneven_dims(shape.dims, mesh):
-            return TensorType(shape.dtype, spec.padded_shape(shape.dims, mesh)).nbytes \
-                // spec.shard_count(mesh)
-        return shape.nbytes // spec.shard_count(mesh)
+        return _padded(shape, spec, mesh).nbytes // spec.shard_count(mesh)
     leaves = flatten_shape(shape)
     if isinstance(spec, tuple) and len(spec) == len(leaves):
         return sum(local_bytes(t, s, mesh) for t, s in zip(leaves, spec))
@@ -718,10 +715,15 @@ def build_problem(graph: HloGraph, mesh: AbstractMesh, cost: CostModel,
 
 def _local_bytes(shape, spec, mesh: AbstractMesh) -> float:
     if isinstance(spec, ShardingSpec) and isinstance(shape, TensorType):
-        if spec.uneven_dims(shape.dims, mesh):
-            shape = TensorType(shape.dtype, spec.padded_shape(shape.dims, mesh))
-        return shape.nbytes / spec.shard_count(mesh)
+        return _padded(shape, spec, mesh).nbytes / spec.shard_count(mesh)
     return float(local_bytes(shape, spec, mesh))
+
+
+def _padded(shape: TensorType, spec: ShardingSpec, mesh: AbstractMesh) -> TensorType:
+    """``shape`` with the dims ``spec`` splits unevenly padded to whole shards."""
+    if spec.uneven_dims(shape.dims, mesh):
+        return TensorType(shape.dtype, spec.padded_shape(shape.dims, mesh))
+    return shape
 
 
 def _choice_label(s: Strategy, mesh: AbstractMesh) -> str:

@@ -209,11 +209,18 @@ def reshard(src: ShardingSpec | tuple, dst: ShardingSpec | tuple, tensor: Tensor
         return _FREE
     for spec in (src, dst):
         spec.check(tensor.dims, mesh, uneven=True)
-    padded = padded_tensor(src, dst, tensor, mesh)
+    padded, remat = _padded_move(src, dst, tensor, mesh)
     shape = padded.dims
     return _plan(src.axis_roles(shape, mesh), dst.axis_roles(shape, mesh), padded, mesh,
-                 cost, _gather_moves(src, dst, cost), _groups(src, dst), alpha_share,
-                 padded is not tensor and _uneven_remat(src, dst, tensor, mesh))
+                 cost, _gather_moves(src, dst, cost), _groups(src, dst), alpha_share, remat)
+
+
+def _padded_move(src: ShardingSpec, dst: ShardingSpec, tensor: TensorType,
+                 mesh: AbstractMesh) -> tuple[TensorType, bool]:
+    """The tensor a move between ``src`` and ``dst`` runs on (``padded_tensor``) and
+    whether XLA rematerializes it for an uneven split (``_uneven_remat``)."""
+    padded = padded_tensor(src, dst, tensor, mesh)
+    return padded, padded is not tensor and _uneven_remat(src, dst, tensor, mesh)
 
 
 def padded_tensor(src: ShardingSpec, dst: ShardingSpec, tensor: TensorType,
@@ -253,7 +260,8 @@ def _uneven_remat(src: ShardingSpec, dst: ShardingSpec, tensor: TensorType,
             j = next((k for k, d in enumerate(there.dims) if a in d.axes), None)
             if j is not None and (len(there.dims[j].axes) > 1 or here.dims[j].axes):
                 return True
-    # A local slice beside a gather or a move: XLA gathers first and slices the whole.
+    # A local slice beside a gather or a move, of any dim (``_plan`` alone takes only a
+    # gather of another dim for even splits): XLA gathers first and slices the whole.
     where_src = {a: k for k, d in enumerate(src.dims) for a in d.axes}
     where_dst = {a: k for k, d in enumerate(dst.dims) for a in d.axes}
     sliced = any(a not in where_src and a not in dict(src.partial) for a in where_dst)
@@ -427,8 +435,7 @@ class ReshardCostTable:
                 (rs, us), (rd, ud) = self._roles_of(src, tensor), self._roles_of(dst, tensor)
                 remat = False
                 if us or ud:
-                    remat = _uneven_remat(src, dst, tensor, self.mesh)
-                    tensor = padded_tensor(src, dst, tensor, self.mesh)
+                    tensor, remat = _padded_move(src, dst, tensor, self.mesh)
                     rs = src.axis_roles(tensor.dims, self.mesh)
                     rd = dst.axis_roles(tensor.dims, self.mesh)
                 got = _plan(rs, rd, tensor, self.mesh, self.cost_model,

@@ -471,8 +471,9 @@ def _check_partial_groups(op: Op, specs: Sequence[Any], roles: Sequence[tuple],
 
 
 def _share(op: Op, strategy: Any, shapes: Sequence[Any], mesh: AbstractMesh) -> int:
-    specs = [x for s in [strategy.out_spec, *strategy.in_specs]
-             for x in (s if isinstance(s, tuple) else (s,))]
+    flat = [x for s in [strategy.out_spec, *strategy.in_specs]
+            for x in (s if isinstance(s, tuple) else (s,))]
+    specs = flat
     if op.opcode == "get-tuple-element":
         specs = []   # reading an element computes nothing
     elif op.opcode == "gather" and len(specs) == 3:
@@ -488,8 +489,6 @@ def _share(op: Op, strategy: Any, shapes: Sequence[Any], mesh: AbstractMesh) -> 
                 break
     if op.opcode == "get-tuple-element":
         return share
-    flat = [x for s in [strategy.out_spec, *strategy.in_specs]
-            for x in (s if isinstance(s, tuple) else (s,))]
     if len(flat) == len(shapes) and any(
             isinstance(s, ShardingSpec) and isinstance(t, TensorType) and s.uneven_dims(t.dims, mesh)
             for s, t in zip(flat, shapes)):
@@ -582,7 +581,8 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Se
         if graph.ops[p].opcode != "parameter" or graph.ops[o].shape != graph.ops[p].shape:
             raise PlanValidationError(f"carried pair ({graph.ops[o].name}, {graph.ops[p].name})"
                                       f": expected an output and a parameter of one type")
-    outs_free = set(graph.outputs) - {o for o, _ in carried}
+    carried_outs = {o for o, _ in carried}
+    outs_free = set(graph.outputs) - carried_outs
     resolved = _check_resolved(graph, mesh, plan, carried, outs_free, resolved)
     share = _check_shares(graph, alpha_share or {})
     compute = comm = 0.0
@@ -600,7 +600,7 @@ def validate_plan(graph: HloGraph, mesh: AbstractMesh, cost: CostModel, plan: Se
 
     for i in dict.fromkeys((*graph.params, *graph.outputs)):
         spec, t = plan[i].out_spec, graph.ops[i].shape
-        if (i not in {o for o, _ in carried} and isinstance(spec, ShardingSpec)
+        if (i not in carried_outs and isinstance(spec, ShardingSpec)
                 and isinstance(t, TensorType) and spec.uneven_dims(t.dims, mesh)
                 and not spec.problems(t.dims, mesh, uneven=True)):
             raise _fail(graph.ops[i], f"{'parameter' if i in graph.params else 'result'} "
