@@ -1,5 +1,5 @@
 """Every plan an expert writes is in the search space (issue 46): no pin beats the free
-search (acceptance 1).
+search (acceptance 1), and two-speed meshes get the closed-form plans (acceptance 3).
 
 The plans an expert writes by hand — data parallelism, Megatron's column/row alternation,
 FSDP/ZeRO-3, expert parallelism, DP × TP on a 2-D mesh, the batch over a mesh's slow axis
@@ -349,3 +349,95 @@ def test_two_speed_data_parallel_costs_its_closed_form(batch, width, layers, sha
                for n in (n_fast, n_fast * n_slow)}
     want = "both" if compute[n_fast * n_slow] + both < compute[n_fast] + fast else "fast"
     assert regime == want, (regime, compute, both, fast)
+
+
+def megatron_over_fast(batch: int, width: int, layers: int, n_fast: int, n_slow: int,
+                       slow: float) -> tuple[float, ...]:
+    """The batch over the slow axis and Megatron's column/row pairs over the fast one (the
+    Megatron-LM paper's DP x TP; Alpa's two-level plan): per pair, the row layer's [B/n_slow,
+    H] output all-reduced over the fast axis in the forward pass, and every pair but the
+    first all-reduces its input's gradient in the backward pass (L - 1 activations in all);
+    each weight's gradient, a 1/n_fast column or row block, all-reduced over the slow axis.
+    The scalar loss is reduced over both axes at the slow axis' α and β, over the slow axis
+    alone where its elementwise work stays whole on the fast axis, or over each axis in turn
+    (one α more: a tie within the MIP gap of 1e-4, which HiGHS may return)."""
+    act = (layers - 1) * _all_reduce(batch / n_slow * width * 4, n_fast, FAST)
+    grads = layers * _all_reduce(width * width / n_fast * 4, n_slow, slow)
+    loss = (_all_reduce(4, n_fast * n_slow, slow), _all_reduce(4, n_slow, slow),
+            _all_reduce(4, n_slow, slow) + _all_reduce(4, n_fast, FAST))
+    return tuple(act + grads + l for l in loss)
+
+
+def matmul_time(batch: int, width: int, layers: int, devices: int, flops: float) -> float:
+    """The MLP's matmuls split over ``devices``: L forward, L weight gradients and L - 1
+    input gradients (the batch needs none), 2·B·H² FLOP each."""
+    return 2 * batch * width * width * (3 * layers - 1) / devices / flops
+
+
+def two_speed_regimes(batch, width, layers, n_fast, n_slow, slow, flops):
+    """Each textbook plan's closed form (communication + matmuls): the cheapest is the
+    plan the sizes call for."""
+    n = n_fast * n_slow
+    every, fast_only = (matmul_time(batch, width, layers, d, flops) for d in (n, n_fast))
+    act_fast = (layers - 1) * _all_reduce(batch * width * 4, n_fast, FAST)
+    swapped = ((layers - 1) * _all_reduce(batch / n_fast * width * 4, n_slow, slow)
+               + layers * _all_reduce(width * width / n_slow * 4, n_fast, FAST)
+               + _all_reduce(4, n, slow))
+    return {"megatron over fast, batch over slow":
+                min(megatron_over_fast(batch, width, layers, n_fast, n_slow, slow)) + every,
+            "megatron over slow, batch over fast": swapped + every,
+            "data parallel over both": hierarchical_data_parallel(layers, width, n_fast,
+                                                                  n_slow, slow) + every,
+            "data parallel over fast, slow idle": min(fast_data_parallel(
+                layers, width, n_fast, n_slow, slow)) + fast_only,
+            "megatron over fast, slow idle": act_fast + _all_reduce(4, n_fast, FAST)
+                + fast_only}
+
+
+# (batch, width, layers, n_slow, n_fast, bandwidth ratio, FLOP/s): a few layers and many,
+# 10x and 100x (the slower axis needs ten times the compute per byte to be worth splitting
+# the batch over, hence 10 TFLOP/s there), two and four devices on the slow axis.
+MEGATRON_FORMS = [(32768, 4096, 2, 4, 2, 10, 100e12), (32768, 4096, 2, 4, 2, 100, 10e12),
+                  (16384, 8192, 4, 2, 4, 10, 100e12), (16384, 8192, 4, 2, 4, 100, 10e12),
+                  (16384, 8192, 8, 2, 4, 100, 10e12), (32768, 8192, 8, 4, 2, 10, 100e12),
+                  (32768, 8192, 2, 4, 2, 10, 100e12), (32768, 8192, 4, 4, 2, 10, 100e12),
+                  (16384, 8192, 8, 2, 4, 10, 100e12), (32768, 16384, 8, 2, 4, 100, 10e12)]
+
+
+@pytest.mark.parametrize("slow_first", [True, False], ids=["slow axis first",
+                                                           "slow axis second"])
+@pytest.mark.parametrize("batch, width, layers, n_slow, n_fast, ratio, flops",
+                         [pytest.param(*c, marks=(_SLOW,) if i >= 6 else ())
+                          for i, c in enumerate(MEGATRON_FORMS)])
+def test_two_speed_megatron_costs_its_closed_form(batch, width, layers, n_slow, n_fast,
+                                                  ratio, flops, slow_first):
+    """Where the sizes make it cheapest (a wide model: the weights outweigh a slow group's
+    activations; a large batch: its compute outweighs the slow axis' gradient reduction),
+    O3 finds the plan the Megatron-LM and Alpa papers derive, in both orders of the mesh's
+    axes: the batch over the slow axis alone, each pair of weights split by columns then
+    rows over the fast one. Its communication is the closed form's to 1e-9, its compute the
+    matmuls' split eight ways (elementwise work within 0.1 %), and that total is below every
+    other textbook plan's closed form."""
+    step, args = _mlp(batch, width, layers)
+    shape = (n_slow, n_fast) if slow_first else (n_fast, n_slow)
+    slow_axis = 0 if slow_first else 1
+    beta = [FAST, FAST]
+    beta[slow_axis] = FAST * ratio
+    plan = rhino.plan(step, *args, mesh_shape=shape, opt_level="O3", alpha=[ALPHA] * 2,
+                      beta=beta, flops_per_s=flops).spmd
+    s, f = ("x", "y") if slow_first else ("y", "x")
+    got = {k: plan.param_spec(k).to_str(plan.mesh)
+           for k in ["x", "y"] + [f"ws[{i}]" for i in range(layers)]}
+    want = {"x": f"S[{s}]·R", "y": f"S[{s}]·R",
+            **{f"ws[{i}]": (f"R·S[{f}]" if i % 2 == 0 else f"S[{f}]·R")
+               for i in range(layers)}}
+    assert got == want
+    forms = megatron_over_fast(batch, width, layers, n_fast, n_slow, FAST * ratio)
+    assert any(plan.communication_s == pytest.approx(c, rel=1e-9) for c in forms), \
+        (plan.communication_s, forms)
+    matmuls = matmul_time(batch, width, layers, n_slow * n_fast, flops)
+    assert plan.compute_s == pytest.approx(matmuls, rel=1e-3)
+    regimes = two_speed_regimes(batch, width, layers, n_fast, n_slow, FAST * ratio, flops)
+    best = min(regimes, key=regimes.get)
+    assert best == "megatron over fast, batch over slow", regimes
+    assert plan.step_time_s == pytest.approx(regimes[best], rel=1e-3)
