@@ -441,3 +441,51 @@ def test_two_speed_megatron_costs_its_closed_form(batch, width, layers, n_slow, 
     best = min(regimes, key=regimes.get)
     assert best == "megatron over fast, batch over slow", regimes
     assert plan.step_time_s == pytest.approx(regimes[best], rel=1e-3)
+
+
+def _two_speed_case(seed: int):
+    """A generated two-speed setting: batch, width, depth, slow-axis size and position,
+    bandwidth ratio and FLOP rate drawn over the ranges where each textbook plan wins."""
+    import random
+    r = random.Random(seed)
+    n_slow = r.choice((2, 4))
+    slow_first = r.random() < 0.5
+    return (r.choice((4096, 8192, 16384, 32768, 65536)), r.choice((1024, 2048, 4096, 8192)),
+            r.choice((2, 4)), n_slow, 8 // n_slow, r.choice((10, 30, 100)),
+            r.choice((1e12, 10e12, 100e12)), slow_first)
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=(_SLOW,) if s >= 8 else ())
+                                  for s in range(48)])
+def test_o3_is_never_above_a_two_speed_closed_form(seed):
+    """Over generated sizes (batch, width, depth, which axis is slow, by 10x to 100x, two or
+    four devices on it, the FLOP rate), O3's objective is at most the cheapest textbook
+    plan's closed form, plus the work those forms leave out: the step's non-matmul FLOPs,
+    counted as if all ran on one device. The graph's matmul FLOPs are the forms' own. Over
+    the 48 seeds each of the five forms is the cheapest somewhere."""
+    batch, width, layers, n_slow, n_fast, ratio, flops, slow_first = _two_speed_case(seed)
+    step, args = _mlp(batch, width, layers)
+    g = rhino.ingest(step, *args)
+    dots = sum(op.flops for op in g.ops if op.opcode == "dot")
+    assert dots / flops == pytest.approx(matmul_time(batch, width, layers, 1, flops))
+    rest = sum(op.flops for op in g.ops if op.opcode != "dot") / flops
+    shape = (n_slow, n_fast) if slow_first else (n_fast, n_slow)
+    beta = [FAST, FAST]
+    beta[0 if slow_first else 1] = FAST * ratio
+    plan = rhino.plan(g, mesh_shape=shape, opt_level="O3", alpha=[ALPHA] * 2,
+                      beta=beta, flops_per_s=flops).spmd
+    regimes = two_speed_regimes(batch, width, layers, n_fast, n_slow, FAST * ratio, flops)
+    best = min(regimes, key=regimes.get)
+    assert plan.step_time_s <= regimes[best] + rest, (plan.step_time_s, rest, regimes)
+
+
+def test_the_generated_two_speed_cases_reach_every_textbook_regime():
+    """The generator above is not stuck in one regime: over its 48 seeds, each textbook
+    plan's closed form is the cheapest for some."""
+    won = set()
+    for seed in range(48):
+        batch, width, layers, n_slow, n_fast, ratio, flops, _ = _two_speed_case(seed)
+        regimes = two_speed_regimes(batch, width, layers, n_fast, n_slow, FAST * ratio,
+                                    flops)
+        won.add(min(regimes, key=regimes.get))
+    assert won == set(two_speed_regimes(1, 1, 2, 2, 4, FAST, 1.0)), won
