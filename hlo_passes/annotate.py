@@ -42,9 +42,9 @@ BARRIER = -1
 # (equation path, index, value) -> the value to use: applied to each output of a leaf
 # equation (out hook) or to each of its inputs before it runs (in hook).
 Hook = Callable[[tuple[int, ...], int, Any], Any]
-# (equation, inputs, bind params) -> outputs (a list): runs a leaf equation in place of
-# ``eqn.primitive.bind`` (e.g. on values kept in another physical shape).
-Binder = Callable[[Any, list, dict], list]
+# (equation, inputs, bind params, equation path) -> outputs (a list): runs a leaf equation
+# in place of ``eqn.primitive.bind`` (e.g. on values kept in another physical shape).
+Binder = Callable[[Any, list, dict, tuple[int, ...]], list]
 
 
 class AnnotationError(RhinoError):
@@ -69,7 +69,7 @@ class _Scoped(Interpreter):
             invals = [self.in_hook(path, j, x) for j, x in enumerate(invals)]
         params = private.bind_params(eqn)
         with private.eqn_context(eqn):
-            outs = (self.binder(eqn, invals, params) if self.binder is not None
+            outs = (self.binder(eqn, invals, params, path) if self.binder is not None
                     else private.bind(eqn, invals, params))
         return self._out(path, outs)
 

@@ -40,6 +40,7 @@ from rhino.hlo_passes.graph import HloGraph, TensorType, shape_str
 from rhino.hlo_passes.stage_programs import (FlatProgram, StageShardings, StageSplitError,
                                              StepSplit, assignment_from_ops, flatten,
                                              split_step)
+from rhino.hlo_passes.pending import Producer, pending_axes
 from rhino.hlo_passes.strided import StridedRealizer
 from rhino.hlo_passes.unroll import trace
 from rhino.jaxpr import primitives as prims
@@ -201,29 +202,78 @@ class SpmdLowering:
                        keep_unused=True)
 
 
-def _value_constraints(graph: HloGraph, plan: SpmdPlan, emap: EqnMap) -> dict:
-    """Equation output -> the spec it is constrained to."""
+def _value_constraints(graph: HloGraph, plan: SpmdPlan, emap: EqnMap
+                       ) -> tuple[dict, dict]:
+    """(equation output -> the spec it is constrained to, equation path -> how it makes a
+    carried pending sum). A pending sum that some consumer takes pending is *carried*: it
+    keeps its pending spec, held explicit (``hlo_passes.pending``); its producer is the
+    equation whose op makes it from operands with none (a split contraction)."""
     need_of: dict[int, set] = {}
     for op, o in zip(graph.ops, plan.ops):
         for q, u in enumerate(op.operands):
             need_of.setdefault(u, set()).add(o.in_specs[q])
-    constraints = {}
+    constraints, producers = {}, {}
     for key, op_id in emap.producer.items():
         spec = plan.ops[op_id].out_spec
         if spec is None:
             continue  # tuples stay as they are
         if spec.is_partial:
-            # A pending sum has no sharding of its own: constrain it to its reduced form
-            # (the partitioner reduces right there), or to its one consumer's spec when
-            # that is a local slice of the reduced form (a reduce-scatter where it exists).
             needs = need_of.get(op_id, set())
+            axes = pending_axes(spec)
+            if axes is not None and any(n is not None and n.is_partial for n in needs):
+                constraints[key] = spec
+                made = _producer(graph, plan, emap, key[0], op_id, axes)
+                if made is not None:
+                    producers[key[0]] = made
+                continue
+            # A pending sum no consumer takes pending has no sharding of its own:
+            # constrain it to its reduced form (the partitioner reduces right there), or to
+            # its one consumer's spec when that is a local slice of the reduced form (a
+            # reduce-scatter where it exists).
             one = next(iter(needs)) if len(needs) == 1 else None
             reduced = spec.without_partial()
             sliced = one is not None and not one.is_partial and reshard(
                 reduced, one, graph.ops[op_id].shape, plan.mesh, plan.cost).is_free
             spec = one if sliced else reduced
         constraints[key] = spec
-    return constraints
+    return constraints, producers
+
+
+def _producer(graph: HloGraph, plan: SpmdPlan, emap: EqnMap, path: tuple[int, ...],
+              op_id: int, axes: tuple[int, ...]) -> Producer | None:
+    """How the equation at ``path`` makes its op's pending sum: the specs its inputs are
+    read in, where the op reads none pending (else the sum passes through it)."""
+    op, o = graph.ops[op_id], plan.ops[op_id]
+    if any(s is not None and s.is_partial for s in o.in_specs):
+        return None
+    specs = []
+    for h in emap.inputs.get(path, []):
+        specs.append(o.in_specs[op.operands.index(h)] if h in op.operands else None)
+    return Producer(frozenset(axes), tuple(specs))
+
+
+def _pending_readers(graph: HloGraph, plan: SpmdPlan, emap: EqnMap) -> dict:
+    """Equation path -> (the pending axes its main op reads its operands over, its inputs'
+    specs as produced, whether it reads each input pending: True, False, or None where
+    an op inside the equation reads it), for the equations whose main op reads an
+    operand pending: the
+    operands pending over fewer axes, and the whole values it adds to a pending sum, are
+    held over those axes in their own layout (``PendingOps.extend``)."""
+    out = {}
+    for path, ids in emap.inputs.items():
+        main = emap.producer.get((path, 0))
+        if main is None:
+            continue
+        wanted = [s for s in plan.ops[main].in_specs if s is not None and s.is_partial]
+        axes = pending_axes(wanted[0]) if wanted else None
+        if axes is None:
+            continue
+        op, o = graph.ops[main], plan.ops[main]
+        takes = [None if h not in op.operands else
+                 o.in_specs[op.operands.index(h)] is not None
+                 and o.in_specs[op.operands.index(h)].is_partial for h in ids]
+        out[path] = (axes, [None if h is None else plan.ops[h].out_spec for h in ids], takes)
+    return out
 
 
 def _operand_constraints(graph: HloGraph, plan: SpmdPlan, emap: EqnMap) -> dict:
@@ -282,9 +332,10 @@ def lower_spmd(traced: ScopedFunction, graph: HloGraph, plan: SpmdPlan, devices:
     names = plan.mesh.axis_names
     jmesh = device_mesh(plan.mesh.shape, names, devices)
     emap = EqnMap(traced, graph)
-    constraints = _value_constraints(graph, plan, emap)
+    constraints, producers = _value_constraints(graph, plan, emap)
     hooks = StridedRealizer(jmesh, names).hooks(constraints,
-                                               _operand_constraints(graph, plan, emap))
+                                               _operand_constraints(graph, plan, emap),
+                                               producers, _pending_readers(graph, plan, emap))
     in_flat = tuple(named_sharding(plan.params[i].spec, jmesh, names, _describe(graph, q))
                     for i, q in enumerate(graph.params))
     carried = dict(carried_pairs(graph))

@@ -36,6 +36,8 @@ from rhino.jaxpr import primitives as prims
 from rhino.jaxpr.private import bind
 from rhino.planner.spec import ShardingSpec
 
+from rhino.hlo_passes.pending import Pending, PendingOps, Producer, pending_axes, resolve
+
 # jaxpr primitives applied element by element, whose operands (other than scalars) all
 # have the result's shape.
 ELEMENTWISE = prims.ELEMENTWISE
@@ -84,7 +86,8 @@ def unsplit(x: Any) -> Any:
 
 
 class StridedRealizer:
-    """Constraints (blocked or strided) and the binder that keeps strided values split.
+    """Constraints (blocked, strided or pending) and the binder that keeps strided values
+    split and carried pending sums explicit (``hlo_passes.pending``).
 
     Args:
         jmesh: the ``jax.sharding.Mesh``.
@@ -92,9 +95,15 @@ class StridedRealizer:
     """
 
     def __init__(self, jmesh, axis_names: Sequence[str]):
+        import jax
+
         self.jmesh, self.names = jmesh, tuple(axis_names)
         self.sizes = dict(enumerate(jmesh.devices.shape))
         self._shardings: dict = {}
+        self.producers: Mapping[tuple, Producer] = {}
+        self.layouts: Mapping[tuple, Sequence] = {}
+        self.pending = PendingOps(jmesh, self.names, lambda x, axes:
+                                  jax.lax.with_sharding_constraint(x, self._sharding(axes)))
 
     def _sharding(self, axes: Sequence[tuple[int, ...]]):
         from jax.sharding import NamedSharding, PartitionSpec
@@ -110,9 +119,14 @@ class StridedRealizer:
         return s
 
     def constrain(self, x: Any, spec: ShardingSpec) -> Any:
-        """``x`` (array or ``Split``) laid out as ``spec``: strided specs give a ``Split``."""
+        """``x`` (array, ``Split`` or ``Pending``) laid out as ``spec``: strided specs give a
+        ``Split``; a pending spec keeps a ``Pending`` pending (anything else is reduced)."""
         import jax
 
+        if isinstance(x, Pending):
+            if pending_axes(spec) is not None:
+                return self.pending.layout(x, spec)
+            x = resolve(x)
         if not is_strided(spec):
             arr = unsplit(x)
             axes = [tuple(d.axes) for d in spec.without_partial().dims]
@@ -125,10 +139,25 @@ class StridedRealizer:
             arr = unsplit(x).reshape(split_shape)
         return Split(jax.lax.with_sharding_constraint(arr, self._sharding(axes)), shape)
 
-    @staticmethod
-    def bind(eqn, invals: list, params: dict) -> list:
+    def bind(self, eqn, invals: list, params: dict, path: tuple[int, ...] = ()) -> list:
         """Run ``eqn``; split inputs stay split through elementwise equations and are read
-        directly by reshapes (see the module docstring)."""
+        directly by reshapes (see the module docstring); pending sums pass through linear
+        equations, and the plan's producers of carried pending sums make them explicit
+        (``hlo_passes.pending``)."""
+        if any(isinstance(v, Pending) for v in invals) or path in self.layouts:
+            if not any(isinstance(v, Split) for v in invals):
+                target, layouts, takes = self.layouts.get(path, (None, (), ()))
+                outs = self.pending.through(eqn, invals, params, layouts, target, takes)
+                if outs is not None:
+                    return outs
+            if any(isinstance(v, Pending) for v in invals):
+                self.pending.fallbacks += 1
+            invals = [resolve(v) for v in invals]
+        elif path in self.producers and not any(isinstance(v, Split) for v in invals):
+            outs = self.pending.produce(eqn, invals, params, self.producers[path])
+            if outs is not None:
+                return outs
+            self.pending.fallbacks += 1
         splits = [v for v in invals if isinstance(v, Split)]
         if splits:
             first = splits[0]
@@ -155,9 +184,16 @@ class StridedRealizer:
         return bind(eqn, invals, params)
 
     def hooks(self, out_specs: Mapping[tuple, ShardingSpec],
-              in_specs: Mapping[tuple, ShardingSpec]
+              in_specs: Mapping[tuple, ShardingSpec],
+              producers: Mapping[tuple, Producer] | None = None,
+              layouts: Mapping[tuple, Sequence] | None = None
               ) -> tuple[Callable, Callable, Callable, Callable]:
-        """(out hook, in hook, binder, finish) for ``ScopedFunction.with_hook``."""
+        """(out hook, in hook, binder, finish) for ``ScopedFunction.with_hook``;
+        ``producers``: equation path -> how it makes a carried pending sum; ``layouts``:
+        equation path -> (the pending axes it works over, each input's spec as produced),
+        for the operands ``PendingOps.through`` holds pending."""
+        self.producers = dict(producers or {})
+        self.layouts = dict(layouts or {})
 
         def hook(path, k, x):
             spec = out_specs.get((path, k))
@@ -167,4 +203,7 @@ class StridedRealizer:
             spec = in_specs.get((path, j))
             return x if spec is None else self.constrain(x, spec)
 
-        return hook, in_hook, self.bind, unsplit
+        def finish(x):
+            return unsplit(resolve(x))
+
+        return hook, in_hook, self.bind, finish

@@ -1,0 +1,465 @@
+"""Pending sums in the compiled program: values kept as their devices' partial sums.
+
+A plan may leave a contraction's sum pending (``P(sum@x)``: each device along ``x`` holds a
+partial sum) and carry it through linear equations — a scaling, a bias add, a select, a
+reduction, a reshape — to where a smaller value is reduced. No sharding constraint says
+"pending": under ``jax.jit`` XLA's partitioner reduces a split contraction right at its
+dot. So a carried pending value is *held explicit*: a ``Pending`` keeps the ``n`` partial
+sums as a leading dimension of size ``n`` split over the pending mesh axes (one slice per
+device group), and the sum over that dimension is the value. XLA then has nothing to
+reduce until that sum is taken, where the plan reduces it, as one all-reduce (or
+reduce-scatter) of that value.
+
+* The equation that makes the sum — a ``dot_general`` or convolution whose contracted
+  dimension is split over the pending axes, a ``reduce_sum`` over a split dimension — runs
+  on each device's own blocks (a ``shard_map`` over the mesh, ``PendingOps._local``), its
+  partial result becoming the device's slice: nothing moves.
+* Linear equations run slice by slice: ``reduce_sum``, ``reshape``, ``transpose``,
+  ``broadcast_in_dim``, ``squeeze``, ``neg``, floating ``convert_element_type``; ``mul``
+  and ``div`` by a value held whole; ``add``, ``sub``, ``select_n`` with pending or whole
+  operands. A whole operand is held pending first (``PendingOps.hold``) so that the sum
+  over slices counts it once: split over exactly the pending axes, each slice keeps its
+  own shard in place (zeros elsewhere, nothing moves); otherwise slice 0 holds all of it
+  (local only where it is whole on those axes).
+* Anything else reads the sum (``resolve``), and so do the program's results: a pending
+  value never leaves the program, and an equation rhino cannot carry a sum through gets
+  the value the step means. A producer it cannot run this way (a ``gather`` from a table
+  split by rows, say) makes the value whole, as XLA would, and its readers take it so.
+
+What this does not carry yet, so that the plans ``auto_parallel`` makes keep
+``partial_passthrough=False``: producers other than the three above (the vocabulary-
+parallel embedding's ``gather``), and whole addends split over more axes than the pending
+ones (held in slice 0, which moves them). Plans built with pass-through
+(``rhino.plan(..., build=BuildOptions(partial_passthrough=True))``) run with it.
+
+Summation order differs from the single-device step's (the partial sums are added last),
+as it does for any split contraction.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> p = Pending(jnp.ones((4, 3)), (3,), (0,))
+    >>> resolve(p).tolist()
+    [4.0, 4.0, 4.0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+from rhino.jaxpr import primitives as prims
+from rhino.jaxpr import private
+from rhino.planner.spec import ShardingSpec
+
+SUM = "sum"
+
+# Equations a pending sum passes through slice by slice (each operand that is pending).
+_UNARY = frozenset({"neg", "copy", "copy_p", "reduce_sum", "reshape", "transpose",
+                    "broadcast_in_dim", "squeeze", "convert_element_type"})
+_ADDITIVE = prims.SUMS       # add, add_any, sub
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A value of shape ``shape`` held as ``array`` [n, *shape]: the sum over dimension 0,
+    which is split over mesh ``axes`` (major first; ``n`` their product)."""
+
+    array: Any
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return int(self.array.shape[0])
+
+
+def resolve(x: Any) -> Any:
+    """The value itself: a ``Pending``'s sum over its slices; anything else as it is."""
+    return x.array.sum(axis=0) if isinstance(x, Pending) else x
+
+
+def pending_axes(spec: ShardingSpec) -> tuple[int, ...] | None:
+    """The mesh axes of a spec's pending sum, or None where it cannot be held explicit
+    (no pending sum, a max or min pending, or a strided dimension)."""
+    if not spec.is_partial or any(r != SUM for _, r in spec.partial):
+        return None
+    if any(d.stride is not None for d in spec.dims):
+        return None
+    return tuple(a for a, _ in spec.partial)
+
+
+@dataclasses.dataclass(frozen=True)
+class Producer:
+    """An equation that makes a carried pending sum: a ``dot_general`` or ``reduce_sum``
+    whose operands' specs (``in_specs``, per equation input) split the contraction over
+    the pending ``axes``."""
+
+    axes: frozenset[int]
+    in_specs: tuple[ShardingSpec | None, ...]
+
+
+class PendingOps:
+    """Runs equations on ``Pending`` values (see the module docstring).
+
+    Args:
+        jmesh: the ``jax.sharding.Mesh``.
+        names: the plan's mesh axis names (index -> name).
+        constrain: ``(array, dim entries)`` -> the array constrained to that layout, where
+            an entry is a tuple of mesh axes (empty: whole).
+    """
+
+    def __init__(self, jmesh: Any, names: Sequence[str],
+                 constrain: Callable[[Any, Sequence[tuple[int, ...]]], Any]):
+        self.jmesh, self.names = jmesh, tuple(names)
+        self.sizes = dict(enumerate(jmesh.devices.shape))
+        self._constrain = constrain
+        self.fallbacks = 0      # producers and pass-throughs that read the sum instead
+
+    # ----------------------------------------------------------------- layouts
+    def layout(self, p: Pending, spec: ShardingSpec) -> Pending:
+        """``p`` held over ``spec``'s pending axes and laid out as its dimensions."""
+        want = pending_axes(spec)
+        assert want is not None
+        if set(want) != set(p.axes):
+            p = self.regroup(p, want)
+        dims = [tuple(d.axes) for d in spec.dims]
+        return Pending(self._constrain(p.array, [p.axes] + dims), p.shape, p.axes)
+
+    def regroup(self, p: Pending, want: Sequence[int]) -> Pending:
+        """``p`` pending over ``want`` only: the slices of the axes it leaves are summed
+        (their reduction happens here), and axes it adds hold the value in one slice."""
+        keep = [a for a in p.axes if a in set(want)]
+        if len(keep) < len(p.axes):
+            arr = p.array.reshape(tuple(self.sizes[a] for a in p.axes) + p.shape)
+            drop = tuple(i for i, a in enumerate(p.axes) if a not in set(want))
+            arr = arr.sum(axis=drop)
+            p = Pending(arr.reshape((-1,) + p.shape), p.shape, tuple(keep))
+        new = tuple(a for a in want if a not in set(keep))
+        if not new:
+            return p
+        return self.hold(resolve(p), tuple(p.axes) + new)
+
+    def hold(self, value: Any, axes: tuple[int, ...],
+             layout: ShardingSpec | None = None) -> Pending:
+        """A whole value as a pending sum over ``axes`` (``extend`` from no axes), laid out
+        as ``layout`` says it is; where that cannot be done in place, slice 0 holds it all
+        (which moves it unless it is whole on those axes)."""
+        import jax.numpy as jnp
+
+        held = self.extend(Pending(value[None], tuple(value.shape), ()), axes,
+                           None if layout is None else layout.dims)
+        if held is not None:
+            return held
+        n = math.prod(self.sizes[a] for a in axes)
+        first = jnp.arange(n).reshape((n,) + (1,) * value.ndim) == 0
+        arr = jnp.where(first, value[None], jnp.zeros((), value.dtype))
+        return Pending(arr, tuple(value.shape), tuple(axes))
+
+    def _pspec(self, entries: Sequence[tuple[int, ...]]):
+        from jax.sharding import PartitionSpec
+
+        return PartitionSpec(*[None if not e else self.names[e[0]] if len(e) == 1 else
+                               tuple(self.names[a] for a in e) for e in entries])
+
+    def extend(self, p: Pending, target: Sequence[int], dims: Sequence | None
+               ) -> Pending | None:
+        """``p`` pending over ``target`` (a superset of its axes, in that order), moving
+        nothing: a new axis that splits a dimension of ``p`` (its minor axis there, per
+        ``dims``, the layout ``p`` has) leaves that dimension, each slice keeping its own
+        block in place and zeros elsewhere; a new axis that splits nothing keeps the value
+        in its slice 0. None where ``dims`` is unknown or does not divide the shape, or a
+        pending axis would still split a dimension."""
+        import jax
+        import jax.numpy as jnp
+
+        new = [a for a in target if a not in p.axes]
+        if not new:
+            return self._aligned(p, tuple(target)) if set(target) == set(p.axes) else None
+        if dims is None or len(dims) != len(p.shape):
+            return None
+        entries = []
+        for size, d in zip(p.shape, dims):
+            if d.stride is not None or size % math.prod(self.sizes[a] for a in d.axes):
+                return None
+            entries.append(list(d.axes))
+        if any(a in e for e in entries for a in p.axes):
+            return None
+        removed: dict[int, list[int]] = {}
+        placed: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for a in new:
+                if a in placed:
+                    continue
+                for d, e in enumerate(entries):
+                    if e and e[-1] == a:
+                        e.pop()
+                        removed.setdefault(d, []).append(a)
+                        placed.add(a)
+                        changed = True
+                        break
+        if any(a in e for e in entries for a in target):
+            return None
+        first_only = [a for a in new if a not in placed]
+        out_axes = tuple(p.axes) + tuple(new)
+        in_entries = [tuple(p.axes)] + [tuple(d.axes) for d in dims]
+        out_entries = [out_axes] + [tuple(e) for e in entries]
+        sizes, names = self.sizes, self.names
+
+        def body(x):
+            blk = x[0]
+            full, offs = list(blk.shape), [0] * blk.ndim
+            for d, rem in removed.items():
+                k = 0
+                for a in reversed(rem):        # removed minor first: major first here
+                    k = k * sizes[a] + jax.lax.axis_index(names[a])
+                full[d] = blk.shape[d] * math.prod(sizes[a] for a in rem)
+                offs[d] = k * blk.shape[d]
+            out = jax.lax.dynamic_update_slice(jnp.zeros(full, blk.dtype), blk, offs)
+            if first_only:
+                keep = functools.reduce(jnp.logical_and, [jax.lax.axis_index(names[a]) == 0
+                                                          for a in first_only])
+                out = jnp.where(keep, out, jnp.zeros((), out.dtype))
+            return out[None]
+
+        arr = jax.shard_map(body, mesh=self.jmesh, in_specs=(self._pspec(in_entries),),
+                            out_specs=self._pspec(out_entries), check_vma=False)(p.array)
+        return self._aligned(Pending(arr, p.shape, out_axes), tuple(target))
+
+    # ----------------------------------------------------------------- producers
+    def produce(self, eqn: Any, invals: list, params: dict, prod: Producer) -> list | None:
+        """The equation's result as a ``Pending``, or None where its operands do not split
+        the contraction as the plan says (the caller then binds it as it is)."""
+        name = prims.name(eqn)
+        if len(eqn.outvars) != 1 or any(isinstance(v, Pending) for v in invals):
+            return None
+        if name == "dot_general" and len(invals) == 2:
+            return self._dot(eqn, invals, params, prod)
+        if name == "reduce_sum" and len(invals) == 1:
+            return self._reduce(eqn, invals, params, prod)
+        if name == "conv_general_dilated" and len(invals) == 2:
+            return self._conv(eqn, invals, params, prod)
+        return None
+
+    def _entries(self, spec: ShardingSpec | None, shape: Sequence[int]
+                 ) -> list[tuple[int, ...]] | None:
+        """A whole (not pending) spec's mesh axes per dimension, or None where a
+        ``shard_map`` cannot take it (strided, or a dimension its shards do not divide)."""
+        if spec is None or spec.is_partial or len(spec.dims) != len(shape):
+            return None
+        out = []
+        for size, d in zip(shape, spec.dims):
+            if d.stride is not None or size % math.prod(self.sizes[a] for a in d.axes):
+                return None
+            out.append(tuple(d.axes))
+        return out
+
+    def _local(self, fn: Callable, invals: Sequence[Any], entries: Sequence[list],
+               out_entries: list, axes: tuple[int, ...], shape: tuple[int, ...]
+               ) -> list | None:
+        """``fn`` on each device's own blocks (a ``shard_map`` over the whole mesh), its
+        partial result as slice ``i`` of a ``Pending`` over ``axes``: nothing moves."""
+        import jax
+
+        used = [a for e in out_entries for a in e] + list(axes)
+        if len(used) != len(set(used)) or set(axes) == set():
+            return None
+
+        def body(*xs):
+            return fn(*xs)[None]
+
+        out = jax.shard_map(body, mesh=self.jmesh,
+                            in_specs=tuple(self._pspec(e) for e in entries),
+                            out_specs=self._pspec([tuple(axes)] + list(out_entries)),
+                            check_vma=False)(*invals)
+        return [Pending(out, tuple(shape), tuple(axes))]
+
+    def _dot(self, eqn, invals, params, prod: Producer):
+        lhs, rhs = invals
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        le, re_ = (self._entries(s, x.shape) for s, x in zip(prod.in_specs[:2], invals))
+        if le is None or re_ is None:
+            return None
+        if any(le[a] != re_[b] for a, b in zip(lc, rc)) or \
+                any(le[a] != re_[b] for a, b in zip(lb, rb)):
+            return None
+        axes = tuple(a for c in lc for a in le[c])
+        if set(axes) != prod.axes:
+            return None
+        lfree = [d for d in range(lhs.ndim) if d not in set(lc) | set(lb)]
+        rfree = [d for d in range(rhs.ndim) if d not in set(rc) | set(rb)]
+        out_entries = [le[d] for d in lb] + [le[d] for d in lfree] + [re_[d] for d in rfree]
+        shape = tuple(eqn.outvars[0].aval.shape)
+        return self._local(lambda l, r: private.bind(eqn, [l, r], params)[0], invals,
+                           [le, re_], out_entries, axes, shape)
+
+    def _conv(self, eqn, invals, params, prod: Producer):
+        """A convolution whose contracted feature dimension (``lhs_spec[1]`` and
+        ``rhs_spec[1]`` of its dimension numbers: the input channels, or the batch of a
+        weight gradient) is split over the pending axes, and its window dimensions whole."""
+        if params.get("feature_group_count", 1) != 1 or params.get("batch_group_count", 1) != 1:
+            return None
+        lhs, rhs = invals
+        dn = params["dimension_numbers"]
+        le, re_ = (self._entries(s, x.shape) for s, x in zip(prod.in_specs[:2], invals))
+        if le is None or re_ is None or le[dn.lhs_spec[1]] != re_[dn.rhs_spec[1]]:
+            return None
+        if any(le[d] for d in dn.lhs_spec[2:]) or any(re_[d] for d in dn.rhs_spec[2:]):
+            return None
+        axes = le[dn.lhs_spec[1]]
+        if set(axes) != prod.axes:
+            return None
+        shape = tuple(eqn.outvars[0].aval.shape)
+        out_entries: list = [()] * len(shape)
+        out_entries[dn.out_spec[0]] = le[dn.lhs_spec[0]]
+        out_entries[dn.out_spec[1]] = re_[dn.rhs_spec[0]]
+        return self._local(lambda l, r: private.bind(eqn, [l, r], params)[0], invals,
+                           [le, re_], out_entries, axes, shape)
+
+    def _reduce(self, eqn, invals, params, prod: Producer):
+        (x,) = invals
+        red = tuple(params["axes"])
+        e = self._entries(prod.in_specs[0], x.shape)
+        if e is None:
+            return None
+        axes = tuple(a for d in red for a in e[d])
+        if set(axes) != prod.axes:
+            return None
+        out_entries = [e[d] for d in range(x.ndim) if d not in set(red)]
+        shape = tuple(eqn.outvars[0].aval.shape)
+        return self._local(lambda v: private.bind(eqn, [v], params)[0], invals, [e],
+                           out_entries, axes, shape)
+
+    # ----------------------------------------------------------------- pass-through
+    def through(self, eqn: Any, invals: list, params: dict,
+                layouts: Sequence[ShardingSpec | None] = (),
+                target: Sequence[int] | None = None,
+                takes: Sequence[bool | None] = ()) -> list | None:
+        """The equation on its pending operands slice by slice, or None where a sum cannot
+        pass through it (the caller resolves the operands and binds it). ``layouts``: each
+        input's spec as produced; ``target``: the pending axes the plan has the equation
+        work over (default: its first pending operand's); ``takes``: whether the plan
+        has it read each input pending. Operands pending over fewer axes, whole ones
+        added in and whole ones the plan reads pending are held over ``target`` in place
+        where their layout allows (``extend``)."""
+        import jax
+        import jax.numpy as jnp
+
+        name = prims.name(eqn)
+        pend = [v for v in invals if isinstance(v, Pending)]
+        if not all(jnp.issubdtype(v.array.dtype, jnp.floating) for v in pend):
+            return None
+        if not pend and not target:
+            return None
+        axes = tuple(target) if target else pend[0].axes
+        if len(eqn.outvars) != 1 or not jnp.issubdtype(eqn.outvars[0].aval.dtype,
+                                                        jnp.floating):
+            return None
+
+        def lay(j):
+            return layouts[j] if j < len(layouts) else None
+
+        def taken(j, v):     # a whole input the plan reads pending: held so
+            if isinstance(v, Pending) or not (j < len(takes) and takes[j]):
+                return v
+            if not hasattr(v, "ndim") or v.ndim != len(eqn.invars[j].aval.shape) \
+                    or not jnp.issubdtype(v.dtype, jnp.floating):
+                return v
+            return self.hold(v, axes, lay(j))
+
+        if name in _UNARY or name in ("mul", "div"):
+            invals = [taken(j, v) for j, v in enumerate(invals)]
+        if not any(isinstance(v, Pending) for v in invals) and name not in _ADDITIVE \
+                and name != "select_n":
+            return None
+
+        def over(j, v):      # a pending operand over exactly ``axes``
+            if set(v.axes) - set(axes):
+                v = self.regroup(v, [a for a in v.axes if a in set(axes)] or axes)
+            if set(v.axes) == set(axes):
+                return self._aligned(v, axes)
+            spec = lay(j)
+            got = self.extend(v, axes, None if spec is None else spec.dims)
+            return got if got is not None else self.regroup(v, axes)
+
+        invals = [over(j, v) if isinstance(v, Pending) else v for j, v in enumerate(invals)]
+        shape = tuple(eqn.outvars[0].aval.shape)
+        n = math.prod(self.sizes[a] for a in axes)
+
+        def whole(v):      # a whole operand beside the slices: every slice sees it
+            return v[None] if getattr(v, "ndim", 0) else v
+
+        dtype = eqn.outvars[0].aval.dtype
+
+        def once(j, v):    # a whole addend, held pending: its sum over slices is itself
+            spec = lay(j)
+            v = jnp.asarray(v, dtype)
+            if v.ndim != len(shape):     # a scalar: slice 0 holds it
+                v, spec = v.reshape((1,) * len(shape)), None
+            held = self.hold(v, axes, spec).array   # broadcast (size-1 dims) after
+            return jnp.broadcast_to(held, (n,) + shape)
+
+        if name in _UNARY and len(invals) == 1:
+            x = invals[0].array
+            if name in ("neg",):
+                out = -x
+            elif name in ("copy", "copy_p"):
+                out = x
+            elif name == "reduce_sum":
+                out = x.sum(axis=tuple(d + 1 for d in params["axes"]))
+            elif name == "reshape":
+                if params.get("dimensions") is not None:
+                    return None
+                out = x.reshape((n,) + tuple(params["new_sizes"]))
+            elif name == "transpose":
+                out = jax.lax.transpose(x, (0,) + tuple(d + 1 for d in params["permutation"]))
+            elif name == "broadcast_in_dim":
+                out = jax.lax.broadcast_in_dim(
+                    x, (n,) + tuple(params["shape"]),
+                    (0,) + tuple(d + 1 for d in params["broadcast_dimensions"]))
+            elif name == "squeeze":
+                out = jax.lax.squeeze(x, tuple(d + 1 for d in params["dimensions"]))
+            elif name == "convert_element_type":
+                if not jnp.issubdtype(params["new_dtype"], jnp.floating):
+                    return None
+                out = x.astype(params["new_dtype"])
+            else:
+                return None
+        elif name in _ADDITIVE and len(invals) == 2:
+            a, b = (v.array if isinstance(v, Pending) else once(j, v)
+                    for j, v in enumerate(invals))
+            out = a - b if name == "sub" else a + b
+        elif name in ("mul", "div") and len(invals) == 2:
+            a, b = invals
+            if isinstance(b, Pending) and (name == "div" or isinstance(a, Pending)):
+                return None
+            if isinstance(a, Pending):
+                out = a.array * whole(b) if name == "mul" else a.array / whole(b)
+            else:
+                out = whole(a) * b.array
+        elif name == "select_n" and not isinstance(invals[0], Pending):
+            which = whole(invals[0])
+            cases = [v.array if isinstance(v, Pending) else once(j, v)
+                     for j, v in enumerate(invals) if j > 0]
+            out = jax.lax.select_n(jnp.broadcast_to(which, (n,) + shape)
+                                   if getattr(which, "ndim", 0) else which, *cases)
+        else:
+            return None
+        if tuple(out.shape) != (n,) + shape:
+            return None
+        return [Pending(out, shape, axes)]
+
+    def _aligned(self, p: Pending, axes: tuple[int, ...]) -> Pending:
+        """``p`` with its slices in the order of ``axes`` (the same set)."""
+        if p.axes == tuple(axes):
+            return p
+        arr = p.array.reshape(tuple(self.sizes[a] for a in p.axes) + p.shape)
+        perm = tuple(p.axes.index(a) for a in axes)
+        import jax
+
+        arr = jax.lax.transpose(arr, perm + tuple(range(len(perm), arr.ndim)))
+        return Pending(arr.reshape((-1,) + p.shape), p.shape, tuple(axes))
+
