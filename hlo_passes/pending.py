@@ -92,9 +92,9 @@ def pending_axes(spec: ShardingSpec) -> tuple[int, ...] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Producer:
-    """An equation that makes a carried pending sum: a ``dot_general`` or ``reduce_sum``
-    whose operands' specs (``in_specs``, per equation input) split the contraction over
-    the pending ``axes``."""
+    """An equation that makes a carried pending sum: a ``dot_general``, convolution or
+    ``reduce_sum`` whose operands' specs (``in_specs``, per equation input) split the
+    contraction over the pending ``axes``."""
 
     axes: frozenset[int]
     in_specs: tuple[ShardingSpec | None, ...]
