@@ -256,9 +256,9 @@ def _pending_readers(graph: HloGraph, plan: SpmdPlan, emap: EqnMap) -> dict:
     """Equation path -> (the pending axes its main op reads its operands over, its inputs'
     specs as produced, whether it reads each input pending: True, False, or None where
     an op inside the equation reads it), for the equations whose main op reads an
-    operand pending: the
-    operands pending over fewer axes, and the whole values it adds to a pending sum, are
-    held over those axes in their own layout (``PendingOps.extend``)."""
+    operand pending: the operands pending over fewer axes, and the whole values it adds
+    to a pending sum, are held over those axes in their own layout
+    (``PendingOps.extend``)."""
     out = {}
     for path, ids in emap.inputs.items():
         main = emap.producer.get((path, 0))

@@ -115,7 +115,6 @@ class PendingOps:
         self.jmesh, self.names = jmesh, tuple(names)
         self.sizes = dict(enumerate(jmesh.devices.shape))
         self._constrain = constrain
-        self.fallbacks = 0      # producers and pass-throughs that read the sum instead
 
     # ----------------------------------------------------------------- layouts
     def layout(self, p: Pending, spec: ShardingSpec) -> Pending:

@@ -150,14 +150,11 @@ class StridedRealizer:
                 outs = self.pending.through(eqn, invals, params, layouts, target, takes)
                 if outs is not None:
                     return outs
-            if any(isinstance(v, Pending) for v in invals):
-                self.pending.fallbacks += 1
             invals = [resolve(v) for v in invals]
         elif path in self.producers and not any(isinstance(v, Split) for v in invals):
             outs = self.pending.produce(eqn, invals, params, self.producers[path])
             if outs is not None:
                 return outs
-            self.pending.fallbacks += 1
         splits = [v for v in invals if isinstance(v, Split)]
         if splits:
             first = splits[0]
@@ -190,8 +187,8 @@ class StridedRealizer:
               ) -> tuple[Callable, Callable, Callable, Callable]:
         """(out hook, in hook, binder, finish) for ``ScopedFunction.with_hook``;
         ``producers``: equation path -> how it makes a carried pending sum; ``layouts``:
-        equation path -> (the pending axes it works over, each input's spec as produced),
-        for the operands ``PendingOps.through`` holds pending."""
+        equation path -> (the pending axes it works over, each input's spec as produced,
+        whether the plan reads each input pending), for ``PendingOps.through``."""
         self.producers = dict(producers or {})
         self.layouts = dict(layouts or {})
 
