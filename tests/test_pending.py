@@ -162,3 +162,44 @@ def test_most_generated_plans_carry_a_pending_sum():
                           opt_level="O3" if seed % 2 else "O2").spmd
         carrying += bool(_carried(plan))
     assert carrying >= len(_SEEDS) // 2, carrying
+
+
+def _conv_step():
+    """Two 3x3 convolutions with biases (the second's output scaled), relu, squared
+    loss, SGD."""
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def loss(ps, x, y):
+        (w1, b1), (w2, b2) = ps
+        h = jax.nn.relu(conv(x, w1) + b1)
+        return jnp.mean((conv(h, w2) * 0.5 + b2 - y) ** 2)
+
+    def step(ps, x, y):
+        v, g = jax.value_and_grad(loss)(ps, x, y)
+        return [(w - 0.1 * gw, b - 0.1 * gb) for (w, b), (gw, gb) in zip(ps, g)], v
+
+    rng = np.random.default_rng(0)
+    ps = [(jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32), jnp.zeros(s[-1]))
+          for s in ((3, 3, 16, 32), (3, 3, 32, 16))]
+    x, y = (jnp.asarray(rng.standard_normal((8, 8, 8, 16)), jnp.float32) for _ in "xy")
+    return step, (ps, x, y)
+
+
+@pytest.mark.parametrize("mesh_shape, pins", [
+    ((8,), {"x": P(None, None, None, "x")}), ((8,), {"x": P("x"), "y": P("x")}),
+    ((2, 4), {"x": P(None, None, None, "y")}),
+    ((2, 4), {"x": P(("x", "y")), "y": P(("x", "y"))})],
+    ids=["channels", "batch", "channels-2d", "batch-2d"])
+def test_a_conv_net_runs_its_pass_through_plan_as_priced(mesh_shape, pins):
+    """Convolutions whose input channels (or, in the weight gradient, the batch) are split
+    make their pending sums per device; the compiled collectives are the plan's and the
+    results ``jax.jit``'s."""
+    step, args = _conv_step()
+    want = jax.jit(step)(*args)
+    plan, auto = _runs_as_priced(step, args, mesh_shape=mesh_shape, annotations=pins,
+                                 opt_level="O3")
+    assert _carried(plan)
+    for a, b in zip(jax.tree.leaves(auto(*args)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
