@@ -106,15 +106,23 @@ class PendingOps:
     Args:
         jmesh: the ``jax.sharding.Mesh``.
         names: the plan's mesh axis names (index -> name).
-        constrain: ``(array, dim entries)`` -> the array constrained to that layout, where
-            an entry is a tuple of mesh axes (empty: whole).
+        sharding: dim entries -> the ``NamedSharding`` of that layout, where an entry is a
+            tuple of mesh axes (empty: whole); ``StridedRealizer``'s, cached.
     """
 
     def __init__(self, jmesh: Any, names: Sequence[str],
-                 constrain: Callable[[Any, Sequence[tuple[int, ...]]], Any]):
+                 sharding: Callable[[Sequence[tuple[int, ...]]], Any]):
         self.jmesh, self.names = jmesh, tuple(names)
         self.sizes = dict(enumerate(jmesh.devices.shape))
-        self._constrain = constrain
+        self._sharding = sharding
+
+    def _constrain(self, x: Any, entries: Sequence[tuple[int, ...]]) -> Any:
+        import jax
+
+        return jax.lax.with_sharding_constraint(x, self._sharding(entries))
+
+    def _pspec(self, entries: Sequence[tuple[int, ...]]):
+        return self._sharding(entries).spec
 
     # ----------------------------------------------------------------- layouts
     def layout(self, p: Pending, spec: ShardingSpec) -> Pending:
@@ -156,12 +164,6 @@ class PendingOps:
         arr = jnp.where(first, value[None], jnp.zeros((), value.dtype))
         return Pending(arr, tuple(value.shape), tuple(axes))
 
-    def _pspec(self, entries: Sequence[tuple[int, ...]]):
-        from jax.sharding import PartitionSpec
-
-        return PartitionSpec(*[None if not e else self.names[e[0]] if len(e) == 1 else
-                               tuple(self.names[a] for a in e) for e in entries])
-
     def extend(self, p: Pending, target: Sequence[int], dims: Sequence | None
                ) -> Pending | None:
         """``p`` pending over ``target`` (a superset of its axes, in that order), moving
@@ -176,13 +178,10 @@ class PendingOps:
         new = [a for a in target if a not in p.axes]
         if not new:
             return self._aligned(p, tuple(target)) if set(target) == set(p.axes) else None
-        if dims is None or len(dims) != len(p.shape):
+        whole = None if dims is None else self._dim_entries(dims, p.shape)
+        if whole is None:
             return None
-        entries = []
-        for size, d in zip(p.shape, dims):
-            if d.stride is not None or size % math.prod(self.sizes[a] for a in d.axes):
-                return None
-            entries.append(list(d.axes))
+        entries = [list(e) for e in whole]
         if any(a in e for e in entries for a in p.axes):
             return None
         removed: dict[int, list[int]] = {}
@@ -204,7 +203,7 @@ class PendingOps:
             return None
         first_only = [a for a in new if a not in placed]
         out_axes = tuple(p.axes) + tuple(new)
-        in_entries = [tuple(p.axes)] + [tuple(d.axes) for d in dims]
+        in_entries = [tuple(p.axes)] + whole
         out_entries = [out_axes] + [tuple(e) for e in entries]
         sizes, names = self.sizes, self.names
 
@@ -235,22 +234,33 @@ class PendingOps:
         name = prims.name(eqn)
         if len(eqn.outvars) != 1 or any(isinstance(v, Pending) for v in invals):
             return None
+        def run(*xs):       # the equation itself, on one device's blocks
+            return private.bind(eqn, list(xs), params)[0]
+
         if name == "dot_general" and len(invals) == 2:
-            return self._dot(eqn, invals, params, prod)
+            return self._dot(run, eqn, invals, params, prod)
         if name == "reduce_sum" and len(invals) == 1:
-            return self._reduce(eqn, invals, params, prod)
+            return self._reduce(run, eqn, invals, params, prod)
         if name == "conv_general_dilated" and len(invals) == 2:
-            return self._conv(eqn, invals, params, prod)
+            return self._conv(run, eqn, invals, params, prod)
         return None
 
     def _entries(self, spec: ShardingSpec | None, shape: Sequence[int]
                  ) -> list[tuple[int, ...]] | None:
         """A whole (not pending) spec's mesh axes per dimension, or None where a
         ``shard_map`` cannot take it (strided, or a dimension its shards do not divide)."""
-        if spec is None or spec.is_partial or len(spec.dims) != len(shape):
+        if spec is None or spec.is_partial:
+            return None
+        return self._dim_entries(spec.dims, shape)
+
+    def _dim_entries(self, dims: Sequence, shape: Sequence[int]
+                     ) -> list[tuple[int, ...]] | None:
+        """Each dimension's mesh axes, or None where one is strided or its shards do not
+        divide it (``shard_map`` takes neither)."""
+        if len(dims) != len(shape):
             return None
         out = []
-        for size, d in zip(shape, spec.dims):
+        for size, d in zip(shape, dims):
             if d.stride is not None or size % math.prod(self.sizes[a] for a in d.axes):
                 return None
             out.append(tuple(d.axes))
@@ -276,7 +286,7 @@ class PendingOps:
                             check_vma=False)(*invals)
         return [Pending(out, tuple(shape), tuple(axes))]
 
-    def _dot(self, eqn, invals, params, prod: Producer):
+    def _dot(self, run, eqn, invals, params, prod: Producer):
         lhs, rhs = invals
         (lc, rc), (lb, rb) = params["dimension_numbers"]
         le, re_ = (self._entries(s, x.shape) for s, x in zip(prod.in_specs[:2], invals))
@@ -292,10 +302,9 @@ class PendingOps:
         rfree = [d for d in range(rhs.ndim) if d not in set(rc) | set(rb)]
         out_entries = [le[d] for d in lb] + [le[d] for d in lfree] + [re_[d] for d in rfree]
         shape = tuple(eqn.outvars[0].aval.shape)
-        return self._local(lambda l, r: private.bind(eqn, [l, r], params)[0], invals,
-                           [le, re_], out_entries, axes, shape)
+        return self._local(run, invals, [le, re_], out_entries, axes, shape)
 
-    def _conv(self, eqn, invals, params, prod: Producer):
+    def _conv(self, run, eqn, invals, params, prod: Producer):
         """A convolution whose contracted feature dimension (``lhs_spec[1]`` and
         ``rhs_spec[1]`` of its dimension numbers: the input channels, or the batch of a
         weight gradient) is split over the pending axes, and its window dimensions whole."""
@@ -315,10 +324,9 @@ class PendingOps:
         out_entries: list = [()] * len(shape)
         out_entries[dn.out_spec[0]] = le[dn.lhs_spec[0]]
         out_entries[dn.out_spec[1]] = re_[dn.rhs_spec[0]]
-        return self._local(lambda l, r: private.bind(eqn, [l, r], params)[0], invals,
-                           [le, re_], out_entries, axes, shape)
+        return self._local(run, invals, [le, re_], out_entries, axes, shape)
 
-    def _reduce(self, eqn, invals, params, prod: Producer):
+    def _reduce(self, run, eqn, invals, params, prod: Producer):
         (x,) = invals
         red = tuple(params["axes"])
         e = self._entries(prod.in_specs[0], x.shape)
@@ -329,8 +337,7 @@ class PendingOps:
             return None
         out_entries = [e[d] for d in range(x.ndim) if d not in set(red)]
         shape = tuple(eqn.outvars[0].aval.shape)
-        return self._local(lambda v: private.bind(eqn, [v], params)[0], invals, [e],
-                           out_entries, axes, shape)
+        return self._local(run, invals, [e], out_entries, axes, shape)
 
     # ----------------------------------------------------------------- pass-through
     def through(self, eqn: Any, invals: list, params: dict,

@@ -95,15 +95,12 @@ class StridedRealizer:
     """
 
     def __init__(self, jmesh, axis_names: Sequence[str]):
-        import jax
-
         self.jmesh, self.names = jmesh, tuple(axis_names)
         self.sizes = dict(enumerate(jmesh.devices.shape))
         self._shardings: dict = {}
         self.producers: Mapping[tuple, Producer] = {}
         self.layouts: Mapping[tuple, Sequence] = {}
-        self.pending = PendingOps(jmesh, self.names, lambda x, axes:
-                                  jax.lax.with_sharding_constraint(x, self._sharding(axes)))
+        self.pending = PendingOps(jmesh, self.names, self._sharding)
 
     def _sharding(self, axes: Sequence[tuple[int, ...]]):
         from jax.sharding import NamedSharding, PartitionSpec

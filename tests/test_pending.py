@@ -11,6 +11,7 @@ computes."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import jax
@@ -25,8 +26,6 @@ from rhino.models import get_model
 from rhino.runtime.executors.spmd import count_collectives, summarize
 
 from handmade import assert_trains_like_jit
-
-import dataclasses
 
 PASS_THROUGH = dataclasses.replace(PlanRequest().build_options(pipeline=False),
                                    partial_passthrough=True)
