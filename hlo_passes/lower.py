@@ -243,13 +243,40 @@ def _producer(graph: HloGraph, plan: SpmdPlan, emap: EqnMap, path: tuple[int, ..
               op_id: int, axes: tuple[int, ...]) -> Producer | None:
     """How the equation at ``path`` makes its op's pending sum: the specs its inputs are
     read in, where the op reads none pending (else the sum passes through it)."""
-    op, o = graph.ops[op_id], plan.ops[op_id]
-    if any(s is not None and s.is_partial for s in o.in_specs):
+    op_id = _sum_maker(graph, plan, path, op_id)
+    if op_id is None:
         return None
+    op, o = graph.ops[op_id], plan.ops[op_id]
     specs = []
     for h in emap.inputs.get(path, []):
         specs.append(o.in_specs[op.operands.index(h)] if h in op.operands else None)
     return Producer(frozenset(axes), tuple(specs))
+
+
+def _sum_maker(graph: HloGraph, plan: SpmdPlan, path: tuple[int, ...], op_id: int
+               ) -> int | None:
+    """The op of the equation at ``path`` that makes the pending sum ``op_id`` holds: the
+    op itself where it reads no pending sum made by another op (a whole value it reads
+    pending, such as a scatter's zero table, is held so), else the one op of the same
+    equation the sum comes from (a fill-mode ``gather`` lowers to a gather, then a select
+    of it or the fill value); None where the sum comes from another equation or from
+    several ops."""
+    makers, seen, todo = set(), set(), [op_id]
+    while todo:
+        i = todo.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        sources = [u for q, u in enumerate(graph.ops[i].operands)
+                   if (s := plan.ops[i].in_specs[q]) is not None and s.is_partial
+                   and (made := plan.ops[u].out_spec) is not None and made.is_partial]
+        if not sources:
+            makers.add(i)
+        for u in sources:
+            if eqn_path(graph.ops[u].op_name) != path:
+                return None
+            todo.append(u)
+    return next(iter(makers)) if len(makers) == 1 else None
 
 
 def _pending_readers(graph: HloGraph, plan: SpmdPlan, emap: EqnMap) -> dict:

@@ -11,9 +11,13 @@ reduce until that sum is taken, where the plan reduces it, as one all-reduce (or
 reduce-scatter) of that value.
 
 * The equation that makes the sum — a ``dot_general`` or convolution whose contracted
-  dimension is split over the pending axes, a ``reduce_sum`` over a split dimension — runs
-  on each device's own blocks (a ``shard_map`` over the mesh, ``PendingOps._local``), its
-  partial result becoming the device's slice: nothing moves.
+  dimension is split over the pending axes, a ``reduce_sum`` over a split dimension, a
+  ``gather`` from a table split along the dimensions it indexes (a vocabulary-parallel
+  embedding, ``take_along_axis`` from split logits) — runs on each device's own blocks (a
+  ``shard_map`` over the mesh, ``PendingOps._local``), its partial result becoming the
+  device's slice: nothing moves. Where one equation lowers to several ops (a fill-mode
+  gather: the gather, then a select of it or the fill value), the op inside it that
+  makes the sum is the producer (``lower._sum_maker``).
 * Linear equations run slice by slice: ``reduce_sum``, ``reshape``, ``transpose``,
   ``broadcast_in_dim``, ``squeeze``, ``neg``, floating ``convert_element_type``; ``mul``
   and ``div`` by a value held whole; ``add``, ``sub``, ``select_n`` with pending or whole
@@ -21,16 +25,15 @@ reduce-scatter) of that value.
   over slices counts it once: split over exactly the pending axes, each slice keeps its
   own shard in place (zeros elsewhere, nothing moves); otherwise slice 0 holds all of it
   (local only where it is whole on those axes).
-* Anything else reads the sum (``resolve``), and so do the program's results: a pending
-  value never leaves the program, and an equation rhino cannot carry a sum through gets
-  the value the step means. A producer it cannot run this way (a ``gather`` from a table
-  split by rows, say) makes the value whole, as XLA would, and its readers take it so.
+* Anything else reads the sum (``resolve``, taken once per value however many read it),
+  and so do the program's results: a pending value never leaves the program, and an
+  equation rhino cannot carry a sum through gets the value the step means. A producer it
+  cannot run this way (a strided or uneven split, a gather with wider slices) makes
+  the value whole, as XLA would, and its readers take it so: the step computes the same
+  thing, at the price of a reduction at the source.
 
-What this does not carry yet, so that the plans ``auto_parallel`` makes keep
-``partial_passthrough=False``: producers other than the three above (the vocabulary-
-parallel embedding's ``gather``), and whole addends split over more axes than the pending
-ones (held in slice 0, which moves them). Plans built with pass-through
-(``rhino.plan(..., build=BuildOptions(partial_passthrough=True))``) run with it.
+``auto_parallel``'s SPMD plans carry pending sums (``PlanRequest.build_options``); stage
+programs do not yet (their lowering reduces a split contraction at its source).
 
 Summation order differs from the single-device step's (the partial sums are added last),
 as it does for any split contraction.
@@ -59,6 +62,8 @@ SUM = "sum"
 _UNARY = frozenset({"neg", "copy", "copy_p", "reduce_sum", "reshape", "transpose",
                     "broadcast_in_dim", "squeeze", "convert_element_type"})
 _ADDITIVE = prims.SUMS       # add, add_any, sub
+# ... and those that move or cut its elements (a pad pads with zeros, the rest is held)
+_SLICING = frozenset({"slice", "split", "pad", "rev"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +74,9 @@ class Pending:
     array: Any
     shape: tuple[int, ...]
     axes: tuple[int, ...]
+    # the sum, once taken: every reader of a pending value gets the same reduced value
+    # (XLA would otherwise reduce it once per reader)
+    _sum: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def n(self) -> int:
@@ -77,7 +85,11 @@ class Pending:
 
 def resolve(x: Any) -> Any:
     """The value itself: a ``Pending``'s sum over its slices; anything else as it is."""
-    return x.array.sum(axis=0) if isinstance(x, Pending) else x
+    if not isinstance(x, Pending):
+        return x
+    if not x._sum:
+        x._sum.append(x.array.sum(axis=0))
+    return x._sum[0]
 
 
 def pending_axes(spec: ShardingSpec) -> tuple[int, ...] | None:
@@ -243,6 +255,10 @@ class PendingOps:
             return self._reduce(run, eqn, invals, params, prod)
         if name == "conv_general_dilated" and len(invals) == 2:
             return self._conv(run, eqn, invals, params, prod)
+        if name == "gather" and len(invals) == 2:
+            return self._gather(eqn, invals, params, prod)
+        if name in ("scatter-add", "scatter_add") and len(invals) == 3:
+            return self._scatter_add(eqn, invals, params, prod)
         return None
 
     def _entries(self, spec: ShardingSpec | None, shape: Sequence[int]
@@ -326,6 +342,134 @@ class PendingOps:
         out_entries[dn.out_spec[1]] = re_[dn.rhs_spec[0]]
         return self._local(run, invals, [le, re_], out_entries, axes, shape)
 
+    def _gather(self, eqn, invals, params, prod: Producer):
+        """A ``gather`` from a table split over the pending axes along dimensions it indexes
+        with slices of size 1 (a vocabulary-parallel embedding, ``take_along_axis`` from
+        split logits): each device gathers from its own block with its indices offset by
+        the block's start; an index outside the block gives zero, so the slices sum to the
+        row. Where the gather fills (``mode`` fill), slice 0 holds the fill value where an
+        index falls outside the whole table; where it clips, the indices are clipped to
+        the whole table first. Other split dimensions: whole slices of the table (the
+        output's offset dimensions) and batching dimensions split as the indices are."""
+        import jax
+        import jax.numpy as jnp
+
+        operand, idx = invals
+        dn, sizes = params["dimension_numbers"], params["slice_sizes"]
+        mode = params.get("mode")
+        modes = jax.lax.GatherScatterMode
+        if mode not in (modes.FILL_OR_DROP, modes.CLIP, modes.PROMISE_IN_BOUNDS):
+            return None
+        oe, ie = (self._entries(s, x.shape) for s, x in zip(prod.in_specs[:2], invals))
+        if oe is None or ie is None or ie[-1]:
+            return None
+        index_map = tuple(dn.start_index_map)
+        batching = tuple(dn.operand_batching_dims)
+        axes = tuple(a for d in index_map for a in oe[d])
+        if set(axes) != prod.axes or any(oe[d] and sizes[d] != 1 for d in index_map):
+            return None
+        for d, e in enumerate(oe):
+            if not e or d in index_map:
+                continue
+            if d in batching:
+                if ie[dn.start_indices_batching_dims[batching.index(d)]] != e:
+                    return None
+            elif d in dn.collapsed_slice_dims or sizes[d] != operand.shape[d]:
+                return None
+        shape = tuple(eqn.outvars[0].aval.shape)
+        offset_of = iter(d for d in range(operand.ndim)
+                         if d not in dn.collapsed_slice_dims and d not in batching)
+        batch_of = iter(range(idx.ndim - 1))
+        out_entries = []
+        for k in range(len(shape)):
+            if k in dn.offset_dims:
+                d = next(offset_of)
+                out_entries.append(() if d in index_map else oe[d])
+            else:
+                out_entries.append(ie[next(batch_of)])
+        used = [a for e in out_entries for a in e] + list(axes)
+        if len(used) != len(set(used)):
+            return None
+        top = jnp.asarray([operand.shape[d] - sizes[d] for d in index_map])
+        local_params = {**params, "mode": modes.FILL_OR_DROP}
+        fills = mode == modes.FILL_OR_DROP
+        fill = params.get("fill_value")
+        fill = jnp.nan if fill is None and fills else fill
+        sizes_of, names = self.sizes, self.names
+        batch_out = [k for k in range(len(shape)) if k not in dn.offset_dims]
+
+        def body(table, ix):
+            inside = jnp.all((ix >= 0) & (ix <= top), axis=-1)
+            if not fills:
+                ix = jnp.clip(ix, 0, top)
+            starts = []
+            for d in index_map:
+                k = 0
+                for a in oe[d]:
+                    k = k * sizes_of[a] + jax.lax.axis_index(names[a])
+                starts.append(k * table.shape[d])
+            got = private.bind(eqn, [table, ix - jnp.asarray(starts, ix.dtype)],
+                               {**local_params, "fill_value": 0})[0]
+            if fills:
+                first = functools.reduce(jnp.logical_and,
+                                         [jax.lax.axis_index(names[a]) == 0 for a in axes])
+                held = jax.lax.broadcast_in_dim(inside, got.shape, tuple(batch_out))
+                got = jnp.where(held | ~first, got, jnp.asarray(fill, got.dtype))
+            return got[None]
+
+        out = jax.shard_map(body, mesh=self.jmesh,
+                            in_specs=(self._pspec(oe), self._pspec(ie)),
+                            out_specs=self._pspec([tuple(axes)] + out_entries),
+                            check_vma=False)(operand, idx)
+        return [Pending(out, shape, tuple(axes))]
+
+    def _scatter_add(self, eqn, invals, params, prod: Producer):
+        """A ``scatter-add`` whose updates (and indices) are split over the pending axes
+        along their scatter dimensions (an embedding's gradient from a split batch): each
+        device adds its own updates into the table, slice 0 into the table it starts from
+        and the others into zeros, so the slices sum to the whole scatter. The table's
+        window dimensions may be split as the updates' are."""
+        import jax
+        import jax.numpy as jnp
+
+        operand, idx, upd = invals
+        dn = params["dimension_numbers"]
+        table = prod.in_specs[0]
+        table = None if table is None else table.without_partial()
+        oe = self._entries(table, operand.shape)
+        ie, ue = (self._entries(s, x.shape) for s, x in zip(prod.in_specs[1:3], invals[1:]))
+        if oe is None or ie is None or ue is None or ie[-1]:
+            return None
+        window = tuple(dn.update_window_dims)
+        scatter = [d for d in range(upd.ndim) if d not in window]
+        if len(scatter) != idx.ndim - 1 or any(ue[d] != ie[k] for k, d in enumerate(scatter)):
+            return None
+        axes = tuple(a for d in scatter for a in ue[d])
+        if set(axes) != prod.axes or any(oe[d] for d in dn.operand_batching_dims):
+            return None
+        op_window = [d for d in range(operand.ndim)
+                     if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+        for wd, od in zip(window, op_window):
+            if ue[wd] != oe[od] or (oe[od] and (od in dn.scatter_dims_to_operand_dims or
+                                               upd.shape[wd] != operand.shape[od])):
+                return None
+        used = [a for e in oe for a in e] + list(axes)
+        if len(used) != len(set(used)):
+            return None
+        names = self.names
+
+        def body(base, ix, up):
+            first = functools.reduce(jnp.logical_and,
+                                     [jax.lax.axis_index(names[a]) == 0 for a in axes])
+            base = jnp.where(first, base, jnp.zeros((), base.dtype))
+            return private.bind(eqn, [base, ix, up], params)[0][None]
+
+        out = jax.shard_map(body, mesh=self.jmesh,
+                            in_specs=(self._pspec(oe), self._pspec(ie), self._pspec(ue)),
+                            out_specs=self._pspec([tuple(axes)] + oe),
+                            check_vma=False)(operand, idx, upd)
+        return [Pending(out, tuple(eqn.outvars[0].aval.shape), tuple(axes))]
+
     def _reduce(self, run, eqn, invals, params, prod: Producer):
         (x,) = invals
         red = tuple(params["axes"])
@@ -361,12 +505,12 @@ class PendingOps:
         if not pend and not target:
             return None
         axes = tuple(target) if target else pend[0].axes
-        if len(eqn.outvars) != 1 or not jnp.issubdtype(eqn.outvars[0].aval.dtype,
-                                                        jnp.floating):
+        if (len(eqn.outvars) != 1 and name != "split") or not all(
+                jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.outvars):
             return None
 
         def lay(j):
-            return layouts[j] if j < len(layouts) else None
+            return layouts[j] if j is not None and j < len(layouts) else None
 
         def taken(j, v):     # a whole input the plan reads pending: held so
             if isinstance(v, Pending) or not (j < len(takes) and takes[j]):
@@ -376,10 +520,10 @@ class PendingOps:
                 return v
             return self.hold(v, axes, lay(j))
 
-        if name in _UNARY or name in ("mul", "div"):
+        if name in _UNARY or name in _SLICING or name in ("mul", "div"):
             invals = [taken(j, v) for j, v in enumerate(invals)]
         if not any(isinstance(v, Pending) for v in invals) and name not in _ADDITIVE \
-                and name != "select_n":
+                and name not in ("select_n", "concatenate"):
             return None
 
         def over(j, v):      # a pending operand over exactly ``axes``
@@ -400,13 +544,25 @@ class PendingOps:
 
         dtype = eqn.outvars[0].aval.dtype
 
-        def once(j, v):    # a whole addend, held pending: its sum over slices is itself
+        def once(j, v, like=shape):   # a whole addend, held pending: its slices sum to it
             spec = lay(j)
             v = jnp.asarray(v, dtype)
-            if v.ndim != len(shape):     # a scalar: slice 0 holds it
-                v, spec = v.reshape((1,) * len(shape)), None
+            if v.ndim != len(like):      # a scalar: slice 0 holds it
+                v, spec = v.reshape((1,) * len(like)), None
             held = self.hold(v, axes, spec).array   # broadcast (size-1 dims) after
-            return jnp.broadcast_to(held, (n,) + shape)
+            return jnp.broadcast_to(held, (n,) + tuple(like))
+
+        if name in _SLICING and isinstance(invals[0], Pending):
+            outs = self._cut(name, invals, params, once)
+            if outs is None or [tuple(o.shape) for o in outs] != \
+                    [(n,) + tuple(v.aval.shape) for v in eqn.outvars]:
+                return None
+            return [Pending(o, tuple(o.shape[1:]), axes) for o in outs]
+        if name == "concatenate":
+            parts = [v.array if isinstance(v, Pending) else
+                     once(j, v, tuple(eqn.invars[j].aval.shape)) for j, v in enumerate(invals)]
+            out = jax.lax.concatenate(parts, params["dimension"] + 1)
+            return [Pending(out, shape, axes)] if tuple(out.shape) == (n,) + shape else None
 
         if name in _UNARY and len(invals) == 1:
             x = invals[0].array
@@ -457,6 +613,37 @@ class PendingOps:
         if tuple(out.shape) != (n,) + shape:
             return None
         return [Pending(out, shape, axes)]
+
+    @staticmethod
+    def _cut(name: str, invals: list, params: dict, once: Callable) -> list | None:
+        """A ``slice``, ``split``, ``pad`` or ``rev`` of a pending operand's slices (its
+        leading dimension untouched). A pad pads each slice with zeros, and slice 0
+        holds the padding value (``once``)."""
+        import jax
+        import jax.numpy as jnp
+
+        x = invals[0].array
+        if name == "slice":
+            strides = params.get("strides")
+            return [jax.lax.slice(x, (0,) + tuple(params["start_indices"]),
+                                  (x.shape[0],) + tuple(params["limit_indices"]),
+                                  None if strides is None else (1,) + tuple(strides))]
+        if name == "split":
+            return list(jax.lax.split(x, tuple(params["sizes"]), axis=params["axis"] + 1))
+        if name == "rev":
+            return [jax.lax.rev(x, tuple(d + 1 for d in params["dimensions"]))]
+        if name == "pad" and len(invals) == 2 and not isinstance(invals[1], Pending):
+            config = ((0, 0, 0),) + tuple(tuple(c) for c in params["padding_config"])
+            out = jax.lax.pad(x, jnp.zeros((), x.dtype), config)
+            try:
+                if float(invals[1]) == 0.0:
+                    return [out]
+            except (TypeError, jax.errors.ConcretizationTypeError):
+                pass       # a traced padding value
+            edge = jax.lax.pad(jnp.zeros(x.shape[1:], x.dtype),
+                               jnp.asarray(invals[1], x.dtype), config[1:])
+            return [out + once(None, edge, tuple(edge.shape))]
+        return None
 
     def _aligned(self, p: Pending, axes: tuple[int, ...]) -> Pending:
         """``p`` with its slices in the order of ``axes`` (the same set)."""

@@ -141,17 +141,19 @@ class StridedRealizer:
         directly by reshapes (see the module docstring); pending sums pass through linear
         equations, and the plan's producers of carried pending sums make them explicit
         (``hlo_passes.pending``)."""
-        if any(isinstance(v, Pending) for v in invals) or path in self.layouts:
-            if not any(isinstance(v, Split) for v in invals):
+        pending = any(isinstance(v, Pending) for v in invals)
+        split = any(isinstance(v, Split) for v in invals)
+        if path in self.producers and not pending and not split:
+            outs = self.pending.produce(eqn, invals, params, self.producers[path])
+            if outs is not None:
+                return outs
+        if pending or path in self.layouts:
+            if not split:
                 target, layouts, takes = self.layouts.get(path, (None, (), ()))
                 outs = self.pending.through(eqn, invals, params, layouts, target, takes)
                 if outs is not None:
                     return outs
             invals = [resolve(v) for v in invals]
-        elif path in self.producers and not any(isinstance(v, Split) for v in invals):
-            outs = self.pending.produce(eqn, invals, params, self.producers[path])
-            if outs is not None:
-                return outs
         splits = [v for v in invals if isinstance(v, Split)]
         if splits:
             first = splits[0]

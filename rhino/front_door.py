@@ -164,21 +164,20 @@ class PlanRequest:
         return self.stages
 
     def build_options(self, pipeline: bool) -> BuildOptions:
-        """The problem builder's options: what the lowering can run. Neither kind of
-        program takes pending sums through linear ops: both are lowered with sharding
-        constraints under ``jax.jit``, where XLA all-reduces a split contraction at its
-        source, so a pending sum carried further would be priced as it does not run. An
-        SPMD program keeps strided values split only inside (``strided_interior_only``),
-        and splits dimensions its shards do not divide only inside as well (``uneven``:
-        JAX refuses an uneven sharding at a ``jax.jit`` boundary); stage programs have
-        neither, since a stage's forward and backward tasks hand values to each other
-        across such boundaries."""
+        """The problem builder's options: what the lowering can run. An SPMD program
+        carries pending sums through linear ops (``partial_passthrough``: the lowering
+        holds them explicit, ``hlo_passes/pending.py``), keeps strided values split only
+        inside (``strided_interior_only``), and splits dimensions its shards do not divide
+        only inside as well (``uneven``: JAX refuses an uneven sharding at a ``jax.jit``
+        boundary). Stage programs have none of the three: a stage's forward and backward
+        tasks hand values to each other across such boundaries, and their lowering
+        reduces a split contraction at its source, as XLA does under ``jax.jit``."""
         if self.build is not None:
             return self.build
         if pipeline:
             return BuildOptions(strided=False, partial_passthrough=False,
                                 min_split_flops=self.min_split_flops)
-        return BuildOptions(strided_interior_only=True, partial_passthrough=False,
+        return BuildOptions(strided_interior_only=True, partial_passthrough=True,
                             uneven=True, min_split_flops=self.min_split_flops)
 
     def spmd_options(self, graph: HloGraph | None = None, mesh: AbstractMesh | None = None,

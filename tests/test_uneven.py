@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import rhino
+from rhino.front_door import PlanRequest
 from rhino.hlo_passes.graph import TensorType
 from rhino.models import get_model
 from rhino.planner.build import BuildOptions, build_problem
@@ -24,6 +25,9 @@ from rhino.planner.validate import PlanValidationError, validate_built, validate
 from rhino.runtime.executors.spmd import count_collectives, summarize
 
 from handmade import assert_trains_like_jit
+
+# auto_parallel's SPMD build options without uneven splits: what the search finds evenly
+_EVENLY = dataclasses.replace(PlanRequest().build_options(pipeline=False), uneven=False)
 
 
 def _dims(shape: str) -> tuple[int, ...]:
@@ -191,8 +195,7 @@ def test_gpt_with_the_gpt2_vocabulary_splits_its_embedding_and_matches_jit():
     assert "uneven splits" in text and "50264]" in text
     assert type(plan).from_json(plan.to_json()).uneven == plan.uneven
     # the same search without uneven splits keeps the table whole and moves far more
-    evenly = rhino.plan(m.step, *args, mesh_shape=(8,), build=BuildOptions(
-        strided_interior_only=True, partial_passthrough=False)).spmd
+    evenly = rhino.plan(m.step, *args, mesh_shape=(8,), build=_EVENLY).spmd
     assert evenly.param_spec("params['wte']").is_replicated
     moved = sum(c.bytes for c in plan.collectives)
     assert moved * 3 < sum(c.bytes for c in evenly.collectives)
@@ -219,8 +222,7 @@ def test_a_3x4_mesh_plans_uneven_splits():
     params = [jax.random.normal(k[i], (256, 256)) * 0.05 for i in range(3)]
     args = (params, jax.random.normal(k[3], (256, 256)), jax.random.normal(k[4], (256, 256)))
     plan = rhino.plan(_mlp_step, *args, mesh_shape=(3, 4), opt_level="O3").spmd
-    evenly = rhino.plan(_mlp_step, *args, mesh_shape=(3, 4), opt_level="O3", build=BuildOptions(
-        strided_interior_only=True, partial_passthrough=False)).spmd
+    evenly = rhino.plan(_mlp_step, *args, mesh_shape=(3, 4), opt_level="O3", build=_EVENLY).spmd
     split = [ShardingSpec.parse(u.spec, plan.mesh) for u in _uneven_values(plan)]
     assert any(s.dims[d].axes == (0,) for s, u in zip(split, plan.uneven)
                for d in s.uneven_dims(_dims(u.shape), plan.mesh))      # over the axis of 3
