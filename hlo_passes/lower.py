@@ -242,14 +242,24 @@ def _value_constraints(graph: HloGraph, plan: SpmdPlan, emap: EqnMap
 def _producer(graph: HloGraph, plan: SpmdPlan, emap: EqnMap, path: tuple[int, ...],
               op_id: int, axes: tuple[int, ...]) -> Producer | None:
     """How the equation at ``path`` makes its op's pending sum: the specs its inputs are
-    read in, where the op reads none pending (else the sum passes through it)."""
+    read in, where the op reads none pending (else the sum passes through it). An input
+    whose op the map does not know (made inside a call XLA rewrote) is taken to be the
+    op's operand in the same position, where that operand is no other input's: the
+    producers' ops take their operands in the equation's order (a wrong guess only
+    moves the operand, as ``shard_map`` reads it in that layout)."""
     op_id = _sum_maker(graph, plan, path, op_id)
     if op_id is None:
         return None
     op, o = graph.ops[op_id], plan.ops[op_id]
+    inputs = emap.inputs.get(path, [])
     specs = []
-    for h in emap.inputs.get(path, []):
-        specs.append(o.in_specs[op.operands.index(h)] if h in op.operands else None)
+    for j, h in enumerate(inputs):
+        if h in op.operands:
+            specs.append(o.in_specs[op.operands.index(h)])
+        elif h is None and j < len(op.operands) and op.operands[j] not in inputs:
+            specs.append(o.in_specs[j])
+        else:
+            specs.append(None)
     return Producer(frozenset(axes), tuple(specs))
 
 

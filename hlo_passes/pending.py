@@ -32,8 +32,10 @@ reduce-scatter) of that value.
   the value whole, as XLA would, and its readers take it so: the step computes the same
   thing, at the price of a reduction at the source.
 
-``auto_parallel``'s SPMD plans carry pending sums (``PlanRequest.build_options``); stage
-programs do not yet (their lowering reduces a split contraction at its source).
+Plans built with pass-through (``rhino.plan(..., build=BuildOptions(
+partial_passthrough=True))``) run with it; ``auto_parallel``'s own plans keep
+``partial_passthrough=False`` for now (``PlanRequest.build_options`` says why), and stage
+programs reduce a split contraction at its source.
 
 Summation order differs from the single-device step's (the partial sums are added last),
 as it does for any split contraction.

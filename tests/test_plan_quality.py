@@ -71,8 +71,8 @@ def _sharded_state_bytes(plan) -> int:
 
 
 def test_global_norm_clipping_keeps_the_state_sharded():
-    """Without partial pass-through (so each leaf's sum of squares is reduced where it is
-    made, and the reductions are combined): 0 of 45 sharded state tensors before scalar reductions were
+    """As auto_parallel plans (no partial pass-through, so each leaf's sum of squares is
+    reduced where it is made): 0 of 45 sharded state tensors before scalar reductions were
     priced as one combined all-reduce; as many bytes sharded with clipping as without.
     O3 (exact) compares the cost model's optima, not O2's heuristic luck."""
     cost = dataclasses.replace(CostModel.simulated_cpu(1), strided_moves_all_to_all=False)
