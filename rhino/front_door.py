@@ -165,19 +165,20 @@ class PlanRequest:
 
     def build_options(self, pipeline: bool) -> BuildOptions:
         """The problem builder's options: what the lowering can run. Neither kind of
-        program takes pending sums through linear ops yet: the SPMD lowering can hold a
-        carried pending sum explicit (``hlo_passes/pending.py``; plans built with
-        ``partial_passthrough=True`` run as priced on the zoo's MLP, GPT, VGG19, U-Net
-        and DNABERT), but with it on, a few of the suite's plans still compile to more
-        collectives than priced (a loss reduced apart, an uneven split's sums), the
-        two-speed Megatron closed forms no longer describe the plans found (17 of the
-        default suite's tests fail), and that suite ran 1027 s against about 700 s
-        without (2 cores); stage programs
-        reduce a split contraction at its source. An SPMD program keeps strided values
-        split only inside (``strided_interior_only``), and splits dimensions its shards do
-        not divide only inside as well (``uneven``: JAX refuses an uneven sharding at a
-        ``jax.jit`` boundary); stage programs have neither, since a stage's forward and
-        backward tasks hand values to each other across such boundaries."""
+        program takes pending sums through linear ops yet. The SPMD lowering can hold a
+        carried pending sum explicit (``hlo_passes/pending.py``: plans built with
+        ``partial_passthrough=True`` run as priced on the zoo's MLP, GPT, VGG19, U-Net and
+        DNABERT), but with it on, the search on a 2-D mesh takes 2 to 6 times as long (O3
+        on the zoo GPT over (2, 4): 52 s against 8.4 s; benchmarks/RESULTS.md) for
+        estimates 0.3-0.5 % lower, and 17 of the default suite's tests fail: plans whose
+        uneven splits' sums XLA reduces at their source, and tests that expect the
+        textbook plans the pass-through search now beats (the two-speed Megatron closed
+        forms among them). Stage programs reduce a split contraction at its source. An
+        SPMD program keeps strided values split only inside (``strided_interior_only``),
+        and splits dimensions its shards do not divide only inside as well (``uneven``:
+        JAX refuses an uneven sharding at a ``jax.jit`` boundary); stage programs have
+        neither, since a stage's forward and backward tasks hand values to each other
+        across such boundaries."""
         if self.build is not None:
             return self.build
         if pipeline:
