@@ -360,8 +360,9 @@ class PendingOps:
         dn, sizes = params["dimension_numbers"], params["slice_sizes"]
         mode = params.get("mode")
         modes = jax.lax.GatherScatterMode
-        if mode not in (modes.FILL_OR_DROP, modes.CLIP, modes.PROMISE_IN_BOUNDS):
-            return None
+        if mode not in (modes.FILL_OR_DROP, modes.CLIP, modes.PROMISE_IN_BOUNDS) or \
+                not jnp.issubdtype(operand.dtype, jnp.floating):
+            return None       # (an integer table's default fill is not NaN)
         oe, ie = (self._entries(s, x.shape) for s, x in zip(prod.in_specs[:2], invals))
         if oe is None or ie is None or ie[-1]:
             return None
