@@ -130,6 +130,25 @@ class PendingOps:
         self.sizes = dict(enumerate(jmesh.devices.shape))
         self._sharding = sharding
 
+    def _block(self, axes: Sequence[int]) -> Any:
+        """Inside a ``shard_map``: this device's block index along ``axes`` (major
+        first)."""
+        import jax
+
+        k = 0
+        for a in axes:
+            k = k * self.sizes[a] + jax.lax.axis_index(self.names[a])
+        return k
+
+    def _first(self, axes: Sequence[int]) -> Any:
+        """Inside a ``shard_map``: whether this device is the first along every one of
+        ``axes`` (the one whose slice holds a whole value)."""
+        import jax
+        import jax.numpy as jnp
+
+        return functools.reduce(jnp.logical_and,
+                                [jax.lax.axis_index(self.names[a]) == 0 for a in axes])
+
     def _constrain(self, x: Any, entries: Sequence[tuple[int, ...]]) -> Any:
         import jax
 
@@ -219,22 +238,17 @@ class PendingOps:
         out_axes = tuple(p.axes) + tuple(new)
         in_entries = [tuple(p.axes)] + whole
         out_entries = [out_axes] + [tuple(e) for e in entries]
-        sizes, names = self.sizes, self.names
+        sizes = self.sizes
 
         def body(x):
             blk = x[0]
             full, offs = list(blk.shape), [0] * blk.ndim
-            for d, rem in removed.items():
-                k = 0
-                for a in reversed(rem):        # removed minor first: major first here
-                    k = k * sizes[a] + jax.lax.axis_index(names[a])
+            for d, rem in removed.items():     # removed minor first: major first here
                 full[d] = blk.shape[d] * math.prod(sizes[a] for a in rem)
-                offs[d] = k * blk.shape[d]
+                offs[d] = self._block(rem[::-1]) * blk.shape[d]
             out = jax.lax.dynamic_update_slice(jnp.zeros(full, blk.dtype), blk, offs)
             if first_only:
-                keep = functools.reduce(jnp.logical_and, [jax.lax.axis_index(names[a]) == 0
-                                                          for a in first_only])
-                out = jnp.where(keep, out, jnp.zeros((), out.dtype))
+                out = jnp.where(self._first(first_only), out, jnp.zeros((), out.dtype))
             return out[None]
 
         arr = jax.shard_map(body, mesh=self.jmesh, in_specs=(self._pspec(in_entries),),
@@ -398,26 +412,18 @@ class PendingOps:
         fills = mode == modes.FILL_OR_DROP
         fill = params.get("fill_value")
         fill = jnp.nan if fill is None and fills else fill
-        sizes_of, names = self.sizes, self.names
         batch_out = [k for k in range(len(shape)) if k not in dn.offset_dims]
 
         def body(table, ix):
             inside = jnp.all((ix >= 0) & (ix <= top), axis=-1)
             if not fills:
                 ix = jnp.clip(ix, 0, top)
-            starts = []
-            for d in index_map:
-                k = 0
-                for a in oe[d]:
-                    k = k * sizes_of[a] + jax.lax.axis_index(names[a])
-                starts.append(k * table.shape[d])
+            starts = [self._block(oe[d]) * table.shape[d] for d in index_map]
             got = private.bind(eqn, [table, ix - jnp.asarray(starts, ix.dtype)],
                                {**local_params, "fill_value": 0})[0]
             if fills:
-                first = functools.reduce(jnp.logical_and,
-                                         [jax.lax.axis_index(names[a]) == 0 for a in axes])
                 held = jax.lax.broadcast_in_dim(inside, got.shape, tuple(batch_out))
-                got = jnp.where(held | ~first, got, jnp.asarray(fill, got.dtype))
+                got = jnp.where(held | ~self._first(axes), got, jnp.asarray(fill, got.dtype))
             return got[None]
 
         out = jax.shard_map(body, mesh=self.jmesh,
@@ -459,12 +465,8 @@ class PendingOps:
         used = [a for e in oe for a in e] + list(axes)
         if len(used) != len(set(used)):
             return None
-        names = self.names
-
         def body(base, ix, up):
-            first = functools.reduce(jnp.logical_and,
-                                     [jax.lax.axis_index(names[a]) == 0 for a in axes])
-            base = jnp.where(first, base, jnp.zeros((), base.dtype))
+            base = jnp.where(self._first(axes), base, jnp.zeros((), base.dtype))
             return private.bind(eqn, [base, ix, up], params)[0][None]
 
         out = jax.shard_map(body, mesh=self.jmesh,
